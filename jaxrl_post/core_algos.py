@@ -1,0 +1,690 @@
+"""Pure RL math for LLM post-training: verl's ``core_algos`` as JAX array functions.
+
+Arrays in, arrays out; no models, no configs. Every function is jit-compatible: string arguments
+(``loss_agg_mode``, ``loss_mode``, ``kl_penalty``, estimator names) and Python bools (``unbiased``,
+``shift_mean``, ``norm_adv_by_std_in_grpo``, ``calculate_entropy``) are *static*
+(``functools.partial(jax.jit, static_argnames=...)``); numbers (``gamma``, ``lam``, ``epsilon``, clip ratios,
+``temperature``, ``kl_coef``, ``global_batch_tokens`` ...) may be static or traced. Math is float32 whatever
+the input dtype. Masks are 0/1 arrays of any dtype; statistics only use ``mask != 0`` entries, and values at
+masked positions never leak into results (``jnp.where``, so even inf/NaN padding is harmless).
+
+Shape letters: B batch (all responses, i.e. prompts x rollout.n), R response length, T sequence length,
+V vocabulary. Group ids (``index``) are ``[B]`` integers in any order (verl's ``uid``); host-side callers may
+also pass a numpy array of strings/objects (converted with ``np.unique``; not possible under jit).
+
+Masked statistics and log-prob/entropy live in :mod:`jaxrl_post.functional`, KL estimators/controllers in
+:mod:`jaxrl_post.kl`; both are re-exported here, so ``from jaxrl_post.core_algos import ...`` covers it all.
+Names follow verl (``verl/trainer/ppo/core_algos.py``, ``verl/utils/torch_functional.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_post.functional import (  # noqa: F401  (re-exported)
+    _F32,
+    _f32,
+    _nonzero,
+    compute_response_log_probs,
+    entropy_from_logits,
+    logprobs_and_entropy_from_logits,
+    logprobs_from_logits,
+    masked_mean,
+    masked_sum,
+    masked_var,
+    masked_whiten,
+    response_logits,
+)
+from jaxrl_post.kl import (  # noqa: F401  (re-exported)
+    KL_PENALTIES,
+    AdaptiveKLController,
+    FixedKLController,
+    apply_kl_penalty,
+    get_kl_controller,
+    kl_full,
+    kl_penalty,
+)
+
+# ----------------------------------------------------------------------------------------------------------
+# Group statistics (segment ops over arbitrary-order group ids)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _group_ids(index: Any, batch_size: int) -> jax.Array:
+    """Map ``[B]`` group ids (any order, any values) to dense ids in ``[0, B)``.
+
+    Concrete ids (numpy of any dtype incl. strings/objects, lists, concrete jax arrays) are mapped on the
+    host with ``np.unique``; traced ids (under jit) with ``jnp.unique(size=B)``.
+    """
+    if not isinstance(index, jax.core.Tracer):
+        arr = np.asarray(index).reshape(-1)
+        if arr.shape[0] != batch_size:
+            raise ValueError(f"index has {arr.shape[0]} entries but the batch has {batch_size} rows")
+        _, inv = np.unique(arr, return_inverse=True)
+        return jnp.asarray(inv.reshape(-1), jnp.int32)
+    idx = jnp.asarray(index).reshape(-1)
+    if idx.shape[0] != batch_size:
+        raise ValueError(f"index has {idx.shape[0]} entries but the batch has {batch_size} rows")
+    _, inv = jnp.unique(idx, size=batch_size, return_inverse=True)
+    return inv.reshape(-1).astype(jnp.int32)
+
+
+def _check_group_sizes(index: Any, minimum: int, what: str) -> None:
+    """Host-side check (skipped under jit, where ``index`` is a tracer)."""
+    if isinstance(index, jax.core.Tracer):
+        return
+    _, counts = np.unique(np.asarray(index), return_counts=True)
+    if counts.size and counts.min() < minimum:
+        raise ValueError(f"{what} requires at least {minimum} samples per group; smallest group has {counts.min()}")
+
+
+class _GroupStats:
+    """Per-sample view of per-group statistics of ``scores [B]``."""
+
+    def __init__(self, scores: jax.Array, index: Any):
+        b = scores.shape[0]
+        gid = _group_ids(index, b)
+        seg = lambda x: jax.ops.segment_sum(x, gid, num_segments=b)[gid]  # noqa: E731
+        self.gid = gid
+        self.count = seg(jnp.ones_like(scores))
+        self.mean = seg(scores) / self.count
+        gmax = jax.ops.segment_max(scores, gid, num_segments=b)[gid]
+        gmin = jax.ops.segment_min(scores, gid, num_segments=b)[gid]
+        # Exactly-equal groups (size > 1) get an exactly-zero centred score (no rounding residue, no NaN).
+        self.all_equal = (gmax == gmin) & (self.count > 1)
+        self.centered = jnp.where(self.all_equal, 0.0, scores - self.mean)
+        var = seg(jnp.square(self.centered)) / jnp.maximum(self.count - 1.0, 1.0)
+        self.std = jnp.sqrt(var)  # unbiased, as torch.std
+        self.segment = seg
+
+
+def _outcome_scores(token_level_rewards: jax.Array, response_mask: jax.Array) -> jax.Array:
+    """Sequence score = masked sum of token rewards over R (verl sums unmasked; equal when padding is 0)."""
+    return jax.lax.stop_gradient(masked_sum(token_level_rewards, response_mask, axis=-1))
+
+
+def _broadcast_masked(per_seq: jax.Array, response_mask: jax.Array) -> jax.Array:
+    return jnp.where(jnp.asarray(response_mask) != 0, per_seq[:, None], 0.0).astype(_F32)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Advantage estimators. Each returns (advantages [B, R] float32, returns [B, R] float32), 0 outside the mask.
+# ----------------------------------------------------------------------------------------------------------
+
+
+def compute_gae_raw(
+    token_level_rewards: jax.Array,
+    values: jax.Array,
+    response_mask: jax.Array,
+    gamma: float | jax.Array,
+    lam: float | jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """Un-whitened GAE (the first half of :func:`compute_gae_advantage_return`).
+
+    Reverse ``lax.scan`` over t = R-1..0 carrying ``(nextvalue, lastgaelam)`` per row, both 0 initially:
+    ``delta_t = r_t + gamma * nextvalue - V_t``; ``gae_t = delta_t + gamma * lam * lastgaelam``; at a valid
+    token (m_t = 1) the carry becomes ``(V_t, gae_t)``; at a masked token it passes through unchanged, so
+    masked/padding positions neither contribute rewards nor get bootstrapped from (a valid token bootstraps
+    from the next *valid* token). ``A_t = lastgaelam`` after step t; ``returns = A + V``.
+
+    Args: ``token_level_rewards``, ``values`` ``[B, R] float32``; ``response_mask`` ``[B, R]`` 0/1;
+    ``gamma``, ``lam`` scalars. Returns ``(advantages, returns)`` ``[B, R] float32``, 0 outside the mask.
+    Source: Schulman et al. 2015 (https://arxiv.org/abs/1506.02438); verl ``compute_gae_advantage_return``.
+    """
+    r, v = _f32(token_level_rewards), _f32(values)
+    valid = jnp.asarray(response_mask) != 0
+    gamma, lam = _f32(gamma), _f32(lam)
+
+    def step(carry, xs):
+        nextvalue, lastgaelam = carry
+        r_t, v_t, ok = xs
+        gae = r_t + gamma * nextvalue - v_t + gamma * lam * lastgaelam
+        carry = (jnp.where(ok, v_t, nextvalue), jnp.where(ok, gae, lastgaelam))
+        return carry, carry[1]
+
+    zeros = jnp.zeros(r.shape[:1], _F32)
+    _, adv_rb = jax.lax.scan(step, (zeros, zeros), (r.T, v.T, valid.T), reverse=True)
+    adv = adv_rb.T
+    adv, ret = jnp.where(valid, adv, 0.0), jnp.where(valid, adv + v, 0.0)
+    return jax.lax.stop_gradient(adv), jax.lax.stop_gradient(ret)
+
+
+def compute_gae_advantage_return(
+    token_level_rewards: jax.Array,
+    values: jax.Array,
+    response_mask: jax.Array,
+    gamma: float | jax.Array,
+    lam: float | jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """GAE advantages whitened over the mask, and returns = raw advantages + values (PPO with a critic).
+
+    ``A, G = compute_gae_raw(...)``; ``advantages = masked_whiten(A, mask) * mask``; ``returns = G``.
+    Shapes as :func:`compute_gae_raw`. Source: verl ``compute_gae_advantage_return`` (``adv_estimator="gae"``).
+    """
+    adv, ret = compute_gae_raw(token_level_rewards, values, response_mask, gamma, lam)
+    valid = jnp.asarray(response_mask) != 0
+    return jnp.where(valid, masked_whiten(adv, response_mask), 0.0), ret
+
+
+def compute_grpo_outcome_advantage(
+    token_level_rewards: jax.Array,
+    response_mask: jax.Array,
+    index: jax.Array,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+) -> tuple[jax.Array, jax.Array]:
+    """GRPO outcome advantage: score normalised within its group (same prompt).
+
+    ``s_i = sum_t m_it r_it``; ``A_i = (s_i - mean_g) / (std_g + epsilon)`` (``std_g`` unbiased, like
+    ``torch.std``), or ``s_i - mean_g`` when ``norm_adv_by_std_in_grpo`` is False (Dr. GRPO). A group of one
+    uses mean 0 / std 1 (``A = s / (1 + eps)``); a group whose scores are all equal gets exactly 0.
+    ``A_i`` is broadcast over the response tokens; advantages == returns.
+
+    Args: ``token_level_rewards`` ``[B, R]``; ``response_mask`` ``[B, R]``; ``index`` ``[B]`` int group ids in
+    any order; ``epsilon`` scalar; ``norm_adv_by_std_in_grpo`` static bool. Returns two ``[B, R] float32``.
+    Source: Shao et al. 2024 (https://arxiv.org/abs/2402.03300); Dr. GRPO (https://arxiv.org/abs/2503.20783);
+    verl ``compute_grpo_outcome_advantage``.
+    """
+    s = _outcome_scores(token_level_rewards, response_mask)
+    g = _GroupStats(s, index)
+    single = g.count == 1
+    if norm_adv_by_std_in_grpo:
+        adv = jnp.where(single, s / (1.0 + epsilon), g.centered / (g.std + epsilon))
+    else:
+        adv = jnp.where(single, s, g.centered)
+    out = _broadcast_masked(adv, response_mask)
+    return out, out
+
+
+def compute_grpo_passk_outcome_advantage(
+    token_level_rewards: jax.Array,
+    response_mask: jax.Array,
+    index: jax.Array,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+) -> tuple[jax.Array, jax.Array]:
+    """Pass@k GRPO: only the best response of each group gets a non-zero advantage.
+
+    ``A_best = (r_max - r_second_max) / (std_g + eps)`` (or unnormalised); everyone else 0. Ties for the max
+    go to the lowest batch position. Groups need >= 2 samples: checked (ValueError) when ``index`` is
+    concrete; under jit a group of one just gets 0. Shapes as GRPO.
+    Source: Chen et al. 2025 (https://arxiv.org/abs/2503.19595); verl ``compute_grpo_passk_outcome_advantage``.
+    """
+    _check_group_sizes(index, 2, "grpo_passk")
+    s = _outcome_scores(token_level_rewards, response_mask)
+    g = _GroupStats(s, index)
+    b = s.shape[0]
+    pos = jnp.arange(b)
+    gmax = jax.ops.segment_max(s, g.gid, num_segments=b)[g.gid]
+    best_pos = jax.ops.segment_min(jnp.where(s == gmax, pos, b), g.gid, num_segments=b)[g.gid]
+    is_best = pos == best_pos
+    second = jax.ops.segment_max(jnp.where(is_best, -jnp.inf, s), g.gid, num_segments=b)[g.gid]
+    gap = jnp.where(g.count > 1, gmax - second, 0.0)
+    if norm_adv_by_std_in_grpo:
+        gap = gap / (g.std + epsilon)
+    out = _broadcast_masked(jnp.where(is_best, gap, 0.0), response_mask)
+    return out, out
+
+
+def compute_rloo_outcome_advantage(
+    token_level_rewards: jax.Array,
+    response_mask: jax.Array,
+    index: jax.Array,
+    epsilon: float = 1e-6,
+) -> tuple[jax.Array, jax.Array]:
+    """RLOO: leave-one-out baseline. ``A_i = s_i - mean_{j != i} s_j = (s_i - mean_g) * n / (n - 1)``.
+
+    A group of one keeps its raw score; all-equal groups get exactly 0. ``epsilon`` is unused (verl
+    signature). Shapes as GRPO. Source: Ahmadian et al. 2024 (https://arxiv.org/abs/2402.14740);
+    verl ``compute_rloo_outcome_advantage``.
+    """
+    del epsilon
+    s = _outcome_scores(token_level_rewards, response_mask)
+    g = _GroupStats(s, index)
+    n = g.count
+    adv = jnp.where(n > 1, g.centered * n / jnp.maximum(n - 1.0, 1.0), s)
+    out = _broadcast_masked(adv, response_mask)
+    return out, out
+
+
+def compute_reinforce_plus_plus_outcome_advantage(
+    token_level_rewards: jax.Array,
+    response_mask: jax.Array,
+    gamma: float | jax.Array = 1.0,
+) -> tuple[jax.Array, jax.Array]:
+    """REINFORCE++: discounted return-to-go, whitened over the batch mask.
+
+    Reverse scan: ``G_t = r_t + gamma * c``, then ``c = G_t * m_t`` (the running return restarts after any
+    masked token, so padding never flows into earlier tokens). ``advantages = masked_whiten(G) * m``;
+    ``returns = G * m``. Shapes ``[B, R]``. Source: Hu 2025 (https://arxiv.org/abs/2501.03262);
+    verl ``compute_reinforce_plus_plus_outcome_advantage`` (``config.gamma``).
+    """
+    r = jnp.where(jnp.asarray(response_mask) != 0, _f32(token_level_rewards), 0.0)
+    valid = jnp.asarray(response_mask) != 0
+    gamma = _f32(gamma)
+
+    def step(running, xs):
+        r_t, ok = xs
+        ret_t = r_t + gamma * running
+        return jnp.where(ok, ret_t, 0.0), ret_t
+
+    _, ret_rb = jax.lax.scan(step, jnp.zeros(r.shape[:1], _F32), (r.T, valid.T), reverse=True)
+    ret = jax.lax.stop_gradient(jnp.where(valid, ret_rb.T, 0.0))
+    return jnp.where(valid, masked_whiten(ret, response_mask), 0.0), ret
+
+
+def compute_reinforce_plus_plus_baseline_outcome_advantage(
+    token_level_rewards: jax.Array,
+    response_mask: jax.Array,
+    index: jax.Array,
+    epsilon: float = 1e-6,
+) -> tuple[jax.Array, jax.Array]:
+    """REINFORCE++-baseline: subtract the group mean (0 for a group of one), broadcast, whiten over the mask.
+
+    ``A = masked_whiten((s_i - mean_g) * m, m) * m``; advantages == returns. ``epsilon`` unused (verl
+    signature). Shapes as GRPO. Source: https://arxiv.org/abs/2501.03262; verl
+    ``compute_reinforce_plus_plus_baseline_outcome_advantage``.
+    """
+    del epsilon
+    s = _outcome_scores(token_level_rewards, response_mask)
+    g = _GroupStats(s, index)
+    tiled = _broadcast_masked(jnp.where(g.count > 1, g.centered, s), response_mask)
+    out = jnp.where(jnp.asarray(response_mask) != 0, masked_whiten(tiled, response_mask), 0.0)
+    return out, out
+
+
+def compute_remax_outcome_advantage(
+    token_level_rewards: jax.Array,
+    reward_baselines: jax.Array,
+    response_mask: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """ReMax: return-to-go minus the greedy-rollout reward baseline.
+
+    ``G_t = sum_{u >= t} m_u r_u``; ``A_t = (G_t - b) * m_t``; ``returns = G * m``.
+    Args: ``token_level_rewards`` ``[B, R]``, ``reward_baselines`` ``[B]`` (score of the greedy response),
+    ``response_mask`` ``[B, R]``. Source: Li et al. 2023 (https://arxiv.org/abs/2310.10505);
+    verl ``compute_remax_outcome_advantage``.
+    """
+    valid = jnp.asarray(response_mask) != 0
+    r = jnp.where(valid, _f32(token_level_rewards), 0.0)
+    ret = jnp.flip(jnp.cumsum(jnp.flip(r, -1), -1), -1)
+    adv = jnp.where(valid, ret - _f32(reward_baselines)[:, None], 0.0)
+    return jax.lax.stop_gradient(adv), jax.lax.stop_gradient(jnp.where(valid, ret, 0.0))
+
+
+def compute_opo_outcome_advantage(
+    token_level_rewards: jax.Array,
+    response_mask: jax.Array,
+    index: jax.Array,
+    epsilon: float = 1e-6,
+) -> tuple[jax.Array, jax.Array]:
+    """OPO: baseline = length-weighted group mean score. ``b_g = sum_j L_j s_j / sum_j L_j``; ``A_i = s_i - b_g``.
+
+    ``L_j`` = number of valid response tokens. A group of one uses baseline 0; all-equal groups get exactly 0.
+    ``epsilon`` unused. Shapes as GRPO. Source: Hao et al. 2025 (https://arxiv.org/abs/2505.23585);
+    verl ``compute_opo_outcome_advantage``.
+    """
+    del epsilon
+    s = _outcome_scores(token_level_rewards, response_mask)
+    length = jnp.sum((jnp.asarray(response_mask) != 0).astype(_F32), axis=-1)
+    g = _GroupStats(s, index)
+    len_sum = g.segment(length)
+    baseline = jnp.where((g.count > 1) & (len_sum > 0), g.segment(length * s) / _nonzero(len_sum), 0.0)
+    adv = jnp.where(g.all_equal, 0.0, s - baseline)
+    out = _broadcast_masked(adv, response_mask)
+    return out, out
+
+
+def compute_gpg_outcome_advantage(
+    token_level_rewards: jax.Array,
+    response_mask: jax.Array,
+    index: jax.Array,
+    epsilon: float = 1e-6,
+    f_norm: float = 1.0,
+) -> tuple[jax.Array, jax.Array]:
+    """GPG: ``A_i = alpha * (s_i - mean_g) / f_norm`` with ``alpha = B / max(#{i: s_i != 0}, 1)``.
+
+    Group of one: mean 0. ``epsilon`` unused (verl signature; verl's ``alpha`` argument is recomputed as
+    above, so it is not an argument here). Shapes as GRPO. Source: Chu et al. 2025
+    (https://arxiv.org/abs/2504.02546); verl ``compute_gpg_outcome_advantage``.
+    """
+    del epsilon
+    s = _outcome_scores(token_level_rewards, response_mask)
+    g = _GroupStats(s, index)
+    alpha = s.shape[0] / jnp.maximum(jnp.sum((s != 0).astype(_F32)), 1.0)
+    adv = alpha * jnp.where(g.count > 1, g.centered, s) / f_norm
+    out = _broadcast_masked(adv, response_mask)
+    return out, out
+
+
+ADV_ESTIMATORS: dict[str, Callable[..., tuple[jax.Array, jax.Array]]] = {
+    "gae": compute_gae_advantage_return,
+    "grpo": compute_grpo_outcome_advantage,
+    "reinforce_plus_plus": compute_reinforce_plus_plus_outcome_advantage,
+    "reinforce_plus_plus_baseline": compute_reinforce_plus_plus_baseline_outcome_advantage,
+    "remax": compute_remax_outcome_advantage,
+    "rloo": compute_rloo_outcome_advantage,
+    "opo": compute_opo_outcome_advantage,
+    "gpg": compute_gpg_outcome_advantage,
+    "grpo_passk": compute_grpo_passk_outcome_advantage,
+}
+
+
+def get_adv_estimator(name: str) -> Callable[..., tuple[jax.Array, jax.Array]]:
+    """Look up ``algorithm.adv_estimator``. Raises ValueError listing the valid names.
+
+    Source: verl ``get_adv_estimator_fn``.
+    """
+    if name not in ADV_ESTIMATORS:
+        raise ValueError(f"Unknown adv_estimator {name!r}; valid names: {sorted(ADV_ESTIMATORS)}")
+    return ADV_ESTIMATORS[name]
+
+
+def compute_advantage(
+    adv_estimator: str,
+    *,
+    token_level_rewards: jax.Array,
+    response_mask: jax.Array,
+    index: jax.Array | None = None,
+    values: jax.Array | None = None,
+    reward_baselines: jax.Array | None = None,
+    gamma: float | jax.Array = 1.0,
+    lam: float | jax.Array = 1.0,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+) -> tuple[jax.Array, jax.Array]:
+    """Call estimator ``adv_estimator`` (static) with the arguments it takes, as verl's ``compute_advantage``.
+
+    ``gae`` needs ``values``; ``remax`` needs ``reward_baselines``; group estimators need ``index``.
+    Returns ``(advantages, returns)`` ``[B, R] float32``. Raises ValueError on an unknown name or a missing input.
+    """
+    fn = get_adv_estimator(adv_estimator)
+
+    def need(x, what):
+        if x is None:
+            raise ValueError(f"adv_estimator {adv_estimator!r} needs {what}")
+        return x
+
+    if adv_estimator == "gae":
+        return fn(token_level_rewards, need(values, "values"), response_mask, gamma, lam)
+    if adv_estimator == "reinforce_plus_plus":
+        return fn(token_level_rewards, response_mask, gamma)
+    if adv_estimator == "remax":
+        return fn(token_level_rewards, need(reward_baselines, "reward_baselines"), response_mask)
+    if adv_estimator in ("grpo", "grpo_passk"):
+        return fn(token_level_rewards, response_mask, need(index, "index"), epsilon, norm_adv_by_std_in_grpo)
+    return fn(token_level_rewards, response_mask, need(index, "index"), epsilon)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Loss aggregation
+# ----------------------------------------------------------------------------------------------------------
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def global_batch_info(loss_mask: jax.Array) -> dict[str, jax.Array]:
+    """The ``agg_loss`` normalisers of a whole mini-batch: pass them to every micro-batch's loss.
+
+    Returns ``{"global_batch_tokens": sum(mask), "global_batch_size": #rows with >= 1 valid token}``
+    (float32 scalars) for a ``[B, R]`` mask. Source: verl ``global_batch_info`` (``batch_num_tokens``,
+    ``global_batch_size``; no ``dp_size`` factor here because JAX arrays are global).
+    """
+    m = _f32(loss_mask)
+    return {
+        "global_batch_tokens": jnp.sum(m),
+        "global_batch_size": jnp.sum((jnp.sum(m, axis=-1) > 0).astype(_F32)),
+    }
+
+
+def agg_loss(
+    loss_mat: jax.Array,
+    loss_mask: jax.Array,
+    loss_agg_mode: str = "token-mean",
+    *,
+    global_batch_tokens: float | jax.Array | None = None,
+    global_batch_size: float | jax.Array | None = None,
+    loss_scale_factor: float | jax.Array | None = None,
+) -> jax.Array:
+    """Aggregate a ``[B, R]`` per-token loss into a scalar (float32).
+
+    With ``S_i = sum_t m_it l_it`` and ``n_i = sum_t m_it``:
+      * ``token-mean``:              ``sum_i S_i / N_tok``                      (N_tok = global_batch_tokens)
+      * ``seq-mean-token-sum``:      ``sum_i S_i / N_seq``                      (N_seq = global_batch_size)
+      * ``seq-mean-token-mean``:     ``sum_i (S_i / n_i) / N_seq``
+      * ``seq-mean-token-sum-norm``: ``sum_i (S_i / loss_scale_factor) / N_seq`` (Dr. GRPO; factor defaults to R)
+    Defaults (``None``): ``N_tok = sum(mask)`` and ``N_seq`` = number of rows with at least one valid token
+    (fully masked rows, e.g. batch padding, are not counted), both of *this* call's arrays. Every term is a
+    sum over rows divided by a batch constant, so when a mini-batch is split into micro-batches and each call
+    gets the mini-batch's counts (:func:`global_batch_info`), the micro-batch losses -- and their gradients --
+    sum exactly to the un-split loss in every mode. Empty rows contribute 0.
+
+    ``loss_agg_mode`` is static; the normalisers may be traced. Raises ValueError for an unknown mode.
+    Source: verl ``core_algos.agg_loss`` (``batch_num_tokens``/``global_batch_size``/``loss_scale_factor``).
+    """
+    if loss_agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(f"Invalid loss_agg_mode {loss_agg_mode!r}; valid modes: {list(LOSS_AGG_MODES)}")
+    m = _f32(loss_mask)  # 0/1 (fractional entries act as token weights, as in verl)
+    if loss_agg_mode == "token-mean":
+        n_tok = jnp.sum(m) if global_batch_tokens is None else _f32(global_batch_tokens)
+        return masked_sum(loss_mat, m) / _nonzero(n_tok)
+    seq_sum = masked_sum(loss_mat, m, axis=-1)
+    n_i = jnp.sum(m, axis=-1)
+    if loss_agg_mode == "seq-mean-token-sum":
+        seq_loss = seq_sum
+    elif loss_agg_mode == "seq-mean-token-mean":
+        seq_loss = seq_sum / _nonzero(n_i)
+    else:
+        scale = m.shape[-1] if loss_scale_factor is None else loss_scale_factor
+        seq_loss = seq_sum / _f32(scale)
+    n_seq = jnp.sum((n_i > 0).astype(_F32)) if global_batch_size is None else _f32(global_batch_size)
+    return jnp.sum(seq_loss) / _nonzero(n_seq)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Policy losses. Signature: (old_log_prob, log_prob, advantages, response_mask, *, clip_ratio_low,
+# clip_ratio_high, clip_ratio_c, loss_agg_mode, rollout_is_weights, **agg_kwargs) -> (pg_loss, metrics)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _finish(pg_losses, response_mask, loss_agg_mode, rollout_is_weights, agg_kwargs, clipfrac, clipfrac_lower, ppo_kl):
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * _f32(rollout_is_weights)
+    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **agg_kwargs)
+    metrics = {
+        "pg_clipfrac": _f32(clipfrac),
+        "pg_clipfrac_lower": _f32(clipfrac_lower),
+        "ppo_kl": _f32(ppo_kl),
+    }
+    return pg_loss, metrics
+
+
+def compute_policy_loss_vanilla(
+    old_log_prob, log_prob, advantages, response_mask, *, clip_ratio_low=0.2, clip_ratio_high=0.2,
+    clip_ratio_c=3.0, loss_agg_mode="token-mean", rollout_is_weights=None, **agg_kwargs,
+):
+    """PPO clipped surrogate with clip-higher and dual-clip (see :func:`compute_policy_loss`).
+
+    ``rho = exp(clip(logp - logp_old, -20, 20))``; ``L1 = max(-A rho, -A clip(rho, 1 - eps_low, 1 + eps_high))``;
+    where ``A < 0``: ``L = min(L1, -A c)`` (dual clip, Ye et al. 2019, https://arxiv.org/abs/1912.09729), else
+    ``L = L1``. Metrics: ``pg_clipfrac = mean_mask[-A clip(rho) > -A rho]``,
+    ``pg_clipfrac_lower = mean_mask[(L1 > -A c) & (A < 0)]``, ``ppo_kl = mean_mask[logp_old - logp]``.
+    Source: Schulman et al. 2017 (https://arxiv.org/abs/1707.06347), DAPO clip-higher; verl
+    ``compute_policy_loss_vanilla``.
+    """
+    if isinstance(clip_ratio_c, (int, float)) and clip_ratio_c <= 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1.0 for dual-clip PPO, got {clip_ratio_c}")
+    adv = _f32(advantages)
+    neg_kl = jnp.clip(_f32(log_prob) - _f32(old_log_prob), -20.0, 20.0)
+    ratio = jnp.exp(neg_kl)
+    ppo_kl = masked_mean(-neg_kl, response_mask)
+    loss1 = -adv * ratio
+    loss2 = -adv * jnp.clip(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    clipped1 = jnp.maximum(loss1, loss2)
+    clipfrac = masked_mean((loss2 > loss1).astype(_F32), response_mask)
+    loss3 = -adv * clip_ratio_c
+    clipfrac_lower = masked_mean(((clipped1 > loss3) & (adv < 0)).astype(_F32), response_mask)
+    pg_losses = jnp.where(adv < 0, jnp.minimum(loss3, clipped1), clipped1)
+    return _finish(pg_losses, response_mask, loss_agg_mode, rollout_is_weights, agg_kwargs,
+                   clipfrac, clipfrac_lower, ppo_kl)
+
+
+def compute_policy_loss_gspo(
+    old_log_prob, log_prob, advantages, response_mask, *, clip_ratio_low=0.2, clip_ratio_high=0.2,
+    clip_ratio_c=3.0, loss_agg_mode="seq-mean-token-mean", rollout_is_weights=None, **agg_kwargs,
+):
+    """GSPO: sequence-level importance ratio ``s_i = exp(mean_t m (logp - logp_old))``.
+
+    Token form ``s_it = sg(s_i) * pi / sg(pi)`` (value s_i, gradient s_i * grad log pi_t), log clamped at 10;
+    ``L = max(-A s_it, -A clip(s_it, 1 - eps_low, 1 + eps_high))``. ``clip_ratio_c`` unused. The paper
+    aggregates with ``seq-mean-token-mean`` (set ``loss_agg_mode`` so). ``pg_clipfrac_lower`` = 0.
+    Source: Zheng et al. 2025 (https://arxiv.org/abs/2507.18071); verl ``compute_policy_loss_gspo``.
+    """
+    del clip_ratio_c
+    adv, lp = _f32(advantages), _f32(log_prob)
+    neg_kl = lp - _f32(old_log_prob)
+    m = (jnp.asarray(response_mask) != 0).astype(_F32)
+    seq_neg_kl = masked_sum(neg_kl, m, axis=-1) / jnp.maximum(jnp.sum(m, axis=-1), 1.0)
+    log_ratio = lp - jax.lax.stop_gradient(lp) + jax.lax.stop_gradient(seq_neg_kl)[:, None]
+    ratio = jnp.exp(jnp.minimum(log_ratio, 10.0))
+    loss1 = -adv * ratio
+    loss2 = -adv * jnp.clip(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    clipfrac = masked_mean((loss2 > loss1).astype(_F32), m)
+    return _finish(jnp.maximum(loss1, loss2), m, loss_agg_mode, rollout_is_weights, agg_kwargs,
+                   clipfrac, 0.0, masked_mean(-neg_kl, m))
+
+
+def compute_policy_loss_gpg(
+    old_log_prob, log_prob, advantages, response_mask, *, clip_ratio_low=0.2, clip_ratio_high=0.2,
+    clip_ratio_c=3.0, loss_agg_mode="token-mean", rollout_is_weights=None, **agg_kwargs,
+):
+    """GPG: plain policy gradient ``L = -A * logp`` (no ratio, no clipping; metrics 0).
+
+    Source: Chu et al. 2025 (https://arxiv.org/abs/2504.02546); verl ``compute_policy_loss_gpg``.
+    """
+    del old_log_prob, clip_ratio_low, clip_ratio_high, clip_ratio_c
+    pg_losses = -_f32(log_prob) * _f32(advantages)
+    return _finish(pg_losses, response_mask, loss_agg_mode, rollout_is_weights, agg_kwargs, 0.0, 0.0, 0.0)
+
+
+def compute_policy_loss_cispo(
+    old_log_prob, log_prob, advantages, response_mask, *, clip_ratio_low=0.2, clip_ratio_high=0.2,
+    clip_ratio_c=3.0, loss_agg_mode="token-mean", rollout_is_weights=None, **agg_kwargs,
+):
+    """CISPO: clipped, stop-gradient IS weight times REINFORCE.
+
+    ``rho = exp(clip(logp - logp_old, -20, 20))``; ``L = -sg(clip(rho, 1 - eps_low, 1 + eps_high)) * A * logp``
+    (every token keeps a gradient). ``pg_clipfrac = mean_mask[rho != clip(rho)]``; ``pg_clipfrac_lower`` = 0.
+    Source: MiniMax-M1 (https://arxiv.org/abs/2506.13585); verl ``compute_policy_loss_cispo``.
+    """
+    del clip_ratio_c
+    lp = _f32(log_prob)
+    neg_kl = jnp.clip(lp - _f32(old_log_prob), -20.0, 20.0)
+    ratio = jnp.exp(neg_kl)
+    clipped = jnp.clip(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    pg_losses = -jax.lax.stop_gradient(clipped) * _f32(advantages) * lp
+    clipfrac = masked_mean((ratio != clipped).astype(_F32), response_mask)
+    return _finish(pg_losses, response_mask, loss_agg_mode, rollout_is_weights, agg_kwargs,
+                   clipfrac, 0.0, masked_mean(-neg_kl, response_mask))
+
+
+POLICY_LOSSES: dict[str, Callable[..., tuple[jax.Array, dict[str, jax.Array]]]] = {
+    "vanilla": compute_policy_loss_vanilla,
+    "gspo": compute_policy_loss_gspo,
+    "gpg": compute_policy_loss_gpg,
+    "cispo": compute_policy_loss_cispo,
+}
+
+
+def get_policy_loss_fn(name: str) -> Callable[..., tuple[jax.Array, dict[str, jax.Array]]]:
+    """Look up ``actor.policy_loss.loss_mode``. Raises ValueError listing the valid names.
+
+    Source: verl ``get_policy_loss_fn``.
+    """
+    if name not in POLICY_LOSSES:
+        raise ValueError(f"Unknown policy loss_mode {name!r}; valid modes: {sorted(POLICY_LOSSES)}")
+    return POLICY_LOSSES[name]
+
+
+def compute_policy_loss(
+    old_log_prob: jax.Array,
+    log_prob: jax.Array,
+    advantages: jax.Array,
+    response_mask: jax.Array,
+    *,
+    loss_mode: str = "vanilla",
+    clip_ratio_low: float | jax.Array = 0.2,
+    clip_ratio_high: float | jax.Array = 0.2,
+    clip_ratio_c: float | jax.Array = 3.0,
+    loss_agg_mode: str = "token-mean",
+    rollout_is_weights: jax.Array | None = None,
+    **agg_kwargs: Any,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Actor policy-gradient loss, dispatched on ``loss_mode`` (static) through :data:`POLICY_LOSSES`.
+
+    Args:
+      old_log_prob: ``[B, R] float32`` log-probs of the rollout (behaviour) policy, constants.
+      log_prob: ``[B, R] float32`` log-probs of the current policy (differentiated).
+      advantages: ``[B, R] float32``. response_mask: ``[B, R]`` 0/1.
+      loss_mode: ``vanilla`` | ``gspo`` | ``gpg`` | ``cispo``.
+      clip_ratio_low / clip_ratio_high: eps_low / eps_high (clip-higher). clip_ratio_c: dual-clip bound (> 1),
+        applied only where the advantage is negative (vanilla).
+      loss_agg_mode: static, see :func:`agg_loss`; ``agg_kwargs``: ``global_batch_tokens``,
+        ``global_batch_size``, ``loss_scale_factor`` forwarded to :func:`agg_loss`.
+      rollout_is_weights: optional ``[B, R]`` truncated-IS weights multiplied into the per-token loss.
+    Returns:
+      ``(pg_loss [] float32, {"pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"} float32 scalars)``.
+    Raises: ValueError for an unknown ``loss_mode``/``loss_agg_mode`` or ``clip_ratio_c <= 1``.
+    Source: verl ``compute_policy_loss_*`` (registry ``get_policy_loss_fn``).
+    """
+    return get_policy_loss_fn(loss_mode)(
+        old_log_prob, log_prob, advantages, response_mask, clip_ratio_low=clip_ratio_low,
+        clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c, loss_agg_mode=loss_agg_mode,
+        rollout_is_weights=rollout_is_weights, **agg_kwargs,
+    )
+
+
+def compute_value_loss(
+    vpreds: jax.Array,
+    returns: jax.Array,
+    values: jax.Array,
+    response_mask: jax.Array,
+    cliprange_value: float | jax.Array,
+    loss_agg_mode: str = "token-mean",
+    **agg_kwargs: Any,
+) -> tuple[jax.Array, jax.Array]:
+    """Clipped value loss: ``0.5 * agg(max((v - G)^2, (clip(v, V_old - c, V_old + c) - G)^2))``.
+
+    Args: ``vpreds`` ``[B, R]`` current critic values (differentiated); ``returns`` ``[B, R]`` targets;
+    ``values`` ``[B, R]`` critic values stored at rollout time; ``response_mask`` ``[B, R]``;
+    ``cliprange_value`` c; ``loss_agg_mode`` static (+ ``agg_kwargs`` as :func:`agg_loss`).
+    Returns ``(vf_loss [] float32, vf_clipfrac [] float32)`` with ``vf_clipfrac = mean_mask[clipped > unclipped]``.
+    Source: verl ``compute_value_loss`` (from TRL's PPO trainer).
+    """
+    v, ret, old = _f32(vpreds), _f32(returns), _f32(values)
+    v_clipped = jnp.clip(v, old - cliprange_value, old + cliprange_value)
+    loss1 = jnp.square(v - ret)
+    loss2 = jnp.square(v_clipped - ret)
+    vf_loss = 0.5 * agg_loss(jnp.maximum(loss1, loss2), response_mask, loss_agg_mode, **agg_kwargs)
+    return vf_loss, masked_mean((loss2 > loss1).astype(_F32), response_mask)
+
+
+__all__ = [
+    "masked_sum", "masked_mean", "masked_var", "masked_whiten",
+    "logprobs_from_logits", "entropy_from_logits", "logprobs_and_entropy_from_logits", "response_logits",
+    "compute_response_log_probs",
+    "compute_gae_raw", "compute_gae_advantage_return", "compute_grpo_outcome_advantage",
+    "compute_grpo_passk_outcome_advantage", "compute_rloo_outcome_advantage",
+    "compute_reinforce_plus_plus_outcome_advantage", "compute_reinforce_plus_plus_baseline_outcome_advantage",
+    "compute_remax_outcome_advantage", "compute_opo_outcome_advantage", "compute_gpg_outcome_advantage",
+    "ADV_ESTIMATORS", "get_adv_estimator", "compute_advantage",
+    "LOSS_AGG_MODES", "global_batch_info", "agg_loss",
+    "compute_policy_loss", "compute_policy_loss_vanilla", "compute_policy_loss_gspo", "compute_policy_loss_gpg",
+    "compute_policy_loss_cispo", "POLICY_LOSSES", "get_policy_loss_fn", "compute_value_loss",
+    "KL_PENALTIES", "kl_penalty", "kl_full", "apply_kl_penalty",
+    "FixedKLController", "AdaptiveKLController", "get_kl_controller",
+]
