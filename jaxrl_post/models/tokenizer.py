@@ -1,0 +1,177 @@
+"""Tokenizer helpers: load (HF dir or GGUF), chat template with exactly one BOS, stop-token ids.
+
+Tokenizers come from ``transformers.AutoTokenizer``: from an HF directory, or from a GGUF file via
+``gguf_file=`` (transformers rebuilds the tokenizer and the chat template from the GGUF metadata).
+
+The double-BOS problem: many chat templates render ``{{ bos_token }}`` themselves (Llama 3, Gemma), and
+tokenizers of those models also prepend BOS when encoding with special tokens, giving ``<bos><bos>...``.
+:func:`apply_chat_template` renders the template to text, tokenizes it *without* special tokens, and then
+adds BOS only if the model's tokenizer would prepend one and the template did not, so the result
+starts with exactly one BOS for models that use one and with none for models that do not.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Iterable, Sequence
+
+__all__ = [
+    "load_tokenizer",
+    "render_chat",
+    "apply_chat_template",
+    "tokenizer_adds_bos",
+    "eos_token_ids",
+    "END_OF_TURN_TOKENS",
+]
+
+log = logging.getLogger(__name__)
+
+# Special tokens that end an assistant turn (or the text) in the chat formats of the supported families:
+# ChatML (SmolLM2, Qwen), Llama 3, Gemma. Included in `eos_token_ids` when the vocabulary has them.
+END_OF_TURN_TOKENS = (
+    "<|im_end|>",      # ChatML: SmolLM2-Instruct, Qwen2/2.5/3
+    "<|endoftext|>",   # Qwen / SmolLM2 end of text
+    "<|eot_id|>",      # Llama 3 end of turn
+    "<|eom_id|>",      # Llama 3.1 end of message (tool calls)
+    "<|end_of_text|>",  # Llama 3 end of text
+    "<end_of_turn>",   # Gemma
+    "<eos>",           # Gemma end of text
+)
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
+                    "spiece.model")
+
+
+def _has_tokenizer_files(directory: str) -> bool:
+    return any(os.path.exists(os.path.join(directory, f)) for f in _TOKENIZER_FILES)
+
+
+def load_tokenizer(path_or_name: str | os.PathLike, *, missing_ok: bool = False):
+    """Load a ``transformers`` tokenizer and make sure it has a pad token.
+
+    Args:
+      path_or_name: an HF directory, a ``.gguf`` file, or anything ``resolve_model_path`` accepts
+        (alias ``smollm2-135m-instruct``, HF hub id).
+      missing_ok: for an HF directory without tokenizer files, return None instead of raising.
+    Returns: a ``transformers`` tokenizer. If it has no pad token, ``pad_token`` is set to the EOS token
+      (the usual choice for decoder-only models, as verl does; padding positions are masked everywhere,
+      so the id only has to be a valid one).
+    Raises:
+      FileNotFoundError: a directory without tokenizer files (unless ``missing_ok``), or a missing path.
+      ValueError / RuntimeError: from ``resolve_model_path`` for unknown names or unreachable hub ids.
+    """
+    from transformers import AutoTokenizer
+
+    from jaxrl_post.models.resolve import resolve_model_path
+
+    kind, path = resolve_model_path(path_or_name)
+    if kind == "gguf":
+        tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    else:
+        if not _has_tokenizer_files(path):
+            if missing_ok:
+                return None
+            raise FileNotFoundError(f"{path} has no tokenizer files (looked for {', '.join(_TOKENIZER_FILES)})")
+        tok = AutoTokenizer.from_pretrained(path)
+    if tok.pad_token is None:
+        if tok.eos_token is None:
+            raise ValueError(f"tokenizer from {path} has neither a pad nor an eos token")
+        tok.pad_token = tok.eos_token
+        log.info("tokenizer has no pad token; using eos %r as pad", tok.eos_token)
+    return tok
+
+
+def tokenizer_adds_bos(tokenizer) -> bool:
+    """True when ``tokenizer(text)`` (with special tokens) prepends ``bos_token_id`` to the text."""
+    bos = tokenizer.bos_token_id
+    if bos is None:
+        return False
+    with_special = tokenizer("a", add_special_tokens=True)["input_ids"]
+    without = tokenizer("a", add_special_tokens=False)["input_ids"]
+    return len(with_special) > 0 and with_special[0] == bos and (not without or without[0] != bos)
+
+
+def render_chat(tokenizer, messages: Sequence[dict], add_generation_prompt: bool = True,
+                **template_kwargs: Any) -> str:
+    """The chat template rendered to text (no tokenization).
+
+    Raises:
+      ValueError: the tokenizer has no chat template (a base model); format prompts as plain text.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("tokenizer has no chat_template; use plain-text prompts for this model")
+    return tokenizer.apply_chat_template(list(messages), tokenize=False,
+                                         add_generation_prompt=add_generation_prompt, **template_kwargs)
+
+
+def apply_chat_template(tokenizer, messages: Sequence[dict], add_generation_prompt: bool = True,
+                        **template_kwargs: Any) -> list[int]:
+    """Token ids of ``messages`` rendered with the tokenizer's chat template, with exactly one BOS.
+
+    The rendered text is tokenized with ``add_special_tokens=False`` (so a ``{{ bos_token }}`` in the
+    template is the only BOS), then BOS is prepended when the tokenizer normally adds one and the template
+    did not; a doubled leading BOS is collapsed. Models without BOS (Qwen) get none. SmolLM2-Instruct's
+    ``bos_token`` is ``<|im_start|>`` and its tokenizer adds nothing, so its ids start with the single
+    ``<|im_start|>`` the template writes.
+
+    Args:
+      tokenizer: a ``transformers`` tokenizer with a chat template.
+      messages: ``[{"role": "user"|"system"|"assistant", "content": str}, ...]``.
+      add_generation_prompt: append the assistant header (for prompting a response).
+      **template_kwargs: passed to the template (e.g. ``enable_thinking=False`` for Qwen3).
+    Returns: ``list[int]``.
+    Raises: ValueError if the tokenizer has no chat template.
+    """
+    text = render_chat(tokenizer, messages, add_generation_prompt, **template_kwargs)
+    ids = [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
+    bos = tokenizer.bos_token_id
+    if bos is not None:
+        if tokenizer_adds_bos(tokenizer) and (not ids or ids[0] != bos):
+            ids = [int(bos)] + ids
+        while len(ids) >= 2 and ids[0] == bos and ids[1] == bos:
+            ids = ids[1:]
+    return ids
+
+
+def _as_id_list(value) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, Iterable):
+        return [int(v) for v in value if v is not None]
+    return [int(value)]
+
+
+def eos_token_ids(tokenizer, generation_config=None) -> tuple[int, ...]:
+    """Token ids that end a response, in a stable order without duplicates.
+
+    Union of ``generation_config.eos_token_id`` (int or list; a ``GenerationConfig``, an object with that
+    attribute, or a dict), ``tokenizer.eos_token_id``, and those of :data:`END_OF_TURN_TOKENS` that are
+    single special tokens of this vocabulary (e.g. SmolLM2-Instruct ends turns with ``<|im_end|>``;
+    Llama 3 instruct with ``<|eot_id|>`` while its ``eos_token`` may be ``<|end_of_text|>``).
+
+    Returns: ``tuple[int, ...]`` (non-empty unless the tokenizer has no EOS-like token at all).
+    """
+    ids: list[int] = []
+    if generation_config is not None:
+        gen_eos = (generation_config.get("eos_token_id") if isinstance(generation_config, dict)
+                   else getattr(generation_config, "eos_token_id", None))
+        ids += _as_id_list(gen_eos)
+    ids += _as_id_list(tokenizer.eos_token_id)
+    special = set(getattr(tokenizer, "all_special_tokens", []) or [])
+    added = getattr(tokenizer, "get_added_vocab", lambda: {})() or {}
+    vocab_unk = tokenizer.unk_token_id
+    for tok in END_OF_TURN_TOKENS:
+        if tok not in special and tok not in added:
+            continue
+        tid = tokenizer.convert_tokens_to_ids(tok)
+        if tid is None or (vocab_unk is not None and tid == vocab_unk and tok != tokenizer.unk_token):
+            continue
+        ids.append(int(tid))
+    out: list[int] = []
+    for i in ids:
+        if i not in out:
+            out.append(i)
+    return tuple(out)
