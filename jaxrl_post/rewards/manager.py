@@ -1,0 +1,223 @@
+"""RewardManager: decoded responses -> rule scores -> token-level scores (verl's NaiveRewardManager).
+
+For each row: decode the valid response tokens (response_mask), call
+`compute_score(data_source, solution_str, ground_truth, extra_info)`, and put the score on the row's
+last valid response token. Calls run in a process pool with a per-call timeout (`pool.py`), or in
+process without a timeout when `num_workers=0`. A call that raises, times out, kills its worker or
+returns something that is not a number / a dict with a numeric 'score' scores 0.0 and is counted;
+the batch always completes.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from jaxrl_post.rewards.pool import CallResult, RewardWorkerPool
+
+__all__ = ["RewardManager", "RewardOutput"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RewardOutput:
+    """token_level_scores: [B, R] float32 (score on the last valid response token, 0 elsewhere);
+    scores: [B] float32; metrics: scalar metrics ('reward/num_errors': failed calls of any kind, timeouts
+    included; 'reward/num_timeouts': those that timed out; 'reward/extra/<key>/mean');
+    extra_infos: per-row values of the extra keys of dict results, each [B] (float32 with NaN where a
+    row lacks the key, or object when non-numeric); errors: up to 8 error messages of this batch."""
+
+    token_level_scores: np.ndarray
+    scores: np.ndarray
+    metrics: dict[str, float]
+    extra_infos: dict[str, np.ndarray] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+
+
+def _call(fn, args) -> CallResult:
+    try:
+        return CallResult("ok", value=fn(*args))
+    except Exception as e:  # noqa: BLE001
+        return CallResult("error", message=f"{type(e).__name__}: {e}")
+
+
+def _to_float(x: Any) -> float:
+    if isinstance(x, (bool, np.bool_)):
+        return float(x)
+    if isinstance(x, (int, float, np.integer, np.floating)) or (isinstance(x, np.ndarray) and x.size == 1):
+        return float(x)
+    raise TypeError(f"reward must be a number or a dict with a numeric 'score', got {type(x).__name__}: {x!r}")
+
+
+class RewardManager:
+    """Scores a rollout batch with a rule reward function.
+
+    Args:
+      compute_score: fn(data_source, solution_str, ground_truth, extra_info) -> float | dict with
+        'score' (other keys become extra infos). Default: `default_compute_score`.
+      tokenizer: HF-style tokenizer with `batch_decode` / `decode`.
+      num_workers: processes in the reward pool; 0 = call in process (no timeout possible).
+      timeout_s: per-call limit (num_workers > 0).
+      mp_context: 'forkserver' (default on POSIX) or 'spawn'.
+      skip_special_tokens: passed to decode (verl decodes with True).
+      num_examine: log this many decoded responses of the first call (debugging aid, like verl).
+    Raises (at construction): TypeError if `compute_score` is not picklable and num_workers > 0.
+    """
+
+    def __init__(
+        self,
+        compute_score: Callable[..., Any] | None = None,
+        tokenizer: Any = None,
+        num_workers: int = 0,
+        timeout_s: float = 10.0,
+        mp_context: str | None = None,
+        skip_special_tokens: bool = True,
+        num_examine: int = 0,
+    ):
+        if compute_score is None:
+            from jaxrl_post.rewards import default_compute_score
+
+            compute_score = default_compute_score
+        if tokenizer is None:
+            raise ValueError("RewardManager needs a tokenizer to decode responses")
+        self.compute_score = compute_score
+        self.tokenizer = tokenizer
+        self.num_workers = int(num_workers)
+        self.timeout_s = timeout_s
+        self.skip_special_tokens = skip_special_tokens
+        self.num_examine = num_examine
+        self._examined = 0
+        self._pool = (
+            RewardWorkerPool(compute_score, self.num_workers, timeout_s, mp_context) if self.num_workers > 0 else None
+        )
+        self.total_errors = 0
+        self.total_timeouts = 0
+
+    # ----------------------------------------------------------------------------------------------
+    def decode_responses(self, data) -> tuple[list[str], np.ndarray]:
+        """Decoded valid response tokens per row and the [B] int index of each row's last valid token
+        (-1 when a row has no valid response token)."""
+        responses = np.asarray(data.batch["responses"])
+        if "response_mask" in data.batch:
+            mask = np.asarray(data.batch["response_mask"]).astype(bool)
+        elif "attention_mask" in data.batch:
+            mask = np.asarray(data.batch["attention_mask"])[:, -responses.shape[1] :].astype(bool)
+        else:
+            raise KeyError("batch needs 'response_mask' (or 'attention_mask') to know the valid response tokens")
+        if mask.shape != responses.shape:
+            raise ValueError(f"response_mask shape {mask.shape} != responses shape {responses.shape}")
+        token_lists = [responses[i][mask[i]].tolist() for i in range(responses.shape[0])]
+        texts = self.tokenizer.batch_decode(token_lists, skip_special_tokens=self.skip_special_tokens)
+        R = responses.shape[1]
+        last = np.where(mask.any(axis=1), R - 1 - np.argmax(mask[:, ::-1], axis=1), -1)
+        return list(texts), last
+
+    @staticmethod
+    def _ground_truths(data) -> list[Any]:
+        nt = data.non_tensor_batch
+        if "ground_truth" in nt:
+            return list(nt["ground_truth"])
+        if "reward_model" in nt:
+            return [rm.get("ground_truth") if isinstance(rm, dict) else None for rm in nt["reward_model"]]
+        raise KeyError("non_tensor_batch needs 'ground_truth' or 'reward_model' (with 'ground_truth')")
+
+    def compute(self, data) -> RewardOutput:
+        """Score `data` (a DataProto with batch 'responses' [B, R] and 'response_mask' [B, R], and
+        non_tensor 'data_source', 'ground_truth' (or 'reward_model'), optional 'extra_info')."""
+        texts, last = self.decode_responses(data)
+        B = len(texts)
+        R = np.asarray(data.batch["responses"]).shape[1]
+        nt = data.non_tensor_batch
+        if "data_source" not in nt:
+            raise KeyError("non_tensor_batch needs 'data_source'")
+        sources = list(nt["data_source"])
+        gts = self._ground_truths(data)
+        infos = list(nt["extra_info"]) if "extra_info" in nt else [None] * B
+        args = [(sources[i], texts[i], gts[i], infos[i]) for i in range(B)]
+
+        if self._pool is not None:
+            results = self._pool.map(args)
+        else:
+            results = [_call(self.compute_score, a) for a in args]
+
+        scores = np.zeros((B,), np.float32)
+        extra: dict[str, list[Any]] = {}
+        n_err = n_timeout = 0
+        errors: list[str] = []
+        for i, res in enumerate(results):
+            if res.status == "ok":
+                try:
+                    value = res.value
+                    if isinstance(value, dict):
+                        if "score" not in value:
+                            raise KeyError(f"dict reward without 'score' key: keys {sorted(value)}")
+                        s = _to_float(value["score"])
+                        for k, v in value.items():
+                            if k != "score":
+                                extra.setdefault(k, [None] * B)[i] = v
+                    else:
+                        s = _to_float(value)
+                    scores[i] = s
+                    continue
+                except Exception as e:  # noqa: BLE001
+                    res = CallResult("error", message=f"{type(e).__name__}: {e}")
+            n_err += 1  # every failed call, timeouts included (issue: "raises or exceeds its timeout")
+            if res.status == "timeout":
+                n_timeout += 1
+            if len(errors) < 8:
+                errors.append(f"row {i} (data_source={sources[i]!r}): {res.message}")
+        if errors:
+            log.warning("reward: %d failed calls (%d timeouts) in a batch of %d; first: %s", n_err, n_timeout, B, errors[0])
+        self.total_errors += n_err
+        self.total_timeouts += n_timeout
+
+        token_level = np.zeros((B, R), np.float32)
+        rows = np.arange(B)
+        token_level[rows, np.maximum(last, 0)] = scores  # rows without valid tokens: column 0 (masked anyway)
+
+        extra_infos: dict[str, np.ndarray] = {}
+        metrics: dict[str, float] = {
+            "reward/num_errors": float(n_err),
+            "reward/num_timeouts": float(n_timeout),
+        }
+        for k, vals in extra.items():
+            try:
+                arr = np.array([np.nan if v is None else _to_float(v) for v in vals], np.float32)
+                if np.isfinite(arr).any():
+                    metrics[f"reward/extra/{k}/mean"] = float(np.nanmean(arr))
+            except TypeError:
+                arr = np.empty((B,), object)
+                arr[:] = vals
+            extra_infos[k] = arr
+
+        if self._examined < self.num_examine:
+            for i in range(min(B, self.num_examine - self._examined)):
+                log.info("[reward example] source=%s gt=%r score=%.3f\n%s", sources[i], gts[i], scores[i], texts[i])
+            self._examined = self.num_examine
+        return RewardOutput(token_level, scores, metrics, extra_infos, errors)
+
+    def __call__(self, data) -> tuple[np.ndarray, dict[str, float]]:
+        """-> (token_level_scores [B, R] float32, metrics incl. 'reward/num_errors', 'reward/num_timeouts')."""
+        out = self.compute(data)
+        return out.token_level_scores, out.metrics
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+

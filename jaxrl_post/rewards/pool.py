@@ -1,0 +1,218 @@
+"""A small process pool for reward calls with a per-call timeout that kills hung workers.
+
+`concurrent.futures.ProcessPoolExecutor` cannot stop one hung call (future.cancel() does nothing once
+it runs), so each worker here is a `multiprocessing.Process` with its own Pipe. A call that exceeds
+`timeout_s` has its worker killed (SIGKILL) and replaced; a worker that dies mid-call (segfault,
+os._exit) is replaced too. Workers are started with the 'forkserver' context on POSIX ('spawn'
+elsewhere): never 'fork', because forking a process that runs JAX (threads, accelerator runtime) is
+unsafe. The timer of a call starts when it is handed to an already started, ready worker, so slow
+interpreter start-up never counts against a reward call.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import pickle
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass
+from multiprocessing.connection import wait
+from typing import Any, Callable, Sequence
+
+__all__ = ["CallResult", "RewardWorkerPool", "default_mp_context"]
+
+_READY = "__ready__"
+
+
+def default_mp_context() -> str:
+    return "forkserver" if sys.platform != "win32" else "spawn"
+
+
+@dataclass
+class CallResult:
+    """Outcome of one call: status 'ok' (value set), 'error' (message set) or 'timeout'."""
+
+    status: str
+    value: Any = None
+    message: str = ""
+
+
+def _worker_main(conn, fn: Callable[..., Any]) -> None:  # runs in the child process
+    conn.send(_READY)
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg is None:
+            return
+        idx, args = msg
+        try:
+            out = ("ok", fn(*args))
+        except BaseException as e:  # noqa: BLE001 - report everything, keep serving
+            out = ("error", f"{type(e).__name__}: {e}")
+        try:
+            conn.send((idx, *out))
+        except Exception as e:  # unpicklable result
+            conn.send((idx, "error", f"cannot send result back: {type(e).__name__}: {e}"))
+
+
+class _Worker:
+    def __init__(self, ctx, fn):
+        self.conn, child = ctx.Pipe(duplex=True)
+        self.proc = ctx.Process(target=_worker_main, args=(child, fn), daemon=True, name="jaxrl_post-reward")
+        self.proc.start()
+        child.close()
+        self.spawned_at = time.monotonic()
+        self.ready = False
+        self.task: int | None = None
+        self.started = 0.0
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(timeout=5)
+        self.conn.close()
+
+    def stop(self) -> None:
+        try:
+            self.conn.send(None)
+        except (OSError, BrokenPipeError):
+            pass
+        self.proc.join(timeout=2)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(timeout=5)
+        self.conn.close()
+
+
+class RewardWorkerPool:
+    """`num_workers` processes that run `fn(*args)` with a per-call timeout.
+
+    Args:
+      fn: the function; must be picklable (module-level function, functools.partial of one, or a
+        `CustomRewardFunction`).
+      num_workers: number of processes (>= 1).
+      timeout_s: per-call limit in seconds; a call over it is killed and reported as 'timeout'.
+      mp_context: 'forkserver' or 'spawn' ('fork' is refused: unsafe with JAX).
+      startup_timeout_s: how long a new worker may take to import and report ready.
+    Raises:
+      TypeError: `fn` is not picklable. ValueError: bad arguments.
+      RuntimeError: a worker failed to start within `startup_timeout_s`.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        num_workers: int,
+        timeout_s: float,
+        mp_context: str | None = None,
+        startup_timeout_s: float = 120.0,
+    ):
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        if timeout_s is None or timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        mp_context = mp_context or default_mp_context()
+        if mp_context == "fork":
+            raise ValueError("mp_context='fork' is unsafe with JAX; use 'forkserver' or 'spawn'")
+        try:
+            pickle.dumps(fn)
+        except Exception as e:
+            raise TypeError(
+                f"reward function {fn!r} is not picklable ({e}); define it at module level, load it with "
+                "load_custom_reward_fn(path, name), or use num_workers=0 (in-process, no timeout)"
+            ) from e
+        self._fn = fn
+        self._ctx = mp.get_context(mp_context)
+        self.num_workers = num_workers
+        self.timeout_s = float(timeout_s)
+        self.startup_timeout_s = float(startup_timeout_s)
+        self._workers: list[_Worker] = []
+        self.num_restarts = 0
+
+    def _ensure_workers(self) -> None:
+        while len(self._workers) < self.num_workers:
+            self._workers.append(_Worker(self._ctx, self._fn))
+
+    def _replace(self, w: _Worker) -> None:
+        w.kill()
+        self._workers[self._workers.index(w)] = _Worker(self._ctx, self._fn)
+        self.num_restarts += 1
+
+    def map(self, arg_tuples: Sequence[tuple]) -> list[CallResult]:
+        """Run fn(*args) for every tuple; results in input order. Never raises for a failing call."""
+        self._ensure_workers()
+        n = len(arg_tuples)
+        results: list[CallResult | None] = [None] * n
+        pending = deque(range(n))
+        done = 0
+        while done < n:
+            now = time.monotonic()
+            for w in self._workers:
+                if w.ready and w.task is None and pending:
+                    idx = pending.popleft()
+                    w.conn.send((idx, tuple(arg_tuples[idx])))
+                    w.task, w.started = idx, time.monotonic()
+            deadlines = [
+                (w.started + self.timeout_s) if w.ready else (w.spawned_at + self.startup_timeout_s)
+                for w in self._workers
+                if w.task is not None or not w.ready
+            ]
+            wait_s = max(0.0, min(deadlines) - now) if deadlines else None
+            ready_conns = wait([w.conn for w in self._workers], timeout=wait_s)
+            by_conn = {id(w.conn): w for w in self._workers}
+            for conn in ready_conns:
+                w = by_conn[id(conn)]
+                try:
+                    msg = conn.recv()
+                except (EOFError, OSError):
+                    w.proc.join(timeout=2)
+                    code = w.proc.exitcode
+                    if w.task is not None:
+                        results[w.task] = CallResult("error", message=f"reward worker died (exit code {code})")
+                        done += 1
+                    elif not w.ready:
+                        self._raise_startup(w, f"exited with code {code} before becoming ready")
+                    self._replace(w)
+                    continue
+                if msg == _READY:
+                    w.ready = True
+                    continue
+                idx, status, payload = msg
+                results[idx] = CallResult("ok", value=payload) if status == "ok" else CallResult("error", message=payload)
+                done += 1
+                w.task = None
+            now = time.monotonic()
+            for w in list(self._workers):
+                if w.task is not None and now - w.started > self.timeout_s:
+                    results[w.task] = CallResult("timeout", message=f"reward call exceeded {self.timeout_s:g} s")
+                    done += 1
+                    self._replace(w)
+                elif not w.ready and now - w.spawned_at > self.startup_timeout_s:
+                    self._raise_startup(w, f"not ready after {self.startup_timeout_s:g} s")
+        return results  # type: ignore[return-value]
+
+    def _raise_startup(self, w: _Worker, why: str) -> None:
+        w.kill()
+        self.close()
+        raise RuntimeError(f"reward worker process failed to start ({why}); try num_workers=0")
+
+    def close(self) -> None:
+        """Stop all workers (idempotent)."""
+        for w in self._workers:
+            w.stop()
+        self._workers = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
