@@ -1,0 +1,385 @@
+"""Decoder architecture as data: one frozen dataclass covers Llama, Qwen2/2.5, Qwen3, Gemma 2 and Gemma 3.
+
+The families differ only in fields (qkv bias, q/k norm, norm offset, embedding scale, post norms,
+soft-capping, sliding-window layers, rope bases). `ModelConfig.from_hf_config` reads a transformers
+`config.json` (v4 `rope_theta`/`rope_scaling` or v5 `rope_parameters` layout) and `to_hf_config` writes one
+that `transformers.AutoConfig` / `AutoModelForCausalLM` load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+# family -> (HF model_type, HF architecture class)
+HF_ARCH = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "gemma2": ("gemma2", "Gemma2ForCausalLM"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+}
+_MODEL_TYPE_TO_FAMILY = {mt: fam for fam, (mt, _) in HF_ARCH.items()}
+_MODEL_TYPE_TO_FAMILY.update({"mistral": "llama", "gemma3": "gemma3"})
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+
+
+def _freeze(x: Any) -> Any:
+    """dict -> sorted tuple of (key, value) pairs, list -> tuple (so the config is hashable)."""
+    if isinstance(x, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in x.items()))
+    if isinstance(x, list):
+        return tuple(_freeze(v) for v in x)
+    return x
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a decoder-only transformer (hashable; safe as a static jit argument).
+
+    `rope_scaling` (dict or None; stored as a sorted tuple of pairs, read back with `rope_scaling_dict`)
+    applies to full-attention layers; sliding layers use `rope_local_base_freq` (unscaled) when it is set
+    (Gemma 3), else the same rope as full layers. `layer_types[i]` is 'full_attention' or
+    'sliding_attention'; `None` means every layer is full. `norm_offset` is 1.0 for Gemma's `x * (1 + w)`
+    RMSNorm, 0.0 for Llama's `x * w`. `embed_scale` multiplies embeddings by sqrt(hidden_size) (Gemma), in
+    the compute dtype. `query_pre_attn_scalar`: scores are scaled by its -1/2 power (default head_dim).
+    """
+
+    family: str = "llama"
+    vocab_size: int = 32000
+    hidden_size: int = 512
+    intermediate_size: int = 1376
+    num_layers: int = 4
+    num_heads: int = 8
+    num_kv_heads: int = 8
+    head_dim: int = 64
+    rope_theta: float = 10000.0
+    rope_scaling: Any = None
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    norm_offset: float = 0.0
+    embed_scale: bool = False
+    post_norms: bool = False
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    rope_local_base_freq: float | None = None
+    query_pre_attn_scalar: float | None = None
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 4096
+    bos_token_id: int | None = None
+    eos_token_id: Any = None  # int, tuple of ints or None
+    pad_token_id: int | None = None
+    dtype: str = "float32"  # default compute dtype
+    param_dtype: str = "float32"  # default parameter dtype
+
+    def __post_init__(self):
+        rs = self.rope_scaling
+        if rs and not isinstance(rs, dict):  # tuple/list of (key, value) pairs, e.g. from asdict + JSON
+            rs = {k: v for k, v in rs}
+        object.__setattr__(self, "rope_scaling", _freeze(rs) if rs else None)
+        if self.layer_types is not None:
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+            if len(self.layer_types) != self.num_layers:
+                raise ValueError(f"layer_types has {len(self.layer_types)} entries, num_layers={self.num_layers}")
+            bad = set(self.layer_types) - {FULL, SLIDING}
+            if bad:
+                raise ValueError(f"unknown layer types {sorted(bad)}; expected {FULL!r} or {SLIDING!r}")
+            if SLIDING in self.layer_types and not self.sliding_window:
+                raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
+        if isinstance(self.eos_token_id, list):
+            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        if self.family not in HF_ARCH:
+            raise ValueError(f"unknown family {self.family!r}; expected one of {sorted(HF_ARCH)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        rope_type = self.rope_scaling_dict.get("rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise NotImplementedError(f"rope_type {rope_type!r} not supported; supported: {SUPPORTED_ROPE_TYPES}")
+        if self.hidden_act not in ("silu", "gelu_pytorch_tanh", "gelu_new", "gelu"):
+            raise NotImplementedError(f"hidden_act {self.hidden_act!r} not supported")
+
+    # ----------------------------------------------------------------- derived
+    @property
+    def rope_scaling_dict(self) -> dict:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in (self.rope_scaling or ())}
+
+    def is_sliding(self, layer: int) -> bool:
+        return self.layer_types is not None and self.layer_types[layer] == SLIDING
+
+    def layer_rope(self, layer: int) -> tuple[float, dict]:
+        """(rope base, rope scaling dict) of one layer."""
+        if self.is_sliding(layer) and self.rope_local_base_freq is not None:
+            return float(self.rope_local_base_freq), {}
+        return float(self.rope_theta), self.rope_scaling_dict
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        if self.eos_token_id is None:
+            return ()
+        return tuple(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else (int(self.eos_token_id),)
+
+    def replace(self, **kw) -> "ModelConfig":
+        return dataclasses.replace(self, **kw)
+
+    def num_params(self) -> int:
+        """Parameter count (embedding counted once when tied)."""
+        d, f, k = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = d * k * (2 * self.num_heads + 2 * self.num_kv_heads)
+        if self.qkv_bias:
+            attn += k * (self.num_heads + 2 * self.num_kv_heads)
+        if self.qk_norm:
+            attn += 2 * k
+        norms = d * (4 if self.post_norms else 2)
+        per_layer = attn + 3 * d * f + norms
+        emb = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + emb + d
+
+    # ---------------------------------------------------------------- HF I/O
+    @classmethod
+    def from_hf_config(cls, cfg: dict | str | os.PathLike | Any, **overrides) -> "ModelConfig":
+        """Build from a transformers config: dict, path to config.json / its directory, or a PretrainedConfig.
+
+        Raises NotImplementedError for unsupported model types or features (e.g. Llama `attention_bias`).
+        """
+        if isinstance(cfg, (str, os.PathLike)):
+            p = os.path.join(cfg, "config.json") if os.path.isdir(cfg) else cfg
+            with open(p) as f:
+                cfg = json.load(f)
+        elif not isinstance(cfg, dict):
+            cfg = cfg.to_dict()
+        cfg = dict(cfg)
+        if cfg.get("model_type") == "gemma3" and "text_config" in cfg:  # multimodal wrapper: text part only
+            text = dict(cfg["text_config"] or {})
+            text.setdefault("model_type", "gemma3_text")
+            for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+                if key in cfg and key not in text:
+                    text[key] = cfg[key]
+            cfg = text
+        model_type = cfg.get("model_type", "llama")
+        family = _MODEL_TYPE_TO_FAMILY.get(model_type)
+        if family is None:
+            raise NotImplementedError(
+                f"model_type {model_type!r} not supported; supported: {sorted(_MODEL_TYPE_TO_FAMILY)}")
+        if family == "llama" and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
+            raise NotImplementedError("Llama attention_bias/mlp_bias checkpoints are not supported")
+        gemma = family.startswith("gemma")
+        hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+        num_layers = cfg["num_hidden_layers"]
+        head_dim = cfg.get("head_dim") or hidden // heads
+
+        # rope: v5 `rope_parameters` (flat, or nested by layer type for Gemma 3) or v4 `rope_theta`/`rope_scaling`
+        rp = cfg.get("rope_parameters") or {}
+        if FULL in rp or SLIDING in rp:
+            full = dict(rp.get(FULL) or {})
+            local = dict(rp.get(SLIDING) or {})
+        else:
+            full, local = dict(rp), {}
+        legacy = dict(cfg.get("rope_scaling") or {})
+        if legacy and not full.get("rope_type", full.get("type")):
+            full.update(legacy)
+        rope_theta = full.pop("rope_theta", cfg.get("rope_theta", 1e6 if family == "gemma3" else 10000.0))
+        rope_type = full.pop("rope_type", full.pop("type", "default"))
+        full.pop("type", None)
+        if float(full.pop("partial_rotary_factor", cfg.get("partial_rotary_factor") or 1.0)) != 1.0:
+            raise NotImplementedError("partial rotary embeddings (partial_rotary_factor < 1) are not supported")
+        scaling = None
+        if rope_type not in (None, "default"):
+            scaling = {"rope_type": rope_type, **full}
+            if rope_type == "llama3":
+                scaling.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings"))
+        local_base = None
+        if family == "gemma3":
+            if local.get("rope_type", "default") != "default":
+                raise NotImplementedError("scaled rope on Gemma 3 sliding layers is not supported")
+            local_base = local.get("rope_theta", cfg.get("rope_local_base_freq", 10000.0))
+
+        layer_types = cfg.get("layer_types")
+        sliding_window = cfg.get("sliding_window")
+        if layer_types is None:
+            if family == "gemma2":
+                layer_types = [SLIDING if i % 2 == 0 else FULL for i in range(num_layers)]
+            elif family == "gemma3":
+                pattern = cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", 6))
+                layer_types = [SLIDING if (i + 1) % pattern else FULL for i in range(num_layers)]
+            elif family in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
+                mwl = cfg.get("max_window_layers", num_layers)
+                layer_types = [SLIDING if i >= mwl else FULL for i in range(num_layers)]
+        if layer_types is not None and SLIDING not in layer_types:
+            layer_types = None
+        if layer_types is None:
+            sliding_window = None
+        if gemma and cfg.get("use_bidirectional_attention"):
+            raise NotImplementedError("bidirectional Gemma attention is not supported")
+
+        kw = dict(
+            family=family,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=num_layers,
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            rope_theta=float(rope_theta),
+            rope_scaling=scaling,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", gemma),
+            qkv_bias=bool(family == "qwen2" or (gemma and cfg.get("attention_bias"))),
+            qk_norm=family in ("qwen3", "gemma3"),
+            norm_offset=1.0 if gemma else 0.0,
+            embed_scale=gemma,
+            post_norms=gemma,
+            # transformers' Gemma 3 attention ignores attn_logit_softcapping; so do we
+            attn_logit_softcap=cfg.get("attn_logit_softcapping") if family == "gemma2" else None,
+            final_logit_softcap=cfg.get("final_logit_softcapping") if gemma else None,
+            sliding_window=sliding_window,
+            layer_types=layer_types,
+            rope_local_base_freq=local_base,
+            query_pre_attn_scalar=cfg.get("query_pre_attn_scalar") if gemma else None,
+            hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu",
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_id=cfg.get("eos_token_id"),
+            pad_token_id=cfg.get("pad_token_id"),
+        )
+        if gemma and kw["hidden_act"] == "gelu":  # HF Gemma maps legacy exact gelu to the tanh approximation
+            kw["hidden_act"] = "gelu_pytorch_tanh"
+        kw.update(overrides)
+        return cls(**kw)
+
+    def to_hf_config(self) -> dict:
+        """transformers config dict (both the v5 `rope_parameters` and the v4 rope keys are written)."""
+        model_type, arch = HF_ARCH[self.family]
+        if self.attn_logit_softcap is not None and self.family != "gemma2":
+            raise ValueError(f"transformers' {arch} has no attention logit soft-capping; cannot export "
+                             f"attn_logit_softcap={self.attn_logit_softcap}")
+        if self.final_logit_softcap is not None and not self.family.startswith("gemma"):
+            raise ValueError(f"transformers' {arch} has no final logit soft-capping")
+        eos = list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id
+        out: dict[str, Any] = dict(
+            architectures=[arch],
+            model_type=model_type,
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            rms_norm_eps=self.rms_norm_eps,
+            tie_word_embeddings=self.tie_word_embeddings,
+            max_position_embeddings=self.max_position_embeddings,
+            bos_token_id=self.bos_token_id,
+            eos_token_id=eos,
+            pad_token_id=self.pad_token_id,
+            torch_dtype=self.param_dtype,
+            use_cache=True,
+        )
+        scaling = self.rope_scaling_dict or None
+        full = {"rope_type": "default", **(scaling or {}), "rope_theta": self.rope_theta}
+        out["rope_theta"] = self.rope_theta
+        out["rope_scaling"] = scaling
+        if self.family in ("gemma2", "gemma3"):
+            out["hidden_activation"] = self.hidden_act
+            qpas = self.query_pre_attn_scalar or self.head_dim
+            out["query_pre_attn_scalar"] = int(qpas) if float(qpas).is_integer() else qpas
+            out["attn_logit_softcapping"] = self.attn_logit_softcap
+            out["final_logit_softcapping"] = self.final_logit_softcap
+            out["attention_bias"] = self.qkv_bias
+            out["sliding_window"] = self.sliding_window
+            out["layer_types"] = list(self.layer_types or [FULL] * self.num_layers)
+        else:
+            out["hidden_act"] = self.hidden_act
+            out["attention_bias"] = False if self.family == "llama" else self.qkv_bias
+            if self.family == "llama":
+                out["mlp_bias"] = False
+        if self.family == "gemma3":
+            local = self.rope_local_base_freq if self.rope_local_base_freq is not None else self.rope_theta
+            out["rope_local_base_freq"] = local
+            out["rope_parameters"] = {FULL: full, SLIDING: {"rope_type": "default", "rope_theta": local}}
+            out["use_bidirectional_attention"] = False
+        else:
+            out["rope_parameters"] = full
+        if self.family in ("qwen2", "qwen3"):
+            sliding = self.layer_types is not None
+            out["use_sliding_window"] = sliding
+            out["sliding_window"] = self.sliding_window if sliding else None
+            out["layer_types"] = list(self.layer_types or [FULL] * self.num_layers)
+            if sliding:
+                first = list(self.layer_types).index(SLIDING)
+                if any(t != SLIDING for t in self.layer_types[first:]):
+                    raise ValueError("Qwen sliding layers must be the trailing layers (max_window_layers)")
+                out["max_window_layers"] = first
+            else:
+                out["max_window_layers"] = self.num_layers
+        return out
+
+
+def _llama(**kw) -> ModelConfig:
+    return ModelConfig(family="llama", **kw)
+
+
+# Values from the released checkpoints' config.json files.
+smollm2_135m = _llama(
+    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3,
+    head_dim=64, rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+    max_position_embeddings=8192, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+
+llama3_2_1b = _llama(
+    vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32, num_kv_heads=8,
+    head_dim=64, rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+    rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192},
+    max_position_embeddings=131072, bos_token_id=128000, eos_token_id=128001)
+
+qwen2_5_0_5b = ModelConfig(
+    family="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14,
+    num_kv_heads=2, head_dim=64, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+    qkv_bias=True, max_position_embeddings=32768, bos_token_id=151643, eos_token_id=151643)
+
+qwen3_0_6b = ModelConfig(
+    family="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16,
+    num_kv_heads=8, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+    qk_norm=True, max_position_embeddings=40960, bos_token_id=151643, eos_token_id=151645)
+
+_GEMMA = dict(norm_offset=1.0, embed_scale=True, post_norms=True, hidden_act="gelu_pytorch_tanh",
+              tie_word_embeddings=True, rms_norm_eps=1e-6, bos_token_id=2, eos_token_id=1, pad_token_id=0)
+
+gemma2_2b = ModelConfig(
+    family="gemma2", vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_layers=26, num_heads=8,
+    num_kv_heads=4, head_dim=256, rope_theta=10000.0, query_pre_attn_scalar=256, attn_logit_softcap=50.0,
+    final_logit_softcap=30.0, sliding_window=4096,
+    layer_types=tuple(SLIDING if i % 2 == 0 else FULL for i in range(26)),
+    max_position_embeddings=8192, **_GEMMA)
+
+gemma3_1b = ModelConfig(
+    family="gemma3", vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_layers=26, num_heads=4,
+    num_kv_heads=1, head_dim=256, rope_theta=1000000.0, rope_local_base_freq=10000.0, qk_norm=True,
+    query_pre_attn_scalar=256, sliding_window=512,
+    layer_types=tuple(SLIDING if (i + 1) % 6 else FULL for i in range(26)),
+    max_position_embeddings=32768, **_GEMMA)
+
+PRESETS: dict[str, ModelConfig] = {
+    "smollm2_135m": smollm2_135m,
+    "llama3_2_1b": llama3_2_1b,
+    "qwen2_5_0_5b": qwen2_5_0_5b,
+    "qwen3_0_6b": qwen3_0_6b,
+    "gemma2_2b": gemma2_2b,
+    "gemma3_1b": gemma3_1b,
+}
+
+
+def get_preset(name: str) -> ModelConfig:
+    """Look up a preset by name (raises KeyError listing the valid names)."""
+    key = name.replace("-", "_").replace(".", "_").lower()
+    if key not in PRESETS:
+        raise KeyError(f"unknown model preset {name!r}; valid: {sorted(PRESETS)}")
+    return PRESETS[key]

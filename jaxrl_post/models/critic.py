@@ -1,0 +1,43 @@
+"""verl's critic: the decoder backbone plus a scalar value head per token."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxrl_post.models.config import ModelConfig
+from jaxrl_post.models.decoder import Transformer
+
+
+class CriticModel(nnx.Module):
+    """Value model: `Transformer` backbone (final-normed hidden states) -> Linear(D, 1) in float32.
+
+    `critic(input_ids [B, T] int32, attention_mask [B, T], positions=None) -> values [B, T] float32`.
+    The head is zero-initialized (values start at 0; its gradient is the hidden state, so it learns).
+    An untied LM head is dropped from the backbone (unused by the critic).
+    """
+
+    def __init__(self, config: ModelConfig | None = None, *, rngs: nnx.Rngs, dtype=None, param_dtype=None,
+                 remat=False, backbone: Transformer | None = None):
+        if backbone is None:
+            if config is None:
+                raise ValueError("CriticModel needs a config or a backbone")
+            backbone = Transformer(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype, remat=remat)
+        backbone.lm_head = None
+        self.backbone = backbone
+        self.config = backbone.config
+        d = backbone.config.hidden_size
+        self.value_head = nnx.Param(jnp.zeros((d, 1), jnp.float32), out_sharding=("embed", None),
+                                    eager_sharding=False)
+        self.value_bias = nnx.Param(jnp.zeros((1,), jnp.float32), out_sharding=(None,), eager_sharding=False)
+
+    @classmethod
+    def from_actor(cls, model: Transformer, rngs: nnx.Rngs | None = None) -> "CriticModel":
+        """Critic whose backbone is a copy of the actor's params (the actor is left untouched)."""
+        return cls(rngs=rngs or nnx.Rngs(0), backbone=nnx.clone(model))
+
+    def __call__(self, input_ids: jax.Array, attention_mask: jax.Array, positions=None) -> jax.Array:
+        h = self.backbone.hidden_states(input_ids, attention_mask, positions).astype(jnp.float32)
+        values = jnp.einsum("BTD,DO->BTO", h, self.value_head[...]) + self.value_bias[...]
+        return values[..., 0]

@@ -1,0 +1,396 @@
+"""One decoder-only transformer (Flax NNX) for Llama, Qwen2/2.5, Qwen3, Gemma 2 and Gemma 3.
+
+Families differ only by `ModelConfig` fields. Layout follows HF transformers (rotate-half RoPE, GQA where
+query head h uses kv head h // (H / Hkv)), so HF checkpoints map 1:1 (see hf_io.py).
+
+Shape letters: B batch, T new tokens, S key/cache slots, D width, H query heads, N kv heads, G = H / N,
+K head dim, F mlp width, V vocab, L layers.
+Params carry logical axis names (`out_sharding` metadata) mapped to mesh axes by `jaxrl_post.sharding`.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxrl_post.models.config import ModelConfig
+
+_NEG = float(np.finfo(np.float32).min)
+
+
+def _fmix32(h: jax.Array) -> jax.Array:
+    """murmur3 32-bit finalizer (uint32 -> uint32 avalanche hash); lax ops keep tracing cheap."""
+    lax = jax.lax
+    u32 = partial(lax.full_like, h)
+    h = lax.mul(lax.bitwise_xor(h, lax.shift_right_logical(h, u32(16))), u32(0x85EBCA6B))
+    h = lax.mul(lax.bitwise_xor(h, lax.shift_right_logical(h, u32(13))), u32(0xC2B2AE35))
+    return lax.bitwise_xor(h, lax.shift_right_logical(h, u32(16)))
+
+
+def hash_normal(seed: jax.Array, salt: int, shape, dtype, stddev: float = 0.02) -> jax.Array:
+    """N(0, stddev^2) sample from a counter-based hash of (seed uint32 scalar, salt, element index) and
+    Box-Muller.
+
+    Used instead of `jax.random.normal` per param because XLA:CPU compiles every threefry op slowly (~1 s
+    each; a 30-layer model has 200+ params) and NNX's Rngs counter update is quadratic to trace; this is
+    a few elementwise integer ops, deterministic in (seed, salt), and partitions trivially when params are
+    created under jit with out_shardings.
+    """
+    lax = jax.lax
+    shape = tuple(shape)
+    if math.prod(shape) >= 2**32:
+        raise ValueError(f"hash_normal supports < 2**32 elements per param, got shape {shape}")
+    s = _fmix32(lax.bitwise_xor(seed, jnp.uint32((salt * 0x9E3779B9) % 2**32)))
+    idx, stride = None, 1  # row-major flat index, built from per-dim iotas (partitions without a flat iota)
+    for d in reversed(range(len(shape))):
+        term = lax.broadcasted_iota(jnp.uint32, shape, d)
+        if stride > 1:
+            term = lax.mul(term, lax.full_like(term, stride))
+        idx = term if idx is None else lax.add(idx, term)
+        stride *= shape[d]
+    if idx is None:  # scalar param
+        idx = jnp.zeros((), jnp.uint32)
+    h1 = _fmix32(lax.bitwise_xor(idx, lax.broadcast(s, shape)))
+    h2 = _fmix32(lax.bitwise_xor(h1, lax.broadcast(lax.bitwise_xor(s, jnp.uint32(0x68E31DA4)), shape)))
+    u1 = (lax.shift_right_logical(h1, lax.full_like(h1, 8)).astype(jnp.float32) + 1.0) * (2.0 ** -24)  # (0,1]
+    u2 = lax.shift_right_logical(h2, lax.full_like(h2, 8)).astype(jnp.float32) * (2.0 ** -24)  # [0,1)
+    z = jnp.sqrt(-2.0 * jnp.log(u1)) * jnp.cos(2.0 * math.pi * u2)
+    return (stddev * z).astype(dtype)
+
+
+class ParamInit:
+    """Creates the Params of one model from a single key (param i draws `hash_normal` salted by i)."""
+
+    def __init__(self, key: jax.Array, param_dtype):
+        words = jax.random.key_data(key).ravel().astype(jnp.uint32)
+        seed = jnp.uint32(0x3C6EF372)
+        for i in range(words.shape[0]):
+            seed = _fmix32(jax.lax.bitwise_xor(seed, words[i]))
+        self.seed, self.param_dtype, self.count = seed, param_dtype, 0
+
+    def _param(self, value, names) -> nnx.Param:
+        return nnx.Param(value, out_sharding=names, eager_sharding=False)
+
+    def normal(self, shape, names, stddev: float = 0.02) -> nnx.Param:
+        self.count += 1
+        return self._param(hash_normal(self.seed, self.count, shape, self.param_dtype, stddev), names)
+
+    def const(self, shape, names, value: float = 0.0) -> nnx.Param:
+        return self._param(jnp.full(shape, value, self.param_dtype), names)
+
+
+def _constrain(x: jax.Array, names: tuple) -> jax.Array:
+    from jaxrl_post.sharding import constrain  # local: sharding imports nothing from models
+    return constrain(x, names)
+
+
+@flax.struct.dataclass
+class KVCache:
+    """Key/value cache shared by all rows of a batch.
+
+    k, v: [L, B, S, N, K] (keys stored after RoPE); mask: [B, S] bool (slot holds a real token);
+    index: int32 scalar, next slot to write (same for every row). A model call with T new tokens writes
+    slots [index, index + T); the caller must keep index + T <= S (not checked under jit).
+    """
+
+    k: jax.Array
+    v: jax.Array
+    mask: jax.Array
+    index: jax.Array
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+
+# ------------------------------------------------------------------------------------------ rope
+def rope_inv_freq(head_dim: int, base: float, scaling: dict) -> np.ndarray:
+    """Static inverse frequencies [K/2] float32 (HF `ROPE_INIT_FUNCTIONS`: default, linear, llama3).
+
+    'dynamic' is handled in `_rope_angles` because it depends on the current positions.
+    """
+    inv = 1.0 / (base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    rope_type = scaling.get("rope_type", "default")
+    if rope_type == "linear":
+        inv = inv / scaling["factor"]
+    elif rope_type == "llama3":  # Llama 3.1 frequency-dependent interpolation
+        factor, lo, hi = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_ctx = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > old_ctx / lo, inv / factor, inv)
+        smooth = (old_ctx / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_ctx / hi) & (wavelen <= old_ctx / lo)
+        inv = np.where(medium, smoothed, scaled)
+    return inv.astype(np.float32)
+
+
+def _rope_angles(positions: jax.Array, head_dim: int, base: float, scaling: dict, max_pos: int) -> jax.Array:
+    """positions [B, T] int -> angles [B, T, K/2] float32."""
+    pos = positions.astype(jnp.float32)
+    if scaling.get("rope_type") == "dynamic":  # dynamic NTK: base grows with the longest position seen
+        seq_len = jnp.maximum(jnp.max(positions) + 1, max_pos).astype(jnp.float32)
+        factor = scaling["factor"]
+        new_base = base * ((factor * seq_len / max_pos) - (factor - 1)) ** (head_dim / (head_dim - 2))
+        inv = 1.0 / new_base ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    else:
+        inv = jnp.asarray(rope_inv_freq(head_dim, base, scaling))
+    return pos[..., None] * inv
+
+
+def apply_rope(x: jax.Array, angles: jax.Array) -> jax.Array:
+    """Rotate-half RoPE. x [B, T, N, K], angles [B, T, K/2] float32 -> [B, T, N, K] in x.dtype."""
+    ang = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return (xf * jnp.cos(ang) + rotated * jnp.sin(ang)).astype(x.dtype)
+
+
+# ------------------------------------------------------------------------------------ layers
+class RMSNorm(nnx.Module):
+    """RMSNorm over the last axis, statistics in float32.
+
+    offset 0 (Llama): `w * norm(x)` (normalized value cast to x.dtype first);
+    offset 1 (Gemma): `norm(x) * (1 + w)` in float32, then cast.
+    """
+
+    def __init__(self, dim: int, *, eps: float, offset: float, names: tuple, init: ParamInit):
+        self.eps, self.offset = eps, offset
+        self.scale = init.const((dim,), names, 1.0 - offset)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        if self.offset:
+            return (y * (self.offset + self.scale[...].astype(jnp.float32))).astype(x.dtype)
+        return y.astype(x.dtype) * self.scale[...].astype(x.dtype)
+
+
+class MLP(nnx.Module):
+    """Gated MLP: down(act(x @ gate) * (x @ up)); SwiGLU (silu) or GeGLU (tanh gelu)."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype, init: ParamInit):
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.act, self.dtype = cfg.hidden_act, dtype
+        self.gate_proj = init.normal((d, f), ("embed", "mlp"))
+        self.up_proj = init.normal((d, f), ("embed", "mlp"))
+        self.down_proj = init.normal((f, d), ("mlp", "embed"))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        gate = jnp.einsum("BTD,DF->BTF", x, self.gate_proj[...].astype(self.dtype))
+        up = jnp.einsum("BTD,DF->BTF", x, self.up_proj[...].astype(self.dtype))
+        if self.act == "silu":
+            gate = jax.nn.silu(gate)
+        else:  # gelu_pytorch_tanh / gelu_new: tanh approximation; "gelu": exact erf
+            gate = jax.nn.gelu(gate, approximate=self.act != "gelu")
+        return jnp.einsum("BTF,FD->BTD", gate * up, self.down_proj[...].astype(self.dtype))
+
+
+class Attention(nnx.Module):
+    """GQA self-attention with RoPE, optional qkv bias, q/k RMSNorm, logit soft-cap and sliding window."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, init: ParamInit):
+        d, h, n, k = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.layer, self.dtype = layer, dtype
+        self.num_heads, self.num_kv_heads, self.head_dim = h, n, k
+        self.rope_base, rope_scaling = cfg.layer_rope(layer)
+        self.rope_scaling = tuple(sorted(rope_scaling.items()))
+        self.max_pos = cfg.max_position_embeddings
+        self.scale = (cfg.query_pre_attn_scalar or k) ** -0.5
+        self.softcap = cfg.attn_logit_softcap
+        self.window = cfg.sliding_window if cfg.is_sliding(layer) else None
+        self.q_proj = init.normal((d, h, k), ("embed", "heads", "head_dim"))
+        self.k_proj = init.normal((d, n, k), ("embed", "kv_heads", "head_dim"))
+        self.v_proj = init.normal((d, n, k), ("embed", "kv_heads", "head_dim"))
+        self.o_proj = init.normal((h, k, d), ("heads", "head_dim", "embed"))
+        bias = cfg.qkv_bias
+        self.q_bias = init.const((h, k), ("heads", "head_dim")) if bias else None
+        self.k_bias = init.const((n, k), ("kv_heads", "head_dim")) if bias else None
+        self.v_bias = init.const((n, k), ("kv_heads", "head_dim")) if bias else None
+        norm = partial(RMSNorm, k, eps=cfg.rms_norm_eps, offset=cfg.norm_offset, names=("head_dim",), init=init)
+        self.q_norm = norm() if cfg.qk_norm else None
+        self.k_norm = norm() if cfg.qk_norm else None
+
+    def _proj(self, x, w, b):
+        y = jnp.einsum("BTD,DNK->BTNK", x, w[...].astype(self.dtype))
+        return y if b is None else y + b[...].astype(self.dtype)
+
+    def __call__(self, x, positions, kv_mask, index, kv=None):
+        """x [B, T, D]; positions [B, T] int32; kv_mask [B, S] bool (valid key slots, S = T without a cache);
+        index: int32 slot of x[:, 0]; kv: optional (k_all, v_all) stacked cache [L, B, S, N, K] to write
+        this layer's keys into. Returns (y [B, T, D], kv updated or None)."""
+        b, t, _ = x.shape
+        q = self._proj(x, self.q_proj, self.q_bias)  # [B, T, H, K]
+        k = self._proj(x, self.k_proj, self.k_bias)  # [B, T, N, K]
+        v = self._proj(x, self.v_proj, self.v_bias)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        angles = _rope_angles(positions, self.head_dim, self.rope_base, dict(self.rope_scaling), self.max_pos)
+        q, k = apply_rope(q, angles), apply_rope(k, angles)
+        if kv is not None:
+            k_all, v_all = kv
+            start = (self.layer, 0, index, 0, 0)
+            k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), start)
+            v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), start)
+            kv = (k_all, v_all)
+            keys, values = k_all[self.layer].astype(self.dtype), v_all[self.layer].astype(self.dtype)
+        else:
+            keys, values = k, v
+        s = keys.shape[1]
+        q_slot = index + jnp.arange(t)[:, None]  # [T, 1]
+        kv_slot = jnp.arange(s)[None, :]  # [1, S]
+        allowed = kv_slot <= q_slot
+        if self.window is not None:  # HF: key is visible iff q_slot - window < kv_slot
+            allowed &= kv_slot > q_slot - self.window
+        allowed = allowed[None] & kv_mask[:, None, :]  # [B, T, S]
+
+        qg = q.reshape(b, t, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
+        scores = jnp.einsum("BTNGK,BSNK->BNGTS", qg, keys, preferred_element_type=jnp.float32) * self.scale
+        if self.softcap is not None:
+            scores = jnp.tanh(scores / self.softcap) * self.softcap
+        scores = jnp.where(allowed[:, None, None], scores, _NEG)
+        probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
+        out = jnp.einsum("BNGTS,BSNK->BTNGK", probs, values).reshape(b, t, self.num_heads, self.head_dim)
+        y = jnp.einsum("BTHK,HKD->BTD", out, self.o_proj[...].astype(self.dtype))
+        return y, kv
+
+
+class Block(nnx.Module):
+    """Pre-norm residual block; Gemma adds post-attention and post-MLP norms (`post_norms`)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, init: ParamInit):
+        norm = partial(RMSNorm, cfg.hidden_size, eps=cfg.rms_norm_eps, offset=cfg.norm_offset, names=("norm",),
+                       init=init)
+        self.input_norm = norm()
+        self.attn = Attention(cfg, layer, dtype=dtype, init=init)
+        self.post_attn_norm = norm() if cfg.post_norms else None
+        self.pre_mlp_norm = norm()
+        self.mlp = MLP(cfg, dtype=dtype, init=init)
+        self.post_mlp_norm = norm() if cfg.post_norms else None
+
+    def __call__(self, x, positions, kv_mask, index, kv=None):
+        h, kv = self.attn(self.input_norm(x), positions, kv_mask, index, kv)
+        if self.post_attn_norm is not None:
+            h = self.post_attn_norm(h)
+        x = x + h
+        h = self.mlp(self.pre_mlp_norm(x))
+        if self.post_mlp_norm is not None:
+            h = self.post_mlp_norm(h)
+        return _constrain(x + h, ("batch", None, None)), kv
+
+
+def _run_block(block: Block, x, positions, kv_mask, index):
+    return block(x, positions, kv_mask, index)[0]
+
+
+def positions_from_mask(attention_mask: jax.Array, prior: jax.Array | int = 0) -> jax.Array:
+    """Per-row positions [B, T] int32: number of real tokens before each token (plus `prior` [B] real tokens
+    already in the cache), clamped at 0 for leading padding (verl: clip(cumsum(mask) - 1, 0))."""
+    m = attention_mask.astype(jnp.int32)
+    pos = jnp.cumsum(m, axis=1) - 1 + jnp.asarray(prior, jnp.int32).reshape(-1, 1)
+    return jnp.maximum(pos, 0)
+
+
+class Transformer(nnx.Module):
+    """Decoder-only LM. `Transformer(config, *, rngs, dtype=None, param_dtype=None, remat=False)`.
+
+    dtype: compute dtype (default config.dtype, float32); param_dtype: storage dtype (default
+    config.param_dtype). remat: False, True (save nothing per layer) or the name of a
+    `jax.checkpoint_policies` policy; applied per layer with `nnx.remat` (forward without a cache only).
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=None, param_dtype=None, remat=False):
+        self.config = config
+        self.dtype = jnp.dtype(dtype or config.dtype)
+        self.param_dtype = jnp.dtype(param_dtype or config.param_dtype)
+        self.remat = remat
+        init = ParamInit(rngs.params(), self.param_dtype)  # one key; params salted by creation order
+        self.embedding = init.normal((config.vocab_size, config.hidden_size), ("vocab", "embed"))
+        self.layers = nnx.List([Block(config, i, dtype=self.dtype, init=init) for i in range(config.num_layers)])
+        self.final_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, offset=config.norm_offset,
+                                  names=("norm",), init=init)
+        self.lm_head = None if config.tie_word_embeddings else init.normal(
+            (config.hidden_size, config.vocab_size), ("embed", "vocab"))
+
+    # ------------------------------------------------------------------ cache
+    def init_cache(self, batch_size: int, max_len: int, dtype=None) -> KVCache:
+        """Empty cache: k, v zeros [L, B, S=max_len, N, K] (dtype default: compute dtype), mask False, index 0."""
+        c = self.config
+        shape = (c.num_layers, batch_size, max_len, c.num_kv_heads, c.head_dim)
+        dt = jnp.dtype(dtype or self.dtype)
+        return KVCache(k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt),
+                       mask=jnp.zeros((batch_size, max_len), bool), index=jnp.zeros((), jnp.int32))
+
+    # ---------------------------------------------------------------- forward
+    def hidden_states(self, input_ids, attention_mask, positions=None, cache: KVCache | None = None):
+        """Final-normed hidden states [B, T, D] (compute dtype); with a cache returns (hidden, new_cache).
+
+        input_ids [B, T] int32; attention_mask [B, T] int/bool (1 = real token; left padding allowed);
+        positions [B, T] int32 or None (derived per row from the mask and the cache's valid slots).
+        """
+        input_ids = jnp.asarray(input_ids, jnp.int32)
+        mask = jnp.asarray(attention_mask).astype(bool)
+        b, t = input_ids.shape
+        if cache is None:
+            index, kv_mask, prior, kv = 0, mask, 0, None
+        else:
+            index = cache.index
+            s = cache.mask.shape[1]
+            prior = jnp.sum(cache.mask & (jnp.arange(s)[None] < index), axis=1)
+            kv_mask = jax.lax.dynamic_update_slice(cache.mask, mask, (0, index))
+            kv = (cache.k, cache.v)
+        if positions is None:
+            positions = positions_from_mask(mask, prior)
+        positions = jnp.asarray(positions, jnp.int32)
+
+        x = jnp.take(self.embedding[...], input_ids, axis=0).astype(self.dtype)
+        if self.config.embed_scale:
+            x = x * jnp.asarray(math.sqrt(self.config.hidden_size), self.dtype)
+        x = _constrain(x, ("batch", None, None))
+
+        run = _run_block
+        if self.remat and cache is None:
+            policy = None if self.remat is True else getattr(jax.checkpoint_policies, self.remat)
+            run = nnx.remat(_run_block, policy=policy)
+        for block in self.layers:
+            if cache is None:
+                x = run(block, x, positions, kv_mask, index)
+            else:
+                x, kv = block(x, positions, kv_mask, index, kv)
+        h = self.final_norm(x)
+        if cache is None:
+            return h
+        return h, KVCache(k=kv[0], v=kv[1], mask=kv_mask, index=cache.index + t)
+
+    def logits_from_hidden(self, h: jax.Array) -> jax.Array:
+        """[B, T, D] -> logits [B, T, V] float32 (tied or untied head, final soft-cap)."""
+        if self.lm_head is None:
+            logits = jnp.einsum("BTD,VD->BTV", h, self.embedding[...].astype(self.dtype),
+                                preferred_element_type=jnp.float32)
+        else:
+            logits = jnp.einsum("BTD,DV->BTV", h, self.lm_head[...].astype(self.dtype),
+                                preferred_element_type=jnp.float32)
+        cap = self.config.final_logit_softcap
+        if cap is not None:
+            logits = jnp.tanh(logits / cap) * cap
+        return logits
+
+    def __call__(self, input_ids, attention_mask, positions=None, cache: KVCache | None = None,
+                 logits_to_keep: int | None = None):
+        """Logits [B, T, V] float32 (or (logits, new_cache) when a cache is given).
+
+        logits_to_keep: if set, only the last that many positions' logits are computed ([B, n, V]).
+        """
+        out = self.hidden_states(input_ids, attention_mask, positions, cache)
+        h, new_cache = (out, None) if cache is None else out
+        if logits_to_keep:
+            h = h[:, -logits_to_keep:]
+        logits = self.logits_from_hidden(h)
+        return logits if cache is None else (logits, new_cache)

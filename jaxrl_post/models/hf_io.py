@@ -1,0 +1,245 @@
+"""Hugging Face checkpoints <-> our Transformer: load a safetensors directory, export one back.
+
+Tensors use HF transformers names (`model.layers.0.self_attn.q_proj.weight`, ...). Loading streams one
+tensor at a time (safetensors `safe_open`, memory-mapped) straight onto its target sharding into a model
+whose params are still abstract (`empty_model`), so the host never holds a second full copy.
+
+Layout changes HF -> ours (inverse on export): linear weights [out, in] are transposed; q/k/v
+[H*K, D] -> [D, H, K]; o_proj [D, H*K] -> [H, K, D]; qkv biases [H*K] -> [H, K]; lm_head [V, D] -> [D, V].
+Llama/Qwen's `post_attention_layernorm` is the pre-MLP norm; Gemma's is the post-attention norm.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Callable, Iterable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxrl_post.models.config import ModelConfig
+from jaxrl_post.models.decoder import Transformer
+
+_SKIP_PREFIXES = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.", "multi_modal_projector.")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+
+
+def param_map(config: ModelConfig) -> dict[str, tuple[tuple, Callable, Callable]]:
+    """HF tensor name -> (our param path, hf->ours fn, ours->hf fn) for every param of the model."""
+    d, h, n, k = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+    ident = (lambda w: w, lambda w: w)
+    t = (lambda w: w.T, lambda w: w.T)
+
+    def qkv(heads):
+        return (lambda w: w.T.reshape(d, heads, k), lambda w: w.reshape(d, heads * k).T)
+
+    def bias(heads):
+        return (lambda w: w.reshape(heads, k), lambda w: w.reshape(heads * k))
+
+    o = (lambda w: w.T.reshape(h, k, d), lambda w: w.reshape(h * k, d).T)
+    out = {"model.embed_tokens.weight": (("embedding",), *ident),
+           "model.norm.weight": (("final_norm", "scale"), *ident)}
+    if not config.tie_word_embeddings:
+        out["lm_head.weight"] = (("lm_head",), *t)
+    for i in range(config.num_layers):
+        p, a = f"model.layers.{i}.", ("layers", i)
+        out[p + "self_attn.q_proj.weight"] = (a + ("attn", "q_proj"), *qkv(h))
+        out[p + "self_attn.k_proj.weight"] = (a + ("attn", "k_proj"), *qkv(n))
+        out[p + "self_attn.v_proj.weight"] = (a + ("attn", "v_proj"), *qkv(n))
+        out[p + "self_attn.o_proj.weight"] = (a + ("attn", "o_proj"), *o)
+        if config.qkv_bias:
+            out[p + "self_attn.q_proj.bias"] = (a + ("attn", "q_bias"), *bias(h))
+            out[p + "self_attn.k_proj.bias"] = (a + ("attn", "k_bias"), *bias(n))
+            out[p + "self_attn.v_proj.bias"] = (a + ("attn", "v_bias"), *bias(n))
+        if config.qk_norm:
+            out[p + "self_attn.q_norm.weight"] = (a + ("attn", "q_norm", "scale"), *ident)
+            out[p + "self_attn.k_norm.weight"] = (a + ("attn", "k_norm", "scale"), *ident)
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            out[p + f"mlp.{name}.weight"] = (a + ("mlp", name), *t)
+        out[p + "input_layernorm.weight"] = (a + ("input_norm", "scale"), *ident)
+        if config.post_norms:
+            out[p + "post_attention_layernorm.weight"] = (a + ("post_attn_norm", "scale"), *ident)
+            out[p + "pre_feedforward_layernorm.weight"] = (a + ("pre_mlp_norm", "scale"), *ident)
+            out[p + "post_feedforward_layernorm.weight"] = (a + ("post_mlp_norm", "scale"), *ident)
+        else:
+            out[p + "post_attention_layernorm.weight"] = (a + ("pre_mlp_norm", "scale"), *ident)
+    return out
+
+
+def _normalize_name(name: str) -> str | None:
+    """Map Gemma 3 multimodal / legacy names onto text-model names; None for tensors we ignore."""
+    if name.startswith(_SKIP_PREFIXES) or name.endswith("rotary_emb.inv_freq"):
+        return None
+    for old, new in (("model.language_model.", "model."), ("language_model.model.", "model."),
+                     ("language_model.lm_head.", "lm_head.")):
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
+def _get_variable(model, path: tuple) -> nnx.Variable:
+    obj = model
+    for p in path:
+        obj = obj[p] if isinstance(p, int) else getattr(obj, p)
+    return obj
+
+
+def _target_sharding(var: nnx.Variable, mesh, path: tuple):
+    if mesh is not None:
+        from jaxrl_post.sharding import _check_divisible, logical_to_mesh_spec
+        spec = logical_to_mesh_spec(var.get_metadata().get("out_sharding"))
+        _check_divisible(".".join(map(str, path)), var.shape, spec, mesh)
+        return jax.sharding.NamedSharding(mesh, spec)
+    value = var.get_value()
+    return value.sharding if isinstance(value, jax.Array) else None
+
+
+def empty_model(config: ModelConfig, *, dtype="float32", mesh=None, param_dtype=None, remat=False) -> Transformer:
+    """Transformer whose params are abstract (ShapeDtypeStruct); fill it with `load_state_dict_into`."""
+    del mesh  # placement happens per tensor in load_state_dict_into
+    return nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0), dtype=dtype,
+                                              param_dtype=param_dtype or dtype, remat=remat))
+
+
+def load_state_dict_into(model: Transformer, hf_named_tensors: Iterable[tuple[str, np.ndarray]], mesh=None):
+    """Set every param of `model` from (HF name, array) pairs, one tensor at a time; returns the model.
+
+    Each array is reshaped/transposed to our layout, cast to the param's dtype on the host and placed onto
+    its sharding (from the logical names when `mesh` is given, else the param's current sharding, else the
+    default device). A tied `lm_head.weight` is ignored. Raises ValueError listing missing tensors,
+    unexpected tensors and shape mismatches (after the iterator is exhausted).
+    """
+    mapping = param_map(model.config)
+    seen, unexpected, bad_shape = set(), [], []
+    for raw_name, array in hf_named_tensors:
+        name = _normalize_name(raw_name)
+        if name is None:
+            continue
+        if name not in mapping:
+            if not (name == "lm_head.weight" and model.config.tie_word_embeddings):
+                unexpected.append(raw_name)
+            continue
+        path, to_ours, _ = mapping[name]
+        var = _get_variable(model, path)
+        arr = np.asarray(to_ours(np.asarray(array)))
+        if tuple(arr.shape) != tuple(var.shape):
+            bad_shape.append(f"{raw_name}: got {tuple(np.shape(array))} -> {arr.shape}, expected {var.shape}")
+            continue
+        arr = np.ascontiguousarray(arr.astype(var.dtype))
+        sharding = _target_sharding(var, mesh, path)
+        if sharding is None:
+            value = jnp.asarray(arr)
+        else:
+            value = jax.make_array_from_callback(arr.shape, sharding, lambda idx, a=arr: a[idx])
+        var.set_value(value)
+        seen.add(name)
+        del arr, array
+    missing = sorted(set(mapping) - seen)
+    if missing or unexpected or bad_shape:
+        def show(xs):
+            return ", ".join(xs[:8]) + (f", ... ({len(xs)} total)" if len(xs) > 8 else "")
+        msg = []
+        if missing:
+            msg.append(f"missing tensors: {show(missing)}")
+        if unexpected:
+            msg.append(f"unexpected tensors: {show(unexpected)}")
+        if bad_shape:
+            msg.append(f"shape mismatches: {show(bad_shape)}")
+        raise ValueError(f"checkpoint does not match {model.config.family} config: " + "; ".join(msg))
+    return model
+
+
+def iter_safetensors(path: str) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield (name, numpy array) from `model.safetensors` or the shards of `model.safetensors.index.json`."""
+    from safetensors import safe_open
+
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.exists(os.path.join(path, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
+    for fname in files:
+        with safe_open(os.path.join(path, fname), framework="numpy") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_hf_dir(path, dtype="float32", mesh=None, *, param_dtype=None, remat=False) -> Transformer:
+    """Transformer from an HF directory (config.json + safetensors), params placed on `mesh` if given.
+
+    dtype: compute dtype (and param dtype unless `param_dtype` is given), e.g. 'float32', 'bfloat16'.
+    """
+    path = os.fspath(path)
+    config = ModelConfig.from_hf_config(os.path.join(path, "config.json"))
+    model = empty_model(config, dtype=dtype, mesh=mesh, param_dtype=param_dtype, remat=remat)
+    return load_state_dict_into(model, iter_safetensors(path), mesh)
+
+
+def has_tokenizer_files(path) -> bool:
+    return os.path.isdir(path) and any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES)
+
+
+def _to_host(x: jax.Array) -> np.ndarray:
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+        x = multihost_utils.process_allgather(x, tiled=True)
+    return np.asarray(jax.device_get(x))
+
+
+def save_pretrained(model: Transformer, tokenizer, out_dir, *, max_shard_bytes: int = 2 * 1024**3) -> None:
+    """Write an HF directory: config.json, generation_config.json, model.safetensors (or shards + index),
+    tokenizer files (`tokenizer.save_pretrained`, skipped when tokenizer is None).
+
+    Params are written in their own dtype; tensors are fetched to the host one shard-file at a time. On
+    multi-host runs every process must call this (gathers are collective); only process 0 writes.
+    """
+    from safetensors.numpy import save_file
+
+    config: ModelConfig = model.config
+    os.makedirs(out_dir, exist_ok=True)
+    write = jax.process_index() == 0
+    mapping = param_map(config)
+    # plan shard files from shapes, then materialize one file at a time
+    shards, cur, cur_bytes = [], [], 0
+    for name, (path, _, _) in mapping.items():
+        var = _get_variable(model, path)
+        nbytes = int(np.prod(var.shape)) * np.dtype(var.dtype).itemsize
+        if cur and cur_bytes + nbytes > max_shard_bytes:
+            shards.append(cur)
+            cur, cur_bytes = [], 0
+        cur.append(name)
+        cur_bytes += nbytes
+    shards.append(cur)
+    files = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    weight_map, total = {}, 0
+    for fname, names in zip(files, shards):
+        tensors = {}
+        for name in names:
+            path, _, to_hf = mapping[name]
+            tensors[name] = np.ascontiguousarray(to_hf(_to_host(_get_variable(model, path).get_value())))
+            weight_map[name] = fname
+            total += tensors[name].nbytes
+        if write:
+            save_file(tensors, os.path.join(out_dir, fname), metadata={"format": "pt"})
+        del tensors
+    if not write:
+        return
+    if len(files) > 1:
+        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    hf_cfg = config.to_hf_config()
+    hf_cfg["torch_dtype"] = hf_cfg["dtype"] = str(jnp.dtype(model.param_dtype))
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(hf_cfg, f, indent=2)
+    gen = {k: hf_cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if hf_cfg.get(k) is not None}
+    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+        json.dump(gen, f, indent=2)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)

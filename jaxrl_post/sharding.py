@@ -1,0 +1,157 @@
+"""Device mesh, the ONE logical-axis rules table, and param/batch sharding helpers.
+
+Mesh axes ('data', 'fsdp', 'tensor'). Params carry logical axis names as NNX `out_sharding` metadata
+(`nnx.get_partition_spec(state)` returns them); `LOGICAL_AXIS_RULES` maps each logical name to a mesh axis
+(or tuple of axes, or None = replicated). FSDP shards the embed dimension of params, tensor parallelism
+shards heads / kv heads / mlp / vocab, and the batch dimension of activations goes over ('data', 'fsdp').
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+LOGICAL_AXIS_RULES: dict[str, Any] = {
+    "batch": ("data", "fsdp"),
+    "embed": "fsdp",
+    "mlp": "tensor",
+    "heads": "tensor",
+    "kv_heads": "tensor",
+    "vocab": "tensor",
+    "head_dim": None,
+    "norm": None,
+    "layers": None,
+    "cache_seq": None,
+}
+
+
+def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices: Sequence | None = None) -> Mesh:
+    """Mesh with axes ('data', 'fsdp', 'tensor') over `devices` (default: all devices of all hosts).
+
+    At most one size may be -1 (= the remaining devices). Raises ValueError when the sizes do not multiply to
+    the device count. Without explicit devices, `jax.make_mesh` picks a topology-aware device order.
+    """
+    devs = list(jax.devices() if devices is None else devices)
+    sizes = [data, fsdp, tensor]
+    if sizes.count(-1) > 1:
+        raise ValueError(f"at most one mesh axis may be -1, got data={data}, fsdp={fsdp}, tensor={tensor}")
+    if -1 in sizes:
+        known = math.prod(s for s in sizes if s != -1)
+        if len(devs) % known:
+            raise ValueError(f"{len(devs)} devices are not divisible by the fixed mesh axes (product {known})")
+        sizes[sizes.index(-1)] = len(devs) // known
+    if math.prod(sizes) != len(devs):
+        raise ValueError(f"mesh data={sizes[0]} x fsdp={sizes[1]} x tensor={sizes[2]} needs "
+                         f"{math.prod(sizes)} devices, have {len(devs)}")
+    auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)  # GSPMD propagation, not explicit-sharding types
+    return jax.make_mesh(tuple(sizes), MESH_AXES, axis_types=auto, devices=devs)
+
+
+def logical_to_mesh_spec(names: Sequence[str | None] | None) -> P:
+    """Logical axis names -> PartitionSpec via LOGICAL_AXIS_RULES (unknown names raise KeyError)."""
+    if names is None:
+        return P()
+    out = []
+    for name in names:
+        if name is None:
+            out.append(None)
+        elif name in LOGICAL_AXIS_RULES:
+            out.append(LOGICAL_AXIS_RULES[name])
+        else:
+            raise KeyError(f"logical axis {name!r} has no rule; known: {sorted(LOGICAL_AXIS_RULES)}")
+    return P(*out)
+
+
+def _axis_size(mesh_shape: dict, axes) -> int:
+    if axes is None:
+        return 1
+    axes = (axes,) if isinstance(axes, str) else axes
+    return math.prod(mesh_shape[a] for a in axes)
+
+
+def _check_divisible(path: str, shape: tuple, spec: P, mesh: Mesh) -> None:
+    for dim, axes in enumerate(spec):
+        n = _axis_size(dict(mesh.shape), axes)
+        if n > 1 and shape[dim] % n:
+            raise ValueError(f"param {path}: dim {dim} (size {shape[dim]}) is not divisible by mesh axis "
+                             f"{axes!r} (size {n}); shape {tuple(shape)}, spec {spec}")
+
+
+def _logical_names(var) -> tuple | None:
+    meta = var.get_metadata() if hasattr(var, "get_metadata") else {}
+    return meta.get("out_sharding")
+
+
+def param_shardings(abstract_state, mesh: Mesh):
+    """NamedSharding for every Variable of an (abstract or concrete) nnx.State, from its logical names.
+
+    Returns a tree with the state's structure (Variables holding NamedShardings), usable as jit
+    `out_shardings`. Raises ValueError naming param path, dim and mesh axis when a dim does not divide.
+    """
+    from flax import nnx
+
+    def one(path, var):
+        spec = logical_to_mesh_spec(_logical_names(var))
+        shape = var.shape
+        _check_divisible(".".join(str(p) for p in path), tuple(shape), spec, mesh)
+        return var.replace(NamedSharding(mesh, spec))
+
+    return nnx.map_state(one, abstract_state)
+
+
+def shard_params(state, mesh: Mesh):
+    """Place a concrete nnx.State onto the mesh according to its logical names (see `param_shardings`)."""
+    shardings = param_shardings(state, mesh)
+    return jax.device_put(state, shardings)
+
+
+def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
+    """Leading dim over ('data', 'fsdp'), other dims replicated."""
+    return NamedSharding(mesh, P(LOGICAL_AXIS_RULES["batch"], *([None] * (ndim - 1))))
+
+
+def shard_batch(tree, mesh: Mesh):
+    """Place every array leaf with its leading (batch) dim over ('data', 'fsdp').
+
+    Host numpy leaves on multi-host runs are treated as this process's slice of the global batch.
+    Raises ValueError when a leading dim does not divide the batch axes' size.
+    """
+    n = _axis_size(dict(mesh.shape), LOGICAL_AXIS_RULES["batch"])
+
+    def put(path, x):
+        if not hasattr(x, "shape") or x.ndim == 0:
+            return x
+        sharding = batch_sharding(mesh, x.ndim)
+        if jax.process_count() > 1 and isinstance(x, np.ndarray):
+            return jax.make_array_from_process_local_data(sharding, x)
+        if x.shape[0] % n:
+            raise ValueError(f"batch leaf {jax.tree_util.keystr(path)}: leading dim {x.shape[0]} is not "
+                             f"divisible by data*fsdp={n}")
+        return jax.device_put(x, sharding)
+
+    return jax.tree_util.tree_map_with_path(put, tree)
+
+
+def cache_shardings(cache, mesh: Mesh):
+    """Shardings for a decoder KVCache: k/v [L, B, S, N, K] batch over data/fsdp, kv heads over tensor."""
+    kv = NamedSharding(mesh, logical_to_mesh_spec(("layers", "batch", "cache_seq", "kv_heads", "head_dim")))
+    return type(cache)(k=kv, v=kv, mask=batch_sharding(mesh, 2), index=NamedSharding(mesh, P()))
+
+
+def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """with_sharding_constraint by logical names when an ambient mesh with our axes is set
+    (`jax.set_mesh`); a no-op otherwise or when a dim does not divide its axes."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty or not set(MESH_AXES) <= set(mesh.axis_names):
+        return x
+    spec = logical_to_mesh_spec(names)
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    if any(x.shape[d] % _axis_size(sizes, a) for d, a in enumerate(spec)):
+        return x
+    return jax.lax.with_sharding_constraint(x, spec)
