@@ -1,0 +1,27 @@
+"""Rollout: jitted prefill + decode loop with a KV cache, and the sampling processors."""
+from jaxrl_post.rollout.generate import TRACE_COUNTS, Generator, bucket_size, generate_sequences
+from jaxrl_post.rollout.sampling import (
+    SamplingParams,
+    apply_min_p,
+    apply_temperature,
+    apply_top_k,
+    apply_top_p,
+    filter_logits,
+    get_response_mask,
+    sample_tokens,
+)
+
+__all__ = [
+    "Generator",
+    "TRACE_COUNTS",
+    "bucket_size",
+    "generate_sequences",
+    "SamplingParams",
+    "apply_min_p",
+    "apply_temperature",
+    "apply_top_k",
+    "apply_top_p",
+    "filter_logits",
+    "get_response_mask",
+    "sample_tokens",
+]

@@ -1,0 +1,259 @@
+"""Batched generation: one jitted prefill writing the KV cache, then a jitted decode loop.
+
+Decode = ``lax.while_loop`` over ``lax.scan`` chunks of single-token steps; the loop stops after the
+chunk in which every row has produced an EOS, or at ``max_new_tokens``. Rows share cache slot indices
+but keep their own positions (the decoder counts each row's valid cache slots), so a left-padded batch
+continues every row from its own prompt length.
+
+Compile once: prompt length P and batch size B are padded up to buckets (default: powers of two, the
+batch a multiple of the data-parallel size), and the jitted functions are module-level with the model's
+``GraphDef``, the bucketed cache length and the (seed-free) ``SamplingParams`` as static arguments, so
+every ``Generator`` / ``generate_sequences`` call with the same model structure and buckets reuses one
+compiled prefill and one compiled decode. ``TRACE_COUNTS`` counts traces (tests assert on it).
+
+Sharded: pass a ``Mesh`` (axes ``('data', 'fsdp', 'tensor')``); the batch goes over ``('data',
+'fsdp')``, the cache per ``sharding.cache_shardings``, and params stay where the caller put them
+(``sharding.shard_params``, or a model created/loaded with ``mesh=``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxrl_post.protocol import DataProto
+from jaxrl_post.rollout.sampling import SamplingParams, get_response_mask, is_eos, sample_tokens
+
+TRACE_COUNTS = {"prefill": 0, "decode": 0}
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def bucket_size(n: int, buckets: Sequence[int] | None, *, minimum: int = 1, multiple_of: int = 1) -> int:
+    """Smallest bucket >= n.
+
+    ``buckets`` None -> the next power of two >= max(n, minimum); otherwise the smallest listed size
+    >= n (ValueError if n exceeds them all). The result is rounded up to a multiple of ``multiple_of``.
+    """
+    if buckets is None:
+        size = _next_pow2(max(n, minimum))
+    else:
+        fits = sorted(b for b in buckets if b >= n)
+        if not fits:
+            raise ValueError(f"size {n} exceeds the largest configured bucket {max(buckets)}")
+        size = fits[0]
+    return -(-size // multiple_of) * multiple_of
+
+
+def _constrain_cache(cache, mesh):
+    if mesh is None:
+        return cache
+    from jaxrl_post.sharding import cache_shardings
+
+    return jax.lax.with_sharding_constraint(cache, cache_shardings(cache, mesh))
+
+
+def _constrain_batch(x, mesh):
+    if mesh is None:
+        return x
+    from jaxrl_post.sharding import batch_sharding
+
+    return jax.lax.with_sharding_constraint(x, batch_sharding(mesh, x.ndim))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_len", "cache_dtype", "mesh"))
+def _prefill(graphdef, state, input_ids, attention_mask, *, max_len, cache_dtype, mesh):
+    """Prompt [B, P] -> (next-token logits [B, V] float32, cache with S = max_len slots, index = P)."""
+    TRACE_COUNTS["prefill"] += 1
+    model = nnx.merge(graphdef, state)
+    cache = _constrain_cache(model.init_cache(input_ids.shape[0], max_len, dtype=cache_dtype), mesh)
+    logits, cache = model(input_ids, attention_mask, cache=cache, logits_to_keep=1)
+    return _constrain_batch(logits[:, -1], mesh), _constrain_cache(cache, mesh)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("graphdef", "params", "num_steps", "chunk", "mesh"),
+    donate_argnames=("cache", "logits"),
+)
+def _decode(graphdef, state, cache, logits, row_done, key, *, params, num_steps, chunk, mesh):
+    """Sample ``num_steps`` tokens (rounded up to whole chunks, early exit when all rows are done).
+
+    cache: KVCache after prefill (donated); logits [B, V] float32 of the first response token (donated);
+    row_done [B] bool (True for batch-bucket filler rows); key: base key of this call.
+    Returns tokens [B, n] int32 (pad after a row's first EOS), log_probs [B, n] float32 (0 there),
+    steps_run int32 scalar (n = num_steps rounded up to a multiple of chunk), final cache, final logits.
+    """
+    TRACE_COUNTS["decode"] += 1
+    model = nnx.merge(graphdef, state)
+    batch = logits.shape[0]
+    n_alloc = -(-num_steps // chunk) * chunk
+    pad = jnp.int32(params.pad_token_id)
+    ones = jnp.ones((batch, 1), jnp.int32)
+
+    def step(carry, _):
+        cache, logits, done, t, tokens, logps = carry
+        tok, lp = sample_tokens(logits, jax.random.fold_in(key, t), params)
+        tok = jnp.where(done, pad, tok)
+        lp = jnp.where(done, 0.0, lp)
+        tokens = jax.lax.dynamic_update_slice(tokens, tok[:, None], (0, t))
+        logps = jax.lax.dynamic_update_slice(logps, lp[:, None], (0, t))
+        done = done | is_eos(tok, params.eos_token_ids)
+        new_logits, cache = model(tok[:, None], ones, cache=cache)
+        new_logits = _constrain_batch(new_logits[:, 0], mesh)
+        return (_constrain_cache(cache, mesh), new_logits, done, t + 1, tokens, logps), None
+
+    def cond(carry):
+        done, t = carry[2], carry[3]
+        return (t < num_steps) & ~jnp.all(done)
+
+    def body(carry):
+        return jax.lax.scan(step, carry, None, length=chunk)[0]
+
+    tokens = _constrain_batch(jnp.full((batch, n_alloc), pad, jnp.int32), mesh)
+    logps = _constrain_batch(jnp.zeros((batch, n_alloc), jnp.float32), mesh)
+    init = (cache, logits, row_done, jnp.int32(0), tokens, logps)
+    out = jax.lax.while_loop(cond, body, init)
+    # The final cache/logits are returned (and dropped by the caller) so the donated input buffers alias
+    # these outputs: XLA then updates the cache in place instead of copying it into the loop.
+    return out[4], out[5], out[3], out[0], out[1]
+
+
+def _left_padded(mask: np.ndarray) -> bool:
+    m = mask.astype(bool)
+    return bool(np.all(m[:, 1:] >= m[:, :-1]))
+
+
+@dataclasses.dataclass
+class Generator:
+    """Reusable sampler for one model structure; compiled functions are cached per bucketed shape.
+
+    Args:
+      model: a ``jaxrl_post.models.Transformer`` (any nnx module with the decoder's cache API).
+        Its current parameters are read at every call (``nnx.split``), so in-place updates are seen.
+      mesh: optional ``Mesh`` with axes ('data','fsdp','tensor'); the batch is sharded over
+        ('data','fsdp'). Params must already be placed on this mesh.
+      prompt_buckets / batch_buckets: allowed padded sizes (None = powers of two; prompt >= 16).
+      decode_chunk: decode steps per ``lax.scan`` chunk (the early-exit check runs between chunks).
+      cache_dtype: KV cache dtype (default: the model's compute dtype).
+    """
+
+    model: nnx.Module
+    mesh: jax.sharding.Mesh | None = None
+    prompt_buckets: Sequence[int] | None = None
+    batch_buckets: Sequence[int] | None = None
+    decode_chunk: int = 16
+    cache_dtype: str | None = None
+    min_prompt_bucket: int = 16
+
+    def _batch_multiple(self) -> int:
+        if self.mesh is None:
+            return 1
+        shape = dict(self.mesh.shape)
+        return shape.get("data", 1) * shape.get("fsdp", 1)
+
+    def __call__(self, prompts: DataProto, params: SamplingParams, *, seed: int | None = None) -> DataProto:
+        return self.generate(prompts, params, seed=seed)
+
+    def generate(self, prompts: DataProto, params: SamplingParams, *, seed: int | None = None) -> DataProto:
+        """Generate ``params.max_new_tokens`` tokens for each left-padded prompt.
+
+        Args:
+          prompts: DataProto with ``input_ids [B, P]`` int and ``attention_mask [B, P]`` (left-padded,
+            1 = real token); ``position_ids`` optional (else ``clip(cumsum(mask) - 1, 0)``).
+            Non-tensor data and meta_info are carried over.
+          params: sampling parameters (R = ``max_new_tokens``).
+          seed: overrides ``params.seed`` (e.g. seed + step in a training loop).
+        Returns:
+          DataProto (numpy arrays) with ``prompts [B, P] int32``, ``responses [B, R] int32`` (pad after
+          the first EOS), ``input_ids [B, P+R]``, ``attention_mask [B, P+R] int32`` (prompt mask ++
+          response_mask), ``position_ids [B, P+R] int32`` (response positions continue from the last
+          prompt position, verl style), ``response_mask [B, R] int32``, ``rollout_log_probs [B, R]
+          float32`` (= ``logprobs_from_logits(logits, responses, temperature)`` of the training path; 0
+          where masked), ``truncated [B] bool`` (no EOS within R).
+        Raises:
+          ValueError: prompts are not left-padded, a row has no real token, or a size exceeds the buckets.
+        """
+        ids = np.asarray(jax.device_get(prompts.batch["input_ids"])).astype(np.int32)
+        mask = np.asarray(jax.device_get(prompts.batch["attention_mask"])).astype(np.int32)
+        if ids.ndim != 2 or ids.shape != mask.shape:
+            raise ValueError(f"input_ids {ids.shape} and attention_mask {mask.shape} must both be [B, P]")
+        if not _left_padded(mask):
+            raise ValueError("prompts must be left-padded (attention_mask 0...0 1...1 in every row)")
+        if not np.all(mask.sum(axis=1) > 0):
+            raise ValueError("every prompt needs at least one real token")
+        b, p = ids.shape
+        r = params.max_new_tokens
+        b_pad = bucket_size(b, self.batch_buckets, multiple_of=self._batch_multiple())
+        p_pad = bucket_size(p, self.prompt_buckets, minimum=self.min_prompt_bucket)
+
+        pid = np.full((b_pad, p_pad), params.pad_token_id, np.int32)
+        pmask = np.zeros((b_pad, p_pad), np.int32)
+        pid[:b, p_pad - p:], pmask[:b, p_pad - p:] = ids, mask
+        pid[b:], pmask[b:] = pid[0], pmask[0]  # filler rows: copies of row 0, marked done
+        row_done = np.arange(b_pad) >= b
+
+        chunk = max(1, min(self.decode_chunk, r))
+        n_alloc = -(-r // chunk) * chunk
+        static = dataclasses.replace(params, seed=0)
+        key = jax.random.key(params.seed if seed is None else seed)
+
+        graphdef, state = nnx.split(self.model)
+        arrays = (pid, pmask, row_done)
+        if self.mesh is not None:
+            from jaxrl_post.sharding import shard_batch
+
+            arrays = shard_batch(arrays, self.mesh)
+        else:
+            arrays = tuple(jnp.asarray(a) for a in arrays)
+        pid_d, pmask_d, done_d = arrays
+        logits, cache = _prefill(graphdef, state, pid_d, pmask_d, max_len=p_pad + n_alloc,
+                                 cache_dtype=self.cache_dtype, mesh=self.mesh)
+        tokens, logps, _, _, _ = _decode(graphdef, state, cache, logits, done_d, key, params=static,
+                                   num_steps=r, chunk=chunk, mesh=self.mesh)
+        tokens = np.asarray(jax.device_get(tokens))[:b, :r]
+        logps = np.asarray(jax.device_get(logps))[:b, :r]
+        return _assemble(prompts, ids, mask, tokens, logps, params)
+
+
+def _assemble(prompts: DataProto, ids, mask, tokens, logps, params: SamplingParams) -> DataProto:
+    """Host-side output assembly (numpy, cheap): masks, positions, concatenation."""
+    r = tokens.shape[1]
+    response_mask = np.asarray(get_response_mask(tokens, params.eos_token_ids)).astype(np.int32)
+    tokens = np.where(response_mask.astype(bool), tokens, params.pad_token_id).astype(np.int32)
+    logps = np.where(response_mask.astype(bool), logps, 0.0).astype(np.float32)
+    truncated = ~np.any(np.asarray(is_eos(tokens, params.eos_token_ids)) & response_mask.astype(bool), axis=1)
+    if "position_ids" in prompts.batch:
+        ppos = np.asarray(jax.device_get(prompts.batch["position_ids"])).astype(np.int32)
+    else:
+        ppos = np.maximum(np.cumsum(mask, axis=1) - 1, 0).astype(np.int32)
+    rpos = ppos[:, -1:] + np.arange(1, r + 1, dtype=np.int32)[None]
+    batch = {
+        "prompts": ids,
+        "responses": tokens,
+        "input_ids": np.concatenate([ids, tokens], axis=1),
+        "attention_mask": np.concatenate([mask, response_mask], axis=1),
+        "position_ids": np.concatenate([ppos, rpos], axis=1),
+        "response_mask": response_mask,
+        "rollout_log_probs": logps,
+        "truncated": truncated,
+    }
+    return DataProto(batch, dict(prompts.non_tensor_batch), dict(prompts.meta_info))
+
+
+def generate_sequences(model: nnx.Module, prompts: DataProto, params: SamplingParams, *,
+                       mesh: jax.sharding.Mesh | None = None, seed: int | None = None) -> DataProto:
+    """Functional entry point: ``Generator(model, mesh=mesh).generate(prompts, params, seed=seed)``.
+
+    Compiled functions are shared across calls (module-level jit cache keyed by the model's GraphDef
+    and the bucketed shapes), so calling this every training step does not recompile. See
+    ``Generator.generate`` for shapes, dtypes and errors.
+    """
+    return Generator(model, mesh=mesh).generate(prompts, params, seed=seed)

