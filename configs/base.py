@@ -176,15 +176,17 @@ def get_base_config() -> mlc.ConfigDict:
   c.trainer.default_local_dir = 'runs/grpo'  # working dir: metrics.jsonl, config, checkpoints
   c.trainer.total_epochs = 1  # used when total_training_steps is None
   c.trainer.total_training_steps = _opt_int()  # steps to run (overrides total_epochs)
-  c.trainer.logger = ('console', 'jsonl')  # console | jsonl (always on)
+  c.trainer.logger = ('console', 'jsonl')  # any of console | jsonl (always on) | tensorboard | wandb
   c.trainer.val_before_train = True  # validate at step 0
   c.trainer.val_at_end = True  # validate after the last step
   c.trainer.test_freq = -1  # validate every k steps (-1 = only before/after)
   c.trainer.critic_warmup = 0  # steps that update only the critic
-  c.trainer.save_freq = -1  # checkpoint every k steps (-1 = off)
-  c.trainer.resume_mode = 'disable'  # auto | disable | resume_path
-  c.trainer.resume_from_path = _opt_str()
-  c.trainer.max_actor_ckpt_to_keep = _opt_int()
+  c.trainer.save_freq = -1  # checkpoint every k steps and after the last step (-1 = off)
+  c.trainer.resume_mode = 'auto'  # auto (latest checkpoint in the working dir) | disable | resume_path
+  c.trainer.resume_from_path = _opt_str()  # resume_path: a global_step_<N> dir or a checkpoints/run dir
+  c.trainer.max_actor_ckpt_to_keep = _opt_int()  # keep the newest k checkpoints (None = all)
+  c.trainer.async_save = True  # write checkpoints in a background thread
+  c.trainer.max_consecutive_nonfinite = 10  # stop after k skipped (non-finite) updates in a row (0 = never)
   c.trainer.seed = 0  # seeds params init (random models), sampling, mini-batch shuffles
   c.trainer.progress_bar = True  # tqdm over steps
   c.trainer.print_every = 1  # console metrics every k steps

@@ -25,15 +25,21 @@ os.environ.setdefault('TRANSFORMERS_OFFLINE', '1')
 os.environ.setdefault('TOKENIZERS_PARALLELISM', 'false')
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
 
-from absl import app, flags  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
+FLAGS = None
 
-_CONFIG = config_flags.DEFINE_config_file('config', None, 'Job config: path/to/config.py[:variant].',
-                                          lock_config=False)
-_CHECKPOINT = flags.DEFINE_string('checkpoint', None, 'Checkpoint to evaluate (default: the base model).')
-_STEP = flags.DEFINE_integer('step', None, 'Checkpoint step (default: the latest complete one).')
-_WORKDIR = flags.DEFINE_string('workdir', None, 'Working dir of the evaluation (default: a temp dir).')
-_OUTPUT = flags.DEFINE_string('output', None, 'JSON file for the metrics (default: <workdir>/eval_metrics.json).')
+
+def _define_flags():
+  """absl flags, defined only when run as a script (importing this module defines nothing)."""
+  from absl import flags
+  from ml_collections import config_flags
+
+  config_flags.DEFINE_config_file('config', None, 'Job config: path/to/config.py[:variant].', lock_config=False)
+  flags.DEFINE_string('checkpoint', None, 'Checkpoint to evaluate (default: the base model).')
+  flags.DEFINE_integer('step', None, 'Checkpoint step (default: the one --checkpoint names, else the latest).')
+  flags.DEFINE_string('workdir', None, 'Working dir of the evaluation (default: a temp dir).')
+  flags.DEFINE_string('output', None, 'JSON file for the metrics (default: <workdir>/eval_metrics.json).')
+  flags.mark_flag_as_required('config')
+  return flags.FLAGS
 
 
 def evaluate(cfg, checkpoint: str | None = None, *, step: int | None = None,
@@ -67,9 +73,9 @@ def evaluate(cfg, checkpoint: str | None = None, *, step: int | None = None,
 
 def main(argv) -> None:
   del argv
-  workdir = _WORKDIR.value or tempfile.mkdtemp(prefix='jaxrl_eval_')
-  metrics = evaluate(_CONFIG.value, _CHECKPOINT.value, step=_STEP.value, workdir=workdir)
-  out = _OUTPUT.value or os.path.join(workdir, 'eval_metrics.json')
+  workdir = FLAGS.workdir or tempfile.mkdtemp(prefix='jaxrl_eval_')
+  metrics = evaluate(FLAGS.config, FLAGS.checkpoint, step=FLAGS.step, workdir=workdir)
+  out = FLAGS.output or os.path.join(workdir, 'eval_metrics.json')
   os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
   with open(out, 'w') as f:
     json.dump(metrics, f, indent=1, sort_keys=True)
@@ -78,5 +84,7 @@ def main(argv) -> None:
 
 
 if __name__ == '__main__':
-  flags.mark_flag_as_required('config')
+  from absl import app
+
+  FLAGS = _define_flags()
   app.run(main)

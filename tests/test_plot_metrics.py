@@ -69,13 +69,15 @@ def test_timing_panel_is_stacked_to_step_time(tmp_path):
 def test_cli_writes_pngs(tmp_path):
   _write_run(tmp_path / 'a')
   _write_run(tmp_path / 'b', with_kl=False)
-  for run in ('a', 'b'):
-    r = subprocess.run([sys.executable, SCRIPT, str(tmp_path / run)], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-  names = lambda run: sorted(os.listdir(tmp_path / run / 'plots'))  # noqa: E731
-  assert names('a') == ['clip_fraction.png', 'entropy.png', 'kl.png', 'overview.png', 'response_length.png',
-                        'score.png', 'timing.png']
-  assert 'kl.png' not in names('b')  # no KL metrics -> panel skipped
+  r = subprocess.run([sys.executable, SCRIPT, str(tmp_path / 'a')], capture_output=True, text=True, timeout=120)
+  assert r.returncode == 0, r.stderr
+  assert r.stdout.split() == [str(tmp_path / 'a' / 'plots' / f'{n}.png') for n in
+                              ('overview', 'score', 'response_length', 'kl', 'entropy', 'clip_fraction', 'timing')]
+  _module().main([str(tmp_path / 'b'), '--out', str(tmp_path / 'b_plots')])
+  names = lambda d: sorted(os.listdir(d))  # noqa: E731
+  assert names(tmp_path / 'a' / 'plots') == ['clip_fraction.png', 'entropy.png', 'kl.png', 'overview.png',
+                                             'response_length.png', 'score.png', 'timing.png']
+  assert 'kl.png' not in names(tmp_path / 'b_plots')  # no KL metrics -> panel skipped
   with open(tmp_path / 'a' / 'plots' / 'overview.png', 'rb') as f:
     head = f.read(8)
   assert head == b'\x89PNG\r\n\x1a\n'

@@ -22,7 +22,8 @@ trainer leaves `'ref'` None and records a pointer in `host['reference']` (see `r
 Atomicity: orbax writes a step into `global_step_<N>.orbax-checkpoint-tmp/` and renames it to
 `global_step_<N>/` only after every item (and every host) finished; the manager lists only finalized
 step directories, so a save interrupted by a crash, SIGKILL or full disk is never picked up by resume.
-Left-over tmp directories are deleted when the next manager opens the directory.
+Left-over tmp directories are deleted (before its first save) by the next writer that opens the
+directory.
 
 Async: `save` returns once the arrays are copied to host memory (so the caller may donate them to the
 next jitted update); writing happens in a background thread. Errors of a background write surface at
@@ -47,6 +48,19 @@ STEP_PREFIX = 'global_step'
 HOST_ITEM = 'host'
 FORMAT_VERSION = 1
 RESUME_MODES = ('auto', 'disable', 'resume_path')
+
+
+class _DropOrbaxInfo(logging.Filter):
+  """Drops orbax's INFO/DEBUG records (dozens per save) from absl logging; warnings and errors pass."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.WARNING or f'{os.sep}orbax{os.sep}' not in (record.pathname or '')
+
+
+def _quiet_orbax_info() -> None:
+  absl_logger = logging.getLogger('absl')
+  if not any(isinstance(f, _DropOrbaxInfo) for f in absl_logger.filters):
+    absl_logger.addFilter(_DropOrbaxInfo())
 
 
 class CheckpointError(RuntimeError):
@@ -184,6 +198,7 @@ class Checkpointer:
                async_save: bool = True, read_only: bool = False):
     import orbax.checkpoint as ocp
 
+    _quiet_orbax_info()
     self._ocp = ocp
     self.directory = os.path.abspath(os.fspath(directory))
     if os.path.exists(self.directory) and not os.path.isdir(self.directory):
@@ -247,7 +262,7 @@ class Checkpointer:
   # ------------------------------------------------------------------------------------ save
   def _probe_writable(self, step: int) -> None:
     """Fail fast, before any async work, when the directory cannot be created or written."""
-    probe = os.path.join(self.directory, f'.write_probe_{os.getpid()}')
+    probe = os.path.join(self.directory, f'.write_probe_{jax.process_index()}_{os.getpid()}')
     try:
       os.makedirs(self.directory, exist_ok=True)
       with open(probe, 'wb') as f:

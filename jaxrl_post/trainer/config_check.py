@@ -114,6 +114,9 @@ def validate_config(cfg: Any, n_devices: int | None = None) -> None:
   check('trainer.print_every', pos_int, 'must be a positive int')
   check('trainer.test_freq', lambda v: is_int(v) and (v == -1 or v > 0), 'must be -1 (off) or > 0')
   check('trainer.save_freq', lambda v: is_int(v) and (v == -1 or v > 0), 'must be -1 (off) or > 0')
+  check('trainer.max_actor_ckpt_to_keep', lambda v: v is None or pos_int(v), 'must be None or a positive int')
+  check('trainer.max_consecutive_nonfinite', lambda v: is_int(v) and v >= 0, 'must be an int >= 0 (0 = never stop)')
+  check('trainer.async_save', lambda v: isinstance(v, bool), 'must be a bool')
   for axis in ('data', 'fsdp', 'tensor'):
     check(f'trainer.mesh.{axis}', lambda v: is_int(v) and (v == -1 or v > 0), 'must be -1 or a positive int')
 
@@ -252,8 +255,20 @@ def validate_config(cfg: Any, n_devices: int | None = None) -> None:
   if path and not os.path.exists(path):
     err('custom_reward_function.path', 'file not found')
   check('trainer.resume_mode', lambda v: v in RESUME_MODES, f'valid: {list(RESUME_MODES)}')
+  if cfg.trainer.resume_mode == 'resume_path':
+    rp = cfg.trainer.resume_from_path
+    if not rp:
+      err('trainer.resume_from_path', "required when trainer.resume_mode='resume_path'")
+    elif not os.path.exists(os.path.expanduser(rp)):
+      err('trainer.resume_from_path', f'not found: {rp}')
   check('trainer.default_local_dir', lambda v: isinstance(v, str) and v, 'must be a non-empty path')
-  check('trainer.logger', lambda v: all(x in ('console', 'jsonl') for x in v), "valid: 'console', 'jsonl'")
+  loggers = ('console', 'jsonl', 'tensorboard', 'wandb')
+  if check('trainer.logger', lambda v: not isinstance(v, str) and all(x in loggers for x in v),
+           f'a list of {list(loggers)}') and 'wandb' in cfg.trainer.logger:
+    import importlib.util
+
+    if importlib.util.find_spec('wandb') is None:
+      err('trainer.logger', "'wandb' needs the wandb package: pip install wandb (or drop it from the list)")
   check('model.dtype', lambda v: v in ('float32', 'bfloat16', 'float16'), "valid: float32, bfloat16, float16")
   if not cfg.model.random_init:
     check('model.path', lambda v: isinstance(v, str) and v, 'must name a model (dir, .gguf, alias)')

@@ -220,10 +220,6 @@ def make_value_fn(graphdef: nnx.GraphDef, rest: nnx.State, *, micro_batch_size: 
 # ------------------------------------------------------------------------------------------ update
 
 
-def _tree_where(pred, a, b):
-  return jax.tree.map(lambda x, y: jnp.where(pred, x, y), a, b)
-
-
 def _accumulate(loss_fn: Callable, params, batch: dict[str, jax.Array], n_micro: int):
   """Sum of `grad(loss_fn)(params, micro)` and of its aux metrics over `n_micro` micro-batches (lax.scan)."""
   counts = core_algos.global_batch_info(batch['response_mask'])
@@ -242,15 +238,11 @@ def _accumulate(loss_fn: Callable, params, batch: dict[str, jax.Array], n_micro:
 
 
 def _apply(tx: optax.GradientTransformation, params, opt_state, grads, loss):
-  """Optimizer step, skipped (params/state unchanged) when the loss or the gradients are not finite."""
-  grad_norm = optax.tree.norm(grads)
-  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-  safe_grads = jax.tree.map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), grads)
-  updates, new_opt_state = tx.update(safe_grads, opt_state, params)
-  new_params = optax.apply_updates(params, updates)
-  new_params = _tree_where(finite, new_params, params)
-  new_opt_state = _tree_where(finite, new_opt_state, opt_state)
-  return new_params, new_opt_state, grad_norm, finite
+  """Optimizer step, skipped (params/state bitwise unchanged) when the loss or the gradients are not
+  finite (`nonfinite.apply_if_finite`). Returns (params, opt_state, grad_norm, finite)."""
+  from jaxrl_post.trainer.nonfinite import apply_if_finite
+
+  return apply_if_finite(tx, params, opt_state, grads, loss)
 
 
 ACTOR_BATCH_KEYS = ('input_ids', 'attention_mask', 'position_ids', 'responses', 'response_mask',

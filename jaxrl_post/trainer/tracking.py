@@ -1,8 +1,10 @@
 """Experiment tracking: one `Tracking` object fans metrics out to backends (verl's `utils/tracking.py`).
 
-Backends: `console` (compact one-line summary per step) and `jsonl` (`metrics.jsonl` in the working dir,
-always on, one JSON object per line: `{"step": int, "<metric>": float, ...}`). New backends (TensorBoard,
-W&B) implement `log(metrics, step)` and `close()` and register in `BACKENDS`.
+Backends: `console` (compact one-line summary per step), `jsonl` (`metrics.jsonl` in the working dir,
+always on, one JSON object per line: `{"step": int, "<metric>": float, ...}`), `tensorboard` (tensorboardX
+event files in `<workdir>/tensorboard`) and `wandb` (Weights & Biases, when installed and configured); the
+last two live in `loggers.py`. A backend implements `log(metrics, step)` and `close()` and registers in
+`BACKENDS`.
 """
 
 from __future__ import annotations
@@ -114,18 +116,34 @@ class ConsoleLogger:
     pass
 
 
-BACKENDS = {'console': ConsoleLogger, 'jsonl': JsonlLogger}
+def _tensorboard(workdir, **kw):
+  from jaxrl_post.trainer.loggers import TensorBoardLogger
+
+  return TensorBoardLogger(workdir, **kw)
+
+
+def _wandb(workdir, **kw):
+  from jaxrl_post.trainer.loggers import WandbLogger
+
+  return WandbLogger(workdir, **kw)
+
+
+BACKENDS = {'console': ConsoleLogger, 'jsonl': JsonlLogger, 'tensorboard': _tensorboard, 'wandb': _wandb}
 
 
 class Tracking:
   """Fan-out logger. `jsonl` is always on; `loggers` selects the others (names in `BACKENDS`).
 
+  `project`, `experiment` and `config` (a JSON-able dict) go to backends that record runs (wandb).
+
   Raises:
-    ValueError: an unknown logger name.
+    ValueError: an unknown logger name. ImportError / RuntimeError: wandb requested but not installed /
+      not configured (see `loggers.WandbLogger`).
   """
 
   def __init__(self, workdir: str, loggers=('console', 'jsonl'), print_every: int = 1,
-               console_write=None):
+               console_write=None, *, project: str | None = None, experiment: str | None = None,
+               config: Mapping[str, Any] | None = None):
     names = list(dict.fromkeys(['jsonl', *loggers]))
     unknown = [n for n in names if n not in BACKENDS]
     if unknown:
@@ -137,7 +155,11 @@ class Tracking:
       elif n == 'console':
         self.backends[n] = ConsoleLogger(print_every, write=console_write)
       else:
-        self.backends[n] = BACKENDS[n](workdir)
+        try:
+          self.backends[n] = BACKENDS[n](workdir, project=project, experiment=experiment, config=config)
+        except Exception:
+          self.close()
+          raise
 
   def log(self, data: Mapping[str, Any], step: int) -> None:
     for b in self.backends.values():

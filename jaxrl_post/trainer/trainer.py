@@ -21,7 +21,11 @@ no KL-in-reward. Then the old log-probs equal the current ones, so the update us
 `stop_gradient(log_prob)` as old log-probs (ratio == 1) and the separate forward pass is skipped.
 
 Checkpointable state (see `state_dict`): actor/critic params and optimizer states, global step, update
-counters, RNG key, KL controller, data iterator position.
+counters, RNG key, KL controller, data iterator position, non-finite skip counters; the reference params
+only as a pointer (they are the initial actor, rebuilt the same way). Checkpoints (`checkpoint.py`,
+orbax, async) are written every `trainer.save_freq` steps and after the last one, into
+`<trainer.default_local_dir>/checkpoints/global_step_<N>`; `trainer.resume_mode` picks what to resume
+from when the trainer is built. Resuming is exact: the same steps give bit-identical params and metrics.
 """
 
 from __future__ import annotations
@@ -39,8 +43,10 @@ from flax import nnx
 
 from jaxrl_post import core_algos
 from jaxrl_post.protocol import DataProto
-from jaxrl_post.trainer import builders, metrics as metrics_lib, steps
+from jaxrl_post.trainer import builders, checkpoint as ckpt, metrics as metrics_lib, steps
 from jaxrl_post.trainer.config_check import critic_enabled, kl_in_use, validate_config
+from jaxrl_post.trainer.loggers import config_to_dict, save_run_config
+from jaxrl_post.trainer.nonfinite import NonFiniteGuard
 from jaxrl_post.trainer.tracking import Tracking
 
 _FWD_KEYS = ('input_ids', 'attention_mask', 'position_ids', 'responses')
@@ -67,6 +73,7 @@ class RLTrainer:
 
   Raises:
     ConfigError: invalid config (names every bad key), before any model is loaded or compiled.
+    CheckpointError: the checkpoint to resume from cannot be read or does not match the config.
   """
 
   def __init__(self, config, *, tracker: Tracking | None = None,
@@ -178,10 +185,24 @@ class RLTrainer:
     self.actor_update_count = 0
     self.critic_update_count = 0
     self.peak_flops = metrics_lib.device_peak_flops(override=cfg.trainer.device_peak_flops)
+    self._say = console_write or (lambda line: print(line, flush=True))
     self.tracker = tracker or Tracking(self.workdir, cfg.trainer.logger, int(cfg.trainer.print_every),
-                                       console_write=console_write)
-    with open(os.path.join(self.workdir, 'config.json'), 'w') as f:
-      f.write(cfg.to_json_best_effort(indent=2))
+                                       console_write=console_write, project=cfg.trainer.project_name,
+                                       experiment=cfg.trainer.experiment_name, config=config_to_dict(cfg))
+    save_run_config(cfg, self.workdir)  # config.json + config.yaml
+
+    # ---- non-finite update guards, checkpoints, resume
+    max_nf = int(cfg.trainer.max_consecutive_nonfinite)
+    self.actor_guard = NonFiniteGuard(max_nf, 'actor')
+    self.critic_guard = NonFiniteGuard(max_nf, 'critic')
+    self.ref_is_initial = True  # the reference never changes here: saved as a pointer, not as params
+    self.checkpointer = ckpt.Checkpointer(ckpt.checkpoint_dir(self.workdir),
+                                          max_to_keep=cfg.trainer.max_actor_ckpt_to_keep,
+                                          async_save=bool(cfg.trainer.async_save))
+    self.resumed_from: str | None = None
+    found = ckpt.find_resume_checkpoint(cfg.trainer.resume_mode, self.workdir, cfg.trainer.resume_from_path)
+    if found is not None:
+      self.load_checkpoint(*found)
 
   # ------------------------------------------------------------------------------------ jit helpers
   def _tracer(self, name: str) -> Callable[[], None]:
@@ -346,8 +367,11 @@ class RLTrainer:
           self.actor_params, self.actor_opt_state, self._put(mb))
       self.actor_update_count += 1
       out.append(dict(m, lr=lr))
-    red = metrics_lib.reduce_metrics([jax.device_get(m) for m in out])
+    out = [jax.device_get(m) for m in out]
+    guard = self.actor_guard.observe([m['update_skipped'] for m in out], step=self.global_steps + 1)
+    red = metrics_lib.reduce_metrics(out)
     res = {f'actor/{k}': v for k, v in red.items() if k not in ('rollout_probs_diff_mean', 'loss')}
+    res.update(guard)
     if 'rollout_probs_diff_mean' in red:
       res['training/rollout_probs_diff_mean'] = red['rollout_probs_diff_mean']
     if a.use_kl_loss:
@@ -366,8 +390,10 @@ class RLTrainer:
           self.critic_params, self.critic_opt_state, self._put(mb))
       self.critic_update_count += 1
       out.append(dict(m, lr=lr))
-    red = metrics_lib.reduce_metrics([jax.device_get(m) for m in out])
-    return {f'critic/{k}': v for k, v in red.items()}
+    out = [jax.device_get(m) for m in out]
+    guard = self.critic_guard.observe([m['update_skipped'] for m in out], step=self.global_steps + 1)
+    red = metrics_lib.reduce_metrics(out)
+    return dict({f'critic/{k}': v for k, v in red.items()}, **guard)
 
   def _step_metrics(self, b, timing, prompts: DataProto) -> dict[str, float]:
     cfg = self.config
@@ -400,7 +426,7 @@ class RLTrainer:
     t0 = time.perf_counter()
     n = int(self.config.rollout.val_kwargs.n)
     params = self.sampling_params(validate=True, seed=int(self.config.trainer.seed))
-    sources, scores, lengths, uids = [], [], [], []
+    sources, scores, lengths, uids, preds = [], [], [], [], []
     extras: dict[str, list[np.ndarray]] = {}
     bs = self.val_loader.batch_size
     for i, batch in enumerate(iter(self.val_loader)):
@@ -410,6 +436,14 @@ class RLTrainer:
       out = self.generator.generate(batch, params)
       out = out.unpad(pad) if pad else out
       res = self.reward_fn.compute(out)
+      if n > 1:  # extracted final answers, for majority voting (maj@k)
+        from jaxrl_post.trainer.validation import extract_answer
+
+        texts, _ = self.reward_fn.decode_responses(out)
+        nt = out.non_tensor_batch
+        infos = nt['extra_info'] if 'extra_info' in nt else [None] * len(texts)
+        preds += [extract_answer(str(d), t, e if isinstance(e, dict) else None)
+                  for d, t, e in zip(nt['data_source'], texts, infos)]
       scores.append(np.asarray(res.scores, np.float64))
       lengths.append(np.asarray(out.batch['response_mask']).sum(-1))
       sources.append(np.asarray(out.non_tensor_batch['data_source']))
@@ -426,7 +460,7 @@ class RLTrainer:
       v = np.concatenate(v)
       if k != 'reward' and v.size == scores.size:  # keys reported by every batch
         infos[k] = v
-    out_m = process_validation_metrics(sources, uids, infos)
+    out_m = process_validation_metrics(sources, uids, infos, preds if n > 1 else None)
     for ds in np.unique(sources):
       sel = sources == ds
       out_m[f'val-aux/{ds}/response_length/mean'] = float(lengths[sel].mean())
@@ -435,14 +469,30 @@ class RLTrainer:
     return out_m
 
   # ------------------------------------------------------------------------------------ loop
-  def fit(self) -> dict[str, Any]:
-    """Train for `total_training_steps` steps (validating before/after as configured).
+  def fit(self, max_steps: int | None = None) -> dict[str, Any]:
+    """Train until `total_training_steps` (validating before/after as configured), checkpointing every
+    `trainer.save_freq` steps and after the last step.
+
+    Args:
+      max_steps: stop after this many steps of this call even if training is not finished (a later
+        trainer resumes from the last checkpoint; used to test exact resume).
 
     Returns `{"val_before": metrics | None, "val_after": metrics | None, "last": last step metrics,
     "history": list of per-step metrics}`.
+
+    Raises:
+      NonFiniteError: `trainer.max_consecutive_nonfinite` skipped updates in a row (no checkpoint of
+        that step is written). CheckpointError: a checkpoint could not be written.
     """
     cfg = self.config
     result: dict[str, Any] = {'val_before': None, 'val_after': None, 'last': {}, 'history': []}
+    if self.global_steps >= self.total_training_steps:
+      self._say(f'training already finished: step {self.global_steps} of {self.total_training_steps}'
+                + (f' (resumed from {self.resumed_from})' if self.resumed_from else ''))
+      return result
+    stop_at = self.total_training_steps if max_steps is None else min(
+        self.total_training_steps, self.global_steps + int(max_steps))
+    save_freq = int(cfg.trainer.save_freq)
     self.tracker.log(self.data_stats, step=self.global_steps)
     if cfg.trainer.val_before_train and self.val_loader is not None:
       result['val_before'] = self.validate()
@@ -453,7 +503,7 @@ class RLTrainer:
 
       bar = tqdm(total=self.total_training_steps, initial=self.global_steps, desc='training', unit='step')
     try:
-      while self.global_steps < self.total_training_steps:
+      while self.global_steps < stop_at:
         prompts = next(self.train_loader)
         m = self.train_step(prompts)
         last = self.global_steps >= self.total_training_steps
@@ -467,6 +517,9 @@ class RLTrainer:
         self.tracker.log(m, step=self.global_steps)
         result['history'].append(m)
         result['last'] = m
+        if save_freq > 0 and (self.global_steps % save_freq == 0 or last):
+          self.save_checkpoint()
+        self.checkpointer.check_for_errors()  # a failed background save stops the run here
         if bar is not None:
           bar.update(1)
           bar.set_postfix(score=f"{m.get('critic/score/mean', float('nan')):.3f}")
@@ -476,16 +529,28 @@ class RLTrainer:
     return result
 
   def close(self) -> None:
-    self.tracker.close()
-    self.reward_fn.close()
+    """Wait for a pending checkpoint save (raises `CheckpointError` if it failed), then release loggers
+    and reward workers."""
+    try:
+      self.checkpointer.close()
+    finally:
+      self.tracker.close()
+      self.reward_fn.close()
 
   # ------------------------------------------------------------------------------------ state
   def state_dict(self) -> dict[str, Any]:
-    """Everything needed to resume exactly (pytrees of arrays + JSON-able host state)."""
+    """Everything needed to resume exactly (pytrees of arrays + JSON-able host state; see checkpoint.py).
+
+    The reference params are included only when they differ from the initial actor (never in this
+    trainer); otherwise `host['reference']` points at how they are rebuilt.
+    """
+    cfg = self.config
+    ref_saved = self.use_ref and not self.ref_is_initial
     return {
         'actor': {'params': self.actor_params, 'opt_state': self.actor_opt_state},
         'critic': ({'params': self.critic_params, 'opt_state': self.critic_opt_state}
                    if self.use_critic else None),
+        'ref': {'params': self.ref_params} if ref_saved else None,
         'rng': jax.random.key_data(self.rng),
         'host': {
             'global_steps': self.global_steps,
@@ -493,8 +558,43 @@ class RLTrainer:
             'critic_update_count': self.critic_update_count,
             'kl_ctrl': self.kl_ctrl.state_dict(),
             'data_iter': self.train_loader.get_state(),
+            'nonfinite': {'actor': self.actor_guard.state_dict(), 'critic': self.critic_guard.state_dict()},
+            'reference': (None if not self.use_ref else 'saved' if ref_saved else ckpt.reference_pointer(
+                model_path=None if cfg.model.random_init else cfg.model.path,
+                random_init=bool(cfg.model.random_init), seed=int(cfg.trainer.seed))),
+            'model': ckpt.model_metadata(self.actor_model.config, cfg.model.tokenizer_path or cfg.model.path),
+            'total_training_steps': self.total_training_steps,
         },
     }
+
+  def save_checkpoint(self) -> bool:
+    """Start an (async) checkpoint of the current state as step `global_steps`; False if one exists."""
+    return self.checkpointer.save(self.global_steps, self.state_dict())
+
+  def _open_checkpoint_dir(self, root: str) -> ckpt.Checkpointer:
+    if os.path.abspath(root) == self.checkpointer.directory:
+      return self.checkpointer
+    return ckpt.Checkpointer(root, read_only=True)
+
+  def load_checkpoint(self, root: str, step: int) -> None:
+    """Restore the full training state of `<root>/global_step_<step>` into this trainer (arrays go
+    straight to the current shardings)."""
+    c = self._open_checkpoint_dir(root)
+    items = set(c.read_host(step).get('items', []))
+    like = {k: v for k, v in self.state_dict().items() if k != 'host'}
+    if self.use_ref and 'ref.params' in items:
+      like['ref'] = {'params': self.ref_params}
+    self.load_state_dict(c.restore(step, like=like))
+    self.resumed_from = c.step_path(step)
+    self._say(f'resumed from {self.resumed_from} (step {self.global_steps} of {self.total_training_steps})')
+
+  def load_actor_params_from(self, root: str, step: int) -> None:
+    """Load only the actor params of a checkpoint (evaluation / export); optimizer state untouched."""
+    c = self._open_checkpoint_dir(root)
+    got = c.restore(step, like={'actor': {'params': self.actor_params}})
+    self.actor_params = jax.tree.map(lambda n, l: jax.device_put(n, l.sharding), got['actor']['params'],
+                                     self.actor_params)
+    self._sync_rollout_weights()
 
   def load_state_dict(self, state: dict[str, Any]) -> None:
     """Inverse of `state_dict` (arrays are placed like the current ones)."""
@@ -511,6 +611,11 @@ class RLTrainer:
     self.critic_update_count = int(host['critic_update_count'])
     self.kl_ctrl.load_state_dict(host['kl_ctrl'])
     self.train_loader.set_state(host['data_iter'])
+    nonfinite = host.get('nonfinite') or {}
+    self.actor_guard.load_state_dict(nonfinite.get('actor', {}))
+    self.critic_guard.load_state_dict(nonfinite.get('critic', {}))
+    if state.get('ref') is not None and self.use_ref:
+      self.ref_params = place(state['ref']['params'], self.ref_params)
     self._sync_rollout_weights()
 
 
