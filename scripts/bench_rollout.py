@@ -123,8 +123,8 @@ def main():
 
     from jaxrl_post.models import load_pretrained, resolve_model_path
 
+    model, tok = load_pretrained("smollm2-135m-instruct", dtype="float32")
     _, path = resolve_model_path("smollm2-135m-instruct")
-    model, tok = load_pretrained(path, dtype="float32")
     n_params = model.config.num_params()
     hf = None
     if not args.skip_hf:

@@ -295,8 +295,8 @@ def test_smollm2_greedy_matches_transformers():
     from jaxrl_post.models import load_pretrained, resolve_model_path
     from jaxrl_post.models.tokenizer import apply_chat_template
 
+    model, tok = load_pretrained("smollm2-135m-instruct", dtype="float32")
     _, path = resolve_model_path("smollm2-135m-instruct")
-    model, tok = load_pretrained(path, dtype="float32")
     questions = ["What is 2 + 3?", "Name a color of the sky on a clear day, and explain why it looks that way.",
                  "Write one short sentence about cats."]
     rows = [apply_chat_template(tok, [{"role": "user", "content": q}]) for q in questions]
