@@ -21,7 +21,7 @@ Sources: verl `dp_actor.DataParallelPPOActor.{compute_log_prob,update_policy}`,
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
