@@ -139,9 +139,12 @@ def shard_batch(tree, mesh: Mesh):
 
 
 def cache_shardings(cache, mesh: Mesh):
-    """Shardings for a decoder KVCache: k/v [L, B, S, N, K] batch over data/fsdp, kv heads over tensor."""
-    kv = NamedSharding(mesh, logical_to_mesh_spec(("layers", "batch", "cache_seq", "kv_heads", "head_dim")))
-    return type(cache)(k=kv, v=kv, mask=batch_sharding(mesh, 2), index=NamedSharding(mesh, P()))
+    """Shardings for a decoder KVCache (per layer k [B, N, K, S], v [B, N, S, K]): batch over data/fsdp,
+    kv heads over tensor; same pytree structure as `cache`."""
+    k = NamedSharding(mesh, logical_to_mesh_spec(("batch", "kv_heads", "head_dim", "cache_seq")))
+    v = NamedSharding(mesh, logical_to_mesh_spec(("batch", "kv_heads", "cache_seq", "head_dim")))
+    return type(cache)(k=tuple(k for _ in cache.k), v=tuple(v for _ in cache.v), mask=batch_sharding(mesh, 2),
+                       index=NamedSharding(mesh, P()))
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:

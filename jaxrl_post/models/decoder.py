@@ -92,21 +92,26 @@ def _constrain(x: jax.Array, names: tuple) -> jax.Array:
 
 @flax.struct.dataclass
 class KVCache:
-    """Key/value cache shared by all rows of a batch.
+    """Key/value cache shared by all rows of a batch, one buffer pair per layer.
 
-    k, v: [L, B, S, N, K] (keys stored after RoPE); mask: [B, S] bool (slot holds a real token);
-    index: int32 scalar, next slot to write (same for every row). A model call with T new tokens writes
-    slots [index, index + T); the caller must keep index + T <= S (not checked under jit).
+    k: L arrays [B, N, K, S] (keys after RoPE, slots last); v: L arrays [B, N, S, K]; mask: [B, S] bool
+    (slot holds a real token); index: int32 scalar, next slot to write (same for every row).
+    A model call with T new tokens writes slots [index, index + T); the caller must keep
+    index + T <= S (not checked under jit).
+
+    Layout: with slots last in k and next-to-last in v, both attention products of a decode step are
+    plain per-(row, kv head) matmuls ``[G*T, K] @ [K, S]`` and ``[G*T, S] @ [S, K]`` with no transpose of the
+    cache, and per-layer buffers are updated in place without slicing a stacked [L, ...] array.
     """
 
-    k: jax.Array
-    v: jax.Array
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
     mask: jax.Array
     index: jax.Array
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self.mask.shape[1]
 
 
 # ------------------------------------------------------------------------------------------ rope
@@ -224,9 +229,10 @@ class Attention(nnx.Module):
 
     def __call__(self, x, positions, kv_mask, index, kv=None):
         """x [B, T, D]; positions [B, T] int32; kv_mask [B, S] bool (valid key slots, S = T without a cache);
-        index: int32 slot of x[:, 0]; kv: optional (k_all, v_all) stacked cache [L, B, S, N, K] to write
-        this layer's keys into. Returns (y [B, T, D], kv updated or None)."""
+        index: int32 slot of x[:, 0]; kv: optional (k [B, N, K, S], v [B, N, S, K]) cache buffers of this
+        layer to write the new keys/values into. Returns (y [B, T, D], kv updated or None)."""
         b, t, _ = x.shape
+        n, g = self.num_kv_heads, self.num_heads // self.num_kv_heads
         q = self._proj(x, self.q_proj, self.q_bias)  # [B, T, H, K]
         k = self._proj(x, self.k_proj, self.k_bias)  # [B, T, N, K]
         v = self._proj(x, self.v_proj, self.v_bias)
@@ -234,16 +240,14 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         angles = _rope_angles(positions, self.head_dim, self.rope_base, dict(self.rope_scaling), self.max_pos)
         q, k = apply_rope(q, angles), apply_rope(k, angles)
+        keys = k.transpose(0, 2, 3, 1)  # [B, N, K, T]
+        values = v.transpose(0, 2, 1, 3)  # [B, N, T, K]
         if kv is not None:
-            k_all, v_all = kv
-            start = (self.layer, 0, index, 0, 0)
-            k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), start)
-            v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), start)
-            kv = (k_all, v_all)
-            keys, values = k_all[self.layer].astype(self.dtype), v_all[self.layer].astype(self.dtype)
-        else:
-            keys, values = k, v
-        s = keys.shape[1]
+            k_cache = jax.lax.dynamic_update_slice(kv[0], keys.astype(kv[0].dtype), (0, 0, 0, index))
+            v_cache = jax.lax.dynamic_update_slice(kv[1], values.astype(kv[1].dtype), (0, 0, index, 0))
+            kv = (k_cache, v_cache)
+            keys, values = k_cache.astype(self.dtype), v_cache.astype(self.dtype)
+        s = keys.shape[-1]
         q_slot = index + jnp.arange(t)[:, None]  # [T, 1]
         kv_slot = jnp.arange(s)[None, :]  # [1, S]
         allowed = kv_slot <= q_slot
@@ -251,13 +255,17 @@ class Attention(nnx.Module):
             allowed &= kv_slot > q_slot - self.window
         allowed = allowed[None] & kv_mask[:, None, :]  # [B, T, S]
 
-        qg = q.reshape(b, t, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
-        scores = jnp.einsum("BTNGK,BSNK->BNGTS", qg, keys, preferred_element_type=jnp.float32) * self.scale
+        # Query heads of one kv head are folded into the row dim: [B, N, G*T, K] (head h = n * G + g).
+        qg = q.reshape(b, t, n, g, self.head_dim).transpose(0, 2, 3, 1, 4).reshape(b, n, g * t, self.head_dim)
+        scores = jnp.einsum("BNQK,BNKS->BNQS", qg, keys, preferred_element_type=jnp.float32) * self.scale
         if self.softcap is not None:
             scores = jnp.tanh(scores / self.softcap) * self.softcap
-        scores = jnp.where(allowed[:, None, None], scores, _NEG)
+        scores = scores.reshape(b, n, g, t, s)
+        scores = jnp.where(allowed[:, None, None], scores, _NEG).reshape(b, n, g * t, s)
         probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-        out = jnp.einsum("BNGTS,BSNK->BTNGK", probs, values).reshape(b, t, self.num_heads, self.head_dim)
+        out = jnp.einsum("BNQS,BNSK->BNQK", probs, values)  # [B, N, G*T, K]
+        out = out.reshape(b, n, g, t, self.head_dim).transpose(0, 3, 1, 2, 4).reshape(b, t, self.num_heads,
+                                                                                      self.head_dim)
         y = jnp.einsum("BTHK,HKD->BTD", out, self.o_proj[...].astype(self.dtype))
         return y, kv
 
@@ -321,12 +329,14 @@ class Transformer(nnx.Module):
 
     # ------------------------------------------------------------------ cache
     def init_cache(self, batch_size: int, max_len: int, dtype=None) -> KVCache:
-        """Empty cache: k, v zeros [L, B, S=max_len, N, K] (dtype default: compute dtype), mask False, index 0."""
+        """Empty cache: per layer k zeros [B, N, K, S=max_len] and v zeros [B, N, S, K] (dtype default: the
+        compute dtype), mask False [B, S], index 0."""
         c = self.config
-        shape = (c.num_layers, batch_size, max_len, c.num_kv_heads, c.head_dim)
+        b, n, k, s = batch_size, c.num_kv_heads, c.head_dim, max_len
         dt = jnp.dtype(dtype or self.dtype)
-        return KVCache(k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt),
-                       mask=jnp.zeros((batch_size, max_len), bool), index=jnp.zeros((), jnp.int32))
+        return KVCache(k=tuple(jnp.zeros((b, n, k, s), dt) for _ in range(c.num_layers)),
+                       v=tuple(jnp.zeros((b, n, s, k), dt) for _ in range(c.num_layers)),
+                       mask=jnp.zeros((b, s), bool), index=jnp.zeros((), jnp.int32))
 
     # ---------------------------------------------------------------- forward
     def hidden_states(self, input_ids, attention_mask, positions=None, cache: KVCache | None = None):
@@ -339,13 +349,13 @@ class Transformer(nnx.Module):
         mask = jnp.asarray(attention_mask).astype(bool)
         b, t = input_ids.shape
         if cache is None:
-            index, kv_mask, prior, kv = 0, mask, 0, None
+            index, kv_mask, prior = 0, mask, 0
         else:
             index = cache.index
             s = cache.mask.shape[1]
             prior = jnp.sum(cache.mask & (jnp.arange(s)[None] < index), axis=1)
             kv_mask = jax.lax.dynamic_update_slice(cache.mask, mask, (0, index))
-            kv = (cache.k, cache.v)
+            new_k, new_v = list(cache.k), list(cache.v)
         if positions is None:
             positions = positions_from_mask(mask, prior)
         positions = jnp.asarray(positions, jnp.int32)
@@ -359,15 +369,15 @@ class Transformer(nnx.Module):
         if self.remat and cache is None:
             policy = None if self.remat is True else getattr(jax.checkpoint_policies, self.remat)
             run = nnx.remat(_run_block, policy=policy)
-        for block in self.layers:
+        for i, block in enumerate(self.layers):
             if cache is None:
                 x = run(block, x, positions, kv_mask, index)
             else:
-                x, kv = block(x, positions, kv_mask, index, kv)
+                x, (new_k[i], new_v[i]) = block(x, positions, kv_mask, index, (new_k[i], new_v[i]))
         h = self.final_norm(x)
         if cache is None:
             return h
-        return h, KVCache(k=kv[0], v=kv[1], mask=kv_mask, index=cache.index + t)
+        return h, KVCache(k=tuple(new_k), v=tuple(new_v), mask=kv_mask, index=cache.index + t)
 
     def logits_from_hidden(self, h: jax.Array) -> jax.Array:
         """[B, T, D] -> logits [B, T, V] float32 (tied or untied head, final soft-cap)."""
