@@ -57,11 +57,11 @@ def matmul_peak_flops(n: int = 2048, reps: int = 10) -> float:
     return 2 * n**3 / best
 
 
-def bench_ours(model, ids, mask, pad, new_tokens, reps, decode_chunk):
+def bench_ours(model, ids, mask, pad, new_tokens, reps, decode_chunk, segment_len=None):
     from jaxrl_post.protocol import DataProto
     from jaxrl_post.rollout import Generator, SamplingParams
 
-    gen = Generator(model, decode_chunk=decode_chunk)
+    gen = Generator(model, decode_chunk=decode_chunk, cache_segment_len=segment_len)
     dp = DataProto.from_dict({"input_ids": ids, "attention_mask": mask})
     params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, eos_token_ids=(), pad_token_id=pad)
     t = time.perf_counter()
@@ -111,6 +111,8 @@ def main():
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--hf-reps", type=int, default=1)
     ap.add_argument("--decode-chunk", type=int, default=16)
+    ap.add_argument("--cache-segment-len", type=int, default=None,
+                    help="KV cache slots per segment (default: Generator's choice; a huge value = one segment)")
     ap.add_argument("--hf-threads", default="1,2",
                     help="torch thread counts to try; the fastest is the baseline (oversubscribed cores can make "
                          "2 threads much slower than 1)")
@@ -134,7 +136,8 @@ def main():
     results = []
     for batch in [int(b) for b in args.batches.split(",")]:
         ids, mask, pad, mean_len = make_prompts(tok, batch)
-        ours_s, compile_s = bench_ours(model, ids, mask, pad, args.new_tokens, args.reps, args.decode_chunk)
+        ours_s, compile_s = bench_ours(model, ids, mask, pad, args.new_tokens, args.reps, args.decode_chunk,
+                                       args.cache_segment_len)
         hf_s, hf_threads = (bench_hf(hf, ids, mask, pad, args.new_tokens, args.hf_reps,
                                      [int(t) for t in args.hf_threads.split(",")])
                             if hf is not None else (float("nan"), None))

@@ -178,6 +178,43 @@ def test_kv_cache_prefill_decode_matches_full_forward(family):
     _assert_close(np.concatenate(outs, 1), full, mask, tol=1e-5)
 
 
+@pytest.mark.parametrize("family,segment_len", [("llama", 3), ("gemma2", 4)])
+def test_segmented_cache_matches_full_forward_and_skips_unwritten_segments(family, segment_len):
+    """Writes that cross segment boundaries (static-index prefill, traced multi-token steps) give the full
+    forward's logits, and attention never reads a segment before it holds a token: unwritten segments are
+    filled with NaN, which would reach the logits through 0 * NaN if they were read (with one segment, or
+    without the skip, they would be)."""
+    cfg = _tiny(family)
+    model = _random_model(cfg, seed=1)
+    b, t = 3, 11
+    ids, _ = _batch(cfg.vocab_size, b=b, t=t, seed=2)
+    mask = np.ones((b, t), np.int32)
+    mask[0, :3] = 0
+    mask[2, :1] = 0
+    full = np.asarray(_forward(model, ids, mask))
+
+    max_len = t + 2 * segment_len - 1
+    cache = model.init_cache(b, max_len, segment_len=segment_len)
+    sizes = cache.segments
+    assert sum(sizes) == max_len and max(sizes) == segment_len and len(sizes) == -(-max_len // segment_len)
+    offsets = np.cumsum((0,) + sizes[:-1])
+    assert (offsets >= t).sum() == 2  # two segments are never written below
+    poison = lambda segs: tuple(jnp.full_like(s, jnp.nan) if o >= t else s for s, o in zip(segs, offsets))  # noqa: E731
+    cache = cache.replace(k=tuple(map(poison, cache.k)), v=tuple(map(poison, cache.v)))
+    logits, cache = model(ids[:, :5], mask[:, :5], cache=cache)  # eager: static index 0, crosses a boundary
+    assert cache.index == 5
+    outs = [np.asarray(logits)]
+    step = jax.jit(lambda m, c, i, a: m(i, a, cache=c))
+    for lo, hi in [(5, 7), (7, 8), (8, 11)]:  # traced index; multi-token writes cross boundaries
+        logits, cache = step(model, cache, ids[:, lo:hi], mask[:, lo:hi])
+        outs.append(np.asarray(logits))
+    got = np.concatenate(outs, 1)
+    assert np.isfinite(got).all()
+    _assert_close(got, full, mask, tol=1e-5)
+    # The slots after the last write are still NaN: nothing wrote there and nothing read them.
+    assert np.isnan(np.asarray(cache.k[0][-1])[..., -1]).all()
+
+
 def test_left_padding_invariance_and_causality():
     cfg = _tiny("gemma3")
     model = _random_model(cfg, seed=3)

@@ -92,26 +92,65 @@ def _constrain(x: jax.Array, names: tuple) -> jax.Array:
 
 @flax.struct.dataclass
 class KVCache:
-    """Key/value cache shared by all rows of a batch, one buffer pair per layer.
+    """Key/value cache shared by all rows of a batch: per layer, the slots split into segments.
 
-    k: L arrays [B, N, K, S] (keys after RoPE, slots last); v: L arrays [B, N, S, K]; mask: [B, S] bool
-    (slot holds a real token); index: int32 scalar, next slot to write (same for every row).
-    A model call with T new tokens writes slots [index, index + T); the caller must keep
-    index + T <= S (not checked under jit).
+    k: per layer a tuple of segments [B, N, K, S_j] (keys after RoPE, slots last); v: per layer a tuple of
+    segments [B, N, S_j, K]; sum(S_j) = S, every layer segmented alike. mask: [B, S] bool (slot holds a real
+    token). index: next slot to write (same for every row): an int32 scalar, or the Python int 0 of a fresh
+    cache (the first write then uses static offsets). A model call with T new tokens writes slots
+    [index, index + T); the caller must keep index + T <= S (not checked under jit).
 
-    Layout: with slots last in k and next-to-last in v, both attention products of a decode step are
-    plain per-(row, kv head) matmuls ``[G*T, K] @ [K, S]`` and ``[G*T, S] @ [S, K]`` with no transpose of the
-    cache, and per-layer buffers are updated in place without slicing a stacked [L, ...] array.
+    Layout: slots last in k and next-to-last in v make both attention products of a decode step plain
+    per-(row, kv head) matmuls ``[G*T, K] @ [K, S_j]`` and ``[G*T, S_j] @ [S_j, K]`` with no transpose of the
+    cache. Segments let attention skip (``lax.cond``) every segment with no visible key yet, so a decode
+    step reads only the slots written so far instead of all S (see ``Transformer.init_cache``).
     """
 
-    k: tuple[jax.Array, ...]
-    v: tuple[jax.Array, ...]
+    k: tuple
+    v: tuple
     mask: jax.Array
-    index: jax.Array
+    index: jax.Array | int
 
     @property
     def max_len(self) -> int:
         return self.mask.shape[1]
+
+    @property
+    def segments(self) -> tuple[int, ...]:
+        """Slot count of each segment (S_j)."""
+        return tuple(seg.shape[-1] for seg in self.k[0])
+
+
+def _write_slots(segments: tuple, new: jax.Array, index, axis: int) -> tuple:
+    """Write ``new`` (T slots along ``axis``) into a segmented buffer at slot ``index``.
+
+    Static ``index`` (Python int): each segment gets its overlapping part at a static offset. Traced
+    index: one dynamic_update_slice for a single segment; with several segments one masked single-slot
+    write per token and segment (a write may cross segment boundaries), all in place.
+    """
+    t = new.shape[axis]
+    out, off = [], 0
+    for seg in segments:
+        n = seg.shape[axis]
+        upd = new.astype(seg.dtype)
+        if isinstance(index, int):
+            lo, hi = max(index, off), min(index + t, off + n)
+            if lo < hi:
+                part = jax.lax.slice_in_dim(upd, lo - index, hi - index, axis=axis)
+                seg = jax.lax.dynamic_update_slice_in_dim(seg, part, lo - off, axis)
+        elif len(segments) == 1:
+            seg = jax.lax.dynamic_update_slice_in_dim(seg, upd, index, axis)
+        else:
+            for i in range(t):
+                slot = index + i
+                start = jnp.clip(slot - off, 0, n - 1)
+                inside = (slot >= off) & (slot < off + n)
+                cur = jax.lax.dynamic_slice_in_dim(seg, start, 1, axis)
+                tok = jax.lax.slice_in_dim(upd, i, i + 1, axis=axis)
+                seg = jax.lax.dynamic_update_slice_in_dim(seg, jnp.where(inside, tok, cur), start, axis)
+        out.append(seg)
+        off += n
+    return tuple(out)
 
 
 # ------------------------------------------------------------------------------------------ rope
@@ -229,8 +268,9 @@ class Attention(nnx.Module):
 
     def __call__(self, x, positions, kv_mask, index, kv=None):
         """x [B, T, D]; positions [B, T] int32; kv_mask [B, S] bool (valid key slots, S = T without a cache);
-        index: int32 slot of x[:, 0]; kv: optional (k [B, N, K, S], v [B, N, S, K]) cache buffers of this
-        layer to write the new keys/values into. Returns (y [B, T, D], kv updated or None)."""
+        index: slot of x[:, 0] (int32 scalar or Python int); kv: optional (k segments [B, N, K, S_j],
+        v segments [B, N, S_j, K]) of this layer's cache to write the new keys/values into.
+        Returns (y [B, T, D], kv updated or None)."""
         b, t, _ = x.shape
         n, g = self.num_kv_heads, self.num_heads // self.num_kv_heads
         q = self._proj(x, self.q_proj, self.q_bias)  # [B, T, H, K]
@@ -243,11 +283,11 @@ class Attention(nnx.Module):
         keys = k.transpose(0, 2, 3, 1)  # [B, N, K, T]
         values = v.transpose(0, 2, 1, 3)  # [B, N, T, K]
         if kv is not None:
-            k_cache = jax.lax.dynamic_update_slice(kv[0], keys.astype(kv[0].dtype), (0, 0, 0, index))
-            v_cache = jax.lax.dynamic_update_slice(kv[1], values.astype(kv[1].dtype), (0, 0, index, 0))
-            kv = (k_cache, v_cache)
-            keys, values = k_cache.astype(self.dtype), v_cache.astype(self.dtype)
-        s = keys.shape[-1]
+            kv = (_write_slots(kv[0], keys, index, axis=3), _write_slots(kv[1], values, index, axis=2))
+            k_segs, v_segs = kv
+        else:
+            k_segs, v_segs = (keys,), (values,)
+        s = kv_mask.shape[1]
         q_slot = index + jnp.arange(t)[:, None]  # [T, 1]
         kv_slot = jnp.arange(s)[None, :]  # [1, S]
         allowed = kv_slot <= q_slot
@@ -257,16 +297,33 @@ class Attention(nnx.Module):
 
         # Query heads of one kv head are folded into the row dim: [B, N, G*T, K] (head h = n * G + g).
         qg = q.reshape(b, t, n, g, self.head_dim).transpose(0, 2, 3, 1, 4).reshape(b, n, g * t, self.head_dim)
-        scores = jnp.einsum("BNQK,BNKS->BNQS", qg, keys, preferred_element_type=jnp.float32) * self.scale
+        offsets = np.cumsum([0] + [seg.shape[-1] for seg in k_segs])
+        visible = [jnp.any(allowed[:, :, lo:hi]) for lo, hi in zip(offsets[:-1], offsets[1:])]
+
+        def skip_if_hidden(i, fn, shape, fill):
+            if len(k_segs) == 1:
+                return fn()
+            return jax.lax.cond(visible[i], fn, lambda: jnp.full(shape, fill, jnp.float32))
+
+        scores = jnp.concatenate([
+            skip_if_hidden(i, lambda kj=kj: jnp.einsum("BNQK,BNKS->BNQS", qg, kj.astype(self.dtype),
+                                                       preferred_element_type=jnp.float32),
+                           (b, n, g * t, kj.shape[-1]), _NEG)
+            for i, kj in enumerate(k_segs)], axis=-1) * self.scale
         if self.softcap is not None:
             scores = jnp.tanh(scores / self.softcap) * self.softcap
         scores = scores.reshape(b, n, g, t, s)
         scores = jnp.where(allowed[:, None, None], scores, _NEG).reshape(b, n, g * t, s)
         probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-        out = jnp.einsum("BNQS,BNSK->BNQK", probs, values)  # [B, N, G*T, K]
-        out = out.reshape(b, n, g, t, self.head_dim).transpose(0, 3, 1, 2, 4).reshape(b, t, self.num_heads,
-                                                                                      self.head_dim)
-        y = jnp.einsum("BTHK,HKD->BTD", out, self.o_proj[...].astype(self.dtype))
+        out = None  # [B, N, G*T, K]
+        for i, (vj, lo, hi) in enumerate(zip(v_segs, offsets[:-1], offsets[1:])):
+            part = skip_if_hidden(i, lambda vj=vj, lo=lo, hi=hi: jnp.einsum(
+                "BNQS,BNSK->BNQK", probs[..., lo:hi], vj.astype(self.dtype), preferred_element_type=jnp.float32),
+                (b, n, g * t, self.head_dim), 0.0)
+            out = part if out is None else out + part
+        out = out.astype(self.dtype).reshape(b, n, g, t, self.head_dim).transpose(0, 3, 1, 2, 4)
+        y = jnp.einsum("BTHK,HKD->BTD", out.reshape(b, t, self.num_heads, self.head_dim),
+                       self.o_proj[...].astype(self.dtype))
         return y, kv
 
 
@@ -328,15 +385,25 @@ class Transformer(nnx.Module):
             (config.hidden_size, config.vocab_size), ("embed", "vocab"))
 
     # ------------------------------------------------------------------ cache
-    def init_cache(self, batch_size: int, max_len: int, dtype=None) -> KVCache:
-        """Empty cache: per layer k zeros [B, N, K, S=max_len] and v zeros [B, N, S, K] (dtype default: the
-        compute dtype), mask False [B, S], index 0."""
+    def init_cache(self, batch_size: int, max_len: int, dtype=None, segment_len: int | None = None) -> KVCache:
+        """Empty cache: per layer k zeros [B, N, K, S_j] and v zeros [B, N, S_j, K] segments (dtype default: the
+        compute dtype), mask False [B, S=max_len], index the Python int 0.
+
+        segment_len: slots per segment (the last one takes the remainder); None = one segment of S slots.
+        Attention skips segments with no visible key, so for decoding ~S/8-slot segments make a step cost
+        scale with the tokens written so far; one segment is best for a single full-length pass.
+        Raises ValueError when segment_len < 1.
+        """
         c = self.config
-        b, n, k, s = batch_size, c.num_kv_heads, c.head_dim, max_len
+        b, n, k = batch_size, c.num_kv_heads, c.head_dim
+        seg = max_len if segment_len is None else int(segment_len)
+        if seg < 1:
+            raise ValueError(f"segment_len must be >= 1, got {segment_len}")
+        sizes = [seg] * (max_len // seg) + ([max_len % seg] if max_len % seg else [])
         dt = jnp.dtype(dtype or self.dtype)
-        return KVCache(k=tuple(jnp.zeros((b, n, k, s), dt) for _ in range(c.num_layers)),
-                       v=tuple(jnp.zeros((b, n, s, k), dt) for _ in range(c.num_layers)),
-                       mask=jnp.zeros((b, s), bool), index=jnp.zeros((), jnp.int32))
+        return KVCache(k=tuple(tuple(jnp.zeros((b, n, k, sj), dt) for sj in sizes) for _ in range(c.num_layers)),
+                       v=tuple(tuple(jnp.zeros((b, n, sj, k), dt) for sj in sizes) for _ in range(c.num_layers)),
+                       mask=jnp.zeros((b, max_len), bool), index=0)
 
     # ---------------------------------------------------------------- forward
     def hidden_states(self, input_ids, attention_mask, positions=None, cache: KVCache | None = None):
@@ -354,7 +421,7 @@ class Transformer(nnx.Module):
             index = cache.index
             s = cache.mask.shape[1]
             prior = jnp.sum(cache.mask & (jnp.arange(s)[None] < index), axis=1)
-            kv_mask = jax.lax.dynamic_update_slice(cache.mask, mask, (0, index))
+            kv_mask = _write_slots((cache.mask,), mask, index, axis=1)[0]
             new_k, new_v = list(cache.k), list(cache.v)
         if positions is None:
             positions = positions_from_mask(mask, prior)

@@ -57,7 +57,9 @@ def _constrain_cache(cache, mesh):
         return cache
     from jaxrl_post.sharding import cache_shardings
 
-    return jax.lax.with_sharding_constraint(cache, cache_shardings(cache, mesh))
+    sh = cache_shardings(cache, mesh)
+    k, v, mask = jax.lax.with_sharding_constraint((cache.k, cache.v, cache.mask), (sh.k, sh.v, sh.mask))
+    return cache.replace(k=k, v=v, mask=mask)  # index untouched (a static 0 stays static)
 
 
 def _constrain_batch(x, mesh):
@@ -68,14 +70,18 @@ def _constrain_batch(x, mesh):
     return jax.lax.with_sharding_constraint(x, batch_sharding(mesh, x.ndim))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_len", "cache_dtype", "mesh"))
-def _prefill(graphdef, state, input_ids, attention_mask, *, max_len, cache_dtype, mesh):
-    """Prompt [B, P] -> (next-token logits [B, V] float32, cache with S = max_len slots, index = P)."""
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_len", "segment_len", "cache_dtype", "mesh"))
+def _prefill(graphdef, state, input_ids, attention_mask, prompt_len, *, max_len, segment_len, cache_dtype, mesh):
+    """Prompts [B, P_pad] (left-padded to width prompt_len, then filler columns with mask 0) ->
+    (next-token logits [B, V] float32 at column prompt_len - 1, cache with S = max_len slots and
+    index = prompt_len, so decoding overwrites the filler slots)."""
     TRACE_COUNTS["prefill"] += 1
     model = nnx.merge(graphdef, state)
-    cache = _constrain_cache(model.init_cache(input_ids.shape[0], max_len, dtype=cache_dtype), mesh)
-    logits, cache = model(input_ids, attention_mask, cache=cache, logits_to_keep=1)
-    return _constrain_batch(logits[:, -1], mesh), _constrain_cache(cache, mesh)
+    cache = model.init_cache(input_ids.shape[0], max_len, dtype=cache_dtype, segment_len=segment_len)
+    h, cache = model.hidden_states(input_ids, attention_mask, cache=_constrain_cache(cache, mesh))
+    h_last = jax.lax.dynamic_slice_in_dim(h, prompt_len - 1, 1, axis=1)
+    logits = model.logits_from_hidden(h_last)[:, 0]
+    return _constrain_batch(logits, mesh), _constrain_cache(cache.replace(index=prompt_len), mesh)
 
 
 @functools.partial(
@@ -143,6 +149,10 @@ class Generator:
       prompt_buckets / batch_buckets: allowed padded sizes (None = powers of two; prompt >= 16).
       decode_chunk: decode steps per ``lax.scan`` chunk (the early-exit check runs between chunks).
       cache_dtype: KV cache dtype (default: the model's compute dtype).
+      min_prompt_bucket: smallest padded prompt length when ``prompt_buckets`` is None.
+      cache_segment_len: KV cache slots per segment (``Transformer.init_cache``); attention skips
+        segments holding no token yet, so a decode step reads ~the slots written so far. None = about an
+        eighth of the cache, a multiple of 16.
     """
 
     model: nnx.Module
@@ -152,6 +162,7 @@ class Generator:
     decode_chunk: int = 16
     cache_dtype: str | None = None
     min_prompt_bucket: int = 16
+    cache_segment_len: int | None = None
 
     def _batch_multiple(self) -> int:
         if self.mesh is None:
@@ -196,7 +207,9 @@ class Generator:
 
         pid = np.full((b_pad, p_pad), params.pad_token_id, np.int32)
         pmask = np.zeros((b_pad, p_pad), np.int32)
-        pid[:b, p_pad - p:], pmask[:b, p_pad - p:] = ids, mask
+        # Prompts fill columns [0, p); the bucket's filler columns [p, p_pad) are masked out and the first
+        # response token goes to slot p, so decoding overwrites them (attention never reads unused slots).
+        pid[:b, :p], pmask[:b, :p] = ids, mask
         pid[b:], pmask[b:] = pid[0], pmask[0]  # filler rows: copies of row 0, marked done
         row_done = np.arange(b_pad) >= b
 
@@ -214,8 +227,10 @@ class Generator:
         else:
             arrays = tuple(jnp.asarray(a) for a in arrays)
         pid_d, pmask_d, done_d = arrays
-        logits, cache = _prefill(graphdef, state, pid_d, pmask_d, max_len=p_pad + n_alloc,
-                                 cache_dtype=self.cache_dtype, mesh=self.mesh)
+        max_len = p_pad + n_alloc
+        seg = self.cache_segment_len or max(16, -(-max_len // 128) * 16)  # ~8 segments, multiple of 16
+        logits, cache = _prefill(graphdef, state, pid_d, pmask_d, jnp.int32(p), max_len=max_len,
+                                 segment_len=min(seg, max_len), cache_dtype=self.cache_dtype, mesh=self.mesh)
         tokens, logps, _, _, _ = _decode(graphdef, state, cache, logits, done_d, key, params=static,
                                    num_steps=r, chunk=chunk, mesh=self.mesh)
         tokens = np.asarray(jax.device_get(tokens))[:b, :r]
