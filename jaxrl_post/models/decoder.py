@@ -85,6 +85,15 @@ class ParamInit:
         return self._param(jnp.full(shape, value, self.param_dtype), names)
 
 
+def _dot(spec: str, x: jax.Array, w: jax.Array, dtype) -> jax.Array:
+    """einsum in `dtype` with float32 accumulation, result cast back to `dtype` (as torch bf16 matmuls do).
+
+    Asking for a float32 result keeps bfloat16 operands on XLA:CPU's native bf16 kernels (AMX/AVX512-BF16);
+    a bf16-out dot is otherwise upcast to a float32 dot, converting the weights every call.
+    """
+    return jnp.einsum(spec, x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32).astype(dtype)
+
+
 def _constrain(x: jax.Array, names: tuple) -> jax.Array:
     from jaxrl_post.sharding import constrain  # local: sharding imports nothing from models
     return constrain(x, names)
@@ -228,13 +237,13 @@ class MLP(nnx.Module):
         self.down_proj = init.normal((f, d), ("mlp", "embed"))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        gate = jnp.einsum("BTD,DF->BTF", x, self.gate_proj[...].astype(self.dtype))
-        up = jnp.einsum("BTD,DF->BTF", x, self.up_proj[...].astype(self.dtype))
+        gate = _dot("BTD,DF->BTF", x, self.gate_proj[...], self.dtype)
+        up = _dot("BTD,DF->BTF", x, self.up_proj[...], self.dtype)
         if self.act == "silu":
             gate = jax.nn.silu(gate)
         else:  # gelu_pytorch_tanh / gelu_new: tanh approximation; "gelu": exact erf
             gate = jax.nn.gelu(gate, approximate=self.act != "gelu")
-        return jnp.einsum("BTF,FD->BTD", gate * up, self.down_proj[...].astype(self.dtype))
+        return _dot("BTF,FD->BTD", gate * up, self.down_proj[...], self.dtype)
 
 
 class Attention(nnx.Module):
@@ -263,7 +272,7 @@ class Attention(nnx.Module):
         self.k_norm = norm() if cfg.qk_norm else None
 
     def _proj(self, x, w, b):
-        y = jnp.einsum("BTD,DNK->BTNK", x, w[...].astype(self.dtype))
+        y = _dot("BTD,DNK->BTNK", x, w[...], self.dtype)
         return y if b is None else y + b[...].astype(self.dtype)
 
     def __call__(self, x, positions, kv_mask, index, kv=None):
@@ -322,8 +331,7 @@ class Attention(nnx.Module):
                 (b, n, g * t, self.head_dim), 0.0)
             out = part if out is None else out + part
         out = out.astype(self.dtype).reshape(b, n, g, t, self.head_dim).transpose(0, 3, 1, 2, 4)
-        y = jnp.einsum("BTHK,HKD->BTD", out.reshape(b, t, self.num_heads, self.head_dim),
-                       self.o_proj[...].astype(self.dtype))
+        y = _dot("BTHK,HKD->BTD", out.reshape(b, t, self.num_heads, self.head_dim), self.o_proj[...], self.dtype)
         return y, kv
 
 

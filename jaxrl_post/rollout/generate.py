@@ -5,6 +5,11 @@ chunk in which every row has produced an EOS, or at ``max_new_tokens``. Rows sha
 but keep their own positions (the decoder counts each row's valid cache slots), so a left-padded batch
 continues every row from its own prompt length.
 
+KV cache: per layer, split into segments of ``cache_segment_len`` slots (``Transformer.init_cache``);
+attention skips (``lax.cond``) every segment that holds no visible key yet, so a decode step reads about
+the slots written so far rather than the whole cache. The prompt bucket's filler columns sit after the
+prompt (masked out), and the first response token is written right after the real prompt, over them.
+
 Compile once: prompt length P and batch size B are padded up to buckets (default: powers of two, the
 batch a multiple of the data-parallel size), and the jitted functions are module-level with the model's
 ``GraphDef``, the bucketed cache length and the (seed-free) ``SamplingParams`` as static arguments, so
