@@ -215,6 +215,34 @@ def test_segmented_cache_matches_full_forward_and_skips_unwritten_segments(famil
     assert np.isnan(np.asarray(cache.k[0][-1])[..., -1]).all()
 
 
+def test_segmented_bfloat16_cache_equals_one_segment():
+    """bf16 caches are written through uint16 views when segmented; the stored keys are exactly those of a
+    one-segment cache."""
+    cfg = _tiny("llama")
+    model = _random_model(cfg, seed=4, dtype="bfloat16")
+    b, t = 2, 9
+    ids, _ = _batch(cfg.vocab_size, b=b, t=t, seed=5)
+    mask = np.ones((b, t), np.int32)
+    mask[1, :2] = 0
+    step = jax.jit(lambda m, c, i, a: m(i, a, cache=c))
+
+    def run(segment_len):
+        cache = model.init_cache(b, t + 3, segment_len=segment_len)
+        outs = []
+        for lo, hi in [(0, 4), (4, 5), (5, 7), (7, 8), (8, 9)]:
+            logits, cache = step(model, cache, ids[:, lo:hi], mask[:, lo:hi])
+            outs.append(np.asarray(logits))
+        k = np.concatenate([np.asarray(seg, np.float32) for seg in cache.k[1]], axis=-1)
+        return np.concatenate(outs, 1), k
+
+    assert model.init_cache(1, 4).k[0][0].dtype == jnp.bfloat16
+    (l1, k1), (l3, k3) = run(None), run(3)
+    np.testing.assert_array_equal(k3[..., :t], k1[..., :t])  # the writes are exact
+    assert np.abs(k1[..., :t]).max() > 0
+    # attention sums per-segment partial products in float32, so logits agree to bf16 rounding
+    np.testing.assert_allclose(l3, l1, atol=3e-2, rtol=0)
+
+
 def test_left_padding_invariance_and_causality():
     cfg = _tiny("gemma3")
     model = _random_model(cfg, seed=3)

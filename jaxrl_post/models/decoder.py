@@ -141,7 +141,12 @@ def _write_slots(segments: tuple, new: jax.Array, index, axis: int) -> tuple:
     out, off = [], 0
     for seg in segments:
         n = seg.shape[axis]
-        upd = new.astype(seg.dtype)
+        dtype = seg.dtype
+        upd = new.astype(dtype)
+        if dtype.itemsize == 2 and jnp.issubdtype(dtype, jnp.floating):
+            # Write 16-bit floats as uint16 bit patterns: XLA:CPU otherwise widens a bf16 select/update to
+            # float32 over the whole segment (a full copy per step instead of an in-place slot write).
+            seg, upd = (jax.lax.bitcast_convert_type(a, jnp.uint16) for a in (seg, upd))
         if isinstance(index, int):
             lo, hi = max(index, off), min(index + t, off + n)
             if lo < hi:
@@ -157,7 +162,7 @@ def _write_slots(segments: tuple, new: jax.Array, index, axis: int) -> tuple:
                 cur = jax.lax.dynamic_slice_in_dim(seg, start, 1, axis)
                 tok = jax.lax.slice_in_dim(upd, i, i + 1, axis=axis)
                 seg = jax.lax.dynamic_update_slice_in_dim(seg, jnp.where(inside, tok, cur), start, axis)
-        out.append(seg)
+        out.append(jax.lax.bitcast_convert_type(seg, dtype) if seg.dtype != dtype else seg)
         off += n
     return tuple(out)
 
