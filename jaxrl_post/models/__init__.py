@@ -10,7 +10,8 @@ from flax import nnx
 
 from jaxrl_post.models.config import PRESETS, ModelConfig, get_preset
 from jaxrl_post.models.critic import CriticModel
-from jaxrl_post.models.decoder import KVCache, Transformer
+from jaxrl_post.models.decoder import Transformer
+from jaxrl_post.models.kv_cache import KVCache
 from jaxrl_post.models.hf_io import load_hf_dir, save_pretrained
 
 __all__ = [
