@@ -11,109 +11,109 @@ import sys
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO not in sys.path:  # config files are loaded by path; make `configs.*` importable from anywhere
-  sys.path.insert(0, _REPO)
+    sys.path.insert(0, _REPO)
 
-from configs import base  # noqa: E402
+from configs import base
 
-GSM8K_DIR = os.path.normpath(os.path.join(_REPO, '..', 'shared', 'data', 'gsm8k'))
-TINY_REWARD = os.path.join(_REPO, 'configs', 'tiny_reward.py')
+GSM8K_DIR = os.path.normpath(os.path.join(_REPO, "..", "shared", "data", "gsm8k"))
+TINY_REWARD = os.path.join(_REPO, "configs", "tiny_reward.py")
 
 
 def _default(c):
-  # Sized for a 2-core CPU (~30 min): 4 prompts x 8 samples = 32 responses of <= 48 tokens per step, one
-  # on-policy optimizer step per training step, greedy accuracy on 200 held-out problems before/after.
-  c.trainer.experiment_name = 'grpo_smollm2_rg'
-  c.trainer.default_local_dir = 'runs/grpo'
-  c.data.train_files = 'reasoning_gym:basic_arithmetic'
-  c.data.val_files = 'reasoning_gym:basic_arithmetic'
-  c.data.train_batch_size = 4
-  c.data.max_prompt_length = 56  # SmolLM2 chat prompts of this task: 45-48 tokens
-  c.data.max_response_length = 48
-  c.rollout.n = 8
-  c.rollout.temperature = 1.0
-  c.rollout.log_prob_micro_batch_size = 8
-  c.ref.log_prob_micro_batch_size = 8
-  c.actor.ppo_mini_batch_size = 32  # one mini-batch per step -> exactly on-policy (old log-probs skipped)
-  c.actor.ppo_micro_batch_size = 8  # bounds update memory (~5 GB of temporaries at T = 160, less here)
-  c.actor.optim.lr = 1e-5
-  c.actor.optim.lr_warmup_steps = 2
-  c.actor.optim.weight_decay = 0.0
-  c.reward_model.num_workers = 2
-  c.trainer.total_training_steps = 30
-  return c
+    # Sized for a 2-core CPU (~30 min): 4 prompts x 8 samples = 32 responses of <= 48 tokens per step, one
+    # on-policy optimizer step per training step, greedy accuracy on 200 held-out problems before/after.
+    c.trainer.experiment_name = "grpo_smollm2_rg"
+    c.trainer.default_local_dir = "runs/grpo"
+    c.data.train_files = "reasoning_gym:basic_arithmetic"
+    c.data.val_files = "reasoning_gym:basic_arithmetic"
+    c.data.train_batch_size = 4
+    c.data.max_prompt_length = 56  # SmolLM2 chat prompts of this task: 45-48 tokens
+    c.data.max_response_length = 48
+    c.rollout.n = 8
+    c.rollout.temperature = 1.0
+    c.rollout.log_prob_micro_batch_size = 8
+    c.ref.log_prob_micro_batch_size = 8
+    c.actor.ppo_mini_batch_size = 32  # one mini-batch per step -> exactly on-policy (old log-probs skipped)
+    c.actor.ppo_micro_batch_size = 8  # bounds update memory (~5 GB of temporaries at T = 160, less here)
+    c.actor.optim.lr = 1e-5
+    c.actor.optim.lr_warmup_steps = 2
+    c.actor.optim.weight_decay = 0.0
+    c.reward_model.num_workers = 2
+    c.trainer.total_training_steps = 30
+    return c
 
 
 def _gsm8k(c):
-  # GSM8K with verl's prompt suffix; a 135M model is not expected to learn it on a CPU: this variant shows
-  # the pipeline on real data (reward, response length, step time). Validation is off by default (200
-  # greedy 256-token answers take minutes); turn it on with --config.trainer.val_before_train=True.
-  c.trainer.experiment_name = 'grpo_smollm2_gsm8k'
-  c.trainer.default_local_dir = 'runs/grpo_gsm8k'
-  c.data.train_files = os.path.join(GSM8K_DIR, 'train.jsonl')
-  c.data.val_files = os.path.join(GSM8K_DIR, 'test.jsonl')
-  c.data.max_val_samples = 200
-  c.data.train_batch_size = 4
-  c.data.max_prompt_length = 160  # SmolLM2 chat prompts: median 102, 99th percentile 174 tokens
-  c.data.max_response_length = 256
-  c.rollout.n = 4
-  c.rollout.log_prob_micro_batch_size = 4
-  c.ref.log_prob_micro_batch_size = 4
-  c.actor.ppo_mini_batch_size = 16
-  c.actor.ppo_micro_batch_size = 4
-  c.actor.optim.lr = 1e-6
-  c.actor.optim.weight_decay = 0.0
-  c.reward_model.num_workers = 2
-  c.trainer.total_training_steps = 3
-  c.trainer.val_before_train = False
-  c.trainer.val_at_end = False
-  return c
+    # GSM8K with verl's prompt suffix; a 135M model is not expected to learn it on a CPU: this variant shows
+    # the pipeline on real data (reward, response length, step time). Validation is off by default (200
+    # greedy 256-token answers take minutes); turn it on with --config.trainer.val_before_train=True.
+    c.trainer.experiment_name = "grpo_smollm2_gsm8k"
+    c.trainer.default_local_dir = "runs/grpo_gsm8k"
+    c.data.train_files = os.path.join(GSM8K_DIR, "train.jsonl")
+    c.data.val_files = os.path.join(GSM8K_DIR, "test.jsonl")
+    c.data.max_val_samples = 200
+    c.data.train_batch_size = 4
+    c.data.max_prompt_length = 160  # SmolLM2 chat prompts: median 102, 99th percentile 174 tokens
+    c.data.max_response_length = 256
+    c.rollout.n = 4
+    c.rollout.log_prob_micro_batch_size = 4
+    c.ref.log_prob_micro_batch_size = 4
+    c.actor.ppo_mini_batch_size = 16
+    c.actor.ppo_micro_batch_size = 4
+    c.actor.optim.lr = 1e-6
+    c.actor.optim.weight_decay = 0.0
+    c.reward_model.num_workers = 2
+    c.trainer.total_training_steps = 3
+    c.trainer.val_before_train = False
+    c.trainer.val_at_end = False
+    return c
 
 
 def tiny(c):
-  """Random tiny llama + toy reward; exercises old log-probs (2 mini-batches) and the KL loss path."""
-  c.trainer.experiment_name = 'grpo_tiny'
-  c.trainer.default_local_dir = 'runs/grpo_tiny'
-  c.model.random_init = True
-  c.model.preset = 'smollm2_135m'
-  c.model.tokenizer_path = 'char'  # in-memory character-level ChatML tokenizer (101 ids)
-  c.model.arch.vocab_size = 128
-  c.model.arch.hidden_size = 64
-  c.model.arch.intermediate_size = 128
-  c.model.arch.num_layers = 2
-  c.model.arch.num_heads = 4
-  c.model.arch.num_kv_heads = 2
-  c.model.arch.head_dim = 16
-  c.data.reasoning_gym.size = 64
-  c.data.reasoning_gym.val_size = 16  # one validation batch of 16 = the training generate batch (4 x 4)
-  c.data.train_batch_size = 4
-  c.data.max_prompt_length = 192  # characters
-  c.data.max_response_length = 12
-  c.rollout.n = 4
-  c.actor.ppo_mini_batch_size = 8  # 2 mini-batches per step -> old log-probs are recomputed
-  c.actor.ppo_micro_batch_size = 4
-  c.actor.use_kl_loss = True
-  c.actor.kl_loss_coef = 0.01
-  c.actor.entropy_coeff = 0.001
-  c.actor.optim.lr = 1e-3
-  c.rollout.log_prob_micro_batch_size = 8
-  c.ref.log_prob_micro_batch_size = 8
-  c.critic.ppo_mini_batch_size = 8
-  c.critic.ppo_micro_batch_size = 4
-  c.critic.forward_micro_batch_size = 8
-  c.custom_reward_function.path = TINY_REWARD
-  c.custom_reward_function.name = 'compute_score'
-  c.reward_model.num_workers = 0  # score in-process (no worker start-up)
-  c.trainer.total_training_steps = 2
-  c.trainer.progress_bar = False
-  return c
+    """Random tiny llama + toy reward; exercises old log-probs (2 mini-batches) and the KL loss path."""
+    c.trainer.experiment_name = "grpo_tiny"
+    c.trainer.default_local_dir = "runs/grpo_tiny"
+    c.model.random_init = True
+    c.model.preset = "smollm2_135m"
+    c.model.tokenizer_path = "char"  # in-memory character-level ChatML tokenizer (101 ids)
+    c.model.arch.vocab_size = 128
+    c.model.arch.hidden_size = 64
+    c.model.arch.intermediate_size = 128
+    c.model.arch.num_layers = 2
+    c.model.arch.num_heads = 4
+    c.model.arch.num_kv_heads = 2
+    c.model.arch.head_dim = 16
+    c.data.reasoning_gym.size = 64
+    c.data.reasoning_gym.val_size = 16  # one validation batch of 16 = the training generate batch (4 x 4)
+    c.data.train_batch_size = 4
+    c.data.max_prompt_length = 192  # characters
+    c.data.max_response_length = 12
+    c.rollout.n = 4
+    c.actor.ppo_mini_batch_size = 8  # 2 mini-batches per step -> old log-probs are recomputed
+    c.actor.ppo_micro_batch_size = 4
+    c.actor.use_kl_loss = True
+    c.actor.kl_loss_coef = 0.01
+    c.actor.entropy_coeff = 0.001
+    c.actor.optim.lr = 1e-3
+    c.rollout.log_prob_micro_batch_size = 8
+    c.ref.log_prob_micro_batch_size = 8
+    c.critic.ppo_mini_batch_size = 8
+    c.critic.ppo_micro_batch_size = 4
+    c.critic.forward_micro_batch_size = 8
+    c.custom_reward_function.path = TINY_REWARD
+    c.custom_reward_function.name = "compute_score"
+    c.reward_model.num_workers = 0  # score in-process (no worker start-up)
+    c.trainer.total_training_steps = 2
+    c.trainer.progress_bar = False
+    return c
 
 
 def get_config(arg=None):
-  c = base.get_base_config()
-  c.algorithm.adv_estimator = 'grpo'
-  c.critic.enable = False
-  variant = arg or 'default'
-  fns = {'default': _default, 'gsm8k': _gsm8k, 'tiny': tiny}
-  if variant not in fns:
-    raise ValueError(f'configs/grpo.py: unknown variant {variant!r}; valid: {sorted(fns)}')
-  return fns[variant](c)
+    c = base.get_base_config()
+    c.algorithm.adv_estimator = "grpo"
+    c.critic.enable = False
+    variant = arg or "default"
+    fns = {"default": _default, "gsm8k": _gsm8k, "tiny": tiny}
+    if variant not in fns:
+        raise ValueError(f"configs/grpo.py: unknown variant {variant!r}; valid: {sorted(fns)}")
+    return fns[variant](c)

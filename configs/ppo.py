@@ -10,54 +10,56 @@ import sys
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO not in sys.path:  # config files are loaded by path; make `configs.*` importable from anywhere
-  sys.path.insert(0, _REPO)
+    sys.path.insert(0, _REPO)
 
-from configs import base  # noqa: E402
-from configs import grpo  # noqa: E402
+from configs import (
+    base,
+    grpo,
+)
 
 
 def _default(c):
-  c = grpo._default(c)  # same task, model, lengths and validation as the GRPO default
-  c.trainer.experiment_name = 'ppo_smollm2_rg'
-  c.trainer.default_local_dir = 'runs/ppo'
-  c.data.train_batch_size = 8
-  c.rollout.n = 4  # 32 responses per step
-  c.actor.ppo_mini_batch_size = 16  # 2 actor updates per step (old log-probs recomputed)
-  c.actor.ppo_micro_batch_size = 8
-  c.critic.ppo_mini_batch_size = 16
-  c.critic.ppo_micro_batch_size = 8
-  c.critic.forward_micro_batch_size = 8
-  c.critic.optim.lr = 1e-5
-  c.critic.optim.lr_warmup_steps = 0
-  c.critic.optim.weight_decay = 0.0
-  c.trainer.critic_warmup = 2  # let the value head catch up before the first policy update
-  c.algorithm.use_kl_in_reward = True
-  c.algorithm.kl_ctrl.type = 'fixed'
-  c.algorithm.kl_ctrl.kl_coef = 0.001
-  return c
+    c = grpo._default(c)  # same task, model, lengths and validation as the GRPO default
+    c.trainer.experiment_name = "ppo_smollm2_rg"
+    c.trainer.default_local_dir = "runs/ppo"
+    c.data.train_batch_size = 8
+    c.rollout.n = 4  # 32 responses per step
+    c.actor.ppo_mini_batch_size = 16  # 2 actor updates per step (old log-probs recomputed)
+    c.actor.ppo_micro_batch_size = 8
+    c.critic.ppo_mini_batch_size = 16
+    c.critic.ppo_micro_batch_size = 8
+    c.critic.forward_micro_batch_size = 8
+    c.critic.optim.lr = 1e-5
+    c.critic.optim.lr_warmup_steps = 0
+    c.critic.optim.weight_decay = 0.0
+    c.trainer.critic_warmup = 2  # let the value head catch up before the first policy update
+    c.algorithm.use_kl_in_reward = True
+    c.algorithm.kl_ctrl.type = "fixed"
+    c.algorithm.kl_ctrl.kl_coef = 0.001
+    return c
 
 
 def _tiny(c):
-  c = grpo.tiny(c)
-  c.trainer.experiment_name = 'ppo_tiny'
-  c.trainer.default_local_dir = 'runs/ppo_tiny'
-  c.actor.use_kl_loss = False
-  c.algorithm.use_kl_in_reward = True
-  c.algorithm.kl_ctrl.type = 'adaptive'
-  c.algorithm.kl_ctrl.kl_coef = 0.01
-  c.critic.optim.lr = 1e-3
-  c.trainer.critic_warmup = 1
-  return c
+    c = grpo.tiny(c)
+    c.trainer.experiment_name = "ppo_tiny"
+    c.trainer.default_local_dir = "runs/ppo_tiny"
+    c.actor.use_kl_loss = False
+    c.algorithm.use_kl_in_reward = True
+    c.algorithm.kl_ctrl.type = "adaptive"
+    c.algorithm.kl_ctrl.kl_coef = 0.01
+    c.critic.optim.lr = 1e-3
+    c.trainer.critic_warmup = 1
+    return c
 
 
 def get_config(arg=None):
-  c = base.get_base_config()
-  c.algorithm.adv_estimator = 'gae'
-  c.algorithm.gamma = 1.0
-  c.algorithm.lam = 0.95
-  c.critic.enable = True
-  variant = arg or 'default'
-  fns = {'default': _default, 'tiny': _tiny}
-  if variant not in fns:
-    raise ValueError(f'configs/ppo.py: unknown variant {variant!r}; valid: {sorted(fns)}')
-  return fns[variant](c)
+    c = base.get_base_config()
+    c.algorithm.adv_estimator = "gae"
+    c.algorithm.gamma = 1.0
+    c.algorithm.lam = 0.95
+    c.critic.enable = True
+    variant = arg or "default"
+    fns = {"default": _default, "tiny": _tiny}
+    if variant not in fns:
+        raise ValueError(f"configs/ppo.py: unknown variant {variant!r}; valid: {sorted(fns)}")
+    return fns[variant](c)

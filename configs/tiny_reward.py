@@ -8,7 +8,7 @@ prefix it has seen (so `critic/vf_explained_var` can rise).
 
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-  del data_source, ground_truth, extra_info
-  if not solution_str:
-    return 0.0
-  return float(sum(ch.isdigit() or ch == ' ' for ch in solution_str) / len(solution_str))
+    del data_source, ground_truth, extra_info
+    if not solution_str:
+        return 0.0
+    return float(sum(ch.isdigit() or ch == " " for ch in solution_str) / len(solution_str))

@@ -19,13 +19,14 @@ Names follow verl (``verl/trainer/ppo/core_algos.py``, ``verl/utils/torch_functi
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_post.functional import (  # noqa: F401  (re-exported)
+from jaxrl_post.functional import (
     _F32,
     _f32,
     _nonzero,
@@ -39,7 +40,7 @@ from jaxrl_post.functional import (  # noqa: F401  (re-exported)
     masked_whiten,
     response_logits,
 )
-from jaxrl_post.kl import (  # noqa: F401  (re-exported)
+from jaxrl_post.kl import (
     KL_PENALTIES,
     AdaptiveKLController,
     FixedKLController,
@@ -88,7 +89,7 @@ class _GroupStats:
     def __init__(self, scores: jax.Array, index: Any):
         b = scores.shape[0]
         gid = _group_ids(index, b)
-        seg = lambda x: jax.ops.segment_sum(x, gid, num_segments=b)[gid]  # noqa: E731
+        seg = lambda x: jax.ops.segment_sum(x, gid, num_segments=b)[gid]
         self.gid = gid
         self.count = seg(jnp.ones_like(scores))
         self.mean = seg(scores) / self.count
@@ -504,8 +505,17 @@ def _finish(pg_losses, response_mask, loss_agg_mode, rollout_is_weights, agg_kwa
 
 
 def compute_policy_loss_vanilla(
-    old_log_prob, log_prob, advantages, response_mask, *, clip_ratio_low=0.2, clip_ratio_high=0.2,
-    clip_ratio_c=3.0, loss_agg_mode="token-mean", rollout_is_weights=None, **agg_kwargs,
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    *,
+    clip_ratio_low=0.2,
+    clip_ratio_high=0.2,
+    clip_ratio_c=3.0,
+    loss_agg_mode="token-mean",
+    rollout_is_weights=None,
+    **agg_kwargs,
 ):
     """PPO clipped surrogate with clip-higher and dual-clip (see :func:`compute_policy_loss`).
 
@@ -529,13 +539,23 @@ def compute_policy_loss_vanilla(
     loss3 = -adv * clip_ratio_c
     clipfrac_lower = masked_mean(((clipped1 > loss3) & (adv < 0)).astype(_F32), response_mask)
     pg_losses = jnp.where(adv < 0, jnp.minimum(loss3, clipped1), clipped1)
-    return _finish(pg_losses, response_mask, loss_agg_mode, rollout_is_weights, agg_kwargs,
-                   clipfrac, clipfrac_lower, ppo_kl)
+    return _finish(
+        pg_losses, response_mask, loss_agg_mode, rollout_is_weights, agg_kwargs, clipfrac, clipfrac_lower, ppo_kl
+    )
 
 
 def compute_policy_loss_gspo(
-    old_log_prob, log_prob, advantages, response_mask, *, clip_ratio_low=0.2, clip_ratio_high=0.2,
-    clip_ratio_c=3.0, loss_agg_mode="seq-mean-token-mean", rollout_is_weights=None, **agg_kwargs,
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    *,
+    clip_ratio_low=0.2,
+    clip_ratio_high=0.2,
+    clip_ratio_c=3.0,
+    loss_agg_mode="seq-mean-token-mean",
+    rollout_is_weights=None,
+    **agg_kwargs,
 ):
     """GSPO: sequence-level importance ratio ``s_i = exp(mean_t m (logp - logp_old))``.
 
@@ -554,13 +574,30 @@ def compute_policy_loss_gspo(
     loss1 = -adv * ratio
     loss2 = -adv * jnp.clip(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
     clipfrac = masked_mean((loss2 > loss1).astype(_F32), m)
-    return _finish(jnp.maximum(loss1, loss2), m, loss_agg_mode, rollout_is_weights, agg_kwargs,
-                   clipfrac, 0.0, masked_mean(-neg_kl, m))
+    return _finish(
+        jnp.maximum(loss1, loss2),
+        m,
+        loss_agg_mode,
+        rollout_is_weights,
+        agg_kwargs,
+        clipfrac,
+        0.0,
+        masked_mean(-neg_kl, m),
+    )
 
 
 def compute_policy_loss_gpg(
-    old_log_prob, log_prob, advantages, response_mask, *, clip_ratio_low=0.2, clip_ratio_high=0.2,
-    clip_ratio_c=3.0, loss_agg_mode="token-mean", rollout_is_weights=None, **agg_kwargs,
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    *,
+    clip_ratio_low=0.2,
+    clip_ratio_high=0.2,
+    clip_ratio_c=3.0,
+    loss_agg_mode="token-mean",
+    rollout_is_weights=None,
+    **agg_kwargs,
 ):
     """GPG: plain policy gradient ``L = -A * logp`` (no ratio, no clipping; metrics 0).
 
@@ -572,8 +609,17 @@ def compute_policy_loss_gpg(
 
 
 def compute_policy_loss_cispo(
-    old_log_prob, log_prob, advantages, response_mask, *, clip_ratio_low=0.2, clip_ratio_high=0.2,
-    clip_ratio_c=3.0, loss_agg_mode="token-mean", rollout_is_weights=None, **agg_kwargs,
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    *,
+    clip_ratio_low=0.2,
+    clip_ratio_high=0.2,
+    clip_ratio_c=3.0,
+    loss_agg_mode="token-mean",
+    rollout_is_weights=None,
+    **agg_kwargs,
 ):
     """CISPO: clipped, stop-gradient IS weight times REINFORCE.
 
@@ -588,8 +634,16 @@ def compute_policy_loss_cispo(
     clipped = jnp.clip(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
     pg_losses = -jax.lax.stop_gradient(clipped) * _f32(advantages) * lp
     clipfrac = masked_mean((ratio != clipped).astype(_F32), response_mask)
-    return _finish(pg_losses, response_mask, loss_agg_mode, rollout_is_weights, agg_kwargs,
-                   clipfrac, 0.0, masked_mean(-neg_kl, response_mask))
+    return _finish(
+        pg_losses,
+        response_mask,
+        loss_agg_mode,
+        rollout_is_weights,
+        agg_kwargs,
+        clipfrac,
+        0.0,
+        masked_mean(-neg_kl, response_mask),
+    )
 
 
 POLICY_LOSSES: dict[str, Callable[..., tuple[jax.Array, dict[str, jax.Array]]]] = {
@@ -642,9 +696,16 @@ def compute_policy_loss(
     Source: verl ``compute_policy_loss_*`` (registry ``get_policy_loss_fn``).
     """
     return get_policy_loss_fn(loss_mode)(
-        old_log_prob, log_prob, advantages, response_mask, clip_ratio_low=clip_ratio_low,
-        clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c, loss_agg_mode=loss_agg_mode,
-        rollout_is_weights=rollout_is_weights, **agg_kwargs,
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        clip_ratio_low=clip_ratio_low,
+        clip_ratio_high=clip_ratio_high,
+        clip_ratio_c=clip_ratio_c,
+        loss_agg_mode=loss_agg_mode,
+        rollout_is_weights=rollout_is_weights,
+        **agg_kwargs,
     )
 
 
@@ -674,17 +735,44 @@ def compute_value_loss(
 
 
 __all__ = [
-    "masked_sum", "masked_mean", "masked_var", "masked_whiten",
-    "logprobs_from_logits", "entropy_from_logits", "logprobs_and_entropy_from_logits", "response_logits",
+    "masked_sum",
+    "masked_mean",
+    "masked_var",
+    "masked_whiten",
+    "logprobs_from_logits",
+    "entropy_from_logits",
+    "logprobs_and_entropy_from_logits",
+    "response_logits",
     "compute_response_log_probs",
-    "compute_gae_raw", "compute_gae_advantage_return", "compute_grpo_outcome_advantage",
-    "compute_grpo_passk_outcome_advantage", "compute_rloo_outcome_advantage",
-    "compute_reinforce_plus_plus_outcome_advantage", "compute_reinforce_plus_plus_baseline_outcome_advantage",
-    "compute_remax_outcome_advantage", "compute_opo_outcome_advantage", "compute_gpg_outcome_advantage",
-    "ADV_ESTIMATORS", "get_adv_estimator", "compute_advantage",
-    "LOSS_AGG_MODES", "global_batch_info", "agg_loss",
-    "compute_policy_loss", "compute_policy_loss_vanilla", "compute_policy_loss_gspo", "compute_policy_loss_gpg",
-    "compute_policy_loss_cispo", "POLICY_LOSSES", "get_policy_loss_fn", "compute_value_loss",
-    "KL_PENALTIES", "kl_penalty", "kl_full", "apply_kl_penalty",
-    "FixedKLController", "AdaptiveKLController", "get_kl_controller",
+    "compute_gae_raw",
+    "compute_gae_advantage_return",
+    "compute_grpo_outcome_advantage",
+    "compute_grpo_passk_outcome_advantage",
+    "compute_rloo_outcome_advantage",
+    "compute_reinforce_plus_plus_outcome_advantage",
+    "compute_reinforce_plus_plus_baseline_outcome_advantage",
+    "compute_remax_outcome_advantage",
+    "compute_opo_outcome_advantage",
+    "compute_gpg_outcome_advantage",
+    "ADV_ESTIMATORS",
+    "get_adv_estimator",
+    "compute_advantage",
+    "LOSS_AGG_MODES",
+    "global_batch_info",
+    "agg_loss",
+    "compute_policy_loss",
+    "compute_policy_loss_vanilla",
+    "compute_policy_loss_gspo",
+    "compute_policy_loss_gpg",
+    "compute_policy_loss_cispo",
+    "POLICY_LOSSES",
+    "get_policy_loss_fn",
+    "compute_value_loss",
+    "KL_PENALTIES",
+    "kl_penalty",
+    "kl_full",
+    "apply_kl_penalty",
+    "FixedKLController",
+    "AdaptiveKLController",
+    "get_kl_controller",
 ]

@@ -212,7 +212,13 @@ def compute_response_log_probs(
 
 
 __all__ = [
-    "masked_sum", "masked_mean", "masked_var", "masked_whiten",
-    "logprobs_from_logits", "entropy_from_logits", "logprobs_and_entropy_from_logits",
-    "response_logits", "compute_response_log_probs",
+    "masked_sum",
+    "masked_mean",
+    "masked_var",
+    "masked_whiten",
+    "logprobs_from_logits",
+    "entropy_from_logits",
+    "logprobs_and_entropy_from_logits",
+    "response_logits",
+    "compute_response_log_probs",
 ]

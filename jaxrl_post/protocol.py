@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -72,9 +73,7 @@ def _as_batch_array(key: str, value: Any) -> Array:
         return value
     arr = value if isinstance(value, np.ndarray) else np.asarray(value)
     if arr.dtype.kind in "OUS":
-        raise TypeError(
-            f"batch key {key!r} has dtype {arr.dtype}; put non-numeric data in non_tensor_batch instead"
-        )
+        raise TypeError(f"batch key {key!r} has dtype {arr.dtype}; put non-numeric data in non_tensor_batch instead")
     return arr
 
 
@@ -85,9 +84,7 @@ def _as_non_tensor_array(key: str, value: Any) -> np.ndarray:
         return np.asarray(value)
     if isinstance(value, (list, tuple)):
         return _to_object_array(value)
-    raise TypeError(
-        f"non_tensor_batch key {key!r} must be a numpy array, list or tuple, got {type(value).__name__}"
-    )
+    raise TypeError(f"non_tensor_batch key {key!r} must be a numpy array, list or tuple, got {type(value).__name__}")
 
 
 def _take(x: Array, idx: slice | np.ndarray) -> Array:
@@ -153,7 +150,7 @@ def _deep_equal(a: Any, b: Any) -> bool:
         return True  # both NaN
     try:
         return bool(a == b)
-    except Exception:  # noqa: BLE001 - objects whose __eq__ is not a plain bool
+    except Exception:
         return False
 
 
@@ -207,9 +204,7 @@ class DataProto:
         if not isinstance(self.meta_info, dict):
             raise TypeError(f"meta_info must be a dict, got {type(self.meta_info).__name__}")
         self.batch = {k: _as_batch_array(k, v) for k, v in self.batch.items()}
-        self.non_tensor_batch = {
-            k: _as_non_tensor_array(k, v) for k, v in self.non_tensor_batch.items()
-        }
+        self.non_tensor_batch = {k: _as_non_tensor_array(k, v) for k, v in self.non_tensor_batch.items()}
         self.check_consistency()
 
     # ------------------------------------------------------------------ construction
@@ -225,9 +220,7 @@ class DataProto:
         return cls(dict(tensors or {}), dict(non_tensors or {}), dict(meta_info or {}))
 
     @classmethod
-    def from_single_dict(
-        cls, data: dict[str, Any], meta_info: dict[str, Any] | None = None
-    ) -> DataProto:
+    def from_single_dict(cls, data: dict[str, Any], meta_info: dict[str, Any] | None = None) -> DataProto:
         """Split one dict by value type (verl ``from_single_dict``): numeric arrays -> ``batch``;
         lists, tuples, and object/string numpy arrays -> ``non_tensor_batch``."""
         tensors, non_tensors = {}, {}
@@ -423,9 +416,7 @@ class DataProto:
                 ("non_tensor_batch", first.non_tensor_batch, d.non_tensor_batch),
             ):
                 if a.keys() != b.keys():
-                    raise ValueError(
-                        f"concat: item {i} has {where} keys {sorted(b)} but item 0 has {sorted(a)}"
-                    )
+                    raise ValueError(f"concat: item {i} has {where} keys {sorted(b)} but item 0 has {sorted(a)}")
                 for k in a:
                     if a[k].shape[1:] != b[k].shape[1:]:
                         raise ValueError(

@@ -9,11 +9,13 @@ shards heads / kv heads / mlp / vocab, and the batch dimension of activations go
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -47,8 +49,10 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices: Sequence 
             raise ValueError(f"{len(devs)} devices are not divisible by the fixed mesh axes (product {known})")
         sizes[sizes.index(-1)] = len(devs) // known
     if math.prod(sizes) != len(devs):
-        raise ValueError(f"mesh data={sizes[0]} x fsdp={sizes[1]} x tensor={sizes[2]} needs "
-                         f"{math.prod(sizes)} devices, have {len(devs)}")
+        raise ValueError(
+            f"mesh data={sizes[0]} x fsdp={sizes[1]} x tensor={sizes[2]} needs "
+            f"{math.prod(sizes)} devices, have {len(devs)}"
+        )
     auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)  # GSPMD propagation, not explicit-sharding types
     return jax.make_mesh(tuple(sizes), MESH_AXES, axis_types=auto, devices=devs)
 
@@ -79,8 +83,10 @@ def _check_divisible(path: str, shape: tuple, spec: P, mesh: Mesh) -> None:
     for dim, axes in enumerate(spec):
         n = _axis_size(dict(mesh.shape), axes)
         if n > 1 and shape[dim] % n:
-            raise ValueError(f"param {path}: dim {dim} (size {shape[dim]}) is not divisible by mesh axis "
-                             f"{axes!r} (size {n}); shape {tuple(shape)}, spec {spec}")
+            raise ValueError(
+                f"param {path}: dim {dim} (size {shape[dim]}) is not divisible by mesh axis "
+                f"{axes!r} (size {n}); shape {tuple(shape)}, spec {spec}"
+            )
 
 
 def _logical_names(var) -> tuple | None:
@@ -131,8 +137,9 @@ def shard_batch(tree, mesh: Mesh):
         if jax.process_count() > 1 and isinstance(x, np.ndarray):
             return jax.make_array_from_process_local_data(sharding, x)
         if x.shape[0] % n:
-            raise ValueError(f"batch leaf {jax.tree_util.keystr(path)}: leading dim {x.shape[0]} is not "
-                             f"divisible by data*fsdp={n}")
+            raise ValueError(
+                f"batch leaf {jax.tree_util.keystr(path)}: leading dim {x.shape[0]} is not divisible by data*fsdp={n}"
+            )
         return jax.device_put(x, sharding)
 
     return jax.tree_util.tree_map_with_path(put, tree)
@@ -143,8 +150,12 @@ def cache_shardings(cache, mesh: Mesh):
     kv heads over tensor; same pytree structure as `cache`."""
     k = NamedSharding(mesh, logical_to_mesh_spec(("batch", "kv_heads", "head_dim", "cache_seq")))
     v = NamedSharding(mesh, logical_to_mesh_spec(("batch", "kv_heads", "cache_seq", "head_dim")))
-    return type(cache)(k=tuple(k for _ in cache.k), v=tuple(v for _ in cache.v), mask=batch_sharding(mesh, 2),
-                       index=NamedSharding(mesh, P()))
+    return type(cache)(
+        k=tuple(k for _ in cache.k),
+        v=tuple(v for _ in cache.v),
+        mask=batch_sharding(mesh, 2),
+        index=NamedSharding(mesh, P()),
+    )
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:

@@ -27,7 +27,7 @@ from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jaxrl_post.models import PRESETS, init_model, load_pretrained  # noqa: E402
+from jaxrl_post.models import PRESETS, init_model, load_pretrained
 
 
 def _time(fn, *args, steps: int) -> float:
@@ -71,7 +71,7 @@ def main(argv=None):
     try:
         model, _ = load_pretrained(args.model, dtype=args.dtype)
         source = args.model
-    except Exception as e:  # noqa: BLE001 - fall back to the preset's shapes
+    except Exception as e:
         print(f"load_pretrained({args.model!r}) failed ({type(e).__name__}: {e}); random smollm2_135m preset")
         model = init_model(PRESETS["smollm2_135m"], dtype=args.dtype)
         source = "random smollm2_135m"
@@ -101,19 +101,40 @@ def main(argv=None):
         sec = _time(fn, model, ids, mask, steps=args.steps)
         tok_s = b * t / sec
         flops = mult * f_tok * tok_s
-        rows.append(dict(mode=name, step_s=sec, compile_s=compile_s, tokens_per_s=tok_s,
-                         gflops_per_s=flops / 1e9, mfu=flops / peak))
+        rows.append(
+            dict(
+                mode=name,
+                step_s=sec,
+                compile_s=compile_s,
+                tokens_per_s=tok_s,
+                gflops_per_s=flops / 1e9,
+                mfu=flops / peak,
+            )
+        )
 
-    print(f"\nmodel: {source} ({cfg.num_params() / 1e6:.1f}M params, {args.dtype}), batch {b} x seq {t}, "
-          f"{jax.devices()[0].platform} x{jax.device_count()}, load {load_s:.1f}s")
+    print(
+        f"\nmodel: {source} ({cfg.num_params() / 1e6:.1f}M params, {args.dtype}), batch {b} x seq {t}, "
+        f"{jax.devices()[0].platform} x{jax.device_count()}, load {load_s:.1f}s"
+    )
     print(f"matmul peak (float32 2048^3 jnp.dot): {peak / 1e9:.1f} GFLOP/s")
     print(f"{'mode':<18}{'step s':>9}{'compile s':>11}{'tokens/s':>11}{'GFLOP/s':>10}{'MFU':>8}")
     for r in rows:
-        print(f"{r['mode']:<18}{r['step_s']:>9.3f}{r['compile_s']:>11.1f}{r['tokens_per_s']:>11.0f}"
-              f"{r['gflops_per_s']:>10.1f}{r['mfu']:>8.1%}")
-    result = dict(model=source, dtype=args.dtype, batch=b, seq=t, remat=args.remat,
-                  platform=jax.devices()[0].platform, device_count=jax.device_count(),
-                  matmul_peak_gflops=peak / 1e9, flops_per_token_fwd=f_tok, results=rows)
+        print(
+            f"{r['mode']:<18}{r['step_s']:>9.3f}{r['compile_s']:>11.1f}{r['tokens_per_s']:>11.0f}"
+            f"{r['gflops_per_s']:>10.1f}{r['mfu']:>8.1%}"
+        )
+    result = dict(
+        model=source,
+        dtype=args.dtype,
+        batch=b,
+        seq=t,
+        remat=args.remat,
+        platform=jax.devices()[0].platform,
+        device_count=jax.device_count(),
+        matmul_peak_gflops=peak / 1e9,
+        flops_per_token_fwd=f_tok,
+        results=rows,
+    )
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
     print(f"wrote {args.out}")

@@ -8,6 +8,7 @@ the compute bound: 2 * params FLOP per generated token against a measured float3
 
 Usage: python scripts/bench_rollout.py [--batches 8,32,64] [--new-tokens 128] [--reps 2] [--json out.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,25 +22,43 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-TOPICS = ["cats", "the sea", "bread", "winter", "robots", "a library", "mountains", "tea", "trains", "music",
-          "gardens", "the moon", "bicycles", "rain", "chess", "volcanoes"]
+TOPICS = [
+    "cats",
+    "the sea",
+    "bread",
+    "winter",
+    "robots",
+    "a library",
+    "mountains",
+    "tea",
+    "trains",
+    "music",
+    "gardens",
+    "the moon",
+    "bicycles",
+    "rain",
+    "chess",
+    "volcanoes",
+]
 
 
 def make_prompts(tok, batch: int):
     from jaxrl_post.models.tokenizer import apply_chat_template
 
-    rows = [apply_chat_template(tok, [{"role": "user", "content": f"Tell me about {TOPICS[i % len(TOPICS)]}."}])
-            for i in range(batch)]
+    rows = [
+        apply_chat_template(tok, [{"role": "user", "content": f"Tell me about {TOPICS[i % len(TOPICS)]}."}])
+        for i in range(batch)
+    ]
     p = max(map(len, rows))
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     ids = np.full((batch, p), pad, np.int32)
     mask = np.zeros((batch, p), np.int32)
     for i, r in enumerate(rows):
-        ids[i, p - len(r):], mask[i, p - len(r):] = r, 1
+        ids[i, p - len(r) :], mask[i, p - len(r) :] = r, 1
     return ids, mask, pad, float(np.mean([len(r) for r in rows]))
 
 
@@ -90,9 +109,17 @@ def bench_hf(hf, ids, mask, pad, new_tokens, reps, threads):
 def _bench_hf_once(hf, ids, mask, pad, new_tokens, reps):
     import torch
 
-    kw = dict(input_ids=torch.from_numpy(ids).long(), attention_mask=torch.from_numpy(mask).long(),
-              do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
-              min_new_tokens=new_tokens, pad_token_id=pad)
+    kw = dict(
+        input_ids=torch.from_numpy(ids).long(),
+        attention_mask=torch.from_numpy(mask).long(),
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        pad_token_id=pad,
+    )
     with torch.no_grad():
         hf.generate(**{**kw, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
         times = []
@@ -111,11 +138,18 @@ def main():
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--hf-reps", type=int, default=1)
     ap.add_argument("--decode-chunk", type=int, default=16)
-    ap.add_argument("--cache-segment-len", type=int, default=None,
-                    help="KV cache slots per segment (default: Generator's choice; a huge value = one segment)")
-    ap.add_argument("--hf-threads", default="1,2",
-                    help="torch thread counts to try; the fastest is the baseline (oversubscribed cores can make "
-                         "2 threads much slower than 1)")
+    ap.add_argument(
+        "--cache-segment-len",
+        type=int,
+        default=None,
+        help="KV cache slots per segment (default: Generator's choice; a huge value = one segment)",
+    )
+    ap.add_argument(
+        "--hf-threads",
+        default="1,2",
+        help="torch thread counts to try; the fastest is the baseline (oversubscribed cores can make "
+        "2 threads much slower than 1)",
+    )
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
@@ -131,36 +165,60 @@ def main():
     hf = None
     if not args.skip_hf:
         hf = transformers.AutoModelForCausalLM.from_pretrained(
-            os.path.dirname(path), gguf_file=os.path.basename(path), torch_dtype=torch.float32).eval()
+            os.path.dirname(path), gguf_file=os.path.basename(path), torch_dtype=torch.float32
+        ).eval()
     peak = matmul_peak_flops()
     results = []
     for batch in [int(b) for b in args.batches.split(",")]:
         ids, mask, pad, mean_len = make_prompts(tok, batch)
-        ours_s, compile_s = bench_ours(model, ids, mask, pad, args.new_tokens, args.reps, args.decode_chunk,
-                                       args.cache_segment_len)
-        hf_s, hf_threads = (bench_hf(hf, ids, mask, pad, args.new_tokens, args.hf_reps,
-                                     [int(t) for t in args.hf_threads.split(",")])
-                            if hf is not None else (float("nan"), None))
+        ours_s, compile_s = bench_ours(
+            model, ids, mask, pad, args.new_tokens, args.reps, args.decode_chunk, args.cache_segment_len
+        )
+        hf_s, hf_threads = (
+            bench_hf(hf, ids, mask, pad, args.new_tokens, args.hf_reps, [int(t) for t in args.hf_threads.split(",")])
+            if hf is not None
+            else (float("nan"), None)
+        )
         n_tok = batch * args.new_tokens
-        row = dict(batch=batch, prompt_len_mean=round(mean_len, 1), prompt_len_padded=int(ids.shape[1]),
-                   new_tokens=args.new_tokens, ours_s=round(ours_s, 3), ours_tok_s=round(n_tok / ours_s, 1),
-                   ours_compile_s=round(compile_s, 1), hf_s=round(hf_s, 3), hf_tok_s=round(n_tok / hf_s, 1),
-                   hf_threads=hf_threads, ratio=round(hf_s / ours_s, 2),
-                   compute_bound_frac=round(n_tok / ours_s * 2 * n_params / peak, 3))
+        row = dict(
+            batch=batch,
+            prompt_len_mean=round(mean_len, 1),
+            prompt_len_padded=int(ids.shape[1]),
+            new_tokens=args.new_tokens,
+            ours_s=round(ours_s, 3),
+            ours_tok_s=round(n_tok / ours_s, 1),
+            ours_compile_s=round(compile_s, 1),
+            hf_s=round(hf_s, 3),
+            hf_tok_s=round(n_tok / hf_s, 1),
+            hf_threads=hf_threads,
+            ratio=round(hf_s / ours_s, 2),
+            compute_bound_frac=round(n_tok / ours_s * 2 * n_params / peak, 3),
+        )
         results.append(row)
         print(json.dumps(row), flush=True)
-    summary = dict(model="SmolLM2-135M-Instruct (GGUF Q4_1 dequantized, float32)", params=n_params,
-                   matmul_peak_gflops=round(peak / 1e9, 1), jax=jax.__version__, torch=torch.__version__,
-                   cpu_count=os.cpu_count(), load_avg_1m_at_end=round(os.getloadavg()[0], 2), results=results)
+    summary = dict(
+        model="SmolLM2-135M-Instruct (GGUF Q4_1 dequantized, float32)",
+        params=n_params,
+        matmul_peak_gflops=round(peak / 1e9, 1),
+        jax=jax.__version__,
+        torch=torch.__version__,
+        cpu_count=os.cpu_count(),
+        load_avg_1m_at_end=round(os.getloadavg()[0], 2),
+        results=results,
+    )
     print()
-    print(f"matmul peak {peak / 1e9:.1f} GFLOP/s; {n_params / 1e6:.1f}M params -> "
-          f"{2 * n_params / 1e6:.0f} MFLOP per token")
+    print(
+        f"matmul peak {peak / 1e9:.1f} GFLOP/s; {n_params / 1e6:.1f}M params -> "
+        f"{2 * n_params / 1e6:.0f} MFLOP per token"
+    )
     hdr = f"{'batch':>5} {'ours tok/s':>11} {'HF tok/s':>9} {'ratio':>6} {'compute-bound':>13} {'compile s':>9}"
     print(hdr)
     print("-" * len(hdr))
     for r in results:
-        print(f"{r['batch']:>5} {r['ours_tok_s']:>11.1f} {r['hf_tok_s']:>9.1f} {r['ratio']:>5.2f}x "
-              f"{r['compute_bound_frac'] * 100:>12.1f}% {r['ours_compile_s']:>9.1f}")
+        print(
+            f"{r['batch']:>5} {r['ours_tok_s']:>11.1f} {r['hf_tok_s']:>9.1f} {r['ratio']:>5.2f}x "
+            f"{r['compute_bound_frac'] * 100:>12.1f}% {r['ours_compile_s']:>9.1f}"
+        )
     print()
     print(json.dumps(summary, indent=1))
     if args.json:

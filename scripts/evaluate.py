@@ -4,7 +4,8 @@ Usage:
   python scripts/evaluate.py --config=configs/grpo.py                                  # base model
   python scripts/evaluate.py --config=configs/grpo.py --checkpoint=runs/grpo           # latest checkpoint
   python scripts/evaluate.py --config=configs/grpo.py:gsm8k --checkpoint=runs/grpo_gsm8k/checkpoints/global_step_3 \
-      --config.rollout.val_kwargs.n=8 --config.rollout.val_kwargs.do_sample=True --config.rollout.val_kwargs.temperature=1.0
+      --config.rollout.val_kwargs.n=8 --config.rollout.val_kwargs.do_sample=True \
+      --config.rollout.val_kwargs.temperature=1.0
 
 Generation settings come from `rollout.val_kwargs` (greedy n=1 by default; n>1 sampled adds best@k,
 pass@k, maj@k). `--checkpoint` is a run dir, its `checkpoints/` dir or a `global_step_<N>` dir; only the
@@ -20,71 +21,70 @@ import os
 import sys
 import tempfile
 
-os.environ.setdefault('HF_HUB_OFFLINE', '1')
-os.environ.setdefault('TRANSFORMERS_OFFLINE', '1')
-os.environ.setdefault('TOKENIZERS_PARALLELISM', 'false')
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 FLAGS = None
 
 
 def _define_flags():
-  """absl flags, defined only when run as a script (importing this module defines nothing)."""
-  from absl import flags
-  from ml_collections import config_flags
+    """absl flags, defined only when run as a script (importing this module defines nothing)."""
+    from absl import flags
+    from ml_collections import config_flags
 
-  config_flags.DEFINE_config_file('config', None, 'Job config: path/to/config.py[:variant].', lock_config=False)
-  flags.DEFINE_string('checkpoint', None, 'Checkpoint to evaluate (default: the base model).')
-  flags.DEFINE_integer('step', None, 'Checkpoint step (default: the one --checkpoint names, else the latest).')
-  flags.DEFINE_string('workdir', None, 'Working dir of the evaluation (default: a temp dir).')
-  flags.DEFINE_string('output', None, 'JSON file for the metrics (default: <workdir>/eval_metrics.json).')
-  flags.mark_flag_as_required('config')
-  return flags.FLAGS
+    config_flags.DEFINE_config_file("config", None, "Job config: path/to/config.py[:variant].", lock_config=False)
+    flags.DEFINE_string("checkpoint", None, "Checkpoint to evaluate (default: the base model).")
+    flags.DEFINE_integer("step", None, "Checkpoint step (default: the one --checkpoint names, else the latest).")
+    flags.DEFINE_string("workdir", None, "Working dir of the evaluation (default: a temp dir).")
+    flags.DEFINE_string("output", None, "JSON file for the metrics (default: <workdir>/eval_metrics.json).")
+    flags.mark_flag_as_required("config")
+    return flags.FLAGS
 
 
-def evaluate(cfg, checkpoint: str | None = None, *, step: int | None = None,
-             workdir: str | None = None) -> dict:
-  """Build the trainer from `cfg` (no training), load the actor params of `checkpoint` if given, and
-  return `validate()`'s metrics plus `eval/checkpoint_step` (-1 for the base model)."""
-  from jaxrl_post.trainer import checkpoint as ckpt
-  from jaxrl_post.trainer.trainer import RLTrainer
+def evaluate(cfg, checkpoint: str | None = None, *, step: int | None = None, workdir: str | None = None) -> dict:
+    """Build the trainer from `cfg` (no training), load the actor params of `checkpoint` if given, and
+    return `validate()`'s metrics plus `eval/checkpoint_step` (-1 for the base model)."""
+    from jaxrl_post.trainer import checkpoint as ckpt
+    from jaxrl_post.trainer.trainer import RLTrainer
 
-  cfg = cfg.copy_and_resolve_references()
-  cfg.trainer.default_local_dir = workdir or tempfile.mkdtemp(prefix='jaxrl_eval_')
-  cfg.trainer.resume_mode = 'disable'
-  cfg.trainer.logger = ('jsonl',)
-  cfg.trainer.progress_bar = False
-  if not cfg.data.val_files:
-    raise ValueError('config.data.val_files is empty: nothing to evaluate on')
-  trainer = RLTrainer(cfg)
-  try:
-    loaded = -1
-    if checkpoint:
-      root, found = ckpt.find_resume_checkpoint('resume_path', cfg.trainer.default_local_dir, checkpoint)
-      loaded = found if step is None else int(step)
-      trainer.load_actor_params_from(root, loaded)
-    metrics = trainer.validate()
-    metrics['eval/checkpoint_step'] = float(loaded)
-    trainer.tracker.log(metrics, step=max(loaded, 0))
-  finally:
-    trainer.close()
-  return metrics
+    cfg = cfg.copy_and_resolve_references()
+    cfg.trainer.default_local_dir = workdir or tempfile.mkdtemp(prefix="jaxrl_eval_")
+    cfg.trainer.resume_mode = "disable"
+    cfg.trainer.logger = ("jsonl",)
+    cfg.trainer.progress_bar = False
+    if not cfg.data.val_files:
+        raise ValueError("config.data.val_files is empty: nothing to evaluate on")
+    trainer = RLTrainer(cfg)
+    try:
+        loaded = -1
+        if checkpoint:
+            root, found = ckpt.find_resume_checkpoint("resume_path", cfg.trainer.default_local_dir, checkpoint)
+            loaded = found if step is None else int(step)
+            trainer.load_actor_params_from(root, loaded)
+        metrics = trainer.validate()
+        metrics["eval/checkpoint_step"] = float(loaded)
+        trainer.tracker.log(metrics, step=max(loaded, 0))
+    finally:
+        trainer.close()
+    return metrics
 
 
 def main(argv) -> None:
-  del argv
-  workdir = FLAGS.workdir or tempfile.mkdtemp(prefix='jaxrl_eval_')
-  metrics = evaluate(FLAGS.config, FLAGS.checkpoint, step=FLAGS.step, workdir=workdir)
-  out = FLAGS.output or os.path.join(workdir, 'eval_metrics.json')
-  os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-  with open(out, 'w') as f:
-    json.dump(metrics, f, indent=1, sort_keys=True)
-  print(json.dumps({k: v for k, v in sorted(metrics.items()) if k.startswith(('val-core', 'eval/'))}, indent=1))
-  print(f'metrics written to {out}')
+    del argv
+    workdir = FLAGS.workdir or tempfile.mkdtemp(prefix="jaxrl_eval_")
+    metrics = evaluate(FLAGS.config, FLAGS.checkpoint, step=FLAGS.step, workdir=workdir)
+    out = FLAGS.output or os.path.join(workdir, "eval_metrics.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(metrics, f, indent=1, sort_keys=True)
+    print(json.dumps({k: v for k, v in sorted(metrics.items()) if k.startswith(("val-core", "eval/"))}, indent=1))
+    print(f"metrics written to {out}")
 
 
-if __name__ == '__main__':
-  from absl import app
+if __name__ == "__main__":
+    from absl import app
 
-  FLAGS = _define_flags()
-  app.run(main)
+    FLAGS = _define_flags()
+    app.run(main)

@@ -17,63 +17,68 @@ import argparse
 import os
 import sys
 
-os.environ.setdefault('HF_HUB_OFFLINE', '1')
-os.environ.setdefault('TRANSFORMERS_OFFLINE', '1')
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
 def load_actor(checkpoint: str, *, step: int | None = None, mesh=None):
-  """(Transformer with the checkpoint's actor params, tokenizer or None, step) from a checkpoint path.
+    """(Transformer with the checkpoint's actor params, tokenizer or None, step) from a checkpoint path.
 
-  Raises:
-    CheckpointError: nothing complete at `checkpoint`, or a checkpoint without model metadata.
-  """
-  from flax import nnx
+    Raises:
+      CheckpointError: nothing complete at `checkpoint`, or a checkpoint without model metadata.
+    """
+    from flax import nnx
 
-  from jaxrl_post.models import init_model
-  from jaxrl_post.trainer import checkpoint as ckpt
+    from jaxrl_post.models import init_model
+    from jaxrl_post.trainer import checkpoint as ckpt
 
-  root, found = ckpt.find_resume_checkpoint('resume_path', '.', checkpoint)
-  step = found if step is None else int(step)
-  c = ckpt.Checkpointer(root, read_only=True)
-  host = c.read_host(step)
-  meta = host.get('model')
-  if not meta:
-    raise ckpt.CheckpointError(f'{c.step_path(step)} has no model metadata (host["model"]); it was not '
-                               'written by jaxrl_post.trainer')
-  mcfg = ckpt.model_config_from_metadata(meta)
-  model = init_model(mcfg, seed=0, dtype=mcfg.dtype, param_dtype=mcfg.param_dtype, mesh=mesh)
-  params = nnx.state(model, nnx.Param)
-  got = c.restore(step, like={'actor': {'params': params}})
-  nnx.update(model, got['actor']['params'])
-  tokenizer = None
-  if meta.get('tokenizer'):
-    from jaxrl_post.trainer.builders import load_tokenizer
+    root, found = ckpt.find_resume_checkpoint("resume_path", ".", checkpoint)
+    step = found if step is None else int(step)
+    c = ckpt.Checkpointer(root, read_only=True)
+    host = c.read_host(step)
+    meta = host.get("model")
+    if not meta:
+        raise ckpt.CheckpointError(
+            f'{c.step_path(step)} has no model metadata (host["model"]); it was not written by jaxrl_post.trainer'
+        )
+    mcfg = ckpt.model_config_from_metadata(meta)
+    model = init_model(mcfg, seed=0, dtype=mcfg.dtype, param_dtype=mcfg.param_dtype, mesh=mesh)
+    params = nnx.state(model, nnx.Param)
+    got = c.restore(step, like={"actor": {"params": params}})
+    nnx.update(model, got["actor"]["params"])
+    tokenizer = None
+    if meta.get("tokenizer"):
+        from jaxrl_post.trainer.builders import load_tokenizer
 
-    tokenizer = load_tokenizer(meta['tokenizer'])
-  c.close()
-  return model, tokenizer, step
+        tokenizer = load_tokenizer(meta["tokenizer"])
+    c.close()
+    return model, tokenizer, step
 
 
 def export(checkpoint: str, out_dir: str, *, step: int | None = None) -> str:
-  """Write the HF directory for `checkpoint` into `out_dir`; returns `out_dir`."""
-  from jaxrl_post.models import save_pretrained
+    """Write the HF directory for `checkpoint` into `out_dir`; returns `out_dir`."""
+    from jaxrl_post.models import save_pretrained
 
-  model, tokenizer, step = load_actor(checkpoint, step=step)
-  save_pretrained(model, tokenizer, out_dir)
-  return out_dir
+    model, tokenizer, step = load_actor(checkpoint, step=step)
+    save_pretrained(model, tokenizer, out_dir)
+    return out_dir
 
 
 def main(argv: list[str] | None = None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-  ap.add_argument('--checkpoint', required=True, help='run dir, its checkpoints/ dir, or a global_step_<N> dir')
-  ap.add_argument('--out', required=True, help='output HF directory')
-  ap.add_argument('--step', type=int, default=None, help='step to export (default: the one --checkpoint names, '
-                  'else the latest complete one)')
-  args = ap.parse_args(argv)
-  print(export(args.checkpoint, args.out, step=args.step))
-  return 0
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--checkpoint", required=True, help="run dir, its checkpoints/ dir, or a global_step_<N> dir")
+    ap.add_argument("--out", required=True, help="output HF directory")
+    ap.add_argument(
+        "--step",
+        type=int,
+        default=None,
+        help="step to export (default: the one --checkpoint names, else the latest complete one)",
+    )
+    args = ap.parse_args(argv)
+    print(export(args.checkpoint, args.out, step=args.step))
+    return 0
 
 
-if __name__ == '__main__':
-  sys.exit(main())
+if __name__ == "__main__":
+    sys.exit(main())

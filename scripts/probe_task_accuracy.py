@@ -27,8 +27,8 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from jaxrl_post.data.sources import PROMPT_FORMATS, reasoning_gym_rows  # noqa: E402
-from jaxrl_post.rewards import reasoning_gym_reward  # noqa: E402
+from jaxrl_post.data.sources import PROMPT_FORMATS, reasoning_gym_rows
+from jaxrl_post.rewards import reasoning_gym_reward
 
 
 def smollm2_gguf() -> tuple[str, str]:
@@ -46,14 +46,18 @@ def smollm2_gguf() -> tuple[str, str]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--task", default="chain_sum")
-    p.add_argument("--config", default="{}", help="JSON dict of reasoning-gym config fields; several "
-                   "candidates: a JSON list of dicts")
+    p.add_argument(
+        "--config",
+        default="{}",
+        help="JSON dict of reasoning-gym config fields; several candidates: a JSON list of dicts",
+    )
     p.add_argument("--n", type=int, default=64)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--max_new_tokens", type=int, default=64)
     p.add_argument("--batch_size", type=int, default=32)
-    p.add_argument("--prompt_format", default="answer_tag",
-                   help=f"one of {sorted(PROMPT_FORMATS)}, or several separated by commas")
+    p.add_argument(
+        "--prompt_format", default="answer_tag", help=f"one of {sorted(PROMPT_FORMATS)}, or several separated by commas"
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--show", type=int, default=3, help="print this many example responses")
     p.add_argument("--json_out", default=None, help="append a JSON line with the result here")

@@ -1,4 +1,5 @@
 """Shared pytest setup: CPU JAX, offline Hugging Face, repo paths."""
+
 import os
 import pathlib
 
@@ -7,7 +8,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import pytest  # noqa: E402
+import pytest
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 GSM8K_DIR = REPO_ROOT.parent / "shared" / "data" / "gsm8k"

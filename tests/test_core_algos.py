@@ -87,7 +87,7 @@ def np_gae_raw(r, v, m, gamma, lam):
 
 def np_group_center(scores, index, use_std, eps, single_std=1.0):
     adv = np.zeros_like(scores, dtype=np.float64)
-    for g, rows in groups_of(index).items():
+    for _g, rows in groups_of(index).items():
         s = scores[rows].astype(np.float64)
         if len(rows) == 1:
             mean, std = 0.0, single_std
@@ -144,9 +144,17 @@ def test_masked_stats_match_numpy():
     v = rng.normal(size=(5, 7)).astype(np.float32)
     m = right_padded_mask(rng, 5, 7, min_len=2)
     v_junk = np.where(m > 0, v, np.inf).astype(np.float32)  # masked entries must not leak
-    f = jit(lambda v, m: (ca.masked_sum(v, m), ca.masked_mean(v, m), ca.masked_mean(v, m, axis=-1),
-                          ca.masked_var(v, m), ca.masked_var(v, m, unbiased=False), ca.masked_whiten(v, m),
-                          ca.masked_whiten(v, m, shift_mean=False)))
+    f = jit(
+        lambda v, m: (
+            ca.masked_sum(v, m),
+            ca.masked_mean(v, m),
+            ca.masked_mean(v, m, axis=-1),
+            ca.masked_var(v, m),
+            ca.masked_var(v, m, unbiased=False),
+            ca.masked_whiten(v, m),
+            ca.masked_whiten(v, m, shift_mean=False),
+        )
+    )
     s, mean, row_mean, var_u, var_b, wh, wh_noshift = f(v_junk, m)
     vm = v[m > 0].astype(np.float64)
     close(s, vm.sum())
@@ -175,8 +183,12 @@ def test_masked_var_single_element_is_finite():
 
 def test_logprob_entropy_temperature_hand_case():
     logits = jnp.array([[[2.0, 1.0, 0.0]]])
-    lp, ent = jax.jit(lambda x: (ca.logprobs_from_logits(x, jnp.array([[0]]), temperature=0.5),
-                                 ca.entropy_from_logits(x, temperature=0.5)))(logits)
+    lp, ent = jax.jit(
+        lambda x: (
+            ca.logprobs_from_logits(x, jnp.array([[0]]), temperature=0.5),
+            ca.entropy_from_logits(x, temperature=0.5),
+        )
+    )(logits)
     close(lp, [[-0.142932]], atol=1e-6)
     close(ent, [[0.441057]], atol=1e-6)
 
@@ -193,10 +205,12 @@ def test_logprobs_entropy_match_numpy_with_grads(dtype):
     def run(x, temp):
         lp, ent = ca.logprobs_and_entropy_from_logits(x, labels, temp)
         separate = (ca.logprobs_from_logits(x, labels, temp), ca.entropy_from_logits(x, temp))
-        loss = lambda y: (jnp.sum(w1 * ca.logprobs_from_logits(y, labels, temp))  # noqa: E731
-                          + jnp.sum(w2 * ca.entropy_from_logits(y, temp)))
-        loss_both = lambda y: jnp.sum(jnp.stack(ca.logprobs_and_entropy_from_logits(y, labels, 0.7))  # noqa: E731
-                                      * jnp.stack([w1, w2]))  # Python-float temperature
+        loss = lambda y: (
+            jnp.sum(w1 * ca.logprobs_from_logits(y, labels, temp)) + jnp.sum(w2 * ca.entropy_from_logits(y, temp))
+        )
+        loss_both = lambda y: jnp.sum(
+            jnp.stack(ca.logprobs_and_entropy_from_logits(y, labels, 0.7)) * jnp.stack([w1, w2])
+        )  # Python-float temperature
         xf = x.astype(jnp.float32)
         return lp, ent, separate, jax.grad(loss)(xf), jax.grad(loss_both)(xf)
 
@@ -220,8 +234,10 @@ def test_logprobs_memory_at_most_one_f32_copy():
     b, t, v = 2, 32, 2048
     one_copy = b * t * v * 4
     y = jnp.zeros((b, t), jnp.int32)
-    for dtype, fn in ((jnp.float32, lambda x, y: ca.logprobs_from_logits(x, y, 0.7)),
-                      (jnp.bfloat16, lambda x, y: ca.logprobs_and_entropy_from_logits(x, y, 0.7))):
+    for dtype, fn in (
+        (jnp.float32, lambda x, y: ca.logprobs_from_logits(x, y, 0.7)),
+        (jnp.bfloat16, lambda x, y: ca.logprobs_and_entropy_from_logits(x, y, 0.7)),
+    ):
         x = jnp.zeros((b, t, v), dtype)
         mem = jax.jit(fn).lower(x, y).compile().memory_analysis()
         if mem is None:
@@ -237,9 +253,13 @@ def test_response_alignment_three_tokens():
     logits = rng.normal(size=(1, 3, v)).astype(np.float32)
     input_ids = np.array([[4, 2, 5]])
     responses = input_ids[:, 1:]
-    run = jax.jit(lambda x: (ca.compute_response_log_probs(x, jnp.asarray(responses)),
-                             ca.compute_response_log_probs(x, jnp.asarray(input_ids[:, 2:]), 1.0, True),
-                             ca.response_logits(x, 2)))
+    run = jax.jit(
+        lambda x: (
+            ca.compute_response_log_probs(x, jnp.asarray(responses)),
+            ca.compute_response_log_probs(x, jnp.asarray(input_ids[:, 2:]), 1.0, True),
+            ca.response_logits(x, 2),
+        )
+    )
     lp, (lp1, ent1), sliced = run(jnp.asarray(logits))
     ls = np_log_softmax(logits.astype(np.float64))
     expected = [ls[0, 0, 2], ls[0, 1, 5]]
@@ -327,8 +347,12 @@ def test_grpo_group_of_one_and_all_equal_group():
     r = jnp.array([0.1, 0.1, 0.1, 0.8, 0.3, 0.5], jnp.float32)[:, None]
     m = jnp.ones((6, 1), jnp.int32)
     idx = jnp.array([3, 3, 3, 7, 9, 9])
-    run = jax.jit(lambda r, m, idx: ([ca.compute_grpo_outcome_advantage(r, m, idx, 1e-6, n)[0] for n in (True, False)],
-                                     ca.compute_rloo_outcome_advantage(r, m, idx)[0]))
+    run = jax.jit(
+        lambda r, m, idx: (
+            [ca.compute_grpo_outcome_advantage(r, m, idx, 1e-6, n)[0] for n in (True, False)],
+            ca.compute_rloo_outcome_advantage(r, m, idx)[0],
+        )
+    )
     grpo_out, rl = run(r, m, idx)
     for norm, adv in zip((True, False), grpo_out):
         adv = np.asarray(adv[:, 0])
@@ -445,8 +469,17 @@ def test_grpo_passk_rejects_group_of_one_on_host():
 
 
 def test_estimator_registry_and_dispatch():
-    assert set(ca.ADV_ESTIMATORS) == {"gae", "grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
-                                      "remax", "rloo", "opo", "gpg", "grpo_passk"}
+    assert set(ca.ADV_ESTIMATORS) == {
+        "gae",
+        "grpo",
+        "reinforce_plus_plus",
+        "reinforce_plus_plus_baseline",
+        "remax",
+        "rloo",
+        "opo",
+        "gpg",
+        "grpo_passk",
+    }
     assert ca.get_adv_estimator("grpo") is ca.compute_grpo_outcome_advantage
     with pytest.raises(ValueError, match="grpo_passk"):
         ca.get_adv_estimator("grpoo")
@@ -458,15 +491,22 @@ def test_estimator_registry_and_dispatch():
     @jax.jit
     def run(rewards, mask, index, vals, base):
         kw = dict(token_level_rewards=rewards, response_mask=mask)
-        out = {name: (ca.compute_advantage(name, **kw, index=index)[0],
-                      ca.ADV_ESTIMATORS[name](rewards, mask, index)[0])
-               for name in ("grpo", "rloo", "opo", "gpg", "reinforce_plus_plus_baseline", "grpo_passk")}
-        out["gae"] = (ca.compute_advantage("gae", **kw, values=vals, gamma=0.9, lam=0.8)[0],
-                      ca.compute_gae_advantage_return(rewards, vals, mask, 0.9, 0.8)[0])
-        out["remax"] = (ca.compute_advantage("remax", **kw, reward_baselines=base)[0],
-                        ca.compute_remax_outcome_advantage(rewards, base, mask)[0])
-        out["reinforce_plus_plus"] = (ca.compute_advantage("reinforce_plus_plus", **kw, gamma=0.9)[0],
-                                      ca.compute_reinforce_plus_plus_outcome_advantage(rewards, mask, 0.9)[0])
+        out = {
+            name: (ca.compute_advantage(name, **kw, index=index)[0], ca.ADV_ESTIMATORS[name](rewards, mask, index)[0])
+            for name in ("grpo", "rloo", "opo", "gpg", "reinforce_plus_plus_baseline", "grpo_passk")
+        }
+        out["gae"] = (
+            ca.compute_advantage("gae", **kw, values=vals, gamma=0.9, lam=0.8)[0],
+            ca.compute_gae_advantage_return(rewards, vals, mask, 0.9, 0.8)[0],
+        )
+        out["remax"] = (
+            ca.compute_advantage("remax", **kw, reward_baselines=base)[0],
+            ca.compute_remax_outcome_advantage(rewards, base, mask)[0],
+        )
+        out["reinforce_plus_plus"] = (
+            ca.compute_advantage("reinforce_plus_plus", **kw, gamma=0.9)[0],
+            ca.compute_reinforce_plus_plus_outcome_advantage(rewards, mask, 0.9)[0],
+        )
         return out
 
     out = run(rewards, mask, index, vals, base)
@@ -487,8 +527,8 @@ def test_token_mean_hand_case_one_batch_vs_micro_batches():
     @jax.jit
     def run(loss, mask):
         info = ca.global_batch_info(mask)
-        parts = [ca.agg_loss(loss[i:i + 1], mask[i:i + 1], "token-mean", **info) for i in range(2)]
-        naive = [ca.agg_loss(loss[i:i + 1], mask[i:i + 1], "token-mean") for i in range(2)]
+        parts = [ca.agg_loss(loss[i : i + 1], mask[i : i + 1], "token-mean", **info) for i in range(2)]
+        naive = [ca.agg_loss(loss[i : i + 1], mask[i : i + 1], "token-mean") for i in range(2)]
         return ca.agg_loss(loss, mask, "token-mean"), sum(parts), sum(naive) / 2
 
     one_batch, micro, naive = run(loss, mask)
@@ -504,9 +544,15 @@ def test_agg_loss_matches_numpy():
 
     @jax.jit
     def run(loss, mask, n_tok, n_seq, scale):
-        return {mode: (ca.agg_loss(loss, mask, mode),
-                       ca.agg_loss(loss, mask, mode, global_batch_tokens=n_tok, global_batch_size=n_seq,
-                                   loss_scale_factor=scale)) for mode in ca.LOSS_AGG_MODES}
+        return {
+            mode: (
+                ca.agg_loss(loss, mask, mode),
+                ca.agg_loss(
+                    loss, mask, mode, global_batch_tokens=n_tok, global_batch_size=n_seq, loss_scale_factor=scale
+                ),
+            )
+            for mode in ca.LOSS_AGG_MODES
+        }
 
     out = run(loss, mask, 40.0, 9.0, 3.0)
     for mode in ca.LOSS_AGG_MODES:
@@ -532,8 +578,9 @@ def test_micro_batch_split_equals_full_batch_values_and_grads():
 
     def losses(mode):
         def pg(x, sl, **kw):
-            return ca.compute_policy_loss(old[sl], x, adv[sl], mask[sl], loss_agg_mode=mode, clip_ratio_high=0.28,
-                                          **kw)[0]
+            return ca.compute_policy_loss(
+                old[sl], x, adv[sl], mask[sl], loss_agg_mode=mode, clip_ratio_high=0.28, **kw
+            )[0]
 
         def agg(x, sl, **kw):
             return ca.agg_loss(x, mask[sl], mode, **kw)
@@ -549,8 +596,8 @@ def test_micro_batch_split_equals_full_batch_values_and_grads():
         out = {}
         for mode in ca.LOSS_AGG_MODES:
             for k, (fn, x) in enumerate(losses(mode)):
-                full = jax.value_and_grad(lambda x_: fn(x_, slice(None)))(x)
-                parts = [jax.value_and_grad(lambda x_, sl=sl: fn(x_, sl, **info))(x[sl]) for sl in splits]
+                full = jax.value_and_grad(lambda x_, fn=fn: fn(x_, slice(None)))(x)
+                parts = [jax.value_and_grad(lambda x_, sl=sl, fn=fn: fn(x_, sl, **info))(x[sl]) for sl in splits]
                 out[mode, k] = (full, parts)
         return out
 
@@ -571,8 +618,15 @@ def test_dual_clip_hand_cases():
     ratio = jnp.array([[c[0][0] for c in cases]])
     adv = jnp.array([[c[0][1] for c in cases]])
     for i, (_, expected) in enumerate(cases):
-        loss, _ = policy_jit(jnp.zeros((1, 1)), jnp.log(ratio[:, i:i + 1]), adv[:, i:i + 1], jnp.ones((1, 1)),
-                             clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0)
+        loss, _ = policy_jit(
+            jnp.zeros((1, 1)),
+            jnp.log(ratio[:, i : i + 1]),
+            adv[:, i : i + 1],
+            jnp.ones((1, 1)),
+            clip_ratio_low=0.2,
+            clip_ratio_high=0.2,
+            clip_ratio_c=3.0,
+        )
         close(loss, expected)
     # metrics: (5,+1) clipped high; (5,-1) hits the dual-clip bound; (0.5,+1) and (1.5,-2) unclipped.
     _, metrics = policy_jit(jnp.zeros((1, 4)), jnp.log(ratio), adv, jnp.ones((1, 4)))
@@ -589,8 +643,9 @@ def test_vanilla_policy_loss_matches_numpy():
     lp[0, 0] = old[0, 0] + 30.0  # log-ratio clamp at 20
     adv = rng.normal(size=(b, r)).astype(np.float32) * 2
     isw = rng.uniform(0.5, 1.5, size=(b, r)).astype(np.float32)
-    loss, metrics = policy_jit(old, lp, adv, mask, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0,
-                               rollout_is_weights=isw)
+    loss, metrics = policy_jit(
+        old, lp, adv, mask, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, rollout_is_weights=isw
+    )
     pg, c1, c2 = np_policy_vanilla(old, lp, adv, 0.2, 0.28, 3.0)
     close(loss, np_agg(pg * isw, mask, "token-mean"), rtol=1e-4)
     close(metrics["pg_clipfrac"], np_masked_mean(c1, mask))
@@ -608,8 +663,16 @@ def test_gspo_loss_value_and_gradient_match_numpy():
     old = rng.normal(size=(b, r)).astype(np.float32) - 1.0
     lp = (old + 0.3 * rng.normal(size=(b, r))).astype(np.float32)
     adv = np.repeat(rng.normal(size=(b, 1)), r, 1).astype(np.float32)
-    fn = lambda x: policy_jit(old, x, adv, mask, loss_mode="gspo", loss_agg_mode="seq-mean-token-mean",  # noqa
-                              clip_ratio_low=3e-4, clip_ratio_high=4e-4)
+    fn = lambda x: policy_jit(
+        old,
+        x,
+        adv,
+        mask,
+        loss_mode="gspo",
+        loss_agg_mode="seq-mean-token-mean",
+        clip_ratio_low=3e-4,
+        clip_ratio_high=4e-4,
+    )
     (loss, metrics), grad = jax.value_and_grad(fn, has_aux=True)(lp)
     n = mask.sum(-1)
     s = np.exp(((lp - old) * mask).sum(-1) / n)[:, None]
@@ -631,13 +694,13 @@ def test_cispo_and_gpg_losses_value_and_gradient():
     adv = rng.normal(size=(b, r)).astype(np.float32)
     ratio = np.exp(lp - old)
     clipped = np.clip(ratio, 0.8, 1.28)
-    fn = lambda x: policy_jit(old, x, adv, mask, loss_mode="cispo", clip_ratio_low=0.2, clip_ratio_high=0.28)  # noqa
+    fn = lambda x: policy_jit(old, x, adv, mask, loss_mode="cispo", clip_ratio_low=0.2, clip_ratio_high=0.28)
     (loss, metrics), grad = jax.value_and_grad(fn, has_aux=True)(lp)
     close(loss, np_agg(-clipped * adv * lp, mask, "token-mean"), rtol=1e-4)
     close(grad, -clipped * adv * mask / mask.sum(), rtol=1e-4)  # the IS weight is a constant
     close(metrics["pg_clipfrac"], np_masked_mean((ratio != clipped).astype(float), mask))
     assert float(metrics["pg_clipfrac_lower"]) == 0.0
-    fn = lambda x: policy_jit(old, x, adv, mask, loss_mode="gpg", loss_agg_mode="seq-mean-token-sum")  # noqa
+    fn = lambda x: policy_jit(old, x, adv, mask, loss_mode="gpg", loss_agg_mode="seq-mean-token-sum")
     (loss, _), grad = jax.value_and_grad(fn, has_aux=True)(lp)
     close(loss, np_agg(-lp * adv, mask, "seq-mean-token-sum"), rtol=1e-4)
     close(grad, -adv * mask / b, rtol=1e-4)
@@ -678,7 +741,9 @@ def test_kl_penalty_matches_numpy_and_straight_through():
     def run(lp, ref):
         out = {}
         for name in ca.KL_PENALTIES:
-            grads = jax.grad(lambda a, b_: jnp.sum(w * ca.kl_penalty(a, b_, name + "+")), argnums=(0, 1))(lp, ref)
+            grads = jax.grad(lambda a, b_, name=name: jnp.sum(w * ca.kl_penalty(a, b_, name + "+")), argnums=(0, 1))(
+                lp, ref
+            )
             out[name] = (ca.kl_penalty(lp, ref, name), ca.kl_penalty(lp, ref, name + "+"), grads)
         return out
 

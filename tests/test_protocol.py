@@ -302,9 +302,7 @@ def test_concat_mixed_and_errors():
     a, b = _make("np", 2), _make("jax", 3)
     c = DataProto.concat([a, b])
     assert isinstance(c.batch["ids"], jax.Array) and len(c) == 5
-    np.testing.assert_array_equal(
-        np.asarray(c.batch["ids"]), np.concatenate([_ids(a), _ids(b)])
-    )
+    np.testing.assert_array_equal(np.asarray(c.batch["ids"]), np.concatenate([_ids(a), _ids(b)]))
     assert c.non_tensor_batch["msgs"].shape == (5,)
     with pytest.raises(ValueError, match="empty"):
         DataProto.concat([])
@@ -312,8 +310,10 @@ def test_concat_mixed_and_errors():
         DataProto.concat([a, a.select(batch_keys=["ids"])])
     with pytest.raises(ValueError, match="non_tensor_batch keys"):
         DataProto.concat([a, a.select(non_tensor_batch_keys=["uid"])])
-    wide = DataProto.from_dict({"ids": np.zeros((1, 4), np.int32), "score": np.zeros(1, np.float32)},
-                               {k: a.non_tensor_batch[k][:1] for k in a.non_tensor_batch})
+    wide = DataProto.from_dict(
+        {"ids": np.zeros((1, 4), np.int32), "score": np.zeros(1, np.float32)},
+        {k: a.non_tensor_batch[k][:1] for k in a.non_tensor_batch},
+    )
     with pytest.raises(ValueError, match=r"'ids' has trailing shape \(3,\) in item 0 but \(4,\) in item 1"):
         DataProto.concat([a, wide])
     other_t = a.select()

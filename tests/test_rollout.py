@@ -1,5 +1,6 @@
 """Rollout (issue 4): greedy parity with transformers, log-prob parity with the training path, EOS handling,
 compile-once bucketing, sharded == unsharded on 8 fake CPU devices, SmolLM2 greedy parity (slow)."""
+
 import json
 import os
 import pathlib
@@ -21,19 +22,49 @@ from jaxrl_post.rollout import TRACE_COUNTS, Generator, SamplingParams, bucket_s
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SLIDING, FULL = "sliding_attention", "full_attention"
 
-TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-            head_dim=16, max_position_embeddings=256, eos_token_id=None, pad_token_id=0, bos_token_id=1)
+TINY = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    eos_token_id=None,
+    pad_token_id=0,
+    bos_token_id=1,
+)
 FAMILIES = {
     "llama": dict(family="llama"),
     "qwen2": dict(family="qwen2", qkv_bias=True, tie_word_embeddings=True),
     "qwen3": dict(family="qwen3", qk_norm=True),
-    "gemma2": dict(family="gemma2", norm_offset=1.0, embed_scale=True, post_norms=True,
-                   hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True, attn_logit_softcap=50.0,
-                   final_logit_softcap=30.0, sliding_window=6, query_pre_attn_scalar=16,
-                   layer_types=(SLIDING, FULL)),
-    "gemma3": dict(family="gemma3", norm_offset=1.0, embed_scale=True, post_norms=True, qk_norm=True,
-                   hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True, sliding_window=6,
-                   query_pre_attn_scalar=16, rope_local_base_freq=10000.0, layer_types=(SLIDING, FULL)),
+    "gemma2": dict(
+        family="gemma2",
+        norm_offset=1.0,
+        embed_scale=True,
+        post_norms=True,
+        hidden_act="gelu_pytorch_tanh",
+        tie_word_embeddings=True,
+        attn_logit_softcap=50.0,
+        final_logit_softcap=30.0,
+        sliding_window=6,
+        query_pre_attn_scalar=16,
+        layer_types=(SLIDING, FULL),
+    ),
+    "gemma3": dict(
+        family="gemma3",
+        norm_offset=1.0,
+        embed_scale=True,
+        post_norms=True,
+        qk_norm=True,
+        hidden_act="gelu_pytorch_tanh",
+        tie_word_embeddings=True,
+        sliding_window=6,
+        query_pre_attn_scalar=16,
+        rope_local_base_freq=10000.0,
+        layer_types=(SLIDING, FULL),
+    ),
 }
 
 
@@ -42,8 +73,8 @@ def _left_padded_prompts(lengths, p, vocab, seed=0):
     ids = np.zeros((len(lengths), p), np.int32)
     mask = np.zeros((len(lengths), p), np.int32)
     for i, n in enumerate(lengths):
-        ids[i, p - n:] = rng.integers(3, vocab, size=n)
-        mask[i, p - n:] = 1
+        ids[i, p - n :] = rng.integers(3, vocab, size=n)
+        mask[i, p - n :] = 1
     return ids, mask
 
 
@@ -71,7 +102,7 @@ def _hf_tiny(tmp_path, fam):
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, torch_dtype=torch.float32).eval()
     with torch.no_grad():
-        for name, p in hf.named_parameters():
+        for _name, p in hf.named_parameters():
             if p.ndim >= 2:
                 p.normal_(0.0, 0.15)
             else:  # norms: random around the family's identity so the offset convention matters
@@ -88,11 +119,20 @@ def test_greedy_matches_transformers(tmp_path, fam):
     model = load_hf_dir(tmp_path / "hf", "float32")
     ids, mask = _left_padded_prompts([7, 3, 10, 5], 10, cfg.vocab_size, seed=1)
     with torch.no_grad():
-        ref = hf.generate(input_ids=torch.from_numpy(ids).long(), attention_mask=torch.from_numpy(mask).long(),
-                          do_sample=False, max_new_tokens=32, min_new_tokens=32, pad_token_id=0,
-                          eos_token_id=None).numpy()[:, ids.shape[1]:]
-    out = generate_sequences(model, DataProto.from_dict({"input_ids": ids, "attention_mask": mask}),
-                             SamplingParams(max_new_tokens=32, do_sample=False))
+        ref = hf.generate(
+            input_ids=torch.from_numpy(ids).long(),
+            attention_mask=torch.from_numpy(mask).long(),
+            do_sample=False,
+            max_new_tokens=32,
+            min_new_tokens=32,
+            pad_token_id=0,
+            eos_token_id=None,
+        ).numpy()[:, ids.shape[1] :]
+    out = generate_sequences(
+        model,
+        DataProto.from_dict({"input_ids": ids, "attention_mask": mask}),
+        SamplingParams(max_new_tokens=32, do_sample=False),
+    )
     assert ref.shape == (4, 32)
     np.testing.assert_array_equal(out.batch["responses"], ref)
     assert out.batch["truncated"].all()
@@ -109,8 +149,9 @@ def tiny_model():
 # Shared shapes/params so the tests below reuse compiled functions (batch bucket 4, prompt bucket 16, R=16).
 EOS = (5, 7)
 SAMPLED = SamplingParams(max_new_tokens=16, temperature=1.3, top_p=0.8, eos_token_ids=EOS, seed=11)
-FILTERED = SamplingParams(max_new_tokens=16, temperature=0.7, top_k=20, top_p=0.9, min_p=0.02,
-                          eos_token_ids=EOS, seed=11)
+FILTERED = SamplingParams(
+    max_new_tokens=16, temperature=0.7, top_k=20, top_p=0.9, min_p=0.02, eos_token_ids=EOS, seed=11
+)
 GREEDY = SamplingParams(max_new_tokens=16, do_sample=False)
 
 
@@ -122,7 +163,7 @@ def _prompts(seed, lengths=(6, 2, 9, 4), p=9):
 def _full_forward_logprobs(model, out, temperature):
     p = out.batch["prompts"].shape[1]
     logits = model(jnp.asarray(out.batch["input_ids"]), jnp.asarray(out.batch["attention_mask"]))
-    return np.asarray(logprobs_from_logits(logits[:, p - 1:-1], jnp.asarray(out.batch["responses"]), temperature))
+    return np.asarray(logprobs_from_logits(logits[:, p - 1 : -1], jnp.asarray(out.batch["responses"]), temperature))
 
 
 @pytest.mark.parametrize("params", [SAMPLED, FILTERED, GREEDY], ids=["temp-top_p", "top_k-top_p-min_p", "greedy"])
@@ -156,18 +197,18 @@ def test_sampling_seeded_and_reproducible(tiny_model):
     np.testing.assert_array_equal(a, b)
     assert not np.array_equal(a, c)
     # a row's result does not depend on the rest of the batch (per-row keys; 3 rows + 1 filler row)
-    d = generate_sequences(tiny_model, DataProto.from_dict({"input_ids": ids[:3], "attention_mask": mask[:3]}),
-                           SAMPLED)
+    d = generate_sequences(tiny_model, DataProto.from_dict({"input_ids": ids[:3], "attention_mask": mask[:3]}), SAMPLED)
     np.testing.assert_array_equal(d.batch["responses"], a[:3])
 
 
 def test_eos_handling(tiny_model):
-    ids, mask, dp = _prompts(5)
+    _ids, _mask, dp = _prompts(5)
     free = generate_sequences(tiny_model, dp, GREEDY).batch["responses"]
     # EOS = row 1's first token (EOS at the first step) and pad == EOS
     eos = int(free[1, 0])
-    out = generate_sequences(tiny_model, dp, SamplingParams(max_new_tokens=16, do_sample=False,
-                                                            eos_token_ids=(eos,), pad_token_id=eos)).batch
+    out = generate_sequences(
+        tiny_model, dp, SamplingParams(max_new_tokens=16, do_sample=False, eos_token_ids=(eos,), pad_token_id=eos)
+    ).batch
     for r in range(4):
         hits = np.flatnonzero(free[r] == eos)
         if hits.size == 0:
@@ -175,15 +216,16 @@ def test_eos_handling(tiny_model):
             assert out["response_mask"][r].all() and out["truncated"][r]
         else:
             k = hits[0]
-            np.testing.assert_array_equal(out["responses"][r, :k + 1], free[r, :k + 1])
-            assert np.all(out["responses"][r, k + 1:] == eos)  # pad == EOS
+            np.testing.assert_array_equal(out["responses"][r, : k + 1], free[r, : k + 1])
+            assert np.all(out["responses"][r, k + 1 :] == eos)  # pad == EOS
             np.testing.assert_array_equal(out["response_mask"][r], np.arange(16) <= k)
             assert not out["truncated"][r]
     assert out["response_mask"][1].sum() == 1
     # several EOS ids, pad distinct; every row's first token is an EOS -> early exit after one chunk
     eos2 = tuple(int(t) for t in free[:, 0])
-    out2 = generate_sequences(tiny_model, dp, SamplingParams(max_new_tokens=16, do_sample=False,
-                                                             eos_token_ids=eos2, pad_token_id=0)).batch
+    out2 = generate_sequences(
+        tiny_model, dp, SamplingParams(max_new_tokens=16, do_sample=False, eos_token_ids=eos2, pad_token_id=0)
+    ).batch
     np.testing.assert_array_equal(out2["response_mask"].sum(1), [1, 1, 1, 1])
     np.testing.assert_array_equal(out2["responses"][:, 0], free[:, 0])
     assert np.all(out2["responses"][:, 1:] == 0) and not out2["truncated"].any()
@@ -192,11 +234,17 @@ def test_eos_handling(tiny_model):
 def test_input_validation(tiny_model):
     ids = np.array([[5, 6, 0]], np.int32)
     with pytest.raises(ValueError, match="left-padded"):
-        generate_sequences(tiny_model, DataProto.from_dict({"input_ids": ids, "attention_mask": [[1, 1, 0]]}),
-                           SamplingParams(max_new_tokens=2))
+        generate_sequences(
+            tiny_model,
+            DataProto.from_dict({"input_ids": ids, "attention_mask": [[1, 1, 0]]}),
+            SamplingParams(max_new_tokens=2),
+        )
     with pytest.raises(ValueError, match="real token"):
-        generate_sequences(tiny_model, DataProto.from_dict({"input_ids": ids, "attention_mask": [[0, 0, 0]]}),
-                           SamplingParams(max_new_tokens=2))
+        generate_sequences(
+            tiny_model,
+            DataProto.from_dict({"input_ids": ids, "attention_mask": [[0, 0, 0]]}),
+            SamplingParams(max_new_tokens=2),
+        )
 
 
 def test_bucket_size():
@@ -275,8 +323,9 @@ def test_sharded_equals_unsharded_on_8_fake_devices(tmp_path):
     script = tmp_path / "sharded.py"
     script.write_text(_SHARDED_SCRIPT)
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    proc = subprocess.run([sys.executable, str(script), str(REPO)], capture_output=True, text=True, env=env,
-                          timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(REPO)], capture_output=True, text=True, env=env, timeout=600
+    )
     assert proc.returncode == 0 and "SHARDED_OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-6000:]
 
 
@@ -297,25 +346,38 @@ def test_smollm2_greedy_matches_transformers():
 
     model, tok = load_pretrained("smollm2-135m-instruct", dtype="float32")
     _, path = resolve_model_path("smollm2-135m-instruct")
-    questions = ["What is 2 + 3?", "Name a color of the sky on a clear day, and explain why it looks that way.",
-                 "Write one short sentence about cats."]
+    questions = [
+        "What is 2 + 3?",
+        "Name a color of the sky on a clear day, and explain why it looks that way.",
+        "Write one short sentence about cats.",
+    ]
     rows = [apply_chat_template(tok, [{"role": "user", "content": q}]) for q in questions]
     p = max(map(len, rows))
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     ids = np.full((3, p), pad, np.int32)
     mask = np.zeros((3, p), np.int32)
     for i, r in enumerate(rows):
-        ids[i, p - len(r):], mask[i, p - len(r):] = r, 1
+        ids[i, p - len(r) :], mask[i, p - len(r) :] = r, 1
     eos = tuple(int(t) for t in ([tok.eos_token_id] if isinstance(tok.eos_token_id, int) else tok.eos_token_id))
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                           torch_dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), torch_dtype=torch.float32
+    ).eval()
     with torch.no_grad():
-        ref = hf.generate(input_ids=torch.from_numpy(ids).long(), attention_mask=torch.from_numpy(mask).long(),
-                          do_sample=False, max_new_tokens=32, pad_token_id=pad, eos_token_id=list(eos)).numpy()[:, p:]
-    out = generate_sequences(model, DataProto.from_dict({"input_ids": ids, "attention_mask": mask}),
-                             SamplingParams(max_new_tokens=32, do_sample=False, eos_token_ids=eos, pad_token_id=pad))
-    ours = out.batch["responses"][:, :ref.shape[1]]
+        ref = hf.generate(
+            input_ids=torch.from_numpy(ids).long(),
+            attention_mask=torch.from_numpy(mask).long(),
+            do_sample=False,
+            max_new_tokens=32,
+            pad_token_id=pad,
+            eos_token_id=list(eos),
+        ).numpy()[:, p:]
+    out = generate_sequences(
+        model,
+        DataProto.from_dict({"input_ids": ids, "attention_mask": mask}),
+        SamplingParams(max_new_tokens=32, do_sample=False, eos_token_ids=eos, pad_token_id=pad),
+    )
+    ours = out.batch["responses"][:, : ref.shape[1]]
     np.testing.assert_array_equal(ours, ref)
     # log-probs of the greedy path equal the training path on the real model too
     lp = _full_forward_logprobs(model, out, 1.0)

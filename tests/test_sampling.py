@@ -2,6 +2,7 @@
 
 Expected values come from hand cases, a NumPy reference written here, and Hugging Face's logits warpers.
 """
+
 import math
 
 import jax
@@ -19,7 +20,6 @@ from jaxrl_post.rollout.sampling import (
     get_response_mask,
     sample_tokens,
 )
-
 
 _sample = jax.jit(sample_tokens, static_argnums=2)
 
@@ -156,7 +156,11 @@ def test_sample_frequencies_match_filtered_distribution(temperature, top_k, top_
     logits = rng.normal(size=(12,)).astype(np.float32) * 1.5
     n = 20000
     params = SamplingParams(
-        max_new_tokens=1, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+        max_new_tokens=1,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
         top_p_candidates=cands,
     )
     tokens, logp = jax.jit(lambda l, k: sample_tokens(l, k, params))(

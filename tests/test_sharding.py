@@ -38,8 +38,9 @@ def test_shard_params_and_param_shardings_single_device():
 
     from jaxrl_post.models import ModelConfig, Transformer
 
-    cfg = ModelConfig(vocab_size=16, hidden_size=8, intermediate_size=12, num_layers=1, num_heads=2,
-                      num_kv_heads=1, head_dim=4)
+    cfg = ModelConfig(
+        vocab_size=16, hidden_size=8, intermediate_size=12, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4
+    )
     mesh = sharding.make_mesh()
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     specs = sharding.param_shardings(nnx.state(abstract), mesh)
@@ -133,12 +134,16 @@ _SCRIPT = textwrap.dedent(r"""
 
 @pytest.fixture(scope="module")
 def fake8():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
-               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(
+        os.environ,
+        XLA_FLAGS="--xla_force_host_platform_device_count=8",
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
     proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=900)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def test_sharded_params_created_on_mesh(fake8):

@@ -25,7 +25,8 @@ Batch layout (verl's prompt batch):
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -56,7 +57,9 @@ def tokenize_prompts(tokenizer, conversations: Sequence[Sequence[dict]], chunk: 
     add_bos = bos is not None and tokenizer_adds_bos(tokenizer)
     out: list[list[int]] = []
     for start in range(0, len(conversations), chunk):
-        texts = [render_chat(tokenizer, list(m), add_generation_prompt=True) for m in conversations[start : start + chunk]]
+        texts = [
+            render_chat(tokenizer, list(m), add_generation_prompt=True) for m in conversations[start : start + chunk]
+        ]
         for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]:
             ids = [int(i) for i in ids]
             if bos is not None:
@@ -235,14 +238,16 @@ class PromptDataLoader:
     def _to_proto(item: dict[str, Any]):
         from jaxrl_post.protocol import DataProto
 
-        return DataProto.from_dict(tensors=item["tensors"], non_tensors=item["non_tensors"], meta_info=item["meta_info"])
+        return DataProto.from_dict(
+            tensors=item["tensors"], non_tensors=item["non_tensors"], meta_info=item["meta_info"]
+        )
 
     # ----------------------------------------------------------------------------------- iteration
-    def iterator(self) -> "PromptIterator":
+    def iterator(self) -> PromptIterator:
         """A new iterator from the first batch, independent of the loader's own position."""
         return PromptIterator(self)
 
-    def __iter__(self) -> "PromptIterator":
+    def __iter__(self) -> PromptIterator:
         """`for batch in loader` always makes a fresh pass from the start (validation); it does not
         move the loader's own stateful position used by `next(loader)` / `get_state()`."""
         return self.iterator()
@@ -277,7 +282,7 @@ class PromptIterator:
         self._grain_iter = iter(loader._dataset.to_iter_dataset(read_options))
         self._to_proto = loader._to_proto
 
-    def __iter__(self) -> "PromptIterator":
+    def __iter__(self) -> PromptIterator:
         return self
 
     def __next__(self):

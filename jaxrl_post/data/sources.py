@@ -19,7 +19,8 @@ import dataclasses
 import json
 import logging
 import os
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 __all__ = [
     "GSM8K_INSTRUCTION",
@@ -77,7 +78,7 @@ class Rows:
     def __len__(self) -> int:
         return len(self.rows)
 
-    def __add__(self, other: "Rows") -> "Rows":
+    def __add__(self, other: Rows) -> Rows:
         return Rows(self.rows + other.rows, self.num_skipped + other.num_skipped, f"{self.source}+{other.source}")
 
 
@@ -402,21 +403,37 @@ def load_rows(
 ) -> Rows:
     """Rows from a spec string (or a list of specs, concatenated):
 
-      "path.jsonl|.json|.parquet"  verl rows; a .jsonl of raw {"question","answer"} is read as GSM8K
-      "gsm8k:path.jsonl"           raw GSM8K jsonl
-      "reasoning_gym:<task>"       `size` procedural rows from `seed` (with `config`, `prompt_format`)
-      "hf:<path>[:<name>]"         Hugging Face datasets, `split`
-      "tfds:<name>"                TFDS data source, `split`
+    "path.jsonl|.json|.parquet"  verl rows; a .jsonl of raw {"question","answer"} is read as GSM8K
+    "gsm8k:path.jsonl"           raw GSM8K jsonl
+    "reasoning_gym:<task>"       `size` procedural rows from `seed` (with `config`, `prompt_format`)
+    "hf:<path>[:<name>]"         Hugging Face datasets, `split`
+    "tfds:<name>"                TFDS data source, `split`
     """
     if not isinstance(spec, str):
         specs = list(spec)
         if not specs:
             raise ValueError("empty list of data specs")
-        out = load_rows(specs[0], split=split, skip_malformed=skip_malformed, size=size, seed=seed,
-                        config=config, prompt_format=prompt_format, system_prompt=system_prompt)
+        out = load_rows(
+            specs[0],
+            split=split,
+            skip_malformed=skip_malformed,
+            size=size,
+            seed=seed,
+            config=config,
+            prompt_format=prompt_format,
+            system_prompt=system_prompt,
+        )
         for s in specs[1:]:
-            out = out + load_rows(s, split=split, skip_malformed=skip_malformed, size=size, seed=seed,
-                                  config=config, prompt_format=prompt_format, system_prompt=system_prompt)
+            out = out + load_rows(
+                s,
+                split=split,
+                skip_malformed=skip_malformed,
+                size=size,
+                seed=seed,
+                config=config,
+                prompt_format=prompt_format,
+                system_prompt=system_prompt,
+            )
         return out
     if spec.startswith(("reasoning_gym:", "reasoning_gym/")):
         task = spec.split(":", 1)[1] if ":" in spec else spec.split("/", 1)[1]

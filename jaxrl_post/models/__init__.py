@@ -11,17 +11,28 @@ from flax import nnx
 from jaxrl_post.models.config import PRESETS, ModelConfig, get_preset
 from jaxrl_post.models.critic import CriticModel
 from jaxrl_post.models.decoder import Transformer
-from jaxrl_post.models.kv_cache import KVCache
 from jaxrl_post.models.hf_io import load_hf_dir, save_pretrained
+from jaxrl_post.models.kv_cache import KVCache
 
 __all__ = [
-    "ModelConfig", "PRESETS", "get_preset", "Transformer", "CriticModel", "KVCache", "init_model",
-    "load_pretrained", "save_pretrained", "load_hf_dir", "load_tokenizer", "resolve_model_path",
+    "ModelConfig",
+    "PRESETS",
+    "get_preset",
+    "Transformer",
+    "CriticModel",
+    "KVCache",
+    "init_model",
+    "load_pretrained",
+    "save_pretrained",
+    "load_hf_dir",
+    "load_tokenizer",
+    "resolve_model_path",
 ]
 
 
-def init_model(config: ModelConfig, *, seed: int = 0, dtype="float32", mesh=None, param_dtype=None,
-               remat=False) -> Transformer:
+def init_model(
+    config: ModelConfig, *, seed: int = 0, dtype="float32", mesh=None, param_dtype=None, remat=False
+) -> Transformer:
     """Randomly initialized Transformer (HF-style init: normal(0.02) weights, unit norms).
 
     Params are created by one jitted init program (cached per config/dtypes/mesh; the seed is a traced
@@ -35,8 +46,9 @@ def init_model(config: ModelConfig, *, seed: int = 0, dtype="float32", mesh=None
 @functools.lru_cache(maxsize=16)
 def _init_program(config, dtype, param_dtype, remat, mesh):
     def make(seed):
-        return Transformer(config, rngs=nnx.Rngs(jax.random.key(seed)), dtype=dtype, param_dtype=param_dtype,
-                           remat=remat)
+        return Transformer(
+            config, rngs=nnx.Rngs(jax.random.key(seed)), dtype=dtype, param_dtype=param_dtype, remat=remat
+        )
 
     graphdef, abstract_state = nnx.split(nnx.eval_shape(make, 0))
     shardings = None

@@ -18,8 +18,16 @@ class CriticModel(nnx.Module):
     An untied LM head is dropped from the backbone (unused by the critic).
     """
 
-    def __init__(self, config: ModelConfig | None = None, *, rngs: nnx.Rngs, dtype=None, param_dtype=None,
-                 remat=False, backbone: Transformer | None = None):
+    def __init__(
+        self,
+        config: ModelConfig | None = None,
+        *,
+        rngs: nnx.Rngs,
+        dtype=None,
+        param_dtype=None,
+        remat=False,
+        backbone: Transformer | None = None,
+    ):
         if backbone is None:
             if config is None:
                 raise ValueError("CriticModel needs a config or a backbone")
@@ -28,12 +36,11 @@ class CriticModel(nnx.Module):
         self.backbone = backbone
         self.config = backbone.config
         d = backbone.config.hidden_size
-        self.value_head = nnx.Param(jnp.zeros((d, 1), jnp.float32), out_sharding=("embed", None),
-                                    eager_sharding=False)
+        self.value_head = nnx.Param(jnp.zeros((d, 1), jnp.float32), out_sharding=("embed", None), eager_sharding=False)
         self.value_bias = nnx.Param(jnp.zeros((1,), jnp.float32), out_sharding=(None,), eager_sharding=False)
 
     @classmethod
-    def from_actor(cls, model: Transformer, rngs: nnx.Rngs | None = None) -> "CriticModel":
+    def from_actor(cls, model: Transformer, rngs: nnx.Rngs | None = None) -> CriticModel:
         """Critic whose backbone is a copy of the actor's params (the actor is left untouched)."""
         return cls(rngs=rngs or nnx.Rngs(0), backbone=nnx.clone(model))
 

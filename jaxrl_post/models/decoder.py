@@ -58,8 +58,8 @@ def hash_normal(seed: jax.Array, salt: int, shape, dtype, stddev: float = 0.02) 
         idx = jnp.zeros((), jnp.uint32)
     h1 = _fmix32(lax.bitwise_xor(idx, lax.broadcast(s, shape)))
     h2 = _fmix32(lax.bitwise_xor(h1, lax.broadcast(lax.bitwise_xor(s, jnp.uint32(0x68E31DA4)), shape)))
-    u1 = (lax.shift_right_logical(h1, lax.full_like(h1, 8)).astype(jnp.float32) + 1.0) * (2.0 ** -24)  # (0,1]
-    u2 = lax.shift_right_logical(h2, lax.full_like(h2, 8)).astype(jnp.float32) * (2.0 ** -24)  # [0,1)
+    u1 = (lax.shift_right_logical(h1, lax.full_like(h1, 8)).astype(jnp.float32) + 1.0) * (2.0**-24)  # (0,1]
+    u2 = lax.shift_right_logical(h2, lax.full_like(h2, 8)).astype(jnp.float32) * (2.0**-24)  # [0,1)
     z = jnp.sqrt(-2.0 * jnp.log(u1)) * jnp.cos(2.0 * math.pi * u2)
     return (stddev * z).astype(dtype)
 
@@ -96,6 +96,7 @@ def _dot(spec: str, x: jax.Array, w: jax.Array, dtype) -> jax.Array:
 
 def _constrain(x: jax.Array, names: tuple) -> jax.Array:
     from jaxrl_post.sharding import constrain  # local: sharding imports nothing from models
+
     return constrain(x, names)
 
 
@@ -251,11 +252,23 @@ class Attention(nnx.Module):
                 return fn()
             return jax.lax.cond(visible[i], fn, lambda: jnp.full(shape, fill, jnp.float32))
 
-        scores = jnp.concatenate([
-            skip_if_hidden(i, lambda kj=kj: jnp.einsum("BNQK,BNKS->BNQS", qg, kj.astype(self.dtype),
-                                                       preferred_element_type=jnp.float32),
-                           (b, n, g * t, kj.shape[-1]), _NEG)
-            for i, kj in enumerate(k_segs)], axis=-1) * self.scale
+        scores = (
+            jnp.concatenate(
+                [
+                    skip_if_hidden(
+                        i,
+                        lambda kj=kj: jnp.einsum(
+                            "BNQK,BNKS->BNQS", qg, kj.astype(self.dtype), preferred_element_type=jnp.float32
+                        ),
+                        (b, n, g * t, kj.shape[-1]),
+                        _NEG,
+                    )
+                    for i, kj in enumerate(k_segs)
+                ],
+                axis=-1,
+            )
+            * self.scale
+        )
         if self.softcap is not None:
             scores = jnp.tanh(scores / self.softcap) * self.softcap
         scores = scores.reshape(b, n, g, t, s)
@@ -263,9 +276,14 @@ class Attention(nnx.Module):
         probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
         out = None  # [B, N, G*T, K]
         for i, (vj, lo, hi) in enumerate(zip(v_segs, offsets[:-1], offsets[1:])):
-            part = skip_if_hidden(i, lambda vj=vj, lo=lo, hi=hi: jnp.einsum(
-                "BNQS,BNSK->BNQK", probs[..., lo:hi], vj.astype(self.dtype), preferred_element_type=jnp.float32),
-                (b, n, g * t, self.head_dim), 0.0)
+            part = skip_if_hidden(
+                i,
+                lambda vj=vj, lo=lo, hi=hi: jnp.einsum(
+                    "BNQS,BNSK->BNQK", probs[..., lo:hi], vj.astype(self.dtype), preferred_element_type=jnp.float32
+                ),
+                (b, n, g * t, self.head_dim),
+                0.0,
+            )
             out = part if out is None else out + part
         out = out.astype(self.dtype).reshape(b, n, g, t, self.head_dim).transpose(0, 3, 1, 2, 4)
         y = _dot("BTHK,HKD->BTD", out.reshape(b, t, self.num_heads, self.head_dim), self.o_proj[...], self.dtype)
@@ -276,8 +294,9 @@ class Block(nnx.Module):
     """Pre-norm residual block; Gemma adds post-attention and post-MLP norms (`post_norms`)."""
 
     def __init__(self, cfg: ModelConfig, layer: int, *, dtype, init: ParamInit):
-        norm = partial(RMSNorm, cfg.hidden_size, eps=cfg.rms_norm_eps, offset=cfg.norm_offset, names=("norm",),
-                       init=init)
+        norm = partial(
+            RMSNorm, cfg.hidden_size, eps=cfg.rms_norm_eps, offset=cfg.norm_offset, names=("norm",), init=init
+        )
         self.input_norm = norm()
         self.attn = Attention(cfg, layer, dtype=dtype, init=init)
         self.post_attn_norm = norm() if cfg.post_norms else None
@@ -324,10 +343,14 @@ class Transformer(nnx.Module):
         init = ParamInit(rngs.params(), self.param_dtype)  # one key; params salted by creation order
         self.embedding = init.normal((config.vocab_size, config.hidden_size), ("vocab", "embed"))
         self.layers = nnx.List([Block(config, i, dtype=self.dtype, init=init) for i in range(config.num_layers)])
-        self.final_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, offset=config.norm_offset,
-                                  names=("norm",), init=init)
-        self.lm_head = None if config.tie_word_embeddings else init.normal(
-            (config.hidden_size, config.vocab_size), ("embed", "vocab"))
+        self.final_norm = RMSNorm(
+            config.hidden_size, eps=config.rms_norm_eps, offset=config.norm_offset, names=("norm",), init=init
+        )
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else init.normal((config.hidden_size, config.vocab_size), ("embed", "vocab"))
+        )
 
     # ------------------------------------------------------------------ cache
     def init_cache(self, batch_size: int, max_len: int, dtype=None, segment_len: int | None = None) -> KVCache:
@@ -346,9 +369,12 @@ class Transformer(nnx.Module):
             raise ValueError(f"segment_len must be >= 1, got {segment_len}")
         sizes = [seg] * (max_len // seg) + ([max_len % seg] if max_len % seg else [])
         dt = jnp.dtype(dtype or self.dtype)
-        return KVCache(k=tuple(tuple(jnp.zeros((b, n, k, sj), dt) for sj in sizes) for _ in range(c.num_layers)),
-                       v=tuple(tuple(jnp.zeros((b, n, sj, k), dt) for sj in sizes) for _ in range(c.num_layers)),
-                       mask=jnp.zeros((b, max_len), bool), index=0)
+        return KVCache(
+            k=tuple(tuple(jnp.zeros((b, n, k, sj), dt) for sj in sizes) for _ in range(c.num_layers)),
+            v=tuple(tuple(jnp.zeros((b, n, sj, k), dt) for sj in sizes) for _ in range(c.num_layers)),
+            mask=jnp.zeros((b, max_len), bool),
+            index=0,
+        )
 
     # ---------------------------------------------------------------- forward
     def hidden_states(self, input_ids, attention_mask, positions=None, cache: KVCache | None = None):
@@ -359,7 +385,7 @@ class Transformer(nnx.Module):
         """
         input_ids = jnp.asarray(input_ids, jnp.int32)
         mask = jnp.asarray(attention_mask).astype(bool)
-        b, t = input_ids.shape
+        _b, t = input_ids.shape
         if cache is None:
             index, kv_mask, prior = 0, mask, 0
         else:
@@ -394,18 +420,21 @@ class Transformer(nnx.Module):
     def logits_from_hidden(self, h: jax.Array) -> jax.Array:
         """[B, T, D] -> logits [B, T, V] float32 (tied or untied head, final soft-cap)."""
         if self.lm_head is None:
-            logits = jnp.einsum("BTD,VD->BTV", h, self.embedding[...].astype(self.dtype),
-                                preferred_element_type=jnp.float32)
+            logits = jnp.einsum(
+                "BTD,VD->BTV", h, self.embedding[...].astype(self.dtype), preferred_element_type=jnp.float32
+            )
         else:
-            logits = jnp.einsum("BTD,DV->BTV", h, self.lm_head[...].astype(self.dtype),
-                                preferred_element_type=jnp.float32)
+            logits = jnp.einsum(
+                "BTD,DV->BTV", h, self.lm_head[...].astype(self.dtype), preferred_element_type=jnp.float32
+            )
         cap = self.config.final_logit_softcap
         if cap is not None:
             logits = jnp.tanh(logits / cap) * cap
         return logits
 
-    def __call__(self, input_ids, attention_mask, positions=None, cache: KVCache | None = None,
-                 logits_to_keep: int | None = None):
+    def __call__(
+        self, input_ids, attention_mask, positions=None, cache: KVCache | None = None, logits_to_keep: int | None = None
+    ):
         """Logits [B, T, V] float32 (or (logits, new_cache) when a cache is given).
 
         logits_to_keep: if set, only the last that many positions' logits are computed ([B, n, V]).

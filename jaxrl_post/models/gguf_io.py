@@ -33,7 +33,8 @@ import functools
 import math
 import os
 import re
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
@@ -51,8 +52,12 @@ __all__ = [
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
 
 # Arrays in the metadata that are large (vocabulary) and not needed for the model config.
-_SKIP_ARRAY_KEYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type",
-                    "tokenizer.ggml.merges")
+_SKIP_ARRAY_KEYS = (
+    "tokenizer.ggml.tokens",
+    "tokenizer.ggml.scores",
+    "tokenizer.ggml.token_type",
+    "tokenizer.ggml.merges",
+)
 
 # Per-layer GGUF leaf name -> HF suffix after `model.layers.N.`. `ffn_norm` and `post_attention_norm`
 # mean different HF norms in the Gemma 2/3 layout (pre+post norms), handled in `_layer_map`.
@@ -190,8 +195,9 @@ def _llama3_rope_scaling(freqs: np.ndarray, head_dim: int, theta: float, meta_or
     sm = (orig / wavelen[mid] - low) / (high - low)
     expect[mid] = 1.0 / ((1 - sm) / factor + sm)
     if not np.allclose(expect, freqs, rtol=1e-3, atol=1e-4):
-        raise ValueError("rope_freqs.weight does not follow the llama3 rope scaling rule; "
-                         "this GGUF's RoPE scaling is not supported")
+        raise ValueError(
+            "rope_freqs.weight does not follow the llama3 rope scaling rule; this GGUF's RoPE scaling is not supported"
+        )
     return scaling
 
 
@@ -199,7 +205,8 @@ def _arch_of(meta: dict) -> str:
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHS:
         raise NotImplementedError(
-            f"GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHS)}")
+            f"GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHS)}"
+        )
     return arch
 
 
@@ -262,8 +269,9 @@ def _hf_config_from(reader) -> dict[str, Any]:
     stype = key("rope.scaling.type")
     if "rope_freqs.weight" in tensors:
         freqs = _dequantize(tensors["rope_freqs.weight"])
-        cfg["rope_scaling"] = _llama3_rope_scaling(freqs, int(head_dim), theta,
-                                                   key("rope.scaling.original_context_length"))
+        cfg["rope_scaling"] = _llama3_rope_scaling(
+            freqs, int(head_dim), theta, key("rope.scaling.original_context_length")
+        )
     elif stype and stype != "none":
         sc: dict[str, Any] = {"rope_type": stype, "factor": float(need("rope.scaling.factor"))}
         if key("rope.scaling.original_context_length"):
@@ -271,41 +279,66 @@ def _hf_config_from(reader) -> dict[str, Any]:
         cfg["rope_scaling"] = sc
 
     if arch == "llama":
-        cfg.update(model_type="llama", architectures=["LlamaForCausalLM"], hidden_act="silu",
-                   attention_bias=has_qkv_bias, mlp_bias=False)
+        cfg.update(
+            model_type="llama",
+            architectures=["LlamaForCausalLM"],
+            hidden_act="silu",
+            attention_bias=has_qkv_bias,
+            mlp_bias=False,
+        )
     elif arch == "qwen2":
-        cfg.update(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_act="silu",
-                   use_sliding_window=False, sliding_window=None)
+        cfg.update(
+            model_type="qwen2",
+            architectures=["Qwen2ForCausalLM"],
+            hidden_act="silu",
+            use_sliding_window=False,
+            sliding_window=None,
+        )
     elif arch == "qwen3":
-        cfg.update(model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_act="silu",
-                   attention_bias=has_qkv_bias, use_sliding_window=False, sliding_window=None)
+        cfg.update(
+            model_type="qwen3",
+            architectures=["Qwen3ForCausalLM"],
+            hidden_act="silu",
+            attention_bias=has_qkv_bias,
+            use_sliding_window=False,
+            sliding_window=None,
+        )
     else:  # gemma2 / gemma3
         # llama.cpp scales queries by 1/sqrt(n_embd/n_head) for the 27B models and 1/sqrt(head_dim)
         # otherwise; HF stores that as query_pre_attn_scalar (no metadata key carries it).
         big = (arch == "gemma2" and n_layers == 46) or (arch == "gemma3" and n_layers == 62)
         qpas = hidden // n_heads if big else int(head_dim)
         window = key("attention.sliding_window")
-        cfg.update(hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh",
-                   attention_bias=has_qkv_bias, query_pre_attn_scalar=qpas,
-                   sliding_window=int(window) if window else None)
+        cfg.update(
+            hidden_act="gelu_pytorch_tanh",
+            hidden_activation="gelu_pytorch_tanh",
+            attention_bias=has_qkv_bias,
+            query_pre_attn_scalar=qpas,
+            sliding_window=int(window) if window else None,
+        )
         if arch == "gemma2":
             layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)]
-            cfg.update(model_type="gemma2", architectures=["Gemma2ForCausalLM"],
-                       attn_logit_softcapping=key("attn_logit_softcapping"),
-                       final_logit_softcapping=key("final_logit_softcapping"))
+            cfg.update(
+                model_type="gemma2",
+                architectures=["Gemma2ForCausalLM"],
+                attn_logit_softcapping=key("attn_logit_softcapping"),
+                final_logit_softcapping=key("final_logit_softcapping"),
+            )
         else:
             pattern = key("attention.sliding_window_pattern", 6)
             if isinstance(pattern, list):  # per-layer "is sliding" flags
                 layer_types = ["sliding_attention" if p else "full_attention" for p in pattern]
             else:
                 pattern = int(pattern)
-                layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
-                               for i in range(n_layers)]
+                layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
                 cfg["sliding_window_pattern"] = pattern
-            cfg.update(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"],
-                       rope_local_base_freq=float(key("rope.freq_base_swa", 10000.0)),
-                       attn_logit_softcapping=key("attn_logit_softcapping"),
-                       final_logit_softcapping=key("final_logit_softcapping"))
+            cfg.update(
+                model_type="gemma3_text",
+                architectures=["Gemma3ForCausalLM"],
+                rope_local_base_freq=float(key("rope.freq_base_swa", 10000.0)),
+                attn_logit_softcapping=key("attn_logit_softcapping"),
+                final_logit_softcapping=key("final_logit_softcapping"),
+            )
         cfg["layer_types"] = layer_types
     return cfg
 
@@ -390,13 +423,21 @@ def _expected_shape(hf_name: str, cfg: dict) -> tuple[int, ...] | None:
     D, V, F = cfg["hidden_size"], cfg["vocab_size"], cfg["intermediate_size"]
     H, Hkv, K = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     table = {
-        "model.embed_tokens.weight": (V, D), "lm_head.weight": (V, D), "model.norm.weight": (D,),
-        "self_attn.q_proj.weight": (H * K, D), "self_attn.k_proj.weight": (Hkv * K, D),
-        "self_attn.v_proj.weight": (Hkv * K, D), "self_attn.o_proj.weight": (D, H * K),
-        "self_attn.q_proj.bias": (H * K,), "self_attn.k_proj.bias": (Hkv * K,),
+        "model.embed_tokens.weight": (V, D),
+        "lm_head.weight": (V, D),
+        "model.norm.weight": (D,),
+        "self_attn.q_proj.weight": (H * K, D),
+        "self_attn.k_proj.weight": (Hkv * K, D),
+        "self_attn.v_proj.weight": (Hkv * K, D),
+        "self_attn.o_proj.weight": (D, H * K),
+        "self_attn.q_proj.bias": (H * K,),
+        "self_attn.k_proj.bias": (Hkv * K,),
         "self_attn.v_proj.bias": (Hkv * K,),
-        "self_attn.q_norm.weight": (K,), "self_attn.k_norm.weight": (K,),
-        "mlp.gate_proj.weight": (F, D), "mlp.up_proj.weight": (F, D), "mlp.down_proj.weight": (D, F),
+        "self_attn.q_norm.weight": (K,),
+        "self_attn.k_norm.weight": (K,),
+        "mlp.gate_proj.weight": (F, D),
+        "mlp.up_proj.weight": (F, D),
+        "mlp.down_proj.weight": (D, F),
     }
     if hf_name in table:
         return table[hf_name]

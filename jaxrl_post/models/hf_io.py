@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -40,8 +40,10 @@ def param_map(config: ModelConfig) -> dict[str, tuple[tuple, Callable, Callable]
         return (lambda w: w.reshape(heads, k), lambda w: w.reshape(heads * k))
 
     o = (lambda w: w.T.reshape(h, k, d), lambda w: w.reshape(h * k, d).T)
-    out = {"model.embed_tokens.weight": (("embedding",), *ident),
-           "model.norm.weight": (("final_norm", "scale"), *ident)}
+    out = {
+        "model.embed_tokens.weight": (("embedding",), *ident),
+        "model.norm.weight": (("final_norm", "scale"), *ident),
+    }
     if not config.tie_word_embeddings:
         out["lm_head.weight"] = (("lm_head",), *t)
     for i in range(config.num_layers):
@@ -73,10 +75,13 @@ def _normalize_name(name: str) -> str | None:
     """Map Gemma 3 multimodal / legacy names onto text-model names; None for tensors we ignore."""
     if name.startswith(_SKIP_PREFIXES) or name.endswith("rotary_emb.inv_freq"):
         return None
-    for old, new in (("model.language_model.", "model."), ("language_model.model.", "model."),
-                     ("language_model.lm_head.", "lm_head.")):
+    for old, new in (
+        ("model.language_model.", "model."),
+        ("language_model.model.", "model."),
+        ("language_model.lm_head.", "lm_head."),
+    ):
         if name.startswith(old):
-            return new + name[len(old):]
+            return new + name[len(old) :]
     return name
 
 
@@ -90,6 +95,7 @@ def _get_variable(model, path: tuple) -> nnx.Variable:
 def _target_sharding(var: nnx.Variable, mesh, path: tuple):
     if mesh is not None:
         from jaxrl_post.sharding import _check_divisible, logical_to_mesh_spec
+
         spec = logical_to_mesh_spec(var.get_metadata().get("out_sharding"))
         _check_divisible(".".join(map(str, path)), var.shape, spec, mesh)
         return jax.sharding.NamedSharding(mesh, spec)
@@ -100,8 +106,9 @@ def _target_sharding(var: nnx.Variable, mesh, path: tuple):
 def empty_model(config: ModelConfig, *, dtype="float32", mesh=None, param_dtype=None, remat=False) -> Transformer:
     """Transformer whose params are abstract (ShapeDtypeStruct); fill it with `load_state_dict_into`."""
     del mesh  # placement happens per tensor in load_state_dict_into
-    return nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0), dtype=dtype,
-                                              param_dtype=param_dtype or dtype, remat=remat))
+    return nnx.eval_shape(
+        lambda: Transformer(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype or dtype, remat=remat)
+    )
 
 
 def load_state_dict_into(model: Transformer, hf_named_tensors: Iterable[tuple[str, np.ndarray]], mesh=None):
@@ -139,8 +146,10 @@ def load_state_dict_into(model: Transformer, hf_named_tensors: Iterable[tuple[st
         del arr, array
     missing = sorted(set(mapping) - seen)
     if missing or unexpected or bad_shape:
+
         def show(xs):
             return ", ".join(xs[:8]) + (f", ... ({len(xs)} total)" if len(xs) > 8 else "")
+
         msg = []
         if missing:
             msg.append(f"missing tensors: {show(missing)}")
@@ -166,7 +175,7 @@ def iter_safetensors(path: str) -> Iterator[tuple[str, np.ndarray]]:
         raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
     for fname in files:
         with safe_open(os.path.join(path, fname), framework="numpy") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 yield name, f.get_tensor(name)
 
 
@@ -188,6 +197,7 @@ def has_tokenizer_files(path) -> bool:
 def _to_host(x: jax.Array) -> np.ndarray:
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
         from jax.experimental import multihost_utils
+
         x = multihost_utils.process_allgather(x, tiled=True)
     return np.asarray(jax.device_get(x))
 
@@ -216,8 +226,11 @@ def save_pretrained(model: Transformer, tokenizer, out_dir, *, max_shard_bytes: 
         cur.append(name)
         cur_bytes += nbytes
     shards.append(cur)
-    files = (["model.safetensors"] if len(shards) == 1 else
-             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    files = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
     weight_map, total = {}, 0
     for fname, names in zip(files, shards):
         tensors = {}

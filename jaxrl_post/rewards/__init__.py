@@ -13,7 +13,8 @@ import hashlib
 import importlib.util
 import os
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from jaxrl_post.rewards import gsm8k, math_reward, reasoning_gym_reward
 from jaxrl_post.rewards.manager import RewardManager, RewardOutput

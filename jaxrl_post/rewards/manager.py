@@ -11,8 +11,9 @@ the batch always completes.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -41,7 +42,7 @@ class RewardOutput:
 def _call(fn, args) -> CallResult:
     try:
         return CallResult("ok", value=fn(*args))
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         return CallResult("error", message=f"{type(e).__name__}: {e}")
 
 
@@ -163,7 +164,7 @@ class RewardManager:
                         s = _to_float(value)
                     scores[i] = s
                     continue
-                except Exception as e:  # noqa: BLE001
+                except Exception as e:
                     res = CallResult("error", message=f"{type(e).__name__}: {e}")
             n_err += 1  # every failed call, timeouts included (issue: "raises or exceeds its timeout")
             if res.status == "timeout":
@@ -171,7 +172,9 @@ class RewardManager:
             if len(errors) < 8:
                 errors.append(f"row {i} (data_source={sources[i]!r}): {res.message}")
         if errors:
-            log.warning("reward: %d failed calls (%d timeouts) in a batch of %d; first: %s", n_err, n_timeout, B, errors[0])
+            log.warning(
+                "reward: %d failed calls (%d timeouts) in a batch of %d; first: %s", n_err, n_timeout, B, errors[0]
+            )
         self.total_errors += n_err
         self.total_timeouts += n_timeout
 
@@ -220,4 +223,3 @@ class RewardManager:
             self.close()
         except Exception:
             pass
-

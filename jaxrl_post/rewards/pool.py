@@ -16,9 +16,10 @@ import pickle
 import sys
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import wait
-from typing import Any, Callable, Sequence
+from typing import Any
 
 __all__ = ["CallResult", "RewardWorkerPool", "default_mp_context"]
 
@@ -50,7 +51,7 @@ def _worker_main(conn, fn: Callable[..., Any]) -> None:  # runs in the child pro
         idx, args = msg
         try:
             out = ("ok", fn(*args))
-        except BaseException as e:  # noqa: BLE001 - report everything, keep serving
+        except BaseException as e:
             out = ("error", f"{type(e).__name__}: {e}")
         try:
             conn.send((idx, *out))
@@ -181,7 +182,9 @@ class RewardWorkerPool:
                     w.ready = True
                     continue
                 idx, status, payload = msg
-                results[idx] = CallResult("ok", value=payload) if status == "ok" else CallResult("error", message=payload)
+                results[idx] = (
+                    CallResult("ok", value=payload) if status == "ok" else CallResult("error", message=payload)
+                )
                 done += 1
                 w.task = None
             now = time.monotonic()

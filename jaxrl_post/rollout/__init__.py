@@ -1,4 +1,5 @@
 """Rollout: jitted prefill + decode loop with a KV cache, and the sampling processors."""
+
 from jaxrl_post.rollout.generate import TRACE_COUNTS, Generator, bucket_size, generate_sequences
 from jaxrl_post.rollout.sampling import (
     SamplingParams,

@@ -20,11 +20,12 @@ Sharded: pass a ``Mesh`` (axes ``('data', 'fsdp', 'tensor')``); the batch goes o
 'fsdp')``, the cache per ``sharding.cache_shardings``, and params stay where the caller put them
 (``sharding.shard_params``, or a model created/loaded with ``mesh=``).
 """
+
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -234,10 +235,20 @@ class Generator:
         pid_d, pmask_d, done_d = arrays
         max_len = p_pad + n_alloc
         seg = self.cache_segment_len or max(16, -(-max_len // 128) * 16)  # ~8 segments, multiple of 16
-        logits, cache = _prefill(graphdef, state, pid_d, pmask_d, jnp.int32(p), max_len=max_len,
-                                 segment_len=min(seg, max_len), cache_dtype=self.cache_dtype, mesh=self.mesh)
-        tokens, logps, _, _, _ = _decode(graphdef, state, cache, logits, done_d, key, params=static,
-                                   num_steps=r, chunk=chunk, mesh=self.mesh)
+        logits, cache = _prefill(
+            graphdef,
+            state,
+            pid_d,
+            pmask_d,
+            jnp.int32(p),
+            max_len=max_len,
+            segment_len=min(seg, max_len),
+            cache_dtype=self.cache_dtype,
+            mesh=self.mesh,
+        )
+        tokens, logps, _, _, _ = _decode(
+            graphdef, state, cache, logits, done_d, key, params=static, num_steps=r, chunk=chunk, mesh=self.mesh
+        )
         tokens = np.asarray(jax.device_get(tokens))[:b, :r]
         logps = np.asarray(jax.device_get(logps))[:b, :r]
         return _assemble(prompts, ids, mask, tokens, logps, params)
@@ -268,8 +279,14 @@ def _assemble(prompts: DataProto, ids, mask, tokens, logps, params: SamplingPara
     return DataProto(batch, dict(prompts.non_tensor_batch), dict(prompts.meta_info))
 
 
-def generate_sequences(model: nnx.Module, prompts: DataProto, params: SamplingParams, *,
-                       mesh: jax.sharding.Mesh | None = None, seed: int | None = None) -> DataProto:
+def generate_sequences(
+    model: nnx.Module,
+    prompts: DataProto,
+    params: SamplingParams,
+    *,
+    mesh: jax.sharding.Mesh | None = None,
+    seed: int | None = None,
+) -> DataProto:
     """Functional entry point: ``Generator(model, mesh=mesh).generate(prompts, params, seed=seed)``.
 
     Compiled functions are shared across calls (module-level jit cache keyed by the model's GraphDef

@@ -11,10 +11,11 @@ and training log-probs agree. top-k/top-p/min-p only restrict *which* tokens may
 enter the recorded log-prob (verl/vLLM record the same quantity). Greedy decoding records
 ``log_softmax(logits)`` (temperature 1).
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp

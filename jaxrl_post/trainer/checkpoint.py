@@ -36,454 +36,478 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import numpy as np
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_SUBDIR = 'checkpoints'
-STEP_PREFIX = 'global_step'
-HOST_ITEM = 'host'
+CHECKPOINT_SUBDIR = "checkpoints"
+STEP_PREFIX = "global_step"
+HOST_ITEM = "host"
 FORMAT_VERSION = 1
-RESUME_MODES = ('auto', 'disable', 'resume_path')
+RESUME_MODES = ("auto", "disable", "resume_path")
 
 
 class _DropOrbaxInfo(logging.Filter):
-  """Drops orbax's INFO/DEBUG records (dozens per save) from absl logging; warnings and errors pass."""
+    """Drops orbax's INFO/DEBUG records (dozens per save) from absl logging; warnings and errors pass."""
 
-  def filter(self, record: logging.LogRecord) -> bool:
-    return record.levelno >= logging.WARNING or f'{os.sep}orbax{os.sep}' not in (record.pathname or '')
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or f"{os.sep}orbax{os.sep}" not in (record.pathname or "")
 
 
 def _quiet_orbax_info() -> None:
-  absl_logger = logging.getLogger('absl')
-  if not any(isinstance(f, _DropOrbaxInfo) for f in absl_logger.filters):
-    absl_logger.addFilter(_DropOrbaxInfo())
+    absl_logger = logging.getLogger("absl")
+    if not any(isinstance(f, _DropOrbaxInfo) for f in absl_logger.filters):
+        absl_logger.addFilter(_DropOrbaxInfo())
 
 
 class CheckpointError(RuntimeError):
-  """A checkpoint could not be written or read (message names the path and the last good step)."""
+    """A checkpoint could not be written or read (message names the path and the last good step)."""
 
 
 def checkpoint_dir(workdir: str | os.PathLike) -> str:
-  """`<workdir>/checkpoints`: where a run's step directories live."""
-  return os.path.join(os.fspath(workdir), CHECKPOINT_SUBDIR)
+    """`<workdir>/checkpoints`: where a run's step directories live."""
+    return os.path.join(os.fspath(workdir), CHECKPOINT_SUBDIR)
 
 
 def step_dir_name(step: int) -> str:
-  """`global_step_<step>` (the directory name of one checkpoint)."""
-  return f'{STEP_PREFIX}_{int(step)}'
+    """`global_step_<step>` (the directory name of one checkpoint)."""
+    return f"{STEP_PREFIX}_{int(step)}"
 
 
 def abstract_like(tree: Any) -> Any:
-  """`jax.ShapeDtypeStruct` (with `.sharding` when the leaf has one) for every array leaf of `tree`.
+    """`jax.ShapeDtypeStruct` (with `.sharding` when the leaf has one) for every array leaf of `tree`.
 
-  Used as the restore target: orbax then reads each array directly into that sharding (each host
-  reads only its shards). Leaves that already are `ShapeDtypeStruct` are kept.
-  """
+    Used as the restore target: orbax then reads each array directly into that sharding (each host
+    reads only its shards). Leaves that already are `ShapeDtypeStruct` are kept.
+    """
 
-  def one(x):
-    if isinstance(x, jax.ShapeDtypeStruct):
-      return x
-    if isinstance(x, jax.Array):
-      return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-    x = np.asarray(x)
-    return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    def one(x):
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return x
+        if isinstance(x, jax.Array):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+        x = np.asarray(x)
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
 
-  return jax.tree.map(one, tree)
+    return jax.tree.map(one, tree)
 
 
 def reference_pointer(*, model_path: str | None, random_init: bool = False, seed: int | None = None) -> dict:
-  """`host['reference']` entry for a reference policy that equals the initial actor (not saved).
+    """`host['reference']` entry for a reference policy that equals the initial actor (not saved).
 
-  On restore the trainer rebuilds the reference the same way it built it the first time (load
-  `model_path`, or random init with `seed`) instead of reading a copy from the checkpoint.
-  """
-  return {'source': 'initial_actor', 'model_path': model_path, 'random_init': bool(random_init),
-          'seed': None if seed is None else int(seed)}
+    On restore the trainer rebuilds the reference the same way it built it the first time (load
+    `model_path`, or random init with `seed`) instead of reading a copy from the checkpoint.
+    """
+    return {
+        "source": "initial_actor",
+        "model_path": model_path,
+        "random_init": bool(random_init),
+        "seed": None if seed is None else int(seed),
+    }
 
 
-_LEAF_KEY = '__leaf__'
+_LEAF_KEY = "__leaf__"
 
 
 def model_metadata(model_config: Any, tokenizer_source: str | None) -> dict:
-  """`host['model']` entry: the actor's `ModelConfig` fields (JSON) and where its tokenizer comes from,
-  so a checkpoint can be exported / evaluated without the run config (scripts/export_hf.py)."""
-  import dataclasses
+    """`host['model']` entry: the actor's `ModelConfig` fields (JSON) and where its tokenizer comes from,
+    so a checkpoint can be exported / evaluated without the run config (scripts/export_hf.py)."""
+    import dataclasses
 
-  return {'config': json_safe(dataclasses.asdict(model_config)), 'tokenizer': tokenizer_source}
+    return {"config": json_safe(dataclasses.asdict(model_config)), "tokenizer": tokenizer_source}
 
 
 def model_config_from_metadata(meta: Mapping[str, Any]):
-  """Inverse of `model_metadata` -> `jaxrl_post.models.ModelConfig` (lists back to tuples)."""
-  import dataclasses
+    """Inverse of `model_metadata` -> `jaxrl_post.models.ModelConfig` (lists back to tuples)."""
+    import dataclasses
 
-  from jaxrl_post.models import ModelConfig
+    from jaxrl_post.models import ModelConfig
 
-  def freeze(x):
-    return tuple(freeze(v) for v in x) if isinstance(x, list) else x
+    def freeze(x):
+        return tuple(freeze(v) for v in x) if isinstance(x, list) else x
 
-  names = {f.name for f in dataclasses.fields(ModelConfig)}
-  return ModelConfig(**{k: freeze(v) for k, v in meta['config'].items() if k in names})
+    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    return ModelConfig(**{k: freeze(v) for k, v in meta["config"].items() if k in names})
 
 
 def json_safe(x: Any) -> Any:
-  """Tuples -> lists, numpy scalars -> Python scalars, other objects -> str (recursively)."""
-  if isinstance(x, Mapping):
-    return {str(k): json_safe(v) for k, v in x.items()}
-  if isinstance(x, (list, tuple)):
-    return [json_safe(v) for v in x]
-  if isinstance(x, np.generic):
-    return x.item()
-  if x is None or isinstance(x, (bool, int, float, str)):
-    return x
-  return str(x)
+    """Tuples -> lists, numpy scalars -> Python scalars, other objects -> str (recursively)."""
+    if isinstance(x, Mapping):
+        return {str(k): json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_safe(v) for v in x]
+    if isinstance(x, np.generic):
+        return x.item()
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    return str(x)
 
 
 def _wrap(tree: Any) -> Any:
-  """orbax's StandardSave needs a container: a bare array item is stored as `{'__leaf__': x}`."""
-  return {_LEAF_KEY: tree} if jax.tree_util.treedef_is_leaf(jax.tree.structure(tree)) else tree
+    """orbax's StandardSave needs a container: a bare array item is stored as `{'__leaf__': x}`."""
+    return {_LEAF_KEY: tree} if jax.tree_util.treedef_is_leaf(jax.tree.structure(tree)) else tree
 
 
 def _unwrap(tree: Any) -> Any:
-  return tree[_LEAF_KEY] if isinstance(tree, dict) and set(tree) == {_LEAF_KEY} else tree
+    return tree[_LEAF_KEY] if isinstance(tree, dict) and set(tree) == {_LEAF_KEY} else tree
 
 
 def flatten_items(state: Mapping[str, Any]) -> dict[str, Any]:
-  """Array entries of a state -> orbax items: a plain-dict entry is split one level (`'actor.params'`,
-  `'actor.opt_state'`) so each part can be restored alone; None entries/parts are dropped."""
-  items = {}
-  for k, v in state.items():
-    if k == HOST_ITEM or v is None:
-      continue
-    if '.' in k:
-      raise ValueError(f'state entry names must not contain ".": {k!r}')
-    if type(v) is dict:  # pylint: disable=unidiomatic-typecheck  (nnx.State etc. stay whole)
-      for sub, x in v.items():
-        if x is not None:
-          items[f'{k}.{sub}'] = x
-    else:
-      items[k] = v
-  return items
+    """Array entries of a state -> orbax items: a plain-dict entry is split one level (`'actor.params'`,
+    `'actor.opt_state'`) so each part can be restored alone; None entries/parts are dropped."""
+    items = {}
+    for k, v in state.items():
+        if k == HOST_ITEM or v is None:
+            continue
+        if "." in k:
+            raise ValueError(f'state entry names must not contain ".": {k!r}')
+        if type(v) is dict:  # pylint: disable=unidiomatic-typecheck  (nnx.State etc. stay whole)
+            for sub, x in v.items():
+                if x is not None:
+                    items[f"{k}.{sub}"] = x
+        else:
+            items[k] = v
+    return items
 
 
 def unflatten_items(items: Mapping[str, Any]) -> dict[str, Any]:
-  """Inverse of `flatten_items`."""
-  out: dict[str, Any] = {}
-  for name, v in items.items():
-    if '.' in name:
-      k, sub = name.split('.', 1)
-      out.setdefault(k, {})[sub] = v
-    else:
-      out[name] = v
-  return out
+    """Inverse of `flatten_items`."""
+    out: dict[str, Any] = {}
+    for name, v in items.items():
+        if "." in name:
+            k, sub = name.split(".", 1)
+            out.setdefault(k, {})[sub] = v
+        else:
+            out[name] = v
+    return out
 
 
 class Checkpointer:
-  """A run's checkpoints: `save(step, state)`, `restore(step, like)`, `latest_step()`.
+    """A run's checkpoints: `save(step, state)`, `restore(step, like)`, `latest_step()`.
 
-  Args:
-    directory: the checkpoint root (`checkpoint_dir(workdir)`); created on the first save.
-    max_to_keep: keep the newest k complete checkpoints (None = all; verl `max_actor_ckpt_to_keep`).
-    async_save: write in a background thread (default); False blocks in `save` until committed.
-    read_only: open an existing directory for restore only (export/evaluate scripts).
+    Args:
+      directory: the checkpoint root (`checkpoint_dir(workdir)`); created on the first save.
+      max_to_keep: keep the newest k complete checkpoints (None = all; verl `max_actor_ckpt_to_keep`).
+      async_save: write in a background thread (default); False blocks in `save` until committed.
+      read_only: open an existing directory for restore only (export/evaluate scripts).
 
-  Raises:
-    CheckpointError: `directory` exists but is not a directory.
-  """
+    Raises:
+      CheckpointError: `directory` exists but is not a directory.
+    """
 
-  def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = None,
-               async_save: bool = True, read_only: bool = False):
-    import orbax.checkpoint as ocp
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        max_to_keep: int | None = None,
+        async_save: bool = True,
+        read_only: bool = False,
+    ):
+        import orbax.checkpoint as ocp
 
-    _quiet_orbax_info()
-    self._ocp = ocp
-    self.directory = os.path.abspath(os.fspath(directory))
-    if os.path.exists(self.directory) and not os.path.isdir(self.directory):
-      raise CheckpointError(f'checkpoint directory {self.directory} exists and is not a directory')
-    if max_to_keep is not None and int(max_to_keep) < 1:
-      raise ValueError(f'max_to_keep must be >= 1 or None, got {max_to_keep}')
-    self.max_to_keep = None if max_to_keep is None else int(max_to_keep)
-    self.async_save = bool(async_save)
-    self.read_only = bool(read_only)
-    self._manager = None
-    if os.path.isdir(self.directory):
-      self._open()
+        _quiet_orbax_info()
+        self._ocp = ocp
+        self.directory = os.path.abspath(os.fspath(directory))
+        if os.path.exists(self.directory) and not os.path.isdir(self.directory):
+            raise CheckpointError(f"checkpoint directory {self.directory} exists and is not a directory")
+        if max_to_keep is not None and int(max_to_keep) < 1:
+            raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep}")
+        self.max_to_keep = None if max_to_keep is None else int(max_to_keep)
+        self.async_save = bool(async_save)
+        self.read_only = bool(read_only)
+        self._manager = None
+        if os.path.isdir(self.directory):
+            self._open()
 
-  # ------------------------------------------------------------------------------------ manager
-  def _open(self):
-    ocp = self._ocp
-    if self._manager is None:
-      options = ocp.CheckpointManagerOptions(
-          max_to_keep=self.max_to_keep, step_prefix=STEP_PREFIX, create=not self.read_only,
-          cleanup_tmp_directories=not self.read_only, enable_async_checkpointing=self.async_save,
-          read_only=self.read_only)
-      self._manager = ocp.CheckpointManager(self.directory, options=options)
-    return self._manager
+    # ------------------------------------------------------------------------------------ manager
+    def _open(self):
+        ocp = self._ocp
+        if self._manager is None:
+            options = ocp.CheckpointManagerOptions(
+                max_to_keep=self.max_to_keep,
+                step_prefix=STEP_PREFIX,
+                create=not self.read_only,
+                cleanup_tmp_directories=not self.read_only,
+                enable_async_checkpointing=self.async_save,
+                read_only=self.read_only,
+            )
+            self._manager = ocp.CheckpointManager(self.directory, options=options)
+        return self._manager
 
-  def _error(self, what: str, err: BaseException) -> CheckpointError:
-    last = self._committed_steps()
-    prev = (f'the last complete checkpoint {os.path.join(self.directory, step_dir_name(last[-1]))} is intact'
-            if last else 'no complete checkpoint exists yet')
-    msg = f'{what} to {self.directory} failed ({type(err).__name__}: {err}); {prev}.'
-    if isinstance(err, OSError) or 'os_error_code' in str(err) or 'No space' in str(err):
-      msg += f' Check free disk space and write permission of {self.directory}.'
-    return CheckpointError(msg)
+    def _error(self, what: str, err: BaseException) -> CheckpointError:
+        last = self._committed_steps()
+        prev = (
+            f"the last complete checkpoint {os.path.join(self.directory, step_dir_name(last[-1]))} is intact"
+            if last
+            else "no complete checkpoint exists yet"
+        )
+        msg = f"{what} to {self.directory} failed ({type(err).__name__}: {err}); {prev}."
+        if isinstance(err, OSError) or "os_error_code" in str(err) or "No space" in str(err):
+            msg += f" Check free disk space and write permission of {self.directory}."
+        return CheckpointError(msg)
 
-  def _committed_steps(self) -> list[int]:
-    """Finalized steps on disk (re-read; the manager's in-memory list can be stale after a failure)."""
-    if not os.path.isdir(self.directory):
-      return []
-    if self._manager is not None:
-      try:
-        self._manager.reload()
+    def _committed_steps(self) -> list[int]:
+        """Finalized steps on disk (re-read; the manager's in-memory list can be stale after a failure)."""
+        if not os.path.isdir(self.directory):
+            return []
+        if self._manager is not None:
+            try:
+                self._manager.reload()
+                return sorted(self._manager.all_steps())
+            except Exception:  # pylint: disable=broad-except
+                pass
+        return list_complete_steps(self.directory)
+
+    # ------------------------------------------------------------------------------------ queries
+    def all_steps(self) -> list[int]:
+        """Steps with a complete (committed) checkpoint, ascending."""
+        if self._manager is None:
+            return list_complete_steps(self.directory)
         return sorted(self._manager.all_steps())
-      except Exception:  # pylint: disable=broad-except
-        pass
-    return list_complete_steps(self.directory)
 
-  # ------------------------------------------------------------------------------------ queries
-  def all_steps(self) -> list[int]:
-    """Steps with a complete (committed) checkpoint, ascending."""
-    if self._manager is None:
-      return list_complete_steps(self.directory)
-    return sorted(self._manager.all_steps())
+    def latest_step(self) -> int | None:
+        """Newest complete step, or None."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
 
-  def latest_step(self) -> int | None:
-    """Newest complete step, or None."""
-    steps = self.all_steps()
-    return steps[-1] if steps else None
+    def step_path(self, step: int) -> str:
+        return os.path.join(self.directory, step_dir_name(step))
 
-  def step_path(self, step: int) -> str:
-    return os.path.join(self.directory, step_dir_name(step))
+    # ------------------------------------------------------------------------------------ save
+    def _probe_writable(self, step: int) -> None:
+        """Fail fast, before any async work, when the directory cannot be created or written."""
+        probe = os.path.join(self.directory, f".write_probe_{jax.process_index()}_{os.getpid()}")
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            with open(probe, "wb") as f:
+                f.write(b"ok")
+            os.remove(probe)
+        except OSError as e:
+            raise self._error(f"saving checkpoint step {step}", e) from e
 
-  # ------------------------------------------------------------------------------------ save
-  def _probe_writable(self, step: int) -> None:
-    """Fail fast, before any async work, when the directory cannot be created or written."""
-    probe = os.path.join(self.directory, f'.write_probe_{jax.process_index()}_{os.getpid()}')
-    try:
-      os.makedirs(self.directory, exist_ok=True)
-      with open(probe, 'wb') as f:
-        f.write(b'ok')
-      os.remove(probe)
-    except OSError as e:
-      raise self._error(f'saving checkpoint step {step}', e) from e
+    def save(self, step: int, state: Mapping[str, Any], *, force: bool = True) -> bool:
+        """Start saving `state` as step `step`; returns True if a save was started.
 
-  def save(self, step: int, state: Mapping[str, Any], *, force: bool = True) -> bool:
-    """Start saving `state` as step `step`; returns True if a save was started.
+        Args:
+          step: the global step (directory `global_step_<step>`).
+          state: `{'host': JSON-able dict, <item>: pytree of arrays | None, ...}` (see module docstring).
+            None entries are not written; a plain-dict entry is stored as one item per key (`actor.params`,
+            `actor.opt_state`; see `flatten_items`); `host['items']` records the items written.
+          force: save even if a checkpoint of this step exists (it is then left as it is: False returned).
 
-    Args:
-      step: the global step (directory `global_step_<step>`).
-      state: `{'host': JSON-able dict, <item>: pytree of arrays | None, ...}` (see module docstring).
-        None entries are not written; a plain-dict entry is stored as one item per key (`actor.params`,
-        `actor.opt_state`; see `flatten_items`); `host['items']` records the items written.
-      force: save even if a checkpoint of this step exists (it is then left as it is: False returned).
+        Raises:
+          CheckpointError: the directory is not writable, a previous async save failed, or orbax raised.
+          ValueError: `state` has no `'host'` dict or a non-JSON-able host value.
+        """
+        if self.read_only:
+            raise CheckpointError(f"checkpointer for {self.directory} was opened read-only")
+        ocp = self._ocp
+        host = state.get(HOST_ITEM)
+        if not isinstance(host, Mapping):
+            raise ValueError(f"state['{HOST_ITEM}'] must be a dict of JSON-able host state, got {type(host)}")
+        items = flatten_items(state)
+        host = dict(host, items=sorted(items), format_version=FORMAT_VERSION, step=int(step))
+        _check_json(host)
+        self._probe_writable(step)
+        manager = self._open()
+        try:
+            manager.wait_until_finished()  # a previous async save's error surfaces here
+        except Exception as e:  # pylint: disable=broad-except
+            raise self._error(f"the previous asynchronous checkpoint save (before step {step})", e) from e
+        if int(step) in manager.all_steps():
+            return False
+        args = {k: ocp.args.StandardSave(_wrap(v)) for k, v in items.items()}
+        args[HOST_ITEM] = ocp.args.JsonSave(host)
+        try:
+            started = manager.save(int(step), args=ocp.args.Composite(**args), force=force)
+            if not self.async_save:
+                manager.wait_until_finished()
+        except Exception as e:  # pylint: disable=broad-except
+            raise self._error(f"saving checkpoint step {step}", e) from e
+        return bool(started)
 
-    Raises:
-      CheckpointError: the directory is not writable, a previous async save failed, or orbax raised.
-      ValueError: `state` has no `'host'` dict or a non-JSON-able host value.
-    """
-    if self.read_only:
-      raise CheckpointError(f'checkpointer for {self.directory} was opened read-only')
-    ocp = self._ocp
-    host = state.get(HOST_ITEM)
-    if not isinstance(host, Mapping):
-      raise ValueError(f"state['{HOST_ITEM}'] must be a dict of JSON-able host state, got {type(host)}")
-    items = flatten_items(state)
-    host = dict(host, items=sorted(items), format_version=FORMAT_VERSION, step=int(step))
-    _check_json(host)
-    self._probe_writable(step)
-    manager = self._open()
-    try:
-      manager.wait_until_finished()  # a previous async save's error surfaces here
-    except Exception as e:  # pylint: disable=broad-except
-      raise self._error(f'the previous asynchronous checkpoint save (before step {step})', e) from e
-    if int(step) in manager.all_steps():
-      return False
-    args = {k: ocp.args.StandardSave(_wrap(v)) for k, v in items.items()}
-    args[HOST_ITEM] = ocp.args.JsonSave(host)
-    try:
-      started = manager.save(int(step), args=ocp.args.Composite(**args), force=force)
-      if not self.async_save:
-        manager.wait_until_finished()
-    except Exception as e:  # pylint: disable=broad-except
-      raise self._error(f'saving checkpoint step {step}', e) from e
-    return bool(started)
+    def check_for_errors(self) -> None:
+        """Raise `CheckpointError` if a finished background save failed (non-blocking)."""
+        if self._manager is None:
+            return
+        try:
+            self._manager.check_for_errors()
+        except Exception as e:  # pylint: disable=broad-except
+            raise self._error("an asynchronous checkpoint save", e) from e
 
-  def check_for_errors(self) -> None:
-    """Raise `CheckpointError` if a finished background save failed (non-blocking)."""
-    if self._manager is None:
-      return
-    try:
-      self._manager.check_for_errors()
-    except Exception as e:  # pylint: disable=broad-except
-      raise self._error('an asynchronous checkpoint save', e) from e
+    def wait_until_finished(self) -> None:
+        """Block until the pending async save is committed. Raises `CheckpointError` if it failed."""
+        if self._manager is None:
+            return
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:  # pylint: disable=broad-except
+            raise self._error("an asynchronous checkpoint save", e) from e
 
-  def wait_until_finished(self) -> None:
-    """Block until the pending async save is committed. Raises `CheckpointError` if it failed."""
-    if self._manager is None:
-      return
-    try:
-      self._manager.wait_until_finished()
-    except Exception as e:  # pylint: disable=broad-except
-      raise self._error('an asynchronous checkpoint save', e) from e
+    def close(self) -> None:
+        """Wait for pending saves, then release the manager (raises `CheckpointError` like `wait_until_finished`)."""
+        if self._manager is None:
+            return
+        try:
+            self.wait_until_finished()
+        finally:
+            try:
+                self._manager.close()
+            except Exception:  # pylint: disable=broad-except
+                pass
+            self._manager = None
 
-  def close(self) -> None:
-    """Wait for pending saves, then release the manager (raises `CheckpointError` like `wait_until_finished`)."""
-    if self._manager is None:
-      return
-    try:
-      self.wait_until_finished()
-    finally:
-      try:
-        self._manager.close()
-      except Exception:  # pylint: disable=broad-except
-        pass
-      self._manager = None
+    # ------------------------------------------------------------------------------------ restore
+    def read_host(self, step: int | None = None) -> dict:
+        """The JSON host state of `step` (default: latest). Raises `CheckpointError` if there is none."""
+        step = self._resolve_step(step)
+        ocp = self._ocp
+        out = self._open().restore(step, args=ocp.args.Composite(**{HOST_ITEM: ocp.args.JsonRestore()}))
+        return dict(out[HOST_ITEM])
 
-  # ------------------------------------------------------------------------------------ restore
-  def read_host(self, step: int | None = None) -> dict:
-    """The JSON host state of `step` (default: latest). Raises `CheckpointError` if there is none."""
-    step = self._resolve_step(step)
-    ocp = self._ocp
-    out = self._open().restore(step, args=ocp.args.Composite(**{HOST_ITEM: ocp.args.JsonRestore()}))
-    return dict(out[HOST_ITEM])
+    def restore(self, step: int | None = None, like: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Read step `step` (default: latest complete one).
 
-  def restore(self, step: int | None = None, like: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Read step `step` (default: latest complete one).
+        Args:
+          like: restore targets shaped like the saved state (without `'host'`): live arrays or
+            `jax.ShapeDtypeStruct`s (with shardings for a sharded restore; see `abstract_like`). The result
+            has their tree structure, dtypes and shardings. Only what `like` names is read, so
+            `{'actor': {'params': ...}}` reads the actor params and not the optimizer state. `like=None`
+            reads only `host`.
 
-    Args:
-      like: restore targets shaped like the saved state (without `'host'`): live arrays or
-        `jax.ShapeDtypeStruct`s (with shardings for a sharded restore; see `abstract_like`). The result
-        has their tree structure, dtypes and shardings. Only what `like` names is read, so
-        `{'actor': {'params': ...}}` reads the actor params and not the optimizer state. `like=None`
-        reads only `host`.
+        Returns:
+          `{'host': dict, **like-shaped restored arrays}`.
 
-    Returns:
-      `{'host': dict, **like-shaped restored arrays}`.
+        Raises:
+          CheckpointError: no such step, or a part of `like` is missing from the checkpoint (named), or a
+            shape/structure mismatch (orbax's message included).
+        """
+        step = self._resolve_step(step)
+        ocp = self._ocp
+        host = self.read_host(step)
+        saved = set(host.get("items", []))
+        want = flatten_items(dict(like or {}))
+        missing = sorted(set(want) - saved)
+        if missing:
+            raise CheckpointError(
+                f"checkpoint {self.step_path(step)} has no item(s) {missing} (it holds "
+                f"{sorted(saved)}); the run config does not match the checkpointed run"
+            )
+        args = {k: ocp.args.StandardRestore(_wrap(abstract_like(v))) for k, v in want.items()}
+        if not args:
+            return {HOST_ITEM: host}
+        try:
+            out = self._open().restore(step, args=ocp.args.Composite(**args))
+        except Exception as e:  # pylint: disable=broad-except
+            raise CheckpointError(f"restoring {self.step_path(step)} failed ({type(e).__name__}: {e})") from e
+        res = unflatten_items({k: _unwrap(out[k]) for k in args})
+        res[HOST_ITEM] = host
+        return res
 
-    Raises:
-      CheckpointError: no such step, or a part of `like` is missing from the checkpoint (named), or a
-        shape/structure mismatch (orbax's message included).
-    """
-    step = self._resolve_step(step)
-    ocp = self._ocp
-    host = self.read_host(step)
-    saved = set(host.get('items', []))
-    want = flatten_items(dict(like or {}))
-    missing = sorted(set(want) - saved)
-    if missing:
-      raise CheckpointError(f'checkpoint {self.step_path(step)} has no item(s) {missing} (it holds '
-                            f'{sorted(saved)}); the run config does not match the checkpointed run')
-    args = {k: ocp.args.StandardRestore(_wrap(abstract_like(v))) for k, v in want.items()}
-    if not args:
-      return {HOST_ITEM: host}
-    try:
-      out = self._open().restore(step, args=ocp.args.Composite(**args))
-    except Exception as e:  # pylint: disable=broad-except
-      raise CheckpointError(f'restoring {self.step_path(step)} failed ({type(e).__name__}: {e})') from e
-    res = unflatten_items({k: _unwrap(out[k]) for k in args})
-    res[HOST_ITEM] = host
-    return res
+    def restore_raw(self, item: str, step: int | None = None) -> Any:
+        """One item (e.g. `'actor.params'`) as saved, as nested dicts of arrays, without a target structure."""
+        step = self._resolve_step(step)
+        ocp = self._ocp
+        out = self._open().restore(step, args=ocp.args.Composite(**{item: ocp.args.StandardRestore()}))
+        return _unwrap(out[item])
 
-  def restore_raw(self, item: str, step: int | None = None) -> Any:
-    """One item (e.g. `'actor.params'`) as saved, as nested dicts of arrays, without a target structure."""
-    step = self._resolve_step(step)
-    ocp = self._ocp
-    out = self._open().restore(step, args=ocp.args.Composite(**{item: ocp.args.StandardRestore()}))
-    return _unwrap(out[item])
-
-  def _resolve_step(self, step: int | None) -> int:
-    steps = self.all_steps()
-    if step is None:
-      if not steps:
-        raise CheckpointError(f'no complete checkpoint in {self.directory}')
-      return steps[-1]
-    if int(step) not in steps:
-      raise CheckpointError(f'no complete checkpoint for step {step} in {self.directory} '
-                            f'(complete steps: {steps})')
-    return int(step)
+    def _resolve_step(self, step: int | None) -> int:
+        steps = self.all_steps()
+        if step is None:
+            if not steps:
+                raise CheckpointError(f"no complete checkpoint in {self.directory}")
+            return steps[-1]
+        if int(step) not in steps:
+            raise CheckpointError(
+                f"no complete checkpoint for step {step} in {self.directory} (complete steps: {steps})"
+            )
+        return int(step)
 
 
 def list_complete_steps(directory: str | os.PathLike) -> list[int]:
-  """Finalized `global_step_<N>` directories under `directory` (ascending), without opening a manager.
+    """Finalized `global_step_<N>` directories under `directory` (ascending), without opening a manager.
 
-  A directory counts when its name is exactly `global_step_<int>` (orbax's in-progress directories
-  carry a `.orbax-checkpoint-tmp` suffix) and it holds orbax's `_CHECKPOINT_METADATA`.
-  """
-  directory = os.fspath(directory)
-  if not os.path.isdir(directory):
-    return []
-  out = []
-  prefix = STEP_PREFIX + '_'
-  for name in os.listdir(directory):
-    if not name.startswith(prefix):
-      continue
-    tail = name[len(prefix):]
-    if tail.isdigit() and os.path.exists(os.path.join(directory, name, '_CHECKPOINT_METADATA')):
-      out.append(int(tail))
-  return sorted(out)
+    A directory counts when its name is exactly `global_step_<int>` (orbax's in-progress directories
+    carry a `.orbax-checkpoint-tmp` suffix) and it holds orbax's `_CHECKPOINT_METADATA`.
+    """
+    directory = os.fspath(directory)
+    if not os.path.isdir(directory):
+        return []
+    out = []
+    prefix = STEP_PREFIX + "_"
+    for name in os.listdir(directory):
+        if not name.startswith(prefix):
+            continue
+        tail = name[len(prefix) :]
+        if tail.isdigit() and os.path.exists(os.path.join(directory, name, "_CHECKPOINT_METADATA")):
+            out.append(int(tail))
+    return sorted(out)
 
 
 def parse_step_dir(path: str | os.PathLike) -> tuple[str, int | None]:
-  """`.../checkpoints/global_step_7` -> (`.../checkpoints`, 7); `.../checkpoints` -> (same, None)."""
-  path = os.path.abspath(os.fspath(path)).rstrip(os.sep)
-  name = os.path.basename(path)
-  prefix = STEP_PREFIX + '_'
-  if name.startswith(prefix) and name[len(prefix):].isdigit():
-    return os.path.dirname(path), int(name[len(prefix):])
-  return path, None
+    """`.../checkpoints/global_step_7` -> (`.../checkpoints`, 7); `.../checkpoints` -> (same, None)."""
+    path = os.path.abspath(os.fspath(path)).rstrip(os.sep)
+    name = os.path.basename(path)
+    prefix = STEP_PREFIX + "_"
+    if name.startswith(prefix) and name[len(prefix) :].isdigit():
+        return os.path.dirname(path), int(name[len(prefix) :])
+    return path, None
 
 
-def find_resume_checkpoint(mode: str, workdir: str | os.PathLike,
-                           resume_from_path: str | None = None) -> tuple[str, int] | None:
-  """Which checkpoint a run resumes from (verl `trainer.resume_mode`).
+def find_resume_checkpoint(
+    mode: str, workdir: str | os.PathLike, resume_from_path: str | None = None
+) -> tuple[str, int] | None:
+    """Which checkpoint a run resumes from (verl `trainer.resume_mode`).
 
-  Args:
-    mode: 'disable' (start fresh: None); 'auto' (latest complete step in `checkpoint_dir(workdir)`, or
-      None when there is none); 'resume_path' (`resume_from_path`: a `global_step_<N>` directory, or a
-      checkpoints directory / working directory whose latest complete step is used).
+    Args:
+      mode: 'disable' (start fresh: None); 'auto' (latest complete step in `checkpoint_dir(workdir)`, or
+        None when there is none); 'resume_path' (`resume_from_path`: a `global_step_<N>` directory, or a
+        checkpoints directory / working directory whose latest complete step is used).
 
-  Returns:
-    `(checkpoint root directory, step)` or None.
+    Returns:
+      `(checkpoint root directory, step)` or None.
 
-  Raises:
-    ValueError: unknown mode, or 'resume_path' without a path.
-    CheckpointError: 'resume_path' points at nothing complete (e.g. an unfinished `.orbax-checkpoint-tmp`
-      directory or a step that was never committed).
-  """
-  if mode not in RESUME_MODES:
-    raise ValueError(f'trainer.resume_mode must be one of {RESUME_MODES}, got {mode!r}')
-  if mode == 'disable':
-    return None
-  if mode == 'auto':
-    root = checkpoint_dir(workdir)
-    steps = list_complete_steps(root)
-    return (root, steps[-1]) if steps else None
-  if not resume_from_path:
-    raise ValueError("trainer.resume_mode='resume_path' needs trainer.resume_from_path")
-  path = os.fspath(resume_from_path)
-  if not os.path.exists(path):
-    raise CheckpointError(f'trainer.resume_from_path {path} does not exist')
-  root, step = parse_step_dir(path)
-  if step is None:
-    for cand in (root, checkpoint_dir(root)):
-      steps = list_complete_steps(cand)
-      if steps:
-        return cand, steps[-1]
-    raise CheckpointError(f'trainer.resume_from_path {path}: no complete {STEP_PREFIX}_<N> checkpoint in it')
-  if step not in list_complete_steps(root):
-    raise CheckpointError(f'trainer.resume_from_path {path} is not a complete checkpoint '
-                          f'(complete steps in {root}: {list_complete_steps(root)})')
-  return root, step
+    Raises:
+      ValueError: unknown mode, or 'resume_path' without a path.
+      CheckpointError: 'resume_path' points at nothing complete (e.g. an unfinished `.orbax-checkpoint-tmp`
+        directory or a step that was never committed).
+    """
+    if mode not in RESUME_MODES:
+        raise ValueError(f"trainer.resume_mode must be one of {RESUME_MODES}, got {mode!r}")
+    if mode == "disable":
+        return None
+    if mode == "auto":
+        root = checkpoint_dir(workdir)
+        steps = list_complete_steps(root)
+        return (root, steps[-1]) if steps else None
+    if not resume_from_path:
+        raise ValueError("trainer.resume_mode='resume_path' needs trainer.resume_from_path")
+    path = os.fspath(resume_from_path)
+    if not os.path.exists(path):
+        raise CheckpointError(f"trainer.resume_from_path {path} does not exist")
+    root, step = parse_step_dir(path)
+    if step is None:
+        for cand in (root, checkpoint_dir(root)):
+            steps = list_complete_steps(cand)
+            if steps:
+                return cand, steps[-1]
+        raise CheckpointError(f"trainer.resume_from_path {path}: no complete {STEP_PREFIX}_<N> checkpoint in it")
+    if step not in list_complete_steps(root):
+        raise CheckpointError(
+            f"trainer.resume_from_path {path} is not a complete checkpoint "
+            f"(complete steps in {root}: {list_complete_steps(root)})"
+        )
+    return root, step
 
 
 def _check_json(host: Mapping[str, Any]) -> None:
-  import json
+    import json
 
-  try:
-    json.dumps(host)
-  except (TypeError, ValueError) as e:
-    raise ValueError(f"state['{HOST_ITEM}'] must be JSON-able: {e}") from e
+    try:
+        json.dumps(host)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"state['{HOST_ITEM}'] must be JSON-able: {e}") from e

@@ -15,262 +15,300 @@ Every error names its key (`config.<path>`); all problems are reported at once.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-LOSS_AGG_MODES = ('token-mean', 'seq-mean-token-sum', 'seq-mean-token-mean', 'seq-mean-token-sum-norm')
-KL_TYPES = ('kl', 'k1', 'abs', 'mse', 'k2', 'low_var_kl', 'k3', 'full')
-WARMUP_STYLES = ('constant', 'cosine')
-KL_CTRL_TYPES = ('fixed', 'adaptive')
-RESUME_MODES = ('auto', 'disable', 'resume_path')
-VALUE_ESTIMATORS = ('gae',)  # advantage estimators that need a critic
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full")
+WARMUP_STYLES = ("constant", "cosine")
+KL_CTRL_TYPES = ("fixed", "adaptive")
+RESUME_MODES = ("auto", "disable", "resume_path")
+VALUE_ESTIMATORS = ("gae",)  # advantage estimators that need a critic
 
 
 class ConfigError(ValueError):
-  """Invalid configuration; the message lists every offending `config.<key>`."""
+    """Invalid configuration; the message lists every offending `config.<key>`."""
 
 
 def _get(cfg: Any, path: str) -> Any:
-  node = cfg
-  for part in path.split('.'):
-    node = node[part] if isinstance(node, dict) else getattr(node, part)
-  return node
+    node = cfg
+    for part in path.split("."):
+        node = node[part] if isinstance(node, dict) else getattr(node, part)
+    return node
 
 
 def data_parallel_size(cfg: Any, n_devices: int) -> int:
-  """Size of the mesh's ('data', 'fsdp') axes, resolving one -1 against `n_devices`."""
-  sizes = [int(cfg.trainer.mesh.data), int(cfg.trainer.mesh.fsdp), int(cfg.trainer.mesh.tensor)]
-  if -1 in sizes:
-    known = 1
-    for s in sizes:
-      if s != -1:
-        known *= s
-    sizes[sizes.index(-1)] = max(n_devices // max(known, 1), 1)
-  return sizes[0] * sizes[1]
+    """Size of the mesh's ('data', 'fsdp') axes, resolving one -1 against `n_devices`."""
+    sizes = [int(cfg.trainer.mesh.data), int(cfg.trainer.mesh.fsdp), int(cfg.trainer.mesh.tensor)]
+    if -1 in sizes:
+        known = 1
+        for s in sizes:
+            if s != -1:
+                known *= s
+        sizes[sizes.index(-1)] = max(n_devices // max(known, 1), 1)
+    return sizes[0] * sizes[1]
 
 
 def critic_enabled(cfg: Any) -> bool:
-  """`critic.enable`, or (when None) whether `algorithm.adv_estimator` needs values."""
-  if cfg.critic.enable is None:
-    return cfg.algorithm.adv_estimator in VALUE_ESTIMATORS
-  return bool(cfg.critic.enable)
+    """`critic.enable`, or (when None) whether `algorithm.adv_estimator` needs values."""
+    if cfg.critic.enable is None:
+        return cfg.algorithm.adv_estimator in VALUE_ESTIMATORS
+    return bool(cfg.critic.enable)
 
 
 def kl_in_use(cfg: Any) -> bool:
-  """Whether reference log-probs are needed (KL loss or KL in reward)."""
-  return bool(cfg.actor.use_kl_loss) or bool(cfg.algorithm.use_kl_in_reward)
+    """Whether reference log-probs are needed (KL loss or KL in reward)."""
+    return bool(cfg.actor.use_kl_loss) or bool(cfg.algorithm.use_kl_in_reward)
 
 
 def validate_config(cfg: Any, n_devices: int | None = None) -> None:
-  """Checks `cfg` (a ConfigDict from configs/*.py); raises ConfigError naming every bad key.
+    """Checks `cfg` (a ConfigDict from configs/*.py); raises ConfigError naming every bad key.
 
-  Args:
-    cfg: the job ConfigDict.
-    n_devices: devices the mesh is built over (default `jax.device_count()`).
-  """
-  if n_devices is None:
-    import jax
+    Args:
+      cfg: the job ConfigDict.
+      n_devices: devices the mesh is built over (default `jax.device_count()`).
+    """
+    if n_devices is None:
+        import jax
 
-    n_devices = jax.device_count()
-  from jaxrl_post import core_algos
+        n_devices = jax.device_count()
+    from jaxrl_post import core_algos
 
-  errors: list[str] = []
+    errors: list[str] = []
 
-  def err(key: str, msg: str) -> None:
+    def err(key: str, msg: str) -> None:
+        try:
+            val = _get(cfg, key)
+            errors.append(f"config.{key}={val!r}: {msg}")
+        except (AttributeError, KeyError):
+            errors.append(f"config.{key}: {msg}")
+
+    def check(key: str, pred: Callable[[Any], bool], msg: str) -> bool:
+        try:
+            val = _get(cfg, key)
+        except (AttributeError, KeyError):
+            errors.append(f"config.{key}: missing key")
+            return False
+        try:
+            ok = pred(val)
+        except Exception:  # wrong type for the predicate
+            ok = False
+        if not ok:
+            err(key, msg)
+        return ok
+
+    is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)
+    is_num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+    pos_int = lambda v: is_int(v) and v > 0
+    nonneg = lambda v: is_num(v) and v >= 0
+
+    # ---- sizes
+    for key in (
+        "data.train_batch_size",
+        "data.max_prompt_length",
+        "data.max_response_length",
+        "rollout.n",
+        "actor.ppo_mini_batch_size",
+        "actor.ppo_micro_batch_size",
+        "actor.ppo_epochs",
+        "rollout.log_prob_micro_batch_size",
+        "ref.log_prob_micro_batch_size",
+        "rollout.val_kwargs.n",
+        "trainer.total_epochs",
+    ):
+        check(key, pos_int, "must be a positive int")
+    check("trainer.total_training_steps", lambda v: v is None or pos_int(v), "must be None or a positive int")
+    check("data.val_batch_size", lambda v: v is None or pos_int(v), "must be None or a positive int")
+    check("data.max_val_samples", lambda v: v is None or pos_int(v), "must be None or a positive int")
+    check("trainer.critic_warmup", lambda v: is_int(v) and v >= 0, "must be an int >= 0")
+    check("trainer.print_every", pos_int, "must be a positive int")
+    check("trainer.test_freq", lambda v: is_int(v) and (v == -1 or v > 0), "must be -1 (off) or > 0")
+    check("trainer.save_freq", lambda v: is_int(v) and (v == -1 or v > 0), "must be -1 (off) or > 0")
+    check("trainer.max_actor_ckpt_to_keep", lambda v: v is None or pos_int(v), "must be None or a positive int")
+    check("trainer.max_consecutive_nonfinite", lambda v: is_int(v) and v >= 0, "must be an int >= 0 (0 = never stop)")
+    check("trainer.async_save", lambda v: isinstance(v, bool), "must be a bool")
+    for axis in ("data", "fsdp", "tensor"):
+        check(f"trainer.mesh.{axis}", lambda v: is_int(v) and (v == -1 or v > 0), "must be -1 or a positive int")
+
+    dp = None
     try:
-      val = _get(cfg, key)
-      errors.append(f'config.{key}={val!r}: {msg}')
-    except (AttributeError, KeyError):
-      errors.append(f'config.{key}: {msg}')
+        mesh_sizes = [cfg.trainer.mesh.data, cfg.trainer.mesh.fsdp, cfg.trainer.mesh.tensor]
+        if sum(s == -1 for s in mesh_sizes) > 1:
+            err("trainer.mesh", "at most one of data/fsdp/tensor may be -1")
+        else:
+            prod = 1
+            for s in mesh_sizes:
+                prod *= s if s != -1 else 1
+            if -1 in mesh_sizes and n_devices % prod:
+                err("trainer.mesh", f"{n_devices} devices are not divisible by the fixed axes (product {prod})")
+            elif -1 not in mesh_sizes and prod != n_devices:
+                err("trainer.mesh", f"data*fsdp*tensor = {prod} but {n_devices} devices are available")
+            else:
+                dp = data_parallel_size(cfg, n_devices)
+    except TypeError:
+        pass
 
-  def check(key: str, pred: Callable[[Any], bool], msg: str) -> bool:
+    use_critic = False
     try:
-      val = _get(cfg, key)
-    except (AttributeError, KeyError):
-      errors.append(f'config.{key}: missing key')
-      return False
+        use_critic = critic_enabled(cfg)
+    except Exception:
+        err("critic.enable", "must be None, True or False")
+
+    # ---- batch arithmetic (verl's _validate_config)
     try:
-      ok = pred(val)
-    except Exception:  # wrong type for the predicate
-      ok = False
-    if not ok:
-      err(key, msg)
-    return ok
+        n_resp = int(cfg.data.train_batch_size) * int(cfg.rollout.n)
+        roles = [("actor", True), ("critic", use_critic)]
+        for role, on in roles:
+            if not on:
+                continue
+            if role == "critic":
+                for key in (
+                    "critic.ppo_mini_batch_size",
+                    "critic.ppo_micro_batch_size",
+                    "critic.ppo_epochs",
+                    "critic.forward_micro_batch_size",
+                ):
+                    check(key, pos_int, "must be a positive int")
+            mini = int(_get(cfg, f"{role}.ppo_mini_batch_size"))
+            micro = int(_get(cfg, f"{role}.ppo_micro_batch_size"))
+            if mini > 0 and n_resp % mini:
+                err(
+                    f"{role}.ppo_mini_batch_size",
+                    f"data.train_batch_size * rollout.n = {n_resp} responses per step "
+                    f"is not divisible by {role}.ppo_mini_batch_size = {mini}",
+                )
+            if micro > 0 and mini % micro:
+                err(
+                    f"{role}.ppo_micro_batch_size",
+                    f"{role}.ppo_mini_batch_size = {mini} is not divisible by {role}.ppo_micro_batch_size = {micro}",
+                )
+            if dp and micro % dp:
+                err(
+                    f"{role}.ppo_micro_batch_size",
+                    f"not divisible by the mesh data-parallel size (trainer.mesh data*fsdp = {dp})",
+                )
+        fwd_keys = ["rollout.log_prob_micro_batch_size", "ref.log_prob_micro_batch_size"]
+        if use_critic:
+            fwd_keys.append("critic.forward_micro_batch_size")
+        for key in fwd_keys:
+            v = int(_get(cfg, key))
+            if dp and v % dp:
+                err(key, f"not divisible by the mesh data-parallel size (trainer.mesh data*fsdp = {dp})")
+        if dp and n_resp % dp:
+            err(
+                "data.train_batch_size",
+                f"train_batch_size * rollout.n = {n_resp} is not divisible by the mesh data-parallel size {dp}",
+            )
+    except (TypeError, ValueError):
+        pass  # type errors reported above
 
-  is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
-  is_num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
-  pos_int = lambda v: is_int(v) and v > 0  # noqa: E731
-  nonneg = lambda v: is_num(v) and v >= 0  # noqa: E731
-
-  # ---- sizes
-  for key in ('data.train_batch_size', 'data.max_prompt_length', 'data.max_response_length', 'rollout.n',
-              'actor.ppo_mini_batch_size', 'actor.ppo_micro_batch_size', 'actor.ppo_epochs',
-              'rollout.log_prob_micro_batch_size', 'ref.log_prob_micro_batch_size',
-              'rollout.val_kwargs.n', 'trainer.total_epochs'):
-    check(key, pos_int, 'must be a positive int')
-  check('trainer.total_training_steps', lambda v: v is None or pos_int(v), 'must be None or a positive int')
-  check('data.val_batch_size', lambda v: v is None or pos_int(v), 'must be None or a positive int')
-  check('data.max_val_samples', lambda v: v is None or pos_int(v), 'must be None or a positive int')
-  check('trainer.critic_warmup', lambda v: is_int(v) and v >= 0, 'must be an int >= 0')
-  check('trainer.print_every', pos_int, 'must be a positive int')
-  check('trainer.test_freq', lambda v: is_int(v) and (v == -1 or v > 0), 'must be -1 (off) or > 0')
-  check('trainer.save_freq', lambda v: is_int(v) and (v == -1 or v > 0), 'must be -1 (off) or > 0')
-  check('trainer.max_actor_ckpt_to_keep', lambda v: v is None or pos_int(v), 'must be None or a positive int')
-  check('trainer.max_consecutive_nonfinite', lambda v: is_int(v) and v >= 0, 'must be an int >= 0 (0 = never stop)')
-  check('trainer.async_save', lambda v: isinstance(v, bool), 'must be a bool')
-  for axis in ('data', 'fsdp', 'tensor'):
-    check(f'trainer.mesh.{axis}', lambda v: is_int(v) and (v == -1 or v > 0), 'must be -1 or a positive int')
-
-  dp = None
-  try:
-    mesh_sizes = [cfg.trainer.mesh.data, cfg.trainer.mesh.fsdp, cfg.trainer.mesh.tensor]
-    if sum(s == -1 for s in mesh_sizes) > 1:
-      err('trainer.mesh', 'at most one of data/fsdp/tensor may be -1')
-    else:
-      prod = 1
-      for s in mesh_sizes:
-        prod *= s if s != -1 else 1
-      if -1 in mesh_sizes and n_devices % prod:
-        err('trainer.mesh', f'{n_devices} devices are not divisible by the fixed axes (product {prod})')
-      elif -1 not in mesh_sizes and prod != n_devices:
-        err('trainer.mesh', f'data*fsdp*tensor = {prod} but {n_devices} devices are available')
-      else:
-        dp = data_parallel_size(cfg, n_devices)
-  except TypeError:
-    pass
-
-  use_critic = False
-  try:
-    use_critic = critic_enabled(cfg)
-  except Exception:  # noqa: BLE001
-    err('critic.enable', 'must be None, True or False')
-
-  # ---- batch arithmetic (verl's _validate_config)
-  try:
-    n_resp = int(cfg.data.train_batch_size) * int(cfg.rollout.n)
-    roles = [('actor', True), ('critic', use_critic)]
-    for role, on in roles:
-      if not on:
-        continue
-      if role == 'critic':
-        for key in ('critic.ppo_mini_batch_size', 'critic.ppo_micro_batch_size', 'critic.ppo_epochs',
-                    'critic.forward_micro_batch_size'):
-          check(key, pos_int, 'must be a positive int')
-      mini = int(_get(cfg, f'{role}.ppo_mini_batch_size'))
-      micro = int(_get(cfg, f'{role}.ppo_micro_batch_size'))
-      if mini > 0 and n_resp % mini:
-        err(f'{role}.ppo_mini_batch_size', f'data.train_batch_size * rollout.n = {n_resp} responses per step '
-            f'is not divisible by {role}.ppo_mini_batch_size = {mini}')
-      if micro > 0 and mini % micro:
-        err(f'{role}.ppo_micro_batch_size', f'{role}.ppo_mini_batch_size = {mini} is not divisible by '
-            f'{role}.ppo_micro_batch_size = {micro}')
-      if dp and micro % dp:
-        err(f'{role}.ppo_micro_batch_size', f'not divisible by the mesh data-parallel size '
-            f'(trainer.mesh data*fsdp = {dp})')
-    fwd_keys = ['rollout.log_prob_micro_batch_size', 'ref.log_prob_micro_batch_size']
+    # ---- registries
+    adv = cfg.algorithm.adv_estimator
+    if adv not in core_algos.ADV_ESTIMATORS:
+        err("algorithm.adv_estimator", f"unknown advantage estimator; valid: {sorted(core_algos.ADV_ESTIMATORS)}")
+    elif adv in VALUE_ESTIMATORS and not use_critic:
+        err("critic.enable", f"algorithm.adv_estimator={adv!r} needs a critic")
+    elif adv in ("grpo", "rloo", "grpo_passk", "opo") and cfg.rollout.n < 2:
+        err("rollout.n", f"algorithm.adv_estimator={adv!r} compares responses within a group: needs rollout.n >= 2")
+    loss_mode = cfg.actor.policy_loss.loss_mode
+    if loss_mode not in core_algos.POLICY_LOSSES:
+        err("actor.policy_loss.loss_mode", f"unknown policy loss; valid: {sorted(core_algos.POLICY_LOSSES)}")
+    check("actor.loss_agg_mode", lambda v: v in LOSS_AGG_MODES, f"valid: {list(LOSS_AGG_MODES)}")
     if use_critic:
-      fwd_keys.append('critic.forward_micro_batch_size')
-    for key in fwd_keys:
-      v = int(_get(cfg, key))
-      if dp and v % dp:
-        err(key, f'not divisible by the mesh data-parallel size (trainer.mesh data*fsdp = {dp})')
-    if dp and n_resp % dp:
-      err('data.train_batch_size', f'train_batch_size * rollout.n = {n_resp} is not divisible by the mesh '
-          f'data-parallel size {dp}')
-  except (TypeError, ValueError):
-    pass  # type errors reported above
+        check("critic.loss_agg_mode", lambda v: v in LOSS_AGG_MODES, f"valid: {list(LOSS_AGG_MODES)}")
+        check("critic.cliprange_value", lambda v: is_num(v) and v > 0, "must be > 0")
+        check("critic.grad_clip", lambda v: is_num(v) and v > 0, "must be > 0")
+    check(
+        "actor.kl_loss_type", lambda v: v in KL_TYPES and v != "full", f"valid: {[k for k in KL_TYPES if k != 'full']}"
+    )
+    check(
+        "algorithm.kl_penalty",
+        lambda v: v in KL_TYPES and v != "full",
+        f"valid: {[k for k in KL_TYPES if k != 'full']}",
+    )
+    check("algorithm.kl_ctrl.type", lambda v: v in KL_CTRL_TYPES, f"valid: {list(KL_CTRL_TYPES)}")
+    if cfg.algorithm.use_kl_in_reward and cfg.algorithm.kl_ctrl.type == "adaptive":
+        check("algorithm.kl_ctrl.target_kl", lambda v: is_num(v) and v > 0, "adaptive KL needs target_kl > 0")
+        check("algorithm.kl_ctrl.horizon", lambda v: is_num(v) and v > 0, "adaptive KL needs horizon > 0")
+    check("algorithm.kl_ctrl.kl_coef", nonneg, "must be >= 0")
+    check("actor.kl_loss_coef", nonneg, "must be >= 0")
+    check("actor.entropy_coeff", is_num, "must be a number")
+    check("algorithm.gamma", lambda v: is_num(v) and 0 <= v <= 1, "must be in [0, 1]")
+    check("algorithm.lam", lambda v: is_num(v) and 0 <= v <= 1, "must be in [0, 1]")
 
-  # ---- registries
-  adv = cfg.algorithm.adv_estimator
-  if adv not in core_algos.ADV_ESTIMATORS:
-    err('algorithm.adv_estimator', f'unknown advantage estimator; valid: {sorted(core_algos.ADV_ESTIMATORS)}')
-  elif adv in VALUE_ESTIMATORS and not use_critic:
-    err('critic.enable', f'algorithm.adv_estimator={adv!r} needs a critic')
-  elif adv in ('grpo', 'rloo', 'grpo_passk', 'opo') and cfg.rollout.n < 2:
-    err('rollout.n', f'algorithm.adv_estimator={adv!r} compares responses within a group: needs rollout.n >= 2')
-  loss_mode = cfg.actor.policy_loss.loss_mode
-  if loss_mode not in core_algos.POLICY_LOSSES:
-    err('actor.policy_loss.loss_mode', f'unknown policy loss; valid: {sorted(core_algos.POLICY_LOSSES)}')
-  check('actor.loss_agg_mode', lambda v: v in LOSS_AGG_MODES, f'valid: {list(LOSS_AGG_MODES)}')
-  if use_critic:
-    check('critic.loss_agg_mode', lambda v: v in LOSS_AGG_MODES, f'valid: {list(LOSS_AGG_MODES)}')
-    check('critic.cliprange_value', lambda v: is_num(v) and v > 0, 'must be > 0')
-    check('critic.grad_clip', lambda v: is_num(v) and v > 0, 'must be > 0')
-  check('actor.kl_loss_type', lambda v: v in KL_TYPES and v != 'full', f'valid: {[k for k in KL_TYPES if k != "full"]}')
-  check('algorithm.kl_penalty', lambda v: v in KL_TYPES and v != 'full', f'valid: {[k for k in KL_TYPES if k != "full"]}')
-  check('algorithm.kl_ctrl.type', lambda v: v in KL_CTRL_TYPES, f'valid: {list(KL_CTRL_TYPES)}')
-  if cfg.algorithm.use_kl_in_reward and cfg.algorithm.kl_ctrl.type == 'adaptive':
-    check('algorithm.kl_ctrl.target_kl', lambda v: is_num(v) and v > 0, 'adaptive KL needs target_kl > 0')
-    check('algorithm.kl_ctrl.horizon', lambda v: is_num(v) and v > 0, 'adaptive KL needs horizon > 0')
-  check('algorithm.kl_ctrl.kl_coef', nonneg, 'must be >= 0')
-  check('actor.kl_loss_coef', nonneg, 'must be >= 0')
-  check('actor.entropy_coeff', is_num, 'must be a number')
-  check('algorithm.gamma', lambda v: is_num(v) and 0 <= v <= 1, 'must be in [0, 1]')
-  check('algorithm.lam', lambda v: is_num(v) and 0 <= v <= 1, 'must be in [0, 1]')
+    # ---- PPO clipping, optimisers
+    check("actor.clip_ratio", lambda v: is_num(v) and v > 0, "must be > 0")
+    check("actor.clip_ratio_low", lambda v: v is None or (is_num(v) and v >= 0), "must be None or >= 0")
+    check("actor.clip_ratio_high", lambda v: v is None or (is_num(v) and v >= 0), "must be None or >= 0")
+    check("actor.clip_ratio_c", lambda v: is_num(v) and v > 1, "must be > 1 (dual-clip bound)")
+    check("actor.grad_clip", lambda v: is_num(v) and v > 0, "must be > 0")
+    for role in ("actor",) + (("critic",) if use_critic else ()):
+        p = f"{role}.optim"
+        check(f"{p}.lr", nonneg, "must be >= 0")
+        check(f"{p}.lr_warmup_steps", lambda v: is_int(v) and v >= -1, "must be an int >= -1")
+        check(f"{p}.lr_warmup_steps_ratio", lambda v: is_num(v) and 0 <= v <= 1, "must be in [0, 1]")
+        check(f"{p}.warmup_style", lambda v: v in WARMUP_STYLES, f"valid: {list(WARMUP_STYLES)}")
+        check(f"{p}.min_lr_ratio", lambda v: is_num(v) and 0 <= v <= 1, "must be in [0, 1]")
+        check(f"{p}.weight_decay", nonneg, "must be >= 0")
+        check(
+            f"{p}.betas",
+            lambda v: len(v) == 2 and all(is_num(b) and 0 <= b < 1 for b in v),
+            "must be two numbers in [0, 1)",
+        )
+        check(f"{p}.eps", lambda v: is_num(v) and v > 0, "must be > 0")
 
-  # ---- PPO clipping, optimisers
-  check('actor.clip_ratio', lambda v: is_num(v) and v > 0, 'must be > 0')
-  check('actor.clip_ratio_low', lambda v: v is None or (is_num(v) and v >= 0), 'must be None or >= 0')
-  check('actor.clip_ratio_high', lambda v: v is None or (is_num(v) and v >= 0), 'must be None or >= 0')
-  check('actor.clip_ratio_c', lambda v: is_num(v) and v > 1, 'must be > 1 (dual-clip bound)')
-  check('actor.grad_clip', lambda v: is_num(v) and v > 0, 'must be > 0')
-  for role in ('actor',) + (('critic',) if use_critic else ()):
-    p = f'{role}.optim'
-    check(f'{p}.lr', nonneg, 'must be >= 0')
-    check(f'{p}.lr_warmup_steps', lambda v: is_int(v) and v >= -1, 'must be an int >= -1')
-    check(f'{p}.lr_warmup_steps_ratio', lambda v: is_num(v) and 0 <= v <= 1, 'must be in [0, 1]')
-    check(f'{p}.warmup_style', lambda v: v in WARMUP_STYLES, f'valid: {list(WARMUP_STYLES)}')
-    check(f'{p}.min_lr_ratio', lambda v: is_num(v) and 0 <= v <= 1, 'must be in [0, 1]')
-    check(f'{p}.weight_decay', nonneg, 'must be >= 0')
-    check(f'{p}.betas', lambda v: len(v) == 2 and all(is_num(b) and 0 <= b < 1 for b in v),
-          'must be two numbers in [0, 1)')
-    check(f'{p}.eps', lambda v: is_num(v) and v > 0, 'must be > 0')
+    # ---- rollout
+    if cfg.rollout.do_sample:
+        check("rollout.temperature", lambda v: is_num(v) and v > 0, "must be > 0 when rollout.do_sample")
+    check("rollout.top_p", lambda v: is_num(v) and 0 < v <= 1, "must be in (0, 1]")
+    check("rollout.top_k", lambda v: is_int(v) and (v == -1 or v > 0), "must be -1 (off) or > 0")
+    check("rollout.min_p", lambda v: is_num(v) and 0 <= v < 1, "must be in [0, 1)")
 
-  # ---- rollout
-  if cfg.rollout.do_sample:
-    check('rollout.temperature', lambda v: is_num(v) and v > 0, 'must be > 0 when rollout.do_sample')
-  check('rollout.top_p', lambda v: is_num(v) and 0 < v <= 1, 'must be in (0, 1]')
-  check('rollout.top_k', lambda v: is_int(v) and (v == -1 or v > 0), 'must be -1 (off) or > 0')
-  check('rollout.min_p', lambda v: is_num(v) and 0 <= v < 1, 'must be in [0, 1)')
+    # ---- data, rewards, trainer
+    _SPEC_PREFIXES = ("reasoning_gym:", "reasoning_gym/", "hf:", "tfds:", "gsm8k:")
+    for key in ("data.train_files", "data.val_files"):
+        val = _get(cfg, key)
+        if not val:
+            if key == "data.train_files":
+                err(key, "required: a data file or spec (e.g. reasoning_gym:basic_arithmetic)")
+            continue
+        for spec in str(val).split(","):
+            spec = spec.strip()
+            path = spec[len("gsm8k:") :] if spec.startswith("gsm8k:") else spec
+            if not spec.startswith(_SPEC_PREFIXES[:4]) and not os.path.exists(os.path.expanduser(path)):
+                err(key, f"file not found: {path}")
+    check("data.truncation", lambda v: v in ("error", "left", "right"), "valid: 'error', 'left', 'right'")
+    check("data.reasoning_gym.size", pos_int, "must be a positive int")
+    check("data.reasoning_gym.val_size", pos_int, "must be a positive int")
+    check("reward_model.reward_manager", lambda v: v == "naive", "only 'naive' is implemented")
+    check("reward_model.num_workers", lambda v: is_int(v) and v >= 0, "must be an int >= 0")
+    check("reward_model.timeout_s", lambda v: is_num(v) and v > 0, "must be > 0")
+    path = cfg.custom_reward_function.path
+    if path and not os.path.exists(path):
+        err("custom_reward_function.path", "file not found")
+    check("trainer.resume_mode", lambda v: v in RESUME_MODES, f"valid: {list(RESUME_MODES)}")
+    if cfg.trainer.resume_mode == "resume_path":
+        rp = cfg.trainer.resume_from_path
+        if not rp:
+            err("trainer.resume_from_path", "required when trainer.resume_mode='resume_path'")
+        elif not os.path.exists(os.path.expanduser(rp)):
+            err("trainer.resume_from_path", f"not found: {rp}")
+    check("trainer.default_local_dir", lambda v: isinstance(v, str) and v, "must be a non-empty path")
+    loggers = ("console", "jsonl", "tensorboard", "wandb")
+    if (
+        check(
+            "trainer.logger",
+            lambda v: not isinstance(v, str) and all(x in loggers for x in v),
+            f"a list of {list(loggers)}",
+        )
+        and "wandb" in cfg.trainer.logger
+    ):
+        import importlib.util
 
-  # ---- data, rewards, trainer
-  _SPEC_PREFIXES = ('reasoning_gym:', 'reasoning_gym/', 'hf:', 'tfds:', 'gsm8k:')
-  for key in ('data.train_files', 'data.val_files'):
-    val = _get(cfg, key)
-    if not val:
-      if key == 'data.train_files':
-        err(key, 'required: a data file or spec (e.g. reasoning_gym:basic_arithmetic)')
-      continue
-    for spec in str(val).split(','):
-      spec = spec.strip()
-      path = spec[len('gsm8k:'):] if spec.startswith('gsm8k:') else spec
-      if not spec.startswith(_SPEC_PREFIXES[:4]) and not os.path.exists(os.path.expanduser(path)):
-        err(key, f'file not found: {path}')
-  check('data.truncation', lambda v: v in ('error', 'left', 'right'), "valid: 'error', 'left', 'right'")
-  check('data.reasoning_gym.size', pos_int, 'must be a positive int')
-  check('data.reasoning_gym.val_size', pos_int, 'must be a positive int')
-  check('reward_model.reward_manager', lambda v: v == 'naive', "only 'naive' is implemented")
-  check('reward_model.num_workers', lambda v: is_int(v) and v >= 0, 'must be an int >= 0')
-  check('reward_model.timeout_s', lambda v: is_num(v) and v > 0, 'must be > 0')
-  path = cfg.custom_reward_function.path
-  if path and not os.path.exists(path):
-    err('custom_reward_function.path', 'file not found')
-  check('trainer.resume_mode', lambda v: v in RESUME_MODES, f'valid: {list(RESUME_MODES)}')
-  if cfg.trainer.resume_mode == 'resume_path':
-    rp = cfg.trainer.resume_from_path
-    if not rp:
-      err('trainer.resume_from_path', "required when trainer.resume_mode='resume_path'")
-    elif not os.path.exists(os.path.expanduser(rp)):
-      err('trainer.resume_from_path', f'not found: {rp}')
-  check('trainer.default_local_dir', lambda v: isinstance(v, str) and v, 'must be a non-empty path')
-  loggers = ('console', 'jsonl', 'tensorboard', 'wandb')
-  if check('trainer.logger', lambda v: not isinstance(v, str) and all(x in loggers for x in v),
-           f'a list of {list(loggers)}') and 'wandb' in cfg.trainer.logger:
-    import importlib.util
-
-    if importlib.util.find_spec('wandb') is None:
-      err('trainer.logger', "'wandb' needs the wandb package: pip install wandb (or drop it from the list)")
-  check('model.dtype', lambda v: v in ('float32', 'bfloat16', 'float16'), "valid: float32, bfloat16, float16")
-  if not cfg.model.random_init:
-    check('model.path', lambda v: isinstance(v, str) and v, 'must name a model (dir, .gguf, alias)')
-  if errors:
-    raise ConfigError('invalid config:\n  ' + '\n  '.join(errors))
+        if importlib.util.find_spec("wandb") is None:
+            err("trainer.logger", "'wandb' needs the wandb package: pip install wandb (or drop it from the list)")
+    check("model.dtype", lambda v: v in ("float32", "bfloat16", "float16"), "valid: float32, bfloat16, float16")
+    if not cfg.model.random_init:
+        check("model.path", lambda v: isinstance(v, str) and v, "must name a model (dir, .gguf, alias)")
+    if errors:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))

@@ -14,105 +14,117 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
 
 def _scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
-  out = {}
-  for k, v in metrics.items():
-    if isinstance(v, (str, bytes)) or v is None:
-      continue
-    try:
-      out[k] = float(np.asarray(v))
-    except (TypeError, ValueError):
-      continue
-  return out
+    out = {}
+    for k, v in metrics.items():
+        if isinstance(v, (str, bytes)) or v is None:
+            continue
+        try:
+            out[k] = float(np.asarray(v))
+        except (TypeError, ValueError):
+            continue
+    return out
 
 
 class TensorBoardLogger:
-  """Scalars to TensorBoard event files in `<workdir>/tensorboard` (tensorboardX)."""
+    """Scalars to TensorBoard event files in `<workdir>/tensorboard` (tensorboardX)."""
 
-  def __init__(self, workdir: str, **_: Any):
-    try:
-      from tensorboardX import SummaryWriter
-    except ImportError as e:  # pragma: no cover - tensorboardX is a dependency
-      raise ImportError("trainer.logger includes 'tensorboard' but tensorboardX is not installed: "
-                        'pip install tensorboardX') from e
-    self.logdir = os.path.join(workdir, 'tensorboard')
-    os.makedirs(self.logdir, exist_ok=True)
-    self._writer = SummaryWriter(logdir=self.logdir)
+    def __init__(self, workdir: str, **_: Any):
+        try:
+            from tensorboardX import SummaryWriter
+        except ImportError as e:  # pragma: no cover - tensorboardX is a dependency
+            raise ImportError(
+                "trainer.logger includes 'tensorboard' but tensorboardX is not installed: pip install tensorboardX"
+            ) from e
+        self.logdir = os.path.join(workdir, "tensorboard")
+        os.makedirs(self.logdir, exist_ok=True)
+        self._writer = SummaryWriter(logdir=self.logdir)
 
-  def log(self, metrics: Mapping[str, Any], step: int) -> None:
-    for k, v in _scalars(metrics).items():
-      self._writer.add_scalar(k, v, global_step=int(step))
-    self._writer.flush()
+    def log(self, metrics: Mapping[str, Any], step: int) -> None:
+        for k, v in _scalars(metrics).items():
+            self._writer.add_scalar(k, v, global_step=int(step))
+        self._writer.flush()
 
-  def close(self) -> None:
-    self._writer.close()
+    def close(self) -> None:
+        self._writer.close()
 
 
 def wandb_configured(env: Mapping[str, str] | None = None) -> bool:
-  """True when wandb can run without prompting: an API key, offline/disabled mode, or a netrc login."""
-  env = os.environ if env is None else env
-  if env.get('WANDB_API_KEY') or env.get('WANDB_MODE', '').lower() in ('offline', 'disabled', 'dryrun'):
-    return True
-  netrc = os.path.expanduser(env.get('NETRC', '~/.netrc'))
-  try:
-    with open(netrc, encoding='utf-8') as f:
-      return 'api.wandb.ai' in f.read()
-  except OSError:
-    return False
+    """True when wandb can run without prompting: an API key, offline/disabled mode, or a netrc login."""
+    env = os.environ if env is None else env
+    if env.get("WANDB_API_KEY") or env.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun"):
+        return True
+    netrc = os.path.expanduser(env.get("NETRC", "~/.netrc"))
+    try:
+        with open(netrc, encoding="utf-8") as f:
+            return "api.wandb.ai" in f.read()
+    except OSError:
+        return False
 
 
 class WandbLogger:
-  """Metrics to Weights & Biases (`wandb.log(metrics, step=step)`).
+    """Metrics to Weights & Biases (`wandb.log(metrics, step=step)`).
 
-  Raises:
-    ImportError: `wandb` is not installed (message: how to install, or drop it from trainer.logger).
-    RuntimeError: wandb is not configured (no API key / login / offline mode).
-  """
+    Raises:
+      ImportError: `wandb` is not installed (message: how to install, or drop it from trainer.logger).
+      RuntimeError: wandb is not configured (no API key / login / offline mode).
+    """
 
-  def __init__(self, workdir: str, *, project: str | None = None, experiment: str | None = None,
-               config: Mapping[str, Any] | None = None, **_: Any):
-    try:
-      import wandb
-    except ImportError as e:
-      raise ImportError("trainer.logger includes 'wandb' but the wandb package is not installed: "
-                        "`pip install wandb` (then `wandb login` or WANDB_MODE=offline), or remove 'wandb' "
-                        'from trainer.logger') from e
-    if not wandb_configured():
-      raise RuntimeError("trainer.logger includes 'wandb' but wandb is not configured: run `wandb login`, "
-                         'set WANDB_API_KEY, or set WANDB_MODE=offline')
-    self._wandb = wandb
-    self._run = wandb.init(project=project or 'jaxrl_post', name=experiment, dir=workdir,
-                           config=dict(config or {}))
+    def __init__(
+        self,
+        workdir: str,
+        *,
+        project: str | None = None,
+        experiment: str | None = None,
+        config: Mapping[str, Any] | None = None,
+        **_: Any,
+    ):
+        try:
+            import wandb
+        except ImportError as e:
+            raise ImportError(
+                "trainer.logger includes 'wandb' but the wandb package is not installed: "
+                "`pip install wandb` (then `wandb login` or WANDB_MODE=offline), or remove 'wandb' "
+                "from trainer.logger"
+            ) from e
+        if not wandb_configured():
+            raise RuntimeError(
+                "trainer.logger includes 'wandb' but wandb is not configured: run `wandb login`, "
+                "set WANDB_API_KEY, or set WANDB_MODE=offline"
+            )
+        self._wandb = wandb
+        self._run = wandb.init(project=project or "jaxrl_post", name=experiment, dir=workdir, config=dict(config or {}))
 
-  def log(self, metrics: Mapping[str, Any], step: int) -> None:
-    self._run.log(_scalars(metrics), step=int(step))
+    def log(self, metrics: Mapping[str, Any], step: int) -> None:
+        self._run.log(_scalars(metrics), step=int(step))
 
-  def close(self) -> None:
-    self._run.finish()
+    def close(self) -> None:
+        self._run.finish()
 
 
 def config_to_dict(config: Any) -> dict[str, Any]:
-  """A ConfigDict (or mapping) as plain JSON-able dicts (tuples -> lists, other objects -> str)."""
-  if hasattr(config, 'to_dict'):
-    config = config.to_dict()
-  return json.loads(json.dumps(config, default=str))
+    """A ConfigDict (or mapping) as plain JSON-able dicts (tuples -> lists, other objects -> str)."""
+    if hasattr(config, "to_dict"):
+        config = config.to_dict()
+    return json.loads(json.dumps(config, default=str))
 
 
 def save_run_config(config: Any, workdir: str) -> list[str]:
-  """Write the run config to `<workdir>/config.json` and `<workdir>/config.yaml`; returns the paths."""
-  os.makedirs(workdir, exist_ok=True)
-  d = config_to_dict(config)
-  paths = [os.path.join(workdir, 'config.json'), os.path.join(workdir, 'config.yaml')]
-  with open(paths[0], 'w', encoding='utf-8') as f:
-    json.dump(d, f, indent=2, sort_keys=True)
-    f.write('\n')
-  import yaml  # PyYAML (a dependency of transformers)
+    """Write the run config to `<workdir>/config.json` and `<workdir>/config.yaml`; returns the paths."""
+    os.makedirs(workdir, exist_ok=True)
+    d = config_to_dict(config)
+    paths = [os.path.join(workdir, "config.json"), os.path.join(workdir, "config.yaml")]
+    with open(paths[0], "w", encoding="utf-8") as f:
+        json.dump(d, f, indent=2, sort_keys=True)
+        f.write("\n")
+    import yaml  # PyYAML (a dependency of transformers)
 
-  with open(paths[1], 'w', encoding='utf-8') as f:
-    yaml.safe_dump(d, f, sort_keys=True, default_flow_style=False)
-  return paths
+    with open(paths[1], "w", encoding="utf-8") as f:
+        yaml.safe_dump(d, f, sort_keys=True, default_flow_style=False)
+    return paths

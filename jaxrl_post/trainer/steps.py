@@ -21,7 +21,7 @@ Sources: verl `dp_actor.DataParallelPPOActor.{compute_log_prob,update_policy}`,
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -35,341 +35,400 @@ from jaxrl_post import core_algos
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-  """AdamW + linear warmup + constant/cosine schedule + clip_by_global_norm (verl `actor.optim`).
+    """AdamW + linear warmup + constant/cosine schedule + clip_by_global_norm (verl `actor.optim`).
 
-  `total_steps` and `warmup_steps` count *training* steps, as verl's scheduler (stepped once per training
-  step); each training step makes `updates_per_step` optimizer updates (epochs x mini-batches), all with
-  the same learning rate.
-  """
-  lr: float = 1e-6
-  total_steps: int = 1  # training steps of the whole run (for the cosine decay)
-  warmup_steps: int = 0  # training steps of linear warmup
-  updates_per_step: int = 1  # optimizer updates per training step
-  warmup_style: str = 'constant'  # 'constant' | 'cosine'
-  min_lr_ratio: float = 0.0
-  weight_decay: float = 0.01
-  b1: float = 0.9
-  b2: float = 0.999
-  eps: float = 1e-8
-  grad_clip: float = 1.0
+    `total_steps` and `warmup_steps` count *training* steps, as verl's scheduler (stepped once per training
+    step); each training step makes `updates_per_step` optimizer updates (epochs x mini-batches), all with
+    the same learning rate.
+    """
+
+    lr: float = 1e-6
+    total_steps: int = 1  # training steps of the whole run (for the cosine decay)
+    warmup_steps: int = 0  # training steps of linear warmup
+    updates_per_step: int = 1  # optimizer updates per training step
+    warmup_style: str = "constant"  # 'constant' | 'cosine'
+    min_lr_ratio: float = 0.0
+    weight_decay: float = 0.01
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    grad_clip: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
 class ActorLossConfig:
-  """Static settings of the actor loss (hashable: part of the jitted function's closure)."""
-  loss_mode: str = 'vanilla'  # core_algos.POLICY_LOSSES key
-  loss_agg_mode: str = 'token-mean'
-  clip_ratio_low: float = 0.2
-  clip_ratio_high: float = 0.2
-  clip_ratio_c: float = 3.0
-  entropy_coeff: float = 0.0
-  use_kl_loss: bool = False
-  kl_loss_coef: float = 0.001
-  kl_loss_type: str = 'low_var_kl'
-  temperature: float = 1.0  # rollout temperature: logits / T, as the sampler
-  on_policy: bool = False  # old log-probs = stop_gradient(current): exactly on-policy single update
+    """Static settings of the actor loss (hashable: part of the jitted function's closure)."""
+
+    loss_mode: str = "vanilla"  # core_algos.POLICY_LOSSES key
+    loss_agg_mode: str = "token-mean"
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float = 3.0
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    temperature: float = 1.0  # rollout temperature: logits / T, as the sampler
+    on_policy: bool = False  # old log-probs = stop_gradient(current): exactly on-policy single update
 
 
 @dataclasses.dataclass(frozen=True)
 class CriticLossConfig:
-  cliprange_value: float = 0.5
-  loss_agg_mode: str = 'token-mean'
+    cliprange_value: float = 0.5
+    loss_agg_mode: str = "token-mean"
 
 
 def make_lr_schedule(cfg: OptimConfig) -> optax.Schedule:
-  """lr as a function of the optimizer update count.
+    """lr as a function of the optimizer update count.
 
-  With s = count // updates_per_step (the training step): `lr * (s + 1) / warmup_steps` while
-  s < warmup_steps, then constant `lr` or a cosine decay from `lr` to `min_lr_ratio * lr` at total_steps.
-  """
-  warm = max(int(cfg.warmup_steps), 0)
-  if cfg.warmup_style == 'cosine':
-    after = optax.cosine_decay_schedule(cfg.lr, max(int(cfg.total_steps) - warm, 1), alpha=cfg.min_lr_ratio)
-  elif cfg.warmup_style == 'constant':
-    after = optax.constant_schedule(cfg.lr)
-  else:
-    raise ValueError(f"warmup_style must be 'constant' or 'cosine', got {cfg.warmup_style!r}")
-  per = max(int(cfg.updates_per_step), 1)
+    With s = count // updates_per_step (the training step): `lr * (s + 1) / warmup_steps` while
+    s < warmup_steps, then constant `lr` or a cosine decay from `lr` to `min_lr_ratio * lr` at total_steps.
+    """
+    warm = max(int(cfg.warmup_steps), 0)
+    if cfg.warmup_style == "cosine":
+        after = optax.cosine_decay_schedule(cfg.lr, max(int(cfg.total_steps) - warm, 1), alpha=cfg.min_lr_ratio)
+    elif cfg.warmup_style == "constant":
+        after = optax.constant_schedule(cfg.lr)
+    else:
+        raise ValueError(f"warmup_style must be 'constant' or 'cosine', got {cfg.warmup_style!r}")
+    per = max(int(cfg.updates_per_step), 1)
 
-  def schedule(count):
-    s = jnp.asarray(count) // per
-    if warm == 0:
-      return after(s)
-    return jnp.where(s < warm, cfg.lr * (s + 1.0) / warm, after(jnp.maximum(s - warm, 0)))
+    def schedule(count):
+        s = jnp.asarray(count) // per
+        if warm == 0:
+            return after(s)
+        return jnp.where(s < warm, cfg.lr * (s + 1.0) / warm, after(jnp.maximum(s - warm, 0)))
 
-  return schedule
+    return schedule
 
 
 def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
-  """`clip_by_global_norm(grad_clip)` then AdamW with the schedule of `make_lr_schedule`."""
-  return optax.chain(
-      optax.clip_by_global_norm(cfg.grad_clip),
-      optax.adamw(make_lr_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay),
-  )
+    """`clip_by_global_norm(grad_clip)` then AdamW with the schedule of `make_lr_schedule`."""
+    return optax.chain(
+        optax.clip_by_global_norm(cfg.grad_clip),
+        optax.adamw(make_lr_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay),
+    )
 
 
 # ------------------------------------------------------------------------------------------ helpers
 
 
 def split_model(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
-  """`(graphdef, params, rest)`: trainable `nnx.Param` state and everything else (usually empty)."""
-  return nnx.split(model, nnx.Param, ...)
+    """`(graphdef, params, rest)`: trainable `nnx.Param` state and everything else (usually empty)."""
+    return nnx.split(model, nnx.Param, ...)
 
 
 def to_micro(x: jax.Array, n_micro: int) -> jax.Array:
-  """`[M, ...] -> [n_micro, M // n_micro, ...]` with micro-batch k = rows k, k + n_micro, ...
+    """`[M, ...] -> [n_micro, M // n_micro, ...]` with micro-batch k = rows k, k + n_micro, ...
 
-  Row r goes to micro-batch r % n_micro at position r // n_micro, so a leading dim sharded in
-  contiguous blocks over devices stays sharded on the micro-batch dim (no data movement).
-  """
-  m = x.shape[0]
-  y = x.reshape((m // n_micro, n_micro) + x.shape[1:])
-  return jnp.swapaxes(y, 0, 1)
+    Row r goes to micro-batch r % n_micro at position r // n_micro, so a leading dim sharded in
+    contiguous blocks over devices stays sharded on the micro-batch dim (no data movement).
+    """
+    m = x.shape[0]
+    y = x.reshape((m // n_micro, n_micro) + x.shape[1:])
+    return jnp.swapaxes(y, 0, 1)
 
 
 def from_micro(y: jax.Array) -> jax.Array:
-  """Inverse of `to_micro`: `[n_micro, mb, ...] -> [n_micro * mb, ...]`."""
-  x = jnp.swapaxes(y, 0, 1)
-  return x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
+    """Inverse of `to_micro`: `[n_micro, mb, ...] -> [n_micro * mb, ...]`."""
+    x = jnp.swapaxes(y, 0, 1)
+    return x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
 
 
-def response_log_probs(model: nnx.Module, batch: dict[str, jax.Array], temperature: float,
-                       with_entropy: bool) -> tuple[jax.Array, jax.Array | None]:
-  """log pi(responses) `[b, R] float32` (+ entropy `[b, R] float32` or None) under `logits / temperature`.
+def response_log_probs(
+    model: nnx.Module, batch: dict[str, jax.Array], temperature: float, with_entropy: bool
+) -> tuple[jax.Array, jax.Array | None]:
+    """log pi(responses) `[b, R] float32` (+ entropy `[b, R] float32` or None) under `logits / temperature`.
 
-  Only the R + 1 last positions go through the LM head: logits at T-R-1 .. T-2 score response tokens.
-  """
-  responses = batch['responses']
-  r = responses.shape[1]
-  logits = model(batch['input_ids'], batch['attention_mask'], positions=batch.get('position_ids'),
-                 logits_to_keep=r + 1)[:, :-1]
-  log_probs = core_algos.logprobs_from_logits(logits, responses, temperature)
-  entropy = core_algos.entropy_from_logits(logits, temperature) if with_entropy else None
-  return log_probs, entropy
+    Only the R + 1 last positions go through the LM head: logits at T-R-1 .. T-2 score response tokens.
+    """
+    responses = batch["responses"]
+    r = responses.shape[1]
+    logits = model(
+        batch["input_ids"], batch["attention_mask"], positions=batch.get("position_ids"), logits_to_keep=r + 1
+    )[:, :-1]
+    log_probs = core_algos.logprobs_from_logits(logits, responses, temperature)
+    entropy = core_algos.entropy_from_logits(logits, temperature) if with_entropy else None
+    return log_probs, entropy
 
 
 def response_values(critic: nnx.Module, batch: dict[str, jax.Array]) -> jax.Array:
-  """Critic values of the states before each response token, `[b, R] float32` (verl: values[:, -R-1:-1])."""
-  r = batch['responses'].shape[1]
-  values = critic(batch['input_ids'], batch['attention_mask'], positions=batch.get('position_ids'))
-  t = values.shape[1]
-  return values[:, t - r - 1:t - 1].astype(jnp.float32)
+    """Critic values of the states before each response token, `[b, R] float32` (verl: values[:, -R-1:-1])."""
+    r = batch["responses"].shape[1]
+    values = critic(batch["input_ids"], batch["attention_mask"], positions=batch.get("position_ids"))
+    t = values.shape[1]
+    return values[:, t - r - 1 : t - 1].astype(jnp.float32)
 
 
-_FWD_KEYS = ('input_ids', 'attention_mask', 'position_ids', 'responses')
+_FWD_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
 
 
 def compute_loss_mask(response_mask, truncated, drop_truncated: bool):
-  """Loss mask `[B, R] int32`: the response mask, with every token of truncated responses (no EOS within
-  R, `truncated [B] bool`) removed when `drop_truncated` -- they leave numerator and denominator of
-  every `loss_agg_mode`."""
-  mask = jnp.asarray(response_mask).astype(jnp.int32)
-  if not drop_truncated:
-    return mask
-  return mask * (~jnp.asarray(truncated, bool))[:, None].astype(jnp.int32)
+    """Loss mask `[B, R] int32`: the response mask, with every token of truncated responses (no EOS within
+    R, `truncated [B] bool`) removed when `drop_truncated` -- they leave numerator and denominator of
+    every `loss_agg_mode`."""
+    mask = jnp.asarray(response_mask).astype(jnp.int32)
+    if not drop_truncated:
+        return mask
+    return mask * (~jnp.asarray(truncated, bool))[:, None].astype(jnp.int32)
 
 
 # ------------------------------------------------------------------------------------------ forward
 
 
-def make_log_prob_fn(graphdef: nnx.GraphDef, rest: nnx.State, *, micro_batch_size: int,
-                     temperature: float, with_entropy: bool,
-                     on_trace: Callable[[], None] | None = None) -> Callable:
-  """Pure `fn(params, batch) -> (log_probs [B, R], entropy [B, R] | None)`; wrap with `jax.jit`.
+def make_log_prob_fn(
+    graphdef: nnx.GraphDef,
+    rest: nnx.State,
+    *,
+    micro_batch_size: int,
+    temperature: float,
+    with_entropy: bool,
+    on_trace: Callable[[], None] | None = None,
+) -> Callable:
+    """Pure `fn(params, batch) -> (log_probs [B, R], entropy [B, R] | None)`; wrap with `jax.jit`.
 
-  `batch`: `input_ids`, `attention_mask`, `position_ids` `[B, T]`, `responses` `[B, R]`; B must be a
-  multiple of `micro_batch_size` (the trainer pads). `on_trace` is called each time the function is traced.
-  """
+    `batch`: `input_ids`, `attention_mask`, `position_ids` `[B, T]`, `responses` `[B, R]`; B must be a
+    multiple of `micro_batch_size` (the trainer pads). `on_trace` is called each time the function is traced.
+    """
 
-  def fn(params, batch):
-    if on_trace is not None:
-      on_trace()
-    batch = {k: batch[k] for k in _FWD_KEYS if k in batch}
-    b = batch['input_ids'].shape[0]
-    n_micro = b // micro_batch_size
-    model = nnx.merge(graphdef, params, rest)
-    micro = jax.tree.map(lambda x: to_micro(x, n_micro), batch)
+    def fn(params, batch):
+        if on_trace is not None:
+            on_trace()
+        batch = {k: batch[k] for k in _FWD_KEYS if k in batch}
+        b = batch["input_ids"].shape[0]
+        n_micro = b // micro_batch_size
+        model = nnx.merge(graphdef, params, rest)
+        micro = jax.tree.map(lambda x: to_micro(x, n_micro), batch)
 
-    def one(mb):
-      lp, ent = response_log_probs(model, mb, temperature, with_entropy)
-      return (lp, ent) if with_entropy else (lp,)
+        def one(mb):
+            lp, ent = response_log_probs(model, mb, temperature, with_entropy)
+            return (lp, ent) if with_entropy else (lp,)
 
-    outs = jax.lax.map(one, micro)
-    outs = tuple(from_micro(o) for o in outs)
-    return (outs[0], outs[1]) if with_entropy else (outs[0], None)
+        outs = jax.lax.map(one, micro)
+        outs = tuple(from_micro(o) for o in outs)
+        return (outs[0], outs[1]) if with_entropy else (outs[0], None)
 
-  return fn
+    return fn
 
 
-def make_value_fn(graphdef: nnx.GraphDef, rest: nnx.State, *, micro_batch_size: int,
-                  on_trace: Callable[[], None] | None = None) -> Callable:
-  """Pure `fn(params, batch) -> values [B, R] float32` (critic), micro-batched like `make_log_prob_fn`."""
+def make_value_fn(
+    graphdef: nnx.GraphDef, rest: nnx.State, *, micro_batch_size: int, on_trace: Callable[[], None] | None = None
+) -> Callable:
+    """Pure `fn(params, batch) -> values [B, R] float32` (critic), micro-batched like `make_log_prob_fn`."""
 
-  def fn(params, batch):
-    if on_trace is not None:
-      on_trace()
-    batch = {k: batch[k] for k in _FWD_KEYS if k in batch}
-    n_micro = batch['input_ids'].shape[0] // micro_batch_size
-    critic = nnx.merge(graphdef, params, rest)
-    micro = jax.tree.map(lambda x: to_micro(x, n_micro), batch)
-    return from_micro(jax.lax.map(lambda mb: response_values(critic, mb), micro))
+    def fn(params, batch):
+        if on_trace is not None:
+            on_trace()
+        batch = {k: batch[k] for k in _FWD_KEYS if k in batch}
+        n_micro = batch["input_ids"].shape[0] // micro_batch_size
+        critic = nnx.merge(graphdef, params, rest)
+        micro = jax.tree.map(lambda x: to_micro(x, n_micro), batch)
+        return from_micro(jax.lax.map(lambda mb: response_values(critic, mb), micro))
 
-  return fn
+    return fn
 
 
 # ------------------------------------------------------------------------------------------ update
 
 
 def _accumulate(loss_fn: Callable, params, batch: dict[str, jax.Array], n_micro: int):
-  """Sum of `grad(loss_fn)(params, micro)` and of its aux metrics over `n_micro` micro-batches (lax.scan)."""
-  counts = core_algos.global_batch_info(batch['response_mask'])
-  micro = jax.tree.map(lambda x: to_micro(x, n_micro), batch)
-  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-  zero_grads = jax.tree.map(jnp.zeros_like, params)
+    """Sum of `grad(loss_fn)(params, micro)` and of its aux metrics over `n_micro` micro-batches (lax.scan)."""
+    counts = core_algos.global_batch_info(batch["response_mask"])
+    micro = jax.tree.map(lambda x: to_micro(x, n_micro), batch)
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    zero_grads = jax.tree.map(jnp.zeros_like, params)
 
-  def body(carry, mb):
-    grads, loss = carry
-    (l, a), g = grad_fn(params, mb, counts)
-    return (jax.tree.map(jnp.add, grads, g), loss + l), a
+    def body(carry, mb):
+        grads, loss = carry
+        (l, a), g = grad_fn(params, mb, counts)
+        return (jax.tree.map(jnp.add, grads, g), loss + l), a
 
-  (grads, loss), aux = jax.lax.scan(body, (zero_grads, jnp.zeros((), jnp.float32)), micro)
-  aux = jax.tree.map(lambda x: jnp.sum(x, axis=0), aux)
-  return loss, aux, grads, counts
+    (grads, loss), aux = jax.lax.scan(body, (zero_grads, jnp.zeros((), jnp.float32)), micro)
+    aux = jax.tree.map(lambda x: jnp.sum(x, axis=0), aux)
+    return loss, aux, grads, counts
 
 
 def _apply(tx: optax.GradientTransformation, params, opt_state, grads, loss):
-  """Optimizer step, skipped (params/state bitwise unchanged) when the loss or the gradients are not
-  finite (`nonfinite.apply_if_finite`). Returns (params, opt_state, grad_norm, finite)."""
-  from jaxrl_post.trainer.nonfinite import apply_if_finite
+    """Optimizer step, skipped (params/state bitwise unchanged) when the loss or the gradients are not
+    finite (`nonfinite.apply_if_finite`). Returns (params, opt_state, grad_norm, finite)."""
+    from jaxrl_post.trainer.nonfinite import apply_if_finite
 
-  return apply_if_finite(tx, params, opt_state, grads, loss)
-
-
-ACTOR_BATCH_KEYS = ('input_ids', 'attention_mask', 'position_ids', 'responses', 'response_mask',
-                    'advantages', 'old_log_probs', 'ref_log_prob', 'rollout_log_probs')
+    return apply_if_finite(tx, params, opt_state, grads, loss)
 
 
-def make_actor_update(graphdef: nnx.GraphDef, rest: nnx.State, tx: optax.GradientTransformation,
-                      loss_cfg: ActorLossConfig, *, n_micro: int,
-                      on_trace: Callable[[], None] | None = None) -> Callable:
-  """Pure `fn(params, opt_state, batch) -> (params, opt_state, metrics)`: one PPO/GRPO optimizer step.
-
-  batch (mini-batch, M rows): `input_ids`, `attention_mask`, `position_ids` `[M, T]`; `responses`,
-  `response_mask` (the loss mask) `[M, R]`; `advantages [M, R] float32`; `old_log_probs [M, R]` unless
-  `loss_cfg.on_policy`; `ref_log_prob [M, R]` when `use_kl_loss`; optional `rollout_log_probs [M, R]`
-  (only for the `training/rollout_probs_diff_*` diagnostics).
-
-  loss = policy_loss + kl_loss_coef * kl_loss (use_kl_loss) - entropy_coeff * entropy, each aggregated
-  with `loss_agg_mode` over the whole mini-batch. Metrics (float32 scalars, verl names without the
-  `actor/` prefix): pg_loss, pg_clipfrac, pg_clipfrac_lower, ppo_kl, entropy, kl_loss, grad_norm,
-  update_skipped; plus rollout_probs_diff_mean/max when `rollout_log_probs` is given.
-  """
-  c = loss_cfg
-  pg_kw = dict(loss_mode=c.loss_mode, clip_ratio_low=c.clip_ratio_low, clip_ratio_high=c.clip_ratio_high,
-               clip_ratio_c=c.clip_ratio_c, loss_agg_mode=c.loss_agg_mode)
-
-  def loss_fn(params, mb, counts):
-    model = nnx.merge(graphdef, params, rest)
-    mask = mb['response_mask']
-    log_prob, entropy = response_log_probs(model, mb, c.temperature, with_entropy=True)
-    old = jax.lax.stop_gradient(log_prob) if c.on_policy else mb['old_log_probs']
-    pg_loss, pg_m = core_algos.compute_policy_loss(old, log_prob, mb['advantages'], mask, **pg_kw, **counts)
-    ent_loss = core_algos.agg_loss(entropy, mask, c.loss_agg_mode, **counts)
-    loss = pg_loss
-    if c.entropy_coeff:
-      loss = loss - c.entropy_coeff * ent_loss
-    # token share of this micro-batch: turns micro-batch means into mini-batch means when summed
-    w = jnp.sum((mask != 0).astype(jnp.float32)) / jnp.maximum(counts['global_batch_tokens'], 1.0)
-    m = {'pg_loss': pg_loss, 'entropy': jax.lax.stop_gradient(ent_loss),
-         'pg_clipfrac': pg_m['pg_clipfrac'] * w, 'pg_clipfrac_lower': pg_m['pg_clipfrac_lower'] * w,
-         'ppo_kl': pg_m['ppo_kl'] * w}
-    if c.use_kl_loss:
-      kld = core_algos.kl_penalty(log_prob, mb['ref_log_prob'], c.kl_loss_type)
-      kl_loss = core_algos.agg_loss(kld, mask, c.loss_agg_mode, **counts)
-      loss = loss + c.kl_loss_coef * kl_loss
-      m['kl_loss'] = kl_loss
-    if 'rollout_log_probs' in mb:
-      diff = jnp.abs(jnp.exp(jax.lax.stop_gradient(log_prob)) - jnp.exp(mb['rollout_log_probs']))
-      m['rollout_probs_diff_mean'] = core_algos.masked_mean(diff, mask) * w
-    return loss, m
-
-  def fn(params, opt_state, batch):
-    if on_trace is not None:
-      on_trace()
-    batch = {k: batch[k] for k in ACTOR_BATCH_KEYS if k in batch}
-    loss, aux, grads, _ = _accumulate(loss_fn, params, batch, n_micro)
-    params, opt_state, grad_norm, finite = _apply(tx, params, opt_state, grads, loss)
-    aux = dict(aux, loss=loss, grad_norm=grad_norm, update_skipped=1.0 - finite.astype(jnp.float32))
-    return params, opt_state, aux
-
-  return fn
+ACTOR_BATCH_KEYS = (
+    "input_ids",
+    "attention_mask",
+    "position_ids",
+    "responses",
+    "response_mask",
+    "advantages",
+    "old_log_probs",
+    "ref_log_prob",
+    "rollout_log_probs",
+)
 
 
-CRITIC_BATCH_KEYS = ('input_ids', 'attention_mask', 'position_ids', 'responses', 'response_mask',
-                     'values', 'returns')
+def make_actor_update(
+    graphdef: nnx.GraphDef,
+    rest: nnx.State,
+    tx: optax.GradientTransformation,
+    loss_cfg: ActorLossConfig,
+    *,
+    n_micro: int,
+    on_trace: Callable[[], None] | None = None,
+) -> Callable:
+    """Pure `fn(params, opt_state, batch) -> (params, opt_state, metrics)`: one PPO/GRPO optimizer step.
+
+    batch (mini-batch, M rows): `input_ids`, `attention_mask`, `position_ids` `[M, T]`; `responses`,
+    `response_mask` (the loss mask) `[M, R]`; `advantages [M, R] float32`; `old_log_probs [M, R]` unless
+    `loss_cfg.on_policy`; `ref_log_prob [M, R]` when `use_kl_loss`; optional `rollout_log_probs [M, R]`
+    (only for the `training/rollout_probs_diff_*` diagnostics).
+
+    loss = policy_loss + kl_loss_coef * kl_loss (use_kl_loss) - entropy_coeff * entropy, each aggregated
+    with `loss_agg_mode` over the whole mini-batch. Metrics (float32 scalars, verl names without the
+    `actor/` prefix): pg_loss, pg_clipfrac, pg_clipfrac_lower, ppo_kl, entropy, kl_loss, grad_norm,
+    update_skipped; plus rollout_probs_diff_mean/max when `rollout_log_probs` is given.
+    """
+    c = loss_cfg
+    pg_kw = dict(
+        loss_mode=c.loss_mode,
+        clip_ratio_low=c.clip_ratio_low,
+        clip_ratio_high=c.clip_ratio_high,
+        clip_ratio_c=c.clip_ratio_c,
+        loss_agg_mode=c.loss_agg_mode,
+    )
+
+    def loss_fn(params, mb, counts):
+        model = nnx.merge(graphdef, params, rest)
+        mask = mb["response_mask"]
+        log_prob, entropy = response_log_probs(model, mb, c.temperature, with_entropy=True)
+        old = jax.lax.stop_gradient(log_prob) if c.on_policy else mb["old_log_probs"]
+        pg_loss, pg_m = core_algos.compute_policy_loss(old, log_prob, mb["advantages"], mask, **pg_kw, **counts)
+        ent_loss = core_algos.agg_loss(entropy, mask, c.loss_agg_mode, **counts)
+        loss = pg_loss
+        if c.entropy_coeff:
+            loss = loss - c.entropy_coeff * ent_loss
+        # token share of this micro-batch: turns micro-batch means into mini-batch means when summed
+        w = jnp.sum((mask != 0).astype(jnp.float32)) / jnp.maximum(counts["global_batch_tokens"], 1.0)
+        m = {
+            "pg_loss": pg_loss,
+            "entropy": jax.lax.stop_gradient(ent_loss),
+            "pg_clipfrac": pg_m["pg_clipfrac"] * w,
+            "pg_clipfrac_lower": pg_m["pg_clipfrac_lower"] * w,
+            "ppo_kl": pg_m["ppo_kl"] * w,
+        }
+        if c.use_kl_loss:
+            kld = core_algos.kl_penalty(log_prob, mb["ref_log_prob"], c.kl_loss_type)
+            kl_loss = core_algos.agg_loss(kld, mask, c.loss_agg_mode, **counts)
+            loss = loss + c.kl_loss_coef * kl_loss
+            m["kl_loss"] = kl_loss
+        if "rollout_log_probs" in mb:
+            diff = jnp.abs(jnp.exp(jax.lax.stop_gradient(log_prob)) - jnp.exp(mb["rollout_log_probs"]))
+            m["rollout_probs_diff_mean"] = core_algos.masked_mean(diff, mask) * w
+        return loss, m
+
+    def fn(params, opt_state, batch):
+        if on_trace is not None:
+            on_trace()
+        batch = {k: batch[k] for k in ACTOR_BATCH_KEYS if k in batch}
+        loss, aux, grads, _ = _accumulate(loss_fn, params, batch, n_micro)
+        params, opt_state, grad_norm, finite = _apply(tx, params, opt_state, grads, loss)
+        aux = dict(aux, loss=loss, grad_norm=grad_norm, update_skipped=1.0 - finite.astype(jnp.float32))
+        return params, opt_state, aux
+
+    return fn
 
 
-def make_critic_update(graphdef: nnx.GraphDef, rest: nnx.State, tx: optax.GradientTransformation,
-                       loss_cfg: CriticLossConfig, *, n_micro: int,
-                       on_trace: Callable[[], None] | None = None) -> Callable:
-  """Pure `fn(params, opt_state, batch) -> (params, opt_state, metrics)`: one clipped value-loss step.
+CRITIC_BATCH_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask", "values", "returns")
 
-  batch: `input_ids`, `attention_mask`, `position_ids` `[M, T]`; `responses`, `response_mask`,
-  `values` (rollout-time critic values), `returns` `[M, R]`. Metrics: vf_loss, vf_clipfrac, vpred_mean,
-  grad_norm, update_skipped (verl `critic/*`).
-  """
-  c = loss_cfg
 
-  def loss_fn(params, mb, counts):
-    critic = nnx.merge(graphdef, params, rest)
-    mask = mb['response_mask']
-    vpreds = response_values(critic, mb)
-    vf_loss, clipfrac = core_algos.compute_value_loss(vpreds, mb['returns'], mb['values'], mask,
-                                                      c.cliprange_value, c.loss_agg_mode, **counts)
-    w = jnp.sum((mask != 0).astype(jnp.float32)) / jnp.maximum(counts['global_batch_tokens'], 1.0)
-    return vf_loss, {'vf_loss': vf_loss, 'vf_clipfrac': clipfrac * w,
-                     'vpred_mean': core_algos.masked_mean(jax.lax.stop_gradient(vpreds), mask) * w}
+def make_critic_update(
+    graphdef: nnx.GraphDef,
+    rest: nnx.State,
+    tx: optax.GradientTransformation,
+    loss_cfg: CriticLossConfig,
+    *,
+    n_micro: int,
+    on_trace: Callable[[], None] | None = None,
+) -> Callable:
+    """Pure `fn(params, opt_state, batch) -> (params, opt_state, metrics)`: one clipped value-loss step.
 
-  def fn(params, opt_state, batch):
-    if on_trace is not None:
-      on_trace()
-    batch = {k: batch[k] for k in CRITIC_BATCH_KEYS if k in batch}
-    loss, aux, grads, _ = _accumulate(loss_fn, params, batch, n_micro)
-    params, opt_state, grad_norm, finite = _apply(tx, params, opt_state, grads, loss)
-    aux = dict(aux, grad_norm=grad_norm, update_skipped=1.0 - finite.astype(jnp.float32))
-    return params, opt_state, aux
+    batch: `input_ids`, `attention_mask`, `position_ids` `[M, T]`; `responses`, `response_mask`,
+    `values` (rollout-time critic values), `returns` `[M, R]`. Metrics: vf_loss, vf_clipfrac, vpred_mean,
+    grad_norm, update_skipped (verl `critic/*`).
+    """
+    c = loss_cfg
 
-  return fn
+    def loss_fn(params, mb, counts):
+        critic = nnx.merge(graphdef, params, rest)
+        mask = mb["response_mask"]
+        vpreds = response_values(critic, mb)
+        vf_loss, clipfrac = core_algos.compute_value_loss(
+            vpreds, mb["returns"], mb["values"], mask, c.cliprange_value, c.loss_agg_mode, **counts
+        )
+        w = jnp.sum((mask != 0).astype(jnp.float32)) / jnp.maximum(counts["global_batch_tokens"], 1.0)
+        return vf_loss, {
+            "vf_loss": vf_loss,
+            "vf_clipfrac": clipfrac * w,
+            "vpred_mean": core_algos.masked_mean(jax.lax.stop_gradient(vpreds), mask) * w,
+        }
+
+    def fn(params, opt_state, batch):
+        if on_trace is not None:
+            on_trace()
+        batch = {k: batch[k] for k in CRITIC_BATCH_KEYS if k in batch}
+        loss, aux, grads, _ = _accumulate(loss_fn, params, batch, n_micro)
+        params, opt_state, grad_norm, finite = _apply(tx, params, opt_state, grads, loss)
+        aux = dict(aux, grad_norm=grad_norm, update_skipped=1.0 - finite.astype(jnp.float32))
+        return params, opt_state, aux
+
+    return fn
 
 
 # ------------------------------------------------------------------------------------------ advantages
 
 
-def make_advantage_fn(*, adv_estimator: str, gamma: float, lam: float, norm_adv_by_std_in_grpo: bool,
-                      use_kl_in_reward: bool, kl_penalty: str,
-                      on_trace: Callable[[], None] | None = None) -> Callable:
-  """Pure `fn(scores, response_mask, index, kl_coef, old_log_probs, ref_log_prob, values, baselines)
-  -> (token_level_rewards, current_kl, advantages, returns)`; wrap with `jax.jit` (one small program
-  instead of dozens of eagerly dispatched ops per step).
+def make_advantage_fn(
+    *,
+    adv_estimator: str,
+    gamma: float,
+    lam: float,
+    norm_adv_by_std_in_grpo: bool,
+    use_kl_in_reward: bool,
+    kl_penalty: str,
+    on_trace: Callable[[], None] | None = None,
+) -> Callable:
+    """Pure `fn(scores, response_mask, index, kl_coef, old_log_probs, ref_log_prob, values, baselines)
+    -> (token_level_rewards, current_kl, advantages, returns)`; wrap with `jax.jit` (one small program
+    instead of dozens of eagerly dispatched ops per step).
 
-  scores `[B, R] float32` (token-level scores), response_mask `[B, R]`, index `[B] int32` group ids
-  (prompt uid), kl_coef `[] float32` (traced: an adaptive controller does not recompile),
-  old/ref log-probs `[B, R]` (used only with `use_kl_in_reward`), values `[B, R]` (gae) or None,
-  baselines `[B]` (remax) or None. KL only on response tokens (verl `apply_kl_penalty`).
-  """
+    scores `[B, R] float32` (token-level scores), response_mask `[B, R]`, index `[B] int32` group ids
+    (prompt uid), kl_coef `[] float32` (traced: an adaptive controller does not recompile),
+    old/ref log-probs `[B, R]` (used only with `use_kl_in_reward`), values `[B, R]` (gae) or None,
+    baselines `[B]` (remax) or None. KL only on response tokens (verl `apply_kl_penalty`).
+    """
 
-  def fn(scores, response_mask, index, kl_coef, old_log_probs, ref_log_prob, values, baselines):
-    if on_trace is not None:
-      on_trace()
-    if use_kl_in_reward:
-      rewards, kl = core_algos.apply_kl_penalty(scores, old_log_probs, ref_log_prob, response_mask,
-                                                kl_coef, kl_penalty)
-    else:
-      rewards, kl = jnp.asarray(scores, jnp.float32), jnp.zeros((), jnp.float32)
-    adv, ret = core_algos.compute_advantage(
-        adv_estimator, token_level_rewards=rewards, response_mask=response_mask, index=index,
-        values=values, reward_baselines=baselines, gamma=gamma, lam=lam,
-        norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo)
-    return rewards, kl, adv, ret
+    def fn(scores, response_mask, index, kl_coef, old_log_probs, ref_log_prob, values, baselines):
+        if on_trace is not None:
+            on_trace()
+        if use_kl_in_reward:
+            rewards, kl = core_algos.apply_kl_penalty(
+                scores, old_log_probs, ref_log_prob, response_mask, kl_coef, kl_penalty
+            )
+        else:
+            rewards, kl = jnp.asarray(scores, jnp.float32), jnp.zeros((), jnp.float32)
+        adv, ret = core_algos.compute_advantage(
+            adv_estimator,
+            token_level_rewards=rewards,
+            response_mask=response_mask,
+            index=index,
+            values=values,
+            reward_baselines=baselines,
+            gamma=gamma,
+            lam=lam,
+            norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
+        )
+        return rewards, kl, adv, ret
 
-  return fn
+    return fn

@@ -13,158 +13,167 @@ import json
 import math
 import os
 import sys
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
 # Console summary: (metric, short label), printed when present.
 _CONSOLE_KEYS = (
-    ('critic/score/mean', 'score'),
-    ('val-core/*', None),
-    ('critic/rewards/mean', 'reward'),
-    ('critic/vf_explained_var', 'vf_ev'),
-    ('response_length/mean', 'resp_len'),
-    ('response_length/clip_ratio', 'clip'),
-    ('actor/pg_loss', 'pg'),
-    ('actor/entropy', 'ent'),
-    ('actor/ppo_kl', 'ppo_kl'),
-    ('actor/kl_loss', 'kl_loss'),
-    ('actor/reward_kl_penalty', 'kl_rew'),
-    ('actor/grad_norm', 'gnorm'),
-    ('critic/vf_loss', 'vf_loss'),
-    ('timing_s/step', 'step_s'),
-    ('timing_s/gen', 'gen_s'),
-    ('timing_s/update_actor', 'upd_s'),
+    ("critic/score/mean", "score"),
+    ("val-core/*", None),
+    ("critic/rewards/mean", "reward"),
+    ("critic/vf_explained_var", "vf_ev"),
+    ("response_length/mean", "resp_len"),
+    ("response_length/clip_ratio", "clip"),
+    ("actor/pg_loss", "pg"),
+    ("actor/entropy", "ent"),
+    ("actor/ppo_kl", "ppo_kl"),
+    ("actor/kl_loss", "kl_loss"),
+    ("actor/reward_kl_penalty", "kl_rew"),
+    ("actor/grad_norm", "gnorm"),
+    ("critic/vf_loss", "vf_loss"),
+    ("timing_s/step", "step_s"),
+    ("timing_s/gen", "gen_s"),
+    ("timing_s/update_actor", "upd_s"),
 )
 
 
 def _to_float(v: Any) -> float | None:
-  try:
-    f = float(np.asarray(v))
-  except (TypeError, ValueError):
-    return None
-  return f
+    try:
+        f = float(np.asarray(v))
+    except (TypeError, ValueError):
+        return None
+    return f
 
 
 def to_jsonable(metrics: Mapping[str, Any]) -> dict[str, Any]:
-  """Scalars -> float (NaN/inf kept as strings so the line stays valid JSON); others -> str."""
-  out: dict[str, Any] = {}
-  for k, v in metrics.items():
-    if isinstance(v, (str, bool)) or v is None:
-      out[k] = v
-      continue
-    f = _to_float(v)
-    if f is None:
-      out[k] = str(v)
-    elif math.isfinite(f):
-      out[k] = f
-    else:
-      out[k] = str(f)
-  return out
+    """Scalars -> float (NaN/inf kept as strings so the line stays valid JSON); others -> str."""
+    out: dict[str, Any] = {}
+    for k, v in metrics.items():
+        if isinstance(v, (str, bool)) or v is None:
+            out[k] = v
+            continue
+        f = _to_float(v)
+        if f is None:
+            out[k] = str(v)
+        elif math.isfinite(f):
+            out[k] = f
+        else:
+            out[k] = str(f)
+    return out
 
 
 class JsonlLogger:
-  """Appends `{"step": step, **metrics}` lines to `<workdir>/metrics.jsonl` (flushed every line)."""
+    """Appends `{"step": step, **metrics}` lines to `<workdir>/metrics.jsonl` (flushed every line)."""
 
-  def __init__(self, workdir: str, filename: str = 'metrics.jsonl'):
-    os.makedirs(workdir, exist_ok=True)
-    self.path = os.path.join(workdir, filename)
-    self._f = open(self.path, 'a', encoding='utf-8')
+    def __init__(self, workdir: str, filename: str = "metrics.jsonl"):
+        os.makedirs(workdir, exist_ok=True)
+        self.path = os.path.join(workdir, filename)
+        self._f = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
 
-  def log(self, metrics: Mapping[str, Any], step: int) -> None:
-    self._f.write(json.dumps({'step': int(step), **to_jsonable(metrics)}) + '\n')
-    self._f.flush()
+    def log(self, metrics: Mapping[str, Any], step: int) -> None:
+        self._f.write(json.dumps({"step": int(step), **to_jsonable(metrics)}) + "\n")
+        self._f.flush()
 
-  def close(self) -> None:
-    self._f.close()
+    def close(self) -> None:
+        self._f.close()
 
 
 class ConsoleLogger:
-  """Prints a compact line every `print_every` steps (validation lines always)."""
+    """Prints a compact line every `print_every` steps (validation lines always)."""
 
-  def __init__(self, print_every: int = 1, stream=None, write=None):
-    self.print_every = max(int(print_every), 1)
-    self._write = write or (lambda s: print(s, file=stream or sys.stdout, flush=True))
+    def __init__(self, print_every: int = 1, stream=None, write=None):
+        self.print_every = max(int(print_every), 1)
+        self._write = write or (lambda s: print(s, file=stream or sys.stdout, flush=True))
 
-  @staticmethod
-  def format(metrics: Mapping[str, Any], step: int) -> str:
-    parts = [f'step {step}']
-    for key, label in _CONSOLE_KEYS:
-      if key.endswith('/*'):
-        for k in sorted(metrics):
-          if k.startswith(key[:-1]):
-            f = _to_float(metrics[k])
-            if f is not None:
-              parts.append(f'{k}={f:.4g}')
-        continue
-      if key in metrics:
-        f = _to_float(metrics[key])
-        if f is not None:
-          parts.append(f'{label}={f:.4g}')
-    if len(parts) == 1:  # nothing from the summary list (e.g. data statistics): print everything
-      for k, v in metrics.items():
-        f = _to_float(v)
-        parts.append(f'{k}={f:.4g}' if f is not None else f'{k}={v}')
-    return ' | '.join(parts)
+    @staticmethod
+    def format(metrics: Mapping[str, Any], step: int) -> str:
+        parts = [f"step {step}"]
+        for key, label in _CONSOLE_KEYS:
+            if key.endswith("/*"):
+                for k in sorted(metrics):
+                    if k.startswith(key[:-1]):
+                        f = _to_float(metrics[k])
+                        if f is not None:
+                            parts.append(f"{k}={f:.4g}")
+                continue
+            if key in metrics:
+                f = _to_float(metrics[key])
+                if f is not None:
+                    parts.append(f"{label}={f:.4g}")
+        if len(parts) == 1:  # nothing from the summary list (e.g. data statistics): print everything
+            for k, v in metrics.items():
+                f = _to_float(v)
+                parts.append(f"{k}={f:.4g}" if f is not None else f"{k}={v}")
+        return " | ".join(parts)
 
-  def log(self, metrics: Mapping[str, Any], step: int) -> None:
-    is_val = any(k.startswith('val-') for k in metrics)
-    if is_val or step % self.print_every == 0:
-      self._write(self.format(metrics, step))
+    def log(self, metrics: Mapping[str, Any], step: int) -> None:
+        is_val = any(k.startswith("val-") for k in metrics)
+        if is_val or step % self.print_every == 0:
+            self._write(self.format(metrics, step))
 
-  def close(self) -> None:
-    pass
+    def close(self) -> None:
+        pass
 
 
 def _tensorboard(workdir, **kw):
-  from jaxrl_post.trainer.loggers import TensorBoardLogger
+    from jaxrl_post.trainer.loggers import TensorBoardLogger
 
-  return TensorBoardLogger(workdir, **kw)
+    return TensorBoardLogger(workdir, **kw)
 
 
 def _wandb(workdir, **kw):
-  from jaxrl_post.trainer.loggers import WandbLogger
+    from jaxrl_post.trainer.loggers import WandbLogger
 
-  return WandbLogger(workdir, **kw)
+    return WandbLogger(workdir, **kw)
 
 
-BACKENDS = {'console': ConsoleLogger, 'jsonl': JsonlLogger, 'tensorboard': _tensorboard, 'wandb': _wandb}
+BACKENDS = {"console": ConsoleLogger, "jsonl": JsonlLogger, "tensorboard": _tensorboard, "wandb": _wandb}
 
 
 class Tracking:
-  """Fan-out logger. `jsonl` is always on; `loggers` selects the others (names in `BACKENDS`).
+    """Fan-out logger. `jsonl` is always on; `loggers` selects the others (names in `BACKENDS`).
 
-  `project`, `experiment` and `config` (a JSON-able dict) go to backends that record runs (wandb).
+    `project`, `experiment` and `config` (a JSON-able dict) go to backends that record runs (wandb).
 
-  Raises:
-    ValueError: an unknown logger name. ImportError / RuntimeError: wandb requested but not installed /
-      not configured (see `loggers.WandbLogger`).
-  """
+    Raises:
+      ValueError: an unknown logger name. ImportError / RuntimeError: wandb requested but not installed /
+        not configured (see `loggers.WandbLogger`).
+    """
 
-  def __init__(self, workdir: str, loggers=('console', 'jsonl'), print_every: int = 1,
-               console_write=None, *, project: str | None = None, experiment: str | None = None,
-               config: Mapping[str, Any] | None = None):
-    names = list(dict.fromkeys(['jsonl', *loggers]))
-    unknown = [n for n in names if n not in BACKENDS]
-    if unknown:
-      raise ValueError(f'trainer.logger: unknown logger(s) {unknown}; valid: {sorted(BACKENDS)}')
-    self.backends = {}
-    for n in names:
-      if n == 'jsonl':
-        self.backends[n] = JsonlLogger(workdir)
-      elif n == 'console':
-        self.backends[n] = ConsoleLogger(print_every, write=console_write)
-      else:
-        try:
-          self.backends[n] = BACKENDS[n](workdir, project=project, experiment=experiment, config=config)
-        except Exception:
-          self.close()
-          raise
+    def __init__(
+        self,
+        workdir: str,
+        loggers=("console", "jsonl"),
+        print_every: int = 1,
+        console_write=None,
+        *,
+        project: str | None = None,
+        experiment: str | None = None,
+        config: Mapping[str, Any] | None = None,
+    ):
+        names = list(dict.fromkeys(["jsonl", *loggers]))
+        unknown = [n for n in names if n not in BACKENDS]
+        if unknown:
+            raise ValueError(f"trainer.logger: unknown logger(s) {unknown}; valid: {sorted(BACKENDS)}")
+        self.backends = {}
+        for n in names:
+            if n == "jsonl":
+                self.backends[n] = JsonlLogger(workdir)
+            elif n == "console":
+                self.backends[n] = ConsoleLogger(print_every, write=console_write)
+            else:
+                try:
+                    self.backends[n] = BACKENDS[n](workdir, project=project, experiment=experiment, config=config)
+                except Exception:
+                    self.close()
+                    raise
 
-  def log(self, data: Mapping[str, Any], step: int) -> None:
-    for b in self.backends.values():
-      b.log(data, step)
+    def log(self, data: Mapping[str, Any], step: int) -> None:
+        for b in self.backends.values():
+            b.log(data, step)
 
-  def close(self) -> None:
-    for b in self.backends.values():
-      b.close()
+    def close(self) -> None:
+        for b in self.backends.values():
+            b.close()
