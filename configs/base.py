@@ -1,8 +1,19 @@
 """Shared base config for every jaxrl_post job (GRPO, PPO, ...).
 
 Key names follow verl's `ppo_trainer.yaml` where verl has one (with `actor_rollout_ref.*` flattened to
-`model.*`, `actor.*`, `rollout.*`, `ref.*`). Batch sizes are *global* (summed over all devices), counted
-in prompts for `data.*` and in responses for `actor.*`/`critic.*`, as verl does after `rollout.n`.
+`model.*`, `actor.*`, `rollout.*`, `ref.*`), and such a key means what it means in verl: `VERL_KEYS` lists
+them and `verl_key` gives verl's full name. Units, as in verl:
+
+- `data.train_batch_size`, `actor.ppo_mini_batch_size` and `critic.ppo_mini_batch_size` count *prompts*
+  (each prompt brings `rollout.n` responses, so a mini-batch holds `ppo_mini_batch_size * rollout.n`
+  responses);
+- `*.ppo_micro_batch_size`, `*.log_prob_micro_batch_size` and `critic.forward_micro_batch_size` count
+  *responses* (samples), as verl's deprecated global keys do.
+
+Every batch size here is *global* (summed over all devices of the mesh); verl's `*_per_gpu` keys have no
+counterpart. `docs/config.md` lists every key with its default and meaning; it is generated from this file
+(the section headers and each key's comment) by `python scripts/gen_config_docs.py`, so every key needs
+a comment.
 
 `configs/grpo.py` and `configs/ppo.py` start from `get_base_config()` and change what they need.
 Only `jaxrl_post/main.py` and `jaxrl_post/trainer/` read this ConfigDict.
@@ -22,15 +33,18 @@ def _opt_int(default=None):
 
 
 def _optim(lr: float) -> mlc.ConfigDict:
+    """Optimizer settings (verl `*.optim`): AdamW after global-norm gradient clipping."""
     o = mlc.ConfigDict()
     o.lr = lr  # peak learning rate (AdamW)
-    o.lr_warmup_steps = -1  # linear warmup steps; -1 -> use lr_warmup_steps_ratio * total steps
-    o.lr_warmup_steps_ratio = 0.0  # warmup as a fraction of total training steps
-    o.warmup_style = "constant"  # schedule after warmup: 'constant' or 'cosine'
-    o.min_lr_ratio = 0.0  # cosine: final lr = min_lr_ratio * lr
+    # The schedule advances once per training step (as verl's scheduler), not per optimizer update. Warmup
+    # gives lr*(s+1)/warmup at steps s = 0..warmup-1 (verl's ramp starts at 0: lr*s/warmup).
+    o.lr_warmup_steps = -1  # linear warmup, in training steps; -1 -> lr_warmup_steps_ratio * total steps
+    o.lr_warmup_steps_ratio = 0.0  # warmup as a fraction of the total training steps (when lr_warmup_steps < 0)
+    o.warmup_style = "constant"  # schedule after warmup: 'constant' or 'cosine' (verl's lr_scheduler_type)
+    o.min_lr_ratio = 0.0  # cosine: final lr = min_lr_ratio * lr (half a cosine period, as verl)
     o.weight_decay = 0.01  # AdamW decoupled weight decay
     o.betas = (0.9, 0.999)  # AdamW (b1, b2)
-    o.eps = 1e-8  # AdamW epsilon
+    o.eps = 1e-8  # AdamW epsilon (verl has no key: torch's default 1e-8)
     return o
 
 
@@ -39,21 +53,21 @@ def get_base_config() -> mlc.ConfigDict:
     c = mlc.ConfigDict()
 
     # ---------------------------------------------------------------- model
-    c.model = mlc.ConfigDict()
+    c.model = mlc.ConfigDict()  # the actor (the reference and the critic start from it)
     c.model.path = "smollm2-135m-instruct"  # HF dir / .gguf / alias; ignored when random_init
-    c.model.tokenizer_path = _opt_str()  # tokenizer source; None -> model.path
+    c.model.tokenizer_path = _opt_str()  # tokenizer source ('char': toy character tokenizer); None -> model.path
     c.model.dtype = "float32"  # compute/param dtype of actor, reference and critic
-    c.model.remat = False  # rematerialise decoder blocks in the backward pass
+    c.model.remat = False  # rematerialise decoder blocks in the backward pass (verl: enable_gradient_checkpointing)
     c.model.random_init = False  # True: random weights from `model.preset` + `model.arch` (tests)
     c.model.preset = "smollm2_135m"  # jaxrl_post.models.PRESETS key used when random_init
-    c.model.arch = mlc.ConfigDict()  # ModelConfig field overrides applied to the preset (random_init)
-    c.model.arch.hidden_size = _opt_int()
-    c.model.arch.intermediate_size = _opt_int()
-    c.model.arch.num_layers = _opt_int()
-    c.model.arch.num_heads = _opt_int()
-    c.model.arch.num_kv_heads = _opt_int()
-    c.model.arch.head_dim = _opt_int()
-    c.model.arch.vocab_size = _opt_int()
+    c.model.arch = mlc.ConfigDict()  # ModelConfig field overrides applied to the preset (random_init); None = keep
+    c.model.arch.hidden_size = _opt_int()  # model width D
+    c.model.arch.intermediate_size = _opt_int()  # MLP hidden width
+    c.model.arch.num_layers = _opt_int()  # decoder blocks L
+    c.model.arch.num_heads = _opt_int()  # query heads H
+    c.model.arch.num_kv_heads = _opt_int()  # key/value heads (grouped-query attention)
+    c.model.arch.head_dim = _opt_int()  # per-head width K
+    c.model.arch.vocab_size = _opt_int()  # vocabulary size V (>= the tokenizer's)
 
     # ---------------------------------------------------------------- data
     c.data = mlc.ConfigDict()
@@ -61,7 +75,7 @@ def get_base_config() -> mlc.ConfigDict:
     # 'reasoning_gym:<task>' (procedural), 'gsm8k:<path>', 'hf:<path>[:<name>]', 'tfds:<name>'; comma-separated
     # to concatenate.
     c.data.train_files = "reasoning_gym:basic_arithmetic"  # training prompts
-    c.data.val_files = "reasoning_gym:basic_arithmetic"  # held-out prompts (validation)
+    c.data.val_files = "reasoning_gym:basic_arithmetic"  # held-out prompts (validation); same spec syntax
     c.data.reasoning_gym = mlc.ConfigDict()  # options of 'reasoning_gym:' specs
     c.data.reasoning_gym.size = 2000  # procedurally generated training problems
     c.data.reasoning_gym.seed = 42  # generator seed of the training problems
@@ -71,36 +85,36 @@ def get_base_config() -> mlc.ConfigDict:
     # basic_arithmetic: two 1-2 digit terms with + and - (SmolLM2-135M greedy accuracy: 17% on 64 held-out
     # problems with prompt_format 'number' and 48 response tokens, 7% on 200 with 'plain' and 64 tokens).
     c.data.reasoning_gym.config = mlc.ConfigDict()
-    c.data.reasoning_gym.config.min_terms = _opt_int(2)
-    c.data.reasoning_gym.config.max_terms = _opt_int(2)
-    c.data.reasoning_gym.config.min_digits = _opt_int(1)
-    c.data.reasoning_gym.config.max_digits = _opt_int(2)
-    c.data.reasoning_gym.config.operators = ("+", "-")
-    c.data.reasoning_gym.config.allow_parentheses = False
-    c.data.reasoning_gym.config.allow_negation = False
+    c.data.reasoning_gym.config.min_terms = _opt_int(2)  # fewest terms per expression
+    c.data.reasoning_gym.config.max_terms = _opt_int(2)  # most terms per expression
+    c.data.reasoning_gym.config.min_digits = _opt_int(1)  # fewest digits per term
+    c.data.reasoning_gym.config.max_digits = _opt_int(2)  # most digits per term
+    c.data.reasoning_gym.config.operators = ("+", "-")  # operators to draw from
+    c.data.reasoning_gym.config.allow_parentheses = False  # allow parenthesised sub-expressions
+    c.data.reasoning_gym.config.allow_negation = False  # allow negative terms
     # instruction appended to each question (jaxrl_post.data.sources.PROMPT_FORMATS): answer_tag, number, plain, ...
-    c.data.reasoning_gym.prompt_format = "number"
+    c.data.reasoning_gym.prompt_format = "number"  # how the answer is asked for
     c.data.system_prompt = _opt_str()  # optional system message prepended to every prompt
     c.data.skip_malformed = False  # skip (and count) malformed rows instead of raising
-    c.data.train_batch_size = 16  # prompts per step (before rollout.n)
-    c.data.val_batch_size = _opt_int()  # prompts per validation generate call; None -> whole set
-    c.data.max_prompt_length = 128  # prompts are left-padded (and filtered) to this many tokens
-    c.data.max_response_length = 128  # tokens generated per response
-    c.data.filter_overlong_prompts = True  # drop prompts longer than max_prompt_length (counted)
-    c.data.truncation = "error"  # overlong prompts when not filtered: error | left | right
-    c.data.shuffle = True  # shuffle the training set every epoch
-    c.data.seed = 1  # shuffle seed
+    c.data.train_batch_size = 16  # prompts per training step, global (responses per step: x rollout.n)
+    c.data.val_batch_size = _opt_int()  # prompts per validation generate call, global; None -> whole set
+    c.data.max_prompt_length = 128  # prompt tokens: prompts are left-padded (and filtered/truncated) to this
+    c.data.max_response_length = 128  # most tokens generated per response
+    c.data.filter_overlong_prompts = True  # drop prompts longer than max_prompt_length, counted (verl default: False)
+    c.data.truncation = "error"  # overlong prompts when not filtered: error | left | right (verl also: middle)
+    c.data.shuffle = True  # shuffle the training prompts every epoch
+    c.data.seed = 1  # seed of the training-prompt shuffle
     c.data.max_val_samples = _opt_int()  # cap on held-out problems (None -> all)
 
     # ---------------------------------------------------------------- actor
     c.actor = mlc.ConfigDict()
-    c.actor.ppo_mini_batch_size = 32  # responses per optimizer step
-    c.actor.ppo_micro_batch_size = 8  # responses per accumulated micro-batch (lax.scan inside a step)
+    c.actor.ppo_mini_batch_size = 4  # prompts per optimizer step, global: ppo_mini_batch_size * rollout.n responses
+    c.actor.ppo_micro_batch_size = 8  # responses per accumulated micro-batch (lax.scan in a step), global
     c.actor.ppo_epochs = 1  # passes over the rollout batch per training step
-    c.actor.shuffle = True  # shuffle responses into mini-batches each epoch
+    c.actor.shuffle = True  # shuffle responses into mini-batches each epoch (verl default: False)
     c.actor.clip_ratio = 0.2  # PPO clip epsilon (default for low and high)
-    c.actor.clip_ratio_low = mlc.FieldReference(None, field_type=float)  # None -> clip_ratio
-    c.actor.clip_ratio_high = mlc.FieldReference(None, field_type=float)  # None -> clip_ratio (DAPO: 0.28)
+    c.actor.clip_ratio_low = mlc.FieldReference(None, field_type=float)  # lower clip epsilon; None -> clip_ratio
+    c.actor.clip_ratio_high = mlc.FieldReference(None, field_type=float)  # upper; None -> clip_ratio (DAPO: 0.28)
     c.actor.clip_ratio_c = 3.0  # dual-clip lower bound for negative advantages
     c.actor.loss_agg_mode = (
         "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
@@ -110,7 +124,7 @@ def get_base_config() -> mlc.ConfigDict:
     c.actor.entropy_coeff = 0.0  # loss -= entropy_coeff * entropy
     c.actor.use_kl_loss = False  # add kl_loss_coef * KL(actor || ref) to the loss (GRPO style)
     c.actor.kl_loss_coef = 0.001  # weight of the KL loss
-    c.actor.kl_loss_type = "low_var_kl"  # kl | abs | mse | low_var_kl | full
+    c.actor.kl_loss_type = "low_var_kl"  # kl | abs | mse | low_var_kl (k1, k2, k3 aliases)
     c.actor.grad_clip = 1.0  # clip_by_global_norm threshold
     c.actor.drop_truncated = False  # drop responses that hit max_response_length from the loss
     c.actor.optim = _optim(1e-6)
@@ -119,33 +133,34 @@ def get_base_config() -> mlc.ConfigDict:
     c.rollout = mlc.ConfigDict()
     c.rollout.n = 8  # responses sampled per prompt (group size G)
     c.rollout.temperature = 1.0  # sampling temperature (training log-probs use the same temperature)
-    c.rollout.top_k = -1  # -1 = off
-    c.rollout.top_p = 1.0  # 1.0 = off
-    c.rollout.min_p = 0.0  # 0.0 = off
+    c.rollout.top_k = -1  # sample from the k most likely tokens; -1 = off
+    c.rollout.top_p = 1.0  # nucleus sampling mass; 1.0 = off
+    c.rollout.min_p = 0.0  # drop tokens below min_p * the top probability; 0.0 = off
     c.rollout.do_sample = True  # False = greedy
-    c.rollout.log_prob_micro_batch_size = 16  # rows per micro-batch when recomputing log-probs
-    c.rollout.val_kwargs = mlc.ConfigDict()
+    c.rollout.log_prob_micro_batch_size = 16  # responses per micro-batch when recomputing old log-probs, global
+    c.rollout.val_kwargs = mlc.ConfigDict()  # sampling for validation
     c.rollout.val_kwargs.n = 1  # responses per held-out prompt
     c.rollout.val_kwargs.do_sample = False  # greedy validation
     c.rollout.val_kwargs.temperature = 0.0  # only used when do_sample
-    c.rollout.val_kwargs.top_k = -1
-    c.rollout.val_kwargs.top_p = 1.0
+    c.rollout.val_kwargs.top_k = -1  # only used when do_sample; -1 = off
+    c.rollout.val_kwargs.top_p = 1.0  # only used when do_sample; 1.0 = off
 
     # ---------------------------------------------------------------- reference policy
     c.ref = mlc.ConfigDict()
-    c.ref.log_prob_micro_batch_size = 16  # rows per micro-batch for reference log-probs
+    c.ref.log_prob_micro_batch_size = 16  # responses per micro-batch for reference log-probs, global
 
     # ---------------------------------------------------------------- critic (PPO with GAE)
     c.critic = mlc.ConfigDict()
     c.critic.enable = mlc.FieldReference(None, field_type=bool)  # None -> on iff adv_estimator needs values
-    c.critic.ppo_mini_batch_size = 32  # responses per critic optimizer step
-    c.critic.ppo_micro_batch_size = 8  # responses per accumulated micro-batch
-    c.critic.forward_micro_batch_size = 16  # rows per micro-batch when computing values
-    c.critic.ppo_epochs = 1  # critic passes over the rollout batch per step
-    c.critic.shuffle = True
-    c.critic.cliprange_value = 0.5  # value clipping range
-    c.critic.loss_agg_mode = "token-mean"
-    c.critic.grad_clip = 1.0
+    # verl's default is the actor's value; here it has its own.
+    c.critic.ppo_mini_batch_size = 4  # prompts per critic update, global: ppo_mini_batch_size * rollout.n responses
+    c.critic.ppo_micro_batch_size = 8  # responses per accumulated micro-batch, global
+    c.critic.forward_micro_batch_size = 16  # responses per micro-batch when computing values, global
+    c.critic.ppo_epochs = 1  # critic passes over the rollout batch per training step (verl default: the actor's)
+    c.critic.shuffle = True  # shuffle responses into critic mini-batches each epoch (verl default: the actor's)
+    c.critic.cliprange_value = 0.5  # value clipping range around the old values
+    c.critic.loss_agg_mode = "token-mean"  # value-loss averaging, as actor.loss_agg_mode (verl default: the actor's)
+    c.critic.grad_clip = 1.0  # clip_by_global_norm threshold
     c.critic.optim = _optim(1e-5)
 
     # ---------------------------------------------------------------- algorithm
@@ -155,11 +170,12 @@ def get_base_config() -> mlc.ConfigDict:
     c.algorithm.lam = 1.0  # GAE lambda
     c.algorithm.norm_adv_by_std_in_grpo = True  # GRPO: divide by group std (False = Dr.GRPO)
     c.algorithm.use_kl_in_reward = False  # subtract beta * KL(actor || ref) from token rewards
-    c.algorithm.kl_penalty = "kl"  # KL estimator in the reward: kl | abs | mse | low_var_kl | full
-    c.algorithm.kl_ctrl = mlc.ConfigDict()
+    c.algorithm.kl_penalty = "kl"  # KL estimator in the reward: kl | abs | mse | low_var_kl
+    c.algorithm.kl_ctrl = mlc.ConfigDict()  # controller of beta (KL in reward)
     c.algorithm.kl_ctrl.type = "fixed"  # fixed | adaptive
     c.algorithm.kl_ctrl.kl_coef = 0.001  # initial beta
-    c.algorithm.kl_ctrl.horizon = 10000  # adaptive controller horizon
+    # Each step multiplies beta by 1 + clip(kl / target_kl - 1, +-0.2) * (responses in the step) / horizon
+    c.algorithm.kl_ctrl.horizon = 10000  # adaptive controller horizon, in responses
     c.algorithm.kl_ctrl.target_kl = 0.1  # adaptive controller target
 
     # ---------------------------------------------------------------- rewards
@@ -173,28 +189,72 @@ def get_base_config() -> mlc.ConfigDict:
 
     # ---------------------------------------------------------------- trainer
     c.trainer = mlc.ConfigDict()
-    c.trainer.project_name = "jaxrl_post"
-    c.trainer.experiment_name = "grpo"
-    c.trainer.default_local_dir = "runs/grpo"  # working dir: metrics.jsonl, config, checkpoints
-    c.trainer.total_epochs = 1  # used when total_training_steps is None
-    c.trainer.total_training_steps = _opt_int()  # steps to run (overrides total_epochs)
+    c.trainer.project_name = "jaxrl_post"  # project name for the loggers (wandb project)
+    c.trainer.experiment_name = "grpo"  # run name for the loggers
+    # verl saves checkpoints directly in this dir; here they go to its checkpoints/ subdir, next to the logs.
+    c.trainer.default_local_dir = "runs/grpo"  # working dir: metrics.jsonl, config.json, checkpoints/
+    c.trainer.total_epochs = 1  # passes over the training prompts (when total_training_steps is None)
+    c.trainer.total_training_steps = _opt_int()  # training steps to run (overrides total_epochs)
     c.trainer.logger = ("console", "jsonl")  # any of console | jsonl (always on) | tensorboard | wandb
     c.trainer.val_before_train = True  # validate at step 0
     c.trainer.val_at_end = True  # validate after the last step
-    c.trainer.test_freq = -1  # validate every k steps (-1 = only before/after)
-    c.trainer.critic_warmup = 0  # steps that update only the critic
-    c.trainer.save_freq = -1  # checkpoint every k steps and after the last step (-1 = off)
+    c.trainer.test_freq = -1  # validate every k training steps (-1 = only before/after)
+    # verl documents the same meaning; its loop (steps counted from 1, actor updated when critic_warmup <= step)
+    # gives k-1 critic-only steps for k >= 1.
+    c.trainer.critic_warmup = 0  # number of training steps, from the first, that update only the critic
+    c.trainer.save_freq = -1  # checkpoint every k training steps and after the last step (-1 = off)
     c.trainer.resume_mode = "auto"  # auto (latest checkpoint in the working dir) | disable | resume_path
     c.trainer.resume_from_path = _opt_str()  # resume_path: a global_step_<N> dir or a checkpoints/run dir
-    c.trainer.max_actor_ckpt_to_keep = _opt_int()  # keep the newest k checkpoints (None = all)
+    c.trainer.max_actor_ckpt_to_keep = _opt_int()  # keep the newest k checkpoints, actor and critic (None = all)
     c.trainer.async_save = True  # write checkpoints in a background thread
     c.trainer.max_consecutive_nonfinite = 10  # stop after k skipped (non-finite) updates in a row (0 = never)
     c.trainer.seed = 0  # seeds params init (random models), sampling, mini-batch shuffles
     c.trainer.progress_bar = True  # tqdm over steps
     c.trainer.print_every = 1  # console metrics every k steps
     c.trainer.device_peak_flops = mlc.FieldReference(None, field_type=float)  # per device, for perf/mfu/*
-    c.trainer.mesh = mlc.ConfigDict()
-    c.trainer.mesh.data = 1  # mesh axis sizes ('data', 'fsdp', 'tensor'); -1 = remaining devices
-    c.trainer.mesh.fsdp = -1
-    c.trainer.mesh.tensor = 1
+    c.trainer.mesh = mlc.ConfigDict()  # device mesh axes ('data', 'fsdp', 'tensor'); -1 = remaining devices
+    c.trainer.mesh.data = 1  # data-parallel axis (batch split, params replicated)
+    c.trainer.mesh.fsdp = -1  # fully sharded data-parallel axis (batch and params split)
+    c.trainer.mesh.tensor = 1  # tensor-parallel axis (heads / MLP width split)
     return c
+
+
+# Keys whose name and meaning are verl's (units included: see the module docstring); the others are ours.
+_VERL_KEYS_TEXT = """
+    model.path
+    data.train_files data.val_files data.train_batch_size data.val_batch_size data.max_prompt_length
+    data.max_response_length data.filter_overlong_prompts data.truncation data.shuffle data.seed
+    actor.ppo_mini_batch_size actor.ppo_micro_batch_size actor.ppo_epochs actor.shuffle actor.clip_ratio
+    actor.clip_ratio_low actor.clip_ratio_high actor.clip_ratio_c actor.loss_agg_mode actor.policy_loss.loss_mode
+    actor.entropy_coeff actor.use_kl_loss actor.kl_loss_coef actor.kl_loss_type actor.grad_clip
+    actor.optim.lr actor.optim.lr_warmup_steps actor.optim.lr_warmup_steps_ratio actor.optim.warmup_style
+    actor.optim.min_lr_ratio actor.optim.weight_decay actor.optim.betas
+    rollout.n rollout.temperature rollout.top_k rollout.top_p rollout.do_sample rollout.log_prob_micro_batch_size
+    rollout.val_kwargs.n rollout.val_kwargs.do_sample rollout.val_kwargs.temperature rollout.val_kwargs.top_k
+    rollout.val_kwargs.top_p
+    ref.log_prob_micro_batch_size
+    critic.enable critic.ppo_mini_batch_size critic.ppo_micro_batch_size critic.forward_micro_batch_size
+    critic.ppo_epochs critic.shuffle critic.cliprange_value critic.loss_agg_mode critic.grad_clip
+    critic.optim.lr critic.optim.lr_warmup_steps critic.optim.lr_warmup_steps_ratio critic.optim.warmup_style
+    critic.optim.min_lr_ratio critic.optim.weight_decay critic.optim.betas
+    algorithm.adv_estimator algorithm.gamma algorithm.lam algorithm.norm_adv_by_std_in_grpo
+    algorithm.use_kl_in_reward algorithm.kl_penalty algorithm.kl_ctrl.type algorithm.kl_ctrl.kl_coef
+    algorithm.kl_ctrl.horizon algorithm.kl_ctrl.target_kl
+    reward_model.reward_manager custom_reward_function.path custom_reward_function.name
+    trainer.project_name trainer.experiment_name trainer.default_local_dir trainer.logger trainer.total_epochs
+    trainer.total_training_steps trainer.val_before_train trainer.test_freq trainer.critic_warmup trainer.save_freq
+    trainer.resume_mode trainer.resume_from_path trainer.max_actor_ckpt_to_keep
+"""
+VERL_KEYS = tuple(_VERL_KEYS_TEXT.split())
+
+# Our sections that verl nests under `actor_rollout_ref`.
+_VERL_PREFIX = {s: f"actor_rollout_ref.{s}" for s in ("model", "actor", "rollout", "ref")}
+
+
+def verl_key(key: str) -> str | None:
+    """verl's full name of our dotted `key` (e.g. 'actor.ppo_mini_batch_size' ->
+    'actor_rollout_ref.actor.ppo_mini_batch_size'), or None when the key is ours (not in `VERL_KEYS`)."""
+    if key not in VERL_KEYS:
+        return None
+    head, _, rest = key.partition(".")
+    return f"{_VERL_PREFIX.get(head, head)}.{rest}"

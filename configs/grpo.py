@@ -33,7 +33,7 @@ def _default(c):
     c.rollout.temperature = 1.0
     c.rollout.log_prob_micro_batch_size = 8
     c.ref.log_prob_micro_batch_size = 8
-    c.actor.ppo_mini_batch_size = 32  # one mini-batch per step -> exactly on-policy (old log-probs skipped)
+    c.actor.ppo_mini_batch_size = 4  # prompts (32 responses): one mini-batch per step -> exactly on-policy
     c.actor.ppo_micro_batch_size = 8  # bounds update memory (~5 GB of temporaries at T = 160, less here)
     c.actor.optim.lr = 1e-5
     c.actor.optim.lr_warmup_steps = 2
@@ -58,7 +58,7 @@ def _gsm8k(c):
     c.rollout.n = 4
     c.rollout.log_prob_micro_batch_size = 4
     c.ref.log_prob_micro_batch_size = 4
-    c.actor.ppo_mini_batch_size = 16
+    c.actor.ppo_mini_batch_size = 4  # prompts (16 responses): one on-policy optimizer step per step
     c.actor.ppo_micro_batch_size = 4
     c.actor.optim.lr = 1e-6
     c.actor.optim.weight_decay = 0.0
@@ -89,7 +89,7 @@ def tiny(c):
     c.data.max_prompt_length = 192  # characters
     c.data.max_response_length = 12
     c.rollout.n = 4
-    c.actor.ppo_mini_batch_size = 8  # 2 mini-batches per step -> old log-probs are recomputed
+    c.actor.ppo_mini_batch_size = 2  # prompts (8 responses): 2 mini-batches per step -> old log-probs recomputed
     c.actor.ppo_micro_batch_size = 4
     c.actor.use_kl_loss = True
     c.actor.kl_loss_coef = 0.01
@@ -97,7 +97,7 @@ def tiny(c):
     c.actor.optim.lr = 1e-3
     c.rollout.log_prob_micro_batch_size = 8
     c.ref.log_prob_micro_batch_size = 8
-    c.critic.ppo_mini_batch_size = 8
+    c.critic.ppo_mini_batch_size = 2  # prompts (8 responses)
     c.critic.ppo_micro_batch_size = 4
     c.critic.forward_micro_batch_size = 8
     c.custom_reward_function.path = TINY_REWARD

@@ -24,9 +24,9 @@ def _default(c):
     c.trainer.default_local_dir = "runs/ppo"
     c.data.train_batch_size = 8
     c.rollout.n = 4  # 32 responses per step
-    c.actor.ppo_mini_batch_size = 16  # 2 actor updates per step (old log-probs recomputed)
+    c.actor.ppo_mini_batch_size = 4  # prompts (16 responses): 2 actor updates per step (old log-probs recomputed)
     c.actor.ppo_micro_batch_size = 8
-    c.critic.ppo_mini_batch_size = 16
+    c.critic.ppo_mini_batch_size = 4  # prompts (16 responses): 2 critic updates per step
     c.critic.ppo_micro_batch_size = 8
     c.critic.forward_micro_batch_size = 8
     c.critic.optim.lr = 1e-5
@@ -47,6 +47,7 @@ def _tiny(c):
     c.algorithm.use_kl_in_reward = True
     c.algorithm.kl_ctrl.type = "adaptive"
     c.algorithm.kl_ctrl.kl_coef = 0.01
+    c.algorithm.kl_ctrl.horizon = 40000  # responses (10000 prompts x rollout.n = 4)
     c.critic.optim.lr = 1e-3
     c.trainer.critic_warmup = 1
     return c

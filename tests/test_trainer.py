@@ -61,8 +61,9 @@ def test_config_validation_names_the_key(tmp_path):
         validate_config(mod.get_config(var), n_devices=1)
 
     cases = [
-        ("actor.ppo_mini_batch_size", 6, "actor.ppo_mini_batch_size"),  # 16 responses % 6
-        ("actor.ppo_micro_batch_size", 3, "actor.ppo_micro_batch_size"),  # 8 % 3
+        ("actor.ppo_mini_batch_size", 3, "actor.ppo_mini_batch_size"),  # 4 prompts per step % 3 prompts
+        ("actor.ppo_mini_batch_size", 8, "actor.ppo_mini_batch_size"),  # 8 prompts > the 4 of a step
+        ("actor.ppo_micro_batch_size", 3, "actor.ppo_micro_batch_size"),  # 2 prompts x 4 = 8 responses % 3
         ("algorithm.adv_estimator", "nope", "algorithm.adv_estimator"),
         ("actor.policy_loss.loss_mode", "nope", "actor.policy_loss.loss_mode"),
         ("actor.loss_agg_mode", "mean", "actor.loss_agg_mode"),
@@ -87,6 +88,11 @@ def test_config_validation_names_the_key(tmp_path):
     c = grpo.get_config("tiny")
     with pytest.raises(ConfigError, match=r"actor\.ppo_micro_batch_size.*data-parallel"):
         validate_config(c, n_devices=8)
+    # the critic's mini-batch also counts prompts (ppo tiny: 4 prompts per step)
+    c = ppo.get_config("tiny")
+    c.critic.ppo_mini_batch_size = 3
+    with pytest.raises(ConfigError, match=r"critic\.ppo_mini_batch_size=3: data\.train_batch_size = 4 prompts"):
+        validate_config(c, n_devices=1)
     # gae without a critic
     c = grpo.get_config("tiny")
     c.algorithm.adv_estimator = "gae"
@@ -382,6 +388,45 @@ def test_ppo_tiny_two_steps_end_to_end(tmp_path):
         trainer.close()
 
 
+def test_verl_mini_batch_sizes_count_prompts(tmp_path):
+    """A verl-style config: train_batch_size=4 prompts, rollout.n=8, ppo_mini_batch_size=2 prompts -> each
+    training step makes 2 actor and 2 critic optimizer steps of 2 * 8 = 16 responses; the adaptive KL
+    controller advances by the step's 32 responses (verl: `n_steps=batch_size` after `repeat`)."""
+    from jaxrl_post.trainer.trainer import RLTrainer
+
+    c = _tiny(ppo, tmp_path, "verl_geometry")
+    c.data.train_batch_size = 4
+    c.rollout.n = 8
+    c.actor.ppo_mini_batch_size = 2
+    c.critic.ppo_mini_batch_size = 2
+    c.trainer.critic_warmup = 0
+    c.algorithm.kl_ctrl.horizon = 1000
+    trainer = RLTrainer(c)
+    seen = {"actor": [], "critic": []}
+
+    def spy(role, fn):
+        def wrapped(params, opt_state, mb):
+            seen[role].append({k: v.shape[0] for k, v in mb.items()})
+            return fn(params, opt_state, mb)
+
+        return wrapped
+
+    trainer._actor_update = spy("actor", trainer._actor_update)
+    trainer._critic_update = spy("critic", trainer._critic_update)
+    try:
+        m = trainer.train_step(next(trainer.train_loader))
+        for role in ("actor", "critic"):
+            assert len(seen[role]) == 2, seen[role]
+            assert all(set(rows.values()) == {16} for rows in seen[role]), seen[role]
+        assert (trainer.actor_update_count, trainer.critic_update_count) == (2, 2)
+        assert not trainer.on_policy and "timing_s/old_log_prob" in m  # 2 mini-batches: old log-probs needed
+        kl, target = m["actor/reward_kl_penalty"], c.algorithm.kl_ctrl.target_kl
+        err = min(max(kl / target - 1.0, -0.2), 0.2)
+        assert trainer.kl_ctrl.value == pytest.approx(0.01 * (1.0 + err * 32 / 1000), rel=1e-12)
+    finally:
+        trainer.close()
+
+
 def test_main_job_command_reduced(tmp_path):
     """README: `python -m jaxrl_post.main --config=configs/grpo.py ...`, reduced to the tiny config."""
     workdir = tmp_path / "main_run"
@@ -396,7 +441,7 @@ def test_main_job_command_reduced(tmp_path):
         f"--config.trainer.default_local_dir={workdir}",
         "--config.trainer.val_before_train=False",
         "--config.trainer.val_at_end=False",
-        "--config.actor.ppo_mini_batch_size=16",
+        "--config.actor.ppo_mini_batch_size=4",  # prompts: the whole step (16 responses)
         "--config.actor.use_kl_loss=False",
         "--config.actor.optim.lr=1e-4",
     ]

@@ -2,12 +2,13 @@
 
 Unknown keys and wrongly typed overrides are rejected by ml_collections while parsing flags (see
 `main.check_override_keys` for a friendlier message). Here: value ranges, registry names, and the batch
-arithmetic verl asserts in `ray_trainer._validate_config` / `dp_actor`:
+arithmetic verl asserts in its workers after normalising the sizes. In verl's units (`data.train_batch_size`
+and `*.ppo_mini_batch_size` count prompts, micro-batch sizes count responses, all global):
 
-  data.train_batch_size * rollout.n  % actor.ppo_mini_batch_size == 0
-  actor.ppo_mini_batch_size          % actor.ppo_micro_batch_size == 0
-  actor.ppo_micro_batch_size         % (mesh data * fsdp) == 0          (same for critic.* and the
-  log-prob micro-batch sizes)
+  data.train_batch_size                   % actor.ppo_mini_batch_size == 0   (whole mini-batches per step)
+  actor.ppo_mini_batch_size * rollout.n   % actor.ppo_micro_batch_size == 0  (responses per mini-batch)
+  actor.ppo_micro_batch_size              % (mesh data * fsdp) == 0          (same for critic.* and the
+  log-prob / forward micro-batch sizes)
 
 Every error names its key (`config.<path>`); all problems are reported at once.
 """
@@ -154,9 +155,10 @@ def validate_config(cfg: Any, n_devices: int | None = None) -> None:
     except Exception:
         err("critic.enable", "must be None, True or False")
 
-    # ---- batch arithmetic (verl's _validate_config)
+    # ---- batch arithmetic (verl's worker checks; mini-batches in prompts, micro-batches in responses)
     try:
-        n_resp = int(cfg.data.train_batch_size) * int(cfg.rollout.n)
+        n_prompts, group = int(cfg.data.train_batch_size), int(cfg.rollout.n)
+        n_resp = n_prompts * group
         roles = [("actor", True), ("critic", use_critic)]
         for role, on in roles:
             if not on:
@@ -169,23 +171,26 @@ def validate_config(cfg: Any, n_devices: int | None = None) -> None:
                     "critic.forward_micro_batch_size",
                 ):
                     check(key, pos_int, "must be a positive int")
-            mini = int(_get(cfg, f"{role}.ppo_mini_batch_size"))
-            micro = int(_get(cfg, f"{role}.ppo_micro_batch_size"))
-            if mini > 0 and n_resp % mini:
+            mini = int(_get(cfg, f"{role}.ppo_mini_batch_size"))  # prompts
+            micro = int(_get(cfg, f"{role}.ppo_micro_batch_size"))  # responses
+            if mini > 0 and n_prompts % mini:
                 err(
                     f"{role}.ppo_mini_batch_size",
-                    f"data.train_batch_size * rollout.n = {n_resp} responses per step "
-                    f"is not divisible by {role}.ppo_mini_batch_size = {mini}",
+                    f"data.train_batch_size = {n_prompts} prompts per step is not divisible by "
+                    f"{role}.ppo_mini_batch_size = {mini} prompts (as in verl, both count prompts; a mini-batch "
+                    f"holds ppo_mini_batch_size * rollout.n responses)",
                 )
-            if micro > 0 and mini % micro:
+            if micro > 0 and mini > 0 and (mini * group) % micro:
                 err(
                     f"{role}.ppo_micro_batch_size",
-                    f"{role}.ppo_mini_batch_size = {mini} is not divisible by {role}.ppo_micro_batch_size = {micro}",
+                    f"{role}.ppo_mini_batch_size * rollout.n = {mini} * {group} = {mini * group} responses per "
+                    f"mini-batch is not divisible by {role}.ppo_micro_batch_size = {micro} responses",
                 )
             if dp and micro % dp:
                 err(
                     f"{role}.ppo_micro_batch_size",
-                    f"not divisible by the mesh data-parallel size (trainer.mesh data*fsdp = {dp})",
+                    f"{micro} responses (global) are not divisible by the mesh data-parallel size "
+                    f"(trainer.mesh data*fsdp = {dp})",
                 )
         fwd_keys = ["rollout.log_prob_micro_batch_size", "ref.log_prob_micro_batch_size"]
         if use_critic:

@@ -107,7 +107,7 @@ class RLTrainer:
         self.batch_size = int(cfg.data.train_batch_size) * int(cfg.rollout.n)  # responses per step
         self.response_length = int(cfg.data.max_response_length)
         a = cfg.actor
-        self.actor_mini = int(a.ppo_mini_batch_size)
+        self.actor_mini = int(a.ppo_mini_batch_size) * int(cfg.rollout.n)  # responses (verl counts prompts)
         self.actor_updates_per_step = int(a.ppo_epochs) * (self.batch_size // self.actor_mini)
         self.on_policy = (
             int(a.ppo_epochs) == 1 and self.actor_mini == self.batch_size and not cfg.algorithm.use_kl_in_reward
@@ -185,7 +185,7 @@ class RLTrainer:
             self.critic_graphdef, self.critic_rest = cg, cr
             self.critic_params = self._commit(builders.copy_tree(cp))  # own buffers: actor params are donated
             del critic, cp
-            self.critic_mini = int(c.ppo_mini_batch_size)
+            self.critic_mini = int(c.ppo_mini_batch_size) * int(cfg.rollout.n)  # responses per critic update
             self.critic_optim_cfg = builders.optim_config(
                 c.optim,
                 grad_clip=c.grad_clip,
@@ -404,7 +404,7 @@ class RLTrainer:
                 if cfg.algorithm.use_kl_in_reward:
                     metrics["actor/reward_kl_penalty"] = float(current_kl)
                     metrics["actor/reward_kl_penalty_coeff"] = float(self.kl_ctrl.value)
-                    self.kl_ctrl.update(float(current_kl), n_steps=int(cfg.data.train_batch_size))
+                    self.kl_ctrl.update(float(current_kl), n_steps=self.batch_size)  # responses, as verl
 
             # -- updates
             rng = np.random.default_rng(shuffle_seed)
