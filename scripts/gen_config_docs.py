@@ -1,0 +1,261 @@
+"""Generates `docs/config.md` (every config key: default, verl name, meaning) from `configs/base.py`.
+
+    python scripts/gen_config_docs.py           # (re)write docs/config.md
+    python scripts/gen_config_docs.py --check   # exit 1 if docs/config.md is stale
+
+Where each piece comes from:
+- keys and defaults: the ConfigDict that `configs.base.get_base_config()` returns;
+- meanings: the comments in the source of `configs/base.py`, found with `ast` (which statement assigns a
+  key) and `tokenize` (which comments sit on that statement's lines). A key's meaning is its inline comment
+  (after the code, on any line of the statement), followed by the comment block directly above the statement
+  (no blank line in between). Keys assigned inside a helper (`c.actor.optim = _optim(...)`) take the
+  comments of the helper's statements (`o.lr = lr  # ...`);
+- sections: the `# ---------- name` header comments in `get_base_config`;
+- the verl column: `configs.base.verl_key` (keys listed in `configs.base.VERL_KEYS`).
+
+Every key must have a comment: the script names the keys without one and exits 1. Output is deterministic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib.util
+import io
+import os
+import re
+import sys
+import tokenize
+from dataclasses import dataclass
+from typing import Any
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASE_PY = os.path.join(REPO, "configs", "base.py")
+DOC_PATH = os.path.join(REPO, "docs", "config.md")
+REGENERATE = "python scripts/gen_config_docs.py"
+ROOT_FUNCTION = "get_base_config"
+_SECTION = re.compile(r"^-{3,}\s*(.*)$")
+
+
+@dataclass(frozen=True)
+class Statement:
+    """One `<var>.a.b = value` assignment in a function of the config source."""
+
+    path: str  # dotted key relative to the function's ConfigDict, e.g. 'model.path' or 'lr'
+    line: int  # first line of the statement
+    meaning: str  # inline comment, then the comment block directly above ('' if none)
+    section: str  # the last section header above it ('' if none)
+    helper: str | None  # name of the module-level function the value is built by, if any
+
+
+def _target_path(node: ast.expr) -> str | None:
+    """`c.model.path` -> 'model.path' (the root variable dropped); None for anything else."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name) or not parts:
+        return None
+    return ".".join(reversed(parts))
+
+
+def _comments(source: str) -> tuple[dict[int, str], dict[int, str]]:
+    """(inline, own_line): comment text by line number, split by whether code precedes it on the line."""
+    inline, own_line = {}, {}
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type != tokenize.COMMENT:
+            continue
+        row, col = tok.start
+        text = tok.string.lstrip("#").strip()
+        (inline if tok.line[:col].strip() else own_line)[row] = text
+    return inline, own_line
+
+
+def parse_statements(source: str) -> dict[str, list[Statement]]:
+    """Statements of every module-level function of `source`, by function name, in source order."""
+    tree = ast.parse(source)
+    inline, own_line = _comments(source)
+    functions = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+    out: dict[str, list[Statement]] = {}
+    for fn in tree.body:
+        if not isinstance(fn, ast.FunctionDef):
+            continue
+        stmts, section, prev_end = [], "", fn.body[0].lineno - 1
+        for node in fn.body:
+            for row in range(prev_end + 1, node.lineno):  # section headers between statements
+                m = _SECTION.match(own_line.get(row, ""))
+                if m:
+                    section = m.group(1)
+            prev_end = node.end_lineno
+            if not (isinstance(node, ast.Assign) and len(node.targets) == 1):
+                continue
+            path = _target_path(node.targets[0])
+            if path is None:
+                continue
+            parts = [inline[r] for r in range(node.lineno, node.end_lineno + 1) if r in inline]
+            above, row = [], node.lineno - 1
+            while row in own_line and not _SECTION.match(own_line[row]):
+                above.insert(0, own_line[row])
+                row -= 1
+            meaning = _join(" ".join(parts), " ".join(above))
+            value = node.value
+            helper = None
+            if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id in functions:
+                helper = value.func.id
+            stmts.append(Statement(path, node.lineno, meaning, section, helper))
+        out[fn.name] = stmts
+    return out
+
+
+def _flatten(cfg: Any, prefix: str = ""):
+    """(dotted key, value, type) for every leaf of a ConfigDict."""
+    for k, v in cfg.items():
+        if hasattr(v, "keys") and hasattr(v, "get_type"):
+            yield from _flatten(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}", v, cfg.get_type(k)
+
+
+def _fmt(v: Any) -> str:
+    """Python-literal rendering with double-quoted strings (deterministic)."""
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_fmt(x) for x in v) + "]"
+    if isinstance(v, tuple):
+        return "(" + ", ".join(_fmt(x) for x in v) + (",)" if len(v) == 1 else ")")
+    return repr(v)
+
+
+def _join(first: str, second: str) -> str:
+    """'a' + 'b' -> 'a. b' (no doubled full stop); either may be empty."""
+    if first and second:
+        return f"{first}{'' if first.endswith(('.', ':', ';')) else '.'} {second}"
+    return first or second
+
+
+def _cell(text: str) -> str:
+    """Markdown table cell: `|` escaped everywhere; `*`, `<`, `>` escaped outside `code` spans."""
+    parts = text.split("`")
+    for i, part in enumerate(parts):
+        part = part.replace("|", "\\|")
+        if i % 2 == 0:  # outside backticks
+            part = part.replace("*", "\\*").replace("<", "&lt;").replace(">", "&gt;")
+        parts[i] = part
+    return "`".join(parts)
+
+
+@dataclass(frozen=True)
+class KeyDoc:
+    """One row of the table."""
+
+    key: str
+    default: str
+    meaning: str
+    section: str
+    verl: str | None
+    order: tuple[int, int]
+
+
+def _load_base(path: str):
+    spec = importlib.util.spec_from_file_location("_config_base_for_docs", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def collect(base_py: str = BASE_PY) -> tuple[list[KeyDoc], str]:
+    """Rows for every key of `get_base_config()` (source order, group rows included) and the module docstring."""
+    with open(base_py, encoding="utf-8") as f:
+        source = f.read()
+    module = _load_base(base_py)
+    stmts = parse_statements(source)
+    root = {s.path: s for s in stmts[ROOT_FUNCTION]}
+    helpers = {p: s for p, s in root.items() if s.helper}
+    verl_key = getattr(module, "verl_key", lambda key: None)
+    rows = []
+    for key, value, typ in _flatten(module.get_base_config()):
+        stmt, inner = root.get(key), None
+        if stmt is None:  # built by a helper: the helper's statement for the rest of the key
+            for prefix, h in helpers.items():
+                if key.startswith(prefix + "."):
+                    inner = next((s for s in stmts[h.helper] if s.path == key[len(prefix) + 1 :]), None)
+                    stmt = h
+        default = _fmt(value) if value is not None else f"None ({getattr(typ, '__name__', typ)})"
+        meaning = (inner or stmt).meaning if stmt else ""
+        order = (stmt.line if stmt else 10**9, inner.line if inner else 0)
+        rows.append(KeyDoc(key, default, meaning, stmt.section if stmt else "", verl_key(key), order))
+    # groups (`c.model.arch = mlc.ConfigDict()  # ...`) with a comment get a row of their own
+    for s in stmts[ROOT_FUNCTION]:
+        if s.meaning and not s.helper and any(r.key.startswith(s.path + ".") for r in rows):
+            rows.append(KeyDoc(s.path + ".*", "", s.meaning, s.section, None, (s.line, -1)))
+    rows.sort(key=lambda r: (r.order, r.key))
+    return rows, ast.get_docstring(ast.parse(source)) or ""
+
+
+def missing_meanings(rows: list[KeyDoc]) -> list[str]:
+    """Keys without a comment in configs/base.py."""
+    return [r.key for r in rows if not r.meaning]
+
+
+def render(base_py: str = BASE_PY) -> str:
+    """The full text of docs/config.md."""
+    rows, doc = collect(base_py)
+    missing = missing_meanings(rows)
+    if missing:
+        raise ValueError(f"configs/base.py: keys without a comment (add an inline `# meaning`): {missing}")
+    out = [
+        "# Configuration keys",
+        "",
+        f"<!-- Generated from configs/base.py by `{REGENERATE}`; do not edit by hand. -->",
+        "",
+        "Every key of `configs/base.py` with its default and meaning. Override any of them on the command line,",
+        "e.g. `python -m jaxrl_post.main --config=configs/grpo.py --config.rollout.n=4`; the job configs",
+        "(`configs/grpo.py`, `configs/ppo.py` and their variants) change some defaults.",
+        "",
+        "The *verl* column gives verl's full key for keys whose name and meaning (units included) are verl's;",
+        "a dash marks our own keys. Rows ending in `.*` describe a group of keys.",
+        "",
+        "From `configs/base.py`:",
+        "",
+        *(f"> {line}".rstrip() for line in doc.splitlines()),
+    ]
+    section = None
+    for r in rows:
+        if r.section != section:
+            section = r.section
+            out += ["", f"## {section or 'other'}", "", "| Key | Default | verl | Meaning |", "|---|---|---|---|"]
+        default = f"`{_cell(r.default)}`" if r.default else ""
+        verl = f"`{r.verl}`" if r.verl else "—"
+        out.append(f"| `{r.key}` | {default} | {verl} | {_cell(r.meaning)} |")
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Writes docs/config.md, or with `--check` reports whether it is up to date."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 if docs/config.md differs from a fresh render")
+    args = ap.parse_args(argv)
+    try:
+        text = render()
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 1
+    if args.check:
+        current = ""
+        if os.path.exists(DOC_PATH):
+            with open(DOC_PATH, encoding="utf-8") as f:
+                current = f.read()
+        if current != text:
+            print(f"docs/config.md is stale; regenerate it with: {REGENERATE}", file=sys.stderr)
+            return 1
+        return 0
+    os.makedirs(os.path.dirname(DOC_PATH), exist_ok=True)
+    with open(DOC_PATH, "w", encoding="utf-8") as f:
+        f.write(text)
+    print(f"wrote {os.path.relpath(DOC_PATH, REPO)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
