@@ -80,18 +80,16 @@ def parse_statements(source: str) -> dict[str, list[Statement]]:
     for fn in tree.body:
         if not isinstance(fn, ast.FunctionDef):
             continue
-        stmts, section, prev_end = [], "", fn.body[0].lineno - 1
-        for node in fn.body:
-            for row in range(prev_end + 1, node.lineno):  # section headers between statements
-                m = _SECTION.match(own_line.get(row, ""))
-                if m:
-                    section = m.group(1)
-            prev_end = node.end_lineno
-            if not (isinstance(node, ast.Assign) and len(node.targets) == 1):
-                continue
+        headers = {
+            r: m.group(1) for r, t in own_line.items() if fn.lineno < r <= fn.end_lineno and (m := _SECTION.match(t))
+        }
+        assigns = [n for n in ast.walk(fn) if isinstance(n, ast.Assign) and len(n.targets) == 1]  # nested too
+        stmts = []
+        for node in sorted(assigns, key=lambda n: n.lineno):
             path = _target_path(node.targets[0])
             if path is None:
                 continue
+            section = next((headers[r] for r in sorted(headers, reverse=True) if r < node.lineno), "")
             parts = [inline[r] for r in range(node.lineno, node.end_lineno + 1) if r in inline]
             above, row = [], node.lineno - 1
             while row in own_line and not _SECTION.match(own_line[row]):
