@@ -123,10 +123,22 @@ def gguf_tokenizer(path: str | os.PathLike):
       FileNotFoundError: ``path`` does not exist.
       ValueError: the file has no ``tokenizer.ggml.tokens``, or names a tokenizer model transformers
         cannot build (``tokenizer.ggml.model`` not in its builders).
-      ImportError: a transformers without ``integrations.gguf.gguf_tokenizer_mapping`` (before 5.20).
+      ImportError: transformers older than 5.23 (``pyproject.toml`` requires ``>=5.23``; earlier versions
+        lack the torch-free ``integrations.gguf.gguf_tokenizer_mapping`` or build llama-type files differently).
     """
+    import transformers
     from transformers import PreTrainedTokenizerFast
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+
+    try:  # transformers >= 5.18; the add_bos_token rules below match its GGUF tokenizer from 5.23 on
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+            GGUF_TOKENIZER_MAPPING,
+            convert_gguf_tokenizer,
+        )
+    except ImportError as e:
+        raise ImportError(
+            f"building a tokenizer from a GGUF file without torch needs transformers>=5.23 "
+            f"(found {transformers.__version__}): pip install -U 'transformers>=5.23'"
+        ) from e
 
     from jaxrl_post.models.gguf_io import gguf_metadata
 
