@@ -1,7 +1,9 @@
 """Tokenizer helpers: load (HF dir or GGUF), chat template with exactly one BOS, stop-token ids.
 
-Tokenizers come from ``transformers.AutoTokenizer``: from an HF directory, or from a GGUF file via
-``gguf_file=`` (transformers rebuilds the tokenizer and the chat template from the GGUF metadata).
+Tokenizers come from ``transformers``: ``AutoTokenizer`` for an HF directory, and for a GGUF file
+:func:`gguf_tokenizer`, which builds the same tokenizer as ``AutoTokenizer.from_pretrained(dir,
+gguf_file=...)`` without importing torch (transformers' own GGUF path parses the file with a torch-based
+reader; nothing at run time here may need torch).
 
 The double-BOS problem: many chat templates render ``{{ bos_token }}`` themselves (Llama 3, Gemma), and
 tokenizers of those models also prepend BOS when encoding with special tokens, giving ``<bos><bos>...``.
@@ -19,6 +21,7 @@ from typing import Any
 
 __all__ = [
     "load_tokenizer",
+    "gguf_tokenizer",
     "render_chat",
     "apply_chat_template",
     "tokenizer_adds_bos",
@@ -40,6 +43,15 @@ END_OF_TURN_TOKENS = (
     "<eos>",  # Gemma end of text
 )
 
+# `AutoTokenizer`'s special-token kwarg -> GGUF metadata key `tokenizer.ggml.<key>` holding its id
+# (as in transformers.integrations.gguf.gguf_tokenizer_mapping._SPECIAL_TOKENS).
+_GGUF_SPECIAL_TOKEN_KEYS = {
+    "bos_token": "bos_token_id",
+    "eos_token": "eos_token_id",
+    "unk_token": "unknown_token_id",
+    "pad_token": "padding_token_id",
+}
+
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 
 
@@ -57,9 +69,13 @@ def load_tokenizer(path_or_name: str | os.PathLike, *, missing_ok: bool = False)
     Returns: a ``transformers`` tokenizer. If it has no pad token, ``pad_token`` is set to the EOS token
       (the usual choice for decoder-only models, as verl does; padding positions are masked everywhere,
       so the id only has to be a valid one).
+    A ``.gguf`` goes through :func:`gguf_tokenizer` (no torch); an HF directory through
+    ``transformers.AutoTokenizer``.
+
     Raises:
       FileNotFoundError: a directory without tokenizer files (unless ``missing_ok``), or a missing path.
-      ValueError / RuntimeError: from ``resolve_model_path`` for unknown names or unreachable hub ids.
+      ValueError / RuntimeError: from ``resolve_model_path`` for unknown names or unreachable hub ids;
+        from :func:`gguf_tokenizer` for a GGUF without a usable vocabulary.
     """
     from transformers import AutoTokenizer
 
@@ -67,7 +83,7 @@ def load_tokenizer(path_or_name: str | os.PathLike, *, missing_ok: bool = False)
 
     kind, path = resolve_model_path(path_or_name)
     if kind == "gguf":
-        tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+        tok = gguf_tokenizer(path)
     else:
         if not _has_tokenizer_files(path):
             if missing_ok:
@@ -80,6 +96,77 @@ def load_tokenizer(path_or_name: str | os.PathLike, *, missing_ok: bool = False)
         tok.pad_token = tok.eos_token
         log.info("tokenizer has no pad token; using eos %r as pad", tok.eos_token)
     return tok
+
+
+def gguf_tokenizer(path: str | os.PathLike):
+    """The tokenizer a GGUF file describes, equal to ``AutoTokenizer.from_pretrained(dir, gguf_file=...)``.
+
+    Built without torch from the file's metadata (read with the ``gguf`` package through
+    ``gguf_io.gguf_metadata``): vocabulary, merges and token types (``tokenizer.ggml.*``), the special
+    tokens from the ``tokenizer.ggml.{bos,eos,unknown,padding}_token_id`` ids, ``add_bos_token`` /
+    ``add_eos_token``, and the chat template (``tokenizer.chat_template``). The backend tokenizer
+    (normalizer, pre-tokenizer, decoder, control tokens as special tokens, user-defined tokens as added
+    tokens) comes from transformers' torch-free ``convert_gguf_tokenizer``; the result is wrapped in
+    ``transformers.PreTrainedTokenizerFast``.
+
+    Source: transformers ``integrations/gguf/gguf_tokenizer_mapping.py::get_gguf_tokenizer`` (which reads
+    the file with ``integrations/gguf/reader.py``, a module that imports torch) and
+    ``TokenizersBackend.__init__``'s ``gguf_file`` branch; the metadata grouping, the llama/gemma4
+    ``add_bos_token`` rules and the special-token lookup are theirs, repeated here. The pad token is the
+    file's (``padding_token_id``) and may be None; :func:`load_tokenizer` fills it in.
+
+    Args:
+      path: a ``.gguf`` file.
+    Returns: ``transformers.PreTrainedTokenizerFast``; ``len(tok)`` is the GGUF vocabulary size (special
+      tokens are vocabulary entries, so none are appended).
+    Raises:
+      FileNotFoundError: ``path`` does not exist.
+      ValueError: the file has no ``tokenizer.ggml.tokens``, or names a tokenizer model transformers
+        cannot build (``tokenizer.ggml.model`` not in its builders).
+      ImportError: transformers older than 5.23 (``pyproject.toml`` requires ``>=5.23``; earlier versions
+        lack the torch-free ``integrations.gguf.gguf_tokenizer_mapping`` or build llama-type files differently).
+    """
+    import transformers
+    from transformers import PreTrainedTokenizerFast
+
+    try:  # transformers >= 5.18; the add_bos_token rules below match its GGUF tokenizer from 5.23 on
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+            GGUF_TOKENIZER_MAPPING,
+            convert_gguf_tokenizer,
+        )
+    except ImportError as e:
+        raise ImportError(
+            f"building a tokenizer from a GGUF file without torch needs transformers>=5.23 "
+            f"(found {transformers.__version__}): pip install -U 'transformers>=5.23'"
+        ) from e
+
+    from jaxrl_post.models.gguf_io import gguf_metadata
+
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF file {path} does not exist")
+    meta = gguf_metadata(path, include_vocab=True)
+    tokenizer_dict, tokenizer_config = (
+        {
+            name: meta[f"tokenizer.{key}"]
+            for key, name in GGUF_TOKENIZER_MAPPING[group].items()
+            if f"tokenizer.{key}" in meta
+        }
+        for group in ("tokenizer", "tokenizer_config")
+    )
+    if not tokenizer_dict.get("tokens"):
+        raise ValueError(f"{path} has no tokenizer vocabulary (metadata key tokenizer.ggml.tokens)")
+    tokenizer_type = tokenizer_dict.get("tokenizer_type")
+    if tokenizer_type == "llama":  # older sentencepiece files have no flag; llama.cpp adds BOS for them
+        tokenizer_config.setdefault("add_bos_token", True)
+    elif tokenizer_type == "gemma4":  # the chat template writes <bos> itself
+        tokenizer_config["add_bos_token"] = False
+    for name, key in _GGUF_SPECIAL_TOKEN_KEYS.items():
+        token_id = meta.get(f"tokenizer.ggml.{key}")
+        tokenizer_config[name] = tokenizer_dict["tokens"][token_id] if token_id is not None else None
+    backend, extra_kwargs = convert_gguf_tokenizer(meta["general.architecture"], tokenizer_dict)
+    tokenizer_config.update(extra_kwargs)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, name_or_path=path, **tokenizer_config)
 
 
 def tokenizer_adds_bos(tokenizer) -> bool:
