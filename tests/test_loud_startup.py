@@ -73,6 +73,14 @@ def test_malformed_row_reported_before_model_load(tmp_path):
         f"{train}, row 2 (line 3): malformed row: missing 'reward_model.ground_truth'. Fix the row, or skip and "
         "count malformed rows with skip_malformed=True (--config.data.skip_malformed=True)."
     )
+    # with data.skip_malformed the row is skipped and counted in the data stats (logged at step 0)
+    from jaxrl_post.trainer.builders import load_data_rows
+
+    c = _unloadable_model_config(tmp_path, train)
+    c.data.skip_malformed = True
+    data = load_data_rows(c)
+    assert len(data.train) == 3 and data.stats["data/num_skipped_malformed"] == 1
+    assert data.train.where == [f"{train}, row {i} (line {i + 1})" for i in (0, 1, 3)]
     # the pipeline names a row's file and row too (an overlong prompt, truncation='error')
     from jaxrl_post.data.pipeline import make_dataloader
     from jaxrl_post.trainer.char_tokenizer import build_char_tokenizer
