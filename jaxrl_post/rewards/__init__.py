@@ -50,6 +50,10 @@ MATH_SOURCES = (
 _RG_PREFIXES = reasoning_gym_reward.DATA_SOURCE_PREFIXES
 
 
+def _is_reasoning_gym(data_source: str) -> bool:  # also used by trainer/validation.py (maj@k answers)
+    return data_source in ("reasoning_gym", "reasoning-gym") or data_source.startswith(_RG_PREFIXES)
+
+
 def _gsm8k_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
     return gsm8k.compute_score(solution_str, ground_truth, **kwargs)
 
