@@ -181,8 +181,9 @@ def get_base_config() -> mlc.ConfigDict:
     # ---------------------------------------------------------------- rewards
     c.reward_model = mlc.ConfigDict()
     c.reward_model.reward_manager = "naive"  # only 'naive' (rule-based, dispatch by data_source)
-    c.reward_model.num_workers = 2  # worker threads scoring decoded responses
+    c.reward_model.num_workers = 2  # worker processes scoring decoded responses; 0 = in process (helper thread)
     c.reward_model.timeout_s = 10.0  # per-call timeout; errors/timeouts score 0 and are counted
+    c.reward_model.max_error_fraction = 0.5  # stop the run when more of a batch's reward calls fail (1.0 = never)
     c.custom_reward_function = mlc.ConfigDict()
     c.custom_reward_function.path = _opt_str()  # python file with a scoring function (overrides dispatch)
     c.custom_reward_function.name = "compute_score"  # function name inside that file

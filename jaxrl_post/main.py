@@ -13,6 +13,8 @@ import os
 import sys
 
 _CONFIG_FLAG = "config"
+USAGE = "usage: python -m jaxrl_post.main --config=configs/grpo.py[:variant] [--config.key=value ...]"
+_HELP_FLAGS = ("-h", "--help", "--helpshort", "--helpfull", "--helpxml")
 
 
 class UnknownConfigKeyError(ValueError):
@@ -63,6 +65,12 @@ def check_override_keys(argv: list[str]) -> None:
             raise UnknownConfigKeyError(f"unknown config key config.{key} (from --{_CONFIG_FLAG}.{key}){hint}")
 
 
+def has_config_flag(argv: list[str]) -> bool:
+    """Whether argv names a job config (`--config=path[:variant]` or `--config path`) or asks for help."""
+    args = argv[1:]
+    return any(a == f"--{_CONFIG_FLAG}" or a.startswith(f"--{_CONFIG_FLAG}=") or a in _HELP_FLAGS for a in args)
+
+
 def main(argv) -> None:
     del argv
     from jaxrl_post.trainer.config_check import ConfigError
@@ -88,6 +96,12 @@ def run(argv=None) -> None:
     from ml_collections import config_flags
 
     argv = list(sys.argv if argv is None else argv)
+    if not has_config_flag(argv):
+        print(f"{USAGE}\nerror: --{_CONFIG_FLAG} is required", file=sys.stderr)
+        sys.exit(2)
+    from jaxrl_post.log_noise import quiet_startup_noise
+
+    quiet_startup_noise()
     try:
         check_override_keys(argv)
     except UnknownConfigKeyError as e:

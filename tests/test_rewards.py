@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from jaxrl_post.rewards import (
+    RewardFunctionError,
     RewardManager,
     default_compute_score,
     gsm8k,
@@ -326,7 +327,8 @@ def test_manager_pool_raise_hang_crash(custom_file):
     texts = ["7", "RAISE", "HANG", "8", "CRASH", "9", "HANG"]
     gts = ["7", "x", "x", "8", "x", "0", "x"]
     data = _batch(texts, R=6, ground_truths=gts)
-    with RewardManager(fn, CharTokenizer(), num_workers=2, timeout_s=1.0) as mgr:
+    # 4 of 7 calls fail: allowed here (max_error_fraction=1.0), to see each kind counted
+    with RewardManager(fn, CharTokenizer(), num_workers=2, timeout_s=1.0, max_error_fraction=1.0) as mgr:
         t0 = time.monotonic()
         out = mgr.compute(data)
         first = time.monotonic() - t0
@@ -339,6 +341,15 @@ def test_manager_pool_raise_hang_crash(custom_file):
         out2 = mgr.compute(_batch(["5", "6"], R=3, ground_truths=["5", "5"]))
         np.testing.assert_array_equal(out2.scores, [1, 0])
         assert out2.metrics["reward/num_errors"] == 0 and out2.metrics["reward/num_timeouts"] == 0
+        # over the default limit (half the batch): the first failure, with the worker's traceback
+        mgr.max_error_fraction = 0.5
+        with pytest.raises(RewardFunctionError) as e:
+            mgr.compute(_batch(["5", "RAISE", "RAISE"], R=5, ground_truths=["5", "x", "x"], data_source="my/src"))
+        msg = str(e.value)
+        assert "failed on 2 of 3 responses (67%" in msg and "max_error_fraction=0.5" in msg
+        assert "row 1 (data_source='my/src')" in msg and "in worker processes: RuntimeError: boom" in msg
+        assert "my_reward.py" in msg and "Traceback of that call (reward worker)" in msg
+        assert 'raise RuntimeError("boom")' in msg  # the worker's traceback, source line included
     assert first < 60, f"batch with hung calls took {first:.1f}s"
 
 

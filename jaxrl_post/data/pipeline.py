@@ -32,6 +32,7 @@ import numpy as np
 
 __all__ = [
     "PromptDataLoader",
+    "PromptError",
     "PromptIterator",
     "compute_position_ids",
     "left_pad",
@@ -43,6 +44,16 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
+class PromptError(ValueError):
+    """A prompt that cannot be used (chat template fails, too long with truncation='error'); `index` is the
+    row's position in the list given to the pipeline. `PromptDataLoader` re-raises it naming the row's origin."""
+
+    def __init__(self, index: int, reason: str):
+        super().__init__(f"row {index}: {reason}")
+        self.index = index
+        self.reason = reason
+
+
 def tokenize_prompts(tokenizer, conversations: Sequence[Sequence[dict]], chunk: int = 512) -> list[list[int]]:
     """Chat-template token ids (with the generation prompt) of many conversations, exactly one BOS each.
 
@@ -50,6 +61,8 @@ def tokenize_prompts(tokenizer, conversations: Sequence[Sequence[dict]], chunk: 
     template to text, tokenize without special tokens, prepend BOS only if the tokenizer normally adds
     one and the template did not, collapse a doubled BOS), but the BOS probe runs once and the texts are
     tokenized in batches (the per-call version costs ~10x more on GSM8K-sized data).
+
+    Raises: PromptError naming the position of a conversation the chat template rejects.
     """
     from jaxrl_post.models.tokenizer import render_chat, tokenizer_adds_bos
 
@@ -57,9 +70,12 @@ def tokenize_prompts(tokenizer, conversations: Sequence[Sequence[dict]], chunk: 
     add_bos = bos is not None and tokenizer_adds_bos(tokenizer)
     out: list[list[int]] = []
     for start in range(0, len(conversations), chunk):
-        texts = [
-            render_chat(tokenizer, list(m), add_generation_prompt=True) for m in conversations[start : start + chunk]
-        ]
+        texts = []
+        for j, m in enumerate(conversations[start : start + chunk]):
+            try:
+                texts.append(render_chat(tokenizer, list(m), add_generation_prompt=True))
+            except Exception as e:
+                raise PromptError(start + j, f"the chat template failed on its prompt: {type(e).__name__}: {e}") from e
         for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]:
             ids = [int(i) for i in ids]
             if bos is not None:
@@ -120,9 +136,11 @@ class PromptDataLoader:
         `truncation` decides: 'error' (raise, naming the row), 'left' (keep the last P tokens) or
         'right' (keep the first P).
       pad_token_id: default tokenizer.pad_token_id, else eos_token_id, else 0.
+      where: each row's origin ("<file>, row <i>", `sources.Rows.where`), used in error messages.
     Raises:
       ValueError: no rows left after filtering, batch_size larger than the data with drop_remainder,
-        overlong prompt with truncation='error', bad arguments.
+        bad arguments. MalformedRowError (a ValueError): a prompt the chat template rejects, or an overlong
+        prompt with truncation='error'; the message names the row's file and row number.
     """
 
     def __init__(
@@ -139,8 +157,11 @@ class PromptDataLoader:
         filter_overlong_prompts: bool = True,
         truncation: str = "error",
         pad_token_id: int | None = None,
+        where: Sequence[str] | None = None,
     ):
         import grain
+
+        from jaxrl_post.data.sources import SKIP_MALFORMED_HINT, MalformedRowError
 
         if batch_size < 1 or max_prompt_length < 1:
             raise ValueError(f"batch_size ({batch_size}) and max_prompt_length ({max_prompt_length}) must be >= 1")
@@ -162,16 +183,20 @@ class PromptDataLoader:
         self._index: list[int] = []
         self.num_filtered = 0
         self.num_truncated = 0
-        all_ids = tokenize_prompts(tokenizer, [row["prompt"] for row in rows])
+        name = lambda i: where[i] if where is not None and len(where) == len(rows) else f"row {i}"
+        try:
+            all_ids = tokenize_prompts(tokenizer, [row["prompt"] for row in rows])
+        except PromptError as e:
+            raise MalformedRowError(f"{name(e.index)}: malformed row: {e.reason}. {SKIP_MALFORMED_HINT}") from e
         for i, (row, ids) in enumerate(zip(rows, all_ids)):
             if len(ids) > P:
                 if filter_overlong_prompts:
                     self.num_filtered += 1
                     continue
                 if truncation == "error":
-                    raise ValueError(
-                        f"row {i} (data_source={row.get('data_source')!r}) has a {len(ids)}-token prompt > "
-                        f"max_prompt_length={P}; raise data.max_prompt_length, set "
+                    raise MalformedRowError(
+                        f"{name(i)} (data_source={row.get('data_source')!r}) has a "
+                        f"{len(ids)}-token prompt > max_prompt_length={P}; raise data.max_prompt_length, set "
                         "data.filter_overlong_prompts=True, or data.truncation='left'/'right'"
                     )
                 ids = ids[-P:] if truncation == "left" else ids[:P]
@@ -309,7 +334,9 @@ def make_dataloader(
     truncation: str = "error",
     pad_token_id: int | None = None,
 ) -> PromptDataLoader:
-    """Build the prompt pipeline (see PromptDataLoader). `rows` may be a `sources.Rows`."""
+    """Build the prompt pipeline (see PromptDataLoader). `rows` may be a `sources.Rows` (its `where` then
+    names rows in error messages)."""
+    where = getattr(rows, "where", None) or None
     rows = getattr(rows, "rows", rows)
     return PromptDataLoader(
         rows,
@@ -323,4 +350,5 @@ def make_dataloader(
         filter_overlong_prompts=filter_overlong_prompts,
         truncation=truncation,
         pad_token_id=pad_token_id,
+        where=where,
     )

@@ -27,6 +27,7 @@ __all__ = [
     "MalformedRowError",
     "PROMPT_FORMATS",
     "Rows",
+    "SKIP_MALFORMED_HINT",
     "gsm8k_rows",
     "hf_rows",
     "load_rows",
@@ -63,23 +64,39 @@ PROMPT_FORMATS: dict[str, tuple[str, str]] = {
 }
 
 
+SKIP_MALFORMED_HINT = (
+    "Fix the row, or skip and count malformed rows with skip_malformed=True (--config.data.skip_malformed=True)."
+)
+
+
 class MalformedRowError(ValueError):
-    """A row that is not valid verl format; the message names the file/source and the row number."""
+    """A row that is not valid verl format; the message names the file/source, the row number, what is wrong,
+    and how to skip such rows (`skip_malformed=True`, i.e. `--config.data.skip_malformed=True`)."""
 
 
 @dataclasses.dataclass
 class Rows:
-    """Loaded rows plus bookkeeping: `num_skipped` malformed rows (with skip_malformed=True)."""
+    """Loaded rows plus bookkeeping: `num_skipped` malformed rows (with skip_malformed=True) and `where`,
+    each row's origin ("<file>, row <i> (line <n>)"; empty when unknown) for error messages downstream."""
 
     rows: list[dict[str, Any]]
     num_skipped: int = 0
     source: str = ""
+    where: list[str] = dataclasses.field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def __add__(self, other: Rows) -> Rows:
-        return Rows(self.rows + other.rows, self.num_skipped + other.num_skipped, f"{self.source}+{other.source}")
+        where = self.where + other.where if len(self.where) == len(self) and len(other.where) == len(other) else []
+        return Rows(
+            self.rows + other.rows, self.num_skipped + other.num_skipped, f"{self.source}+{other.source}", where
+        )
+
+    def select(self, indices: Sequence[int]) -> Rows:
+        """The rows at `indices` (their `where` entries follow them)."""
+        where = [self.where[i] for i in indices] if len(self.where) == len(self) else []
+        return Rows([self.rows[i] for i in indices], self.num_skipped, self.source, where)
 
 
 # ------------------------------------------------------------------------------------------ checks
@@ -134,19 +151,20 @@ def _collect(
 ) -> Rows:
     """Convert (where, raw) items with convert(raw, position); malformed -> MalformedRowError(where:
     reason) or skip + count."""
-    rows, skipped = [], 0
+    rows, wheres, skipped = [], [], 0
     for i, (where, raw) in enumerate(items):
         try:
             rows.append(normalize_row(convert(_raise_bad(raw), i)))
+            wheres.append(where)
         except (ValueError, KeyError, TypeError) as e:
             if not skip_malformed:
-                raise MalformedRowError(f"{where}: malformed row: {e}") from e
+                raise MalformedRowError(f"{where}: malformed row: {e}. {SKIP_MALFORMED_HINT}") from e
             skipped += 1
             if skipped <= 5:
                 log.warning("skipping malformed row at %s: %s", where, e)
     if skipped:
         log.warning("%s: skipped %d malformed rows (skip_malformed=True)", source, skipped)
-    return Rows(rows, skipped, source)
+    return Rows(rows, skipped, source, wheres)
 
 
 class _BadLine:
@@ -438,7 +456,7 @@ def load_rows(
     if spec.startswith(("reasoning_gym:", "reasoning_gym/")):
         task = spec.split(":", 1)[1] if ":" in spec else spec.split("/", 1)[1]
         rows = reasoning_gym_rows(task, size, seed, config, prompt_format, system_prompt)
-        return Rows(rows, 0, spec)
+        return Rows(rows, 0, spec, [f"{spec} (seed {seed}), row {i}" for i in range(len(rows))])
     if spec.startswith("hf:"):
         path, _, name = spec[3:].partition(":")
         return hf_rows(path, name or None, split=split, skip_malformed=skip_malformed)

@@ -2,6 +2,7 @@
 
 Public API:
   default_compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict
+  REWARD_FUNCTIONS / get_reward_fn(data_source) / check_data_sources(sources): the registry by data_source
   load_custom_reward_fn(path, name="compute_score", reward_kwargs=None) -> picklable callable
   RewardManager(compute_score, tokenizer, num_workers, timeout_s)   (see manager.py)
   gsm8k, math_reward, reasoning_gym_reward: the scorers.
@@ -13,19 +14,25 @@ import hashlib
 import importlib.util
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from jaxrl_post.rewards import gsm8k, math_reward, reasoning_gym_reward
-from jaxrl_post.rewards.manager import RewardManager, RewardOutput
+from jaxrl_post.rewards.manager import RewardFunctionError, RewardManager, RewardOutput
 
 __all__ = [
     "CustomRewardFunction",
     "GSM8K_SOURCES",
     "MATH_SOURCES",
+    "REWARD_FUNCTIONS",
+    "RewardFunctionError",
     "RewardManager",
     "RewardOutput",
+    "UnknownDataSourceError",
+    "check_data_sources",
     "default_compute_score",
+    "get_reward_fn",
+    "known_data_sources",
     "gsm8k",
     "load_custom_reward_fn",
     "math_reward",
@@ -43,8 +50,81 @@ MATH_SOURCES = (
 _RG_PREFIXES = reasoning_gym_reward.DATA_SOURCE_PREFIXES
 
 
-def _is_reasoning_gym(data_source: str) -> bool:
+def _is_reasoning_gym(data_source: str) -> bool:  # also used by trainer/validation.py (maj@k answers)
     return data_source in ("reasoning_gym", "reasoning-gym") or data_source.startswith(_RG_PREFIXES)
+
+
+def _gsm8k_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    return gsm8k.compute_score(solution_str, ground_truth, **kwargs)
+
+
+def _math_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    return math_reward.compute_score(solution_str, ground_truth, **kwargs)
+
+
+def _reasoning_gym_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    return reasoning_gym_reward.compute_score(
+        solution_str, ground_truth, extra_info=extra_info, data_source=data_source, **kwargs
+    )
+
+
+# The reward registry: data_source -> scorer(data_source, solution_str, ground_truth, extra_info, **kwargs).
+REWARD_FUNCTIONS: dict[str, Callable[..., Any]] = {
+    **dict.fromkeys(GSM8K_SOURCES, _gsm8k_score),
+    **dict.fromkeys(MATH_SOURCES, _math_score),
+    "reasoning_gym": _reasoning_gym_score,  # the task comes from extra_info["task"]
+    "reasoning-gym": _reasoning_gym_score,
+}
+# data_source prefixes: 'reasoning_gym/<task>' etc.
+REWARD_FUNCTION_PREFIXES: dict[str, Callable[..., Any]] = dict.fromkeys(_RG_PREFIXES, _reasoning_gym_score)
+
+
+class UnknownDataSourceError(NotImplementedError):
+    """A data_source with no reward function in the registry (and no custom reward function set)."""
+
+
+def known_data_sources() -> list[str]:
+    """The data sources `default_compute_score` can score (prefixes shown as '<prefix><task>')."""
+    return list(REWARD_FUNCTIONS) + [f"{p}<task>" for p in REWARD_FUNCTION_PREFIXES]
+
+
+def _unknown_message(unknown: list[str]) -> str:
+    what = f"data_source={unknown[0]!r}" if len(unknown) == 1 else f"data_sources {unknown}"
+    return (
+        f"No reward function for {what}. Known data sources: {known_data_sources()}. "
+        "Set custom_reward_function.path/name (--config.custom_reward_function.path=my_reward.py) "
+        "to score other sources."
+    )
+
+
+def get_reward_fn(data_source: str) -> Callable[..., Any]:
+    """The registry's scorer for `data_source` (exact name first, then prefix).
+
+    Raises:
+      UnknownDataSourceError: no scorer for it (the message lists the known data sources).
+    """
+    if data_source in REWARD_FUNCTIONS:
+        return REWARD_FUNCTIONS[data_source]
+    for prefix, fn in REWARD_FUNCTION_PREFIXES.items():
+        if data_source.startswith(prefix):
+            return fn
+    raise UnknownDataSourceError(_unknown_message([data_source]))
+
+
+def check_data_sources(data_sources: Iterable[str]) -> None:
+    """Check that `default_compute_score` can score every data source (call it before training).
+
+    Raises:
+      UnknownDataSourceError: some are unknown; the message names all of them and lists the known ones.
+    """
+    unknown = []
+    for ds in dict.fromkeys(data_sources):
+        try:
+            get_reward_fn(str(ds))
+        except UnknownDataSourceError:
+            unknown.append(str(ds))
+    if unknown:
+        raise UnknownDataSourceError(_unknown_message(unknown))
 
 
 def default_compute_score(
@@ -59,24 +139,12 @@ def default_compute_score(
     'openai/gsm8k', 'gsm8k' -> gsm8k.compute_score (strict "####" answer, numeric comparison);
     MATH sources (MATH_SOURCES) -> math_reward.compute_score (boxed answer, math-verify);
     'reasoning_gym/<task>' (or 'reasoning_gym' with extra_info['task']) -> the task's own scorer.
-    Extra keyword arguments go to the scorer.
+    Extra keyword arguments go to the scorer. The registry is `REWARD_FUNCTIONS` (+ prefixes).
 
     Raises:
-      NotImplementedError: unknown data source (the message lists the known ones).
+      UnknownDataSourceError (a NotImplementedError): unknown data source (the message lists the known ones).
     """
-    if data_source in GSM8K_SOURCES:
-        return gsm8k.compute_score(solution_str, ground_truth, **kwargs)
-    if data_source in MATH_SOURCES:
-        return math_reward.compute_score(solution_str, ground_truth, **kwargs)
-    if _is_reasoning_gym(data_source):
-        return reasoning_gym_reward.compute_score(
-            solution_str, ground_truth, extra_info=extra_info, data_source=data_source, **kwargs
-        )
-    known = list(GSM8K_SOURCES) + list(MATH_SOURCES) + ["reasoning_gym/<task>"]
-    raise NotImplementedError(
-        f"No reward function for data_source={data_source!r}. Known data sources: {known}. "
-        "Set custom_reward_function.path/name to score other sources."
-    )
+    return get_reward_fn(data_source)(data_source, solution_str, ground_truth, extra_info, **kwargs)
 
 
 class CustomRewardFunction:

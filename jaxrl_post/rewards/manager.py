@@ -3,9 +3,11 @@
 For each row: decode the valid response tokens (response_mask), call
 `compute_score(data_source, solution_str, ground_truth, extra_info)`, and put the score on the row's
 last valid response token. Calls run in a process pool with a per-call timeout (`pool.py`), or in
-process without a timeout when `num_workers=0`. A call that raises, times out, kills its worker or
-returns something that is not a number / a dict with a numeric 'score' scores 0.0 and is counted;
-the batch always completes.
+process on a helper thread with the same timeout when `num_workers=0` (`inprocess.py`). A call that
+raises, times out, kills its worker or returns something that is not a number / a dict with a numeric
+'score' scores 0.0 and is counted. When more than `max_error_fraction` of a batch's calls fail, the
+batch raises `RewardFunctionError` (the first failure, its traceback, the function and the data source):
+a reward function that fails on most inputs is a bug, not a zero reward.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ from typing import Any
 
 import numpy as np
 
+from jaxrl_post.rewards.inprocess import ThreadCaller, call_safely
 from jaxrl_post.rewards.pool import CallResult, RewardWorkerPool
 
-__all__ = ["RewardManager", "RewardOutput"]
+__all__ = ["RewardFunctionError", "RewardManager", "RewardOutput"]
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +42,19 @@ class RewardOutput:
     errors: list[str] = field(default_factory=list)
 
 
-def _call(fn, args) -> CallResult:
-    try:
-        return CallResult("ok", value=fn(*args))
-    except Exception as e:
-        return CallResult("error", message=f"{type(e).__name__}: {e}")
+class RewardFunctionError(RuntimeError):
+    """More than `max_error_fraction` of a batch's reward calls failed (raised or timed out).
+
+    The message names the reward function, the fraction, and the first failure (row, data source, error). In
+    process, the original exception (with its traceback) is `__cause__`; from a worker process, the message
+    ends with the worker's traceback text.
+    """
+
+
+def _fn_label(fn: Any) -> str:
+    if hasattr(fn, "path") and hasattr(fn, "name"):  # CustomRewardFunction
+        return f"{fn.name!r} from {fn.path} (custom_reward_function)"
+    return getattr(fn, "__qualname__", None) or repr(fn)
 
 
 def _to_float(x: Any) -> float:
@@ -61,12 +72,15 @@ class RewardManager:
       compute_score: fn(data_source, solution_str, ground_truth, extra_info) -> float | dict with
         'score' (other keys become extra infos). Default: `default_compute_score`.
       tokenizer: HF-style tokenizer with `batch_decode` / `decode`.
-      num_workers: processes in the reward pool; 0 = call in process (no timeout possible).
-      timeout_s: per-call limit (num_workers > 0).
+      num_workers: processes in the reward pool; 0 = call in process (on a helper thread, see inprocess.py).
+      timeout_s: per-call limit in seconds; None = no limit (num_workers=0 only: calls run on this thread).
       mp_context: 'forkserver' (default on POSIX) or 'spawn'.
       skip_special_tokens: passed to decode (verl decodes with True).
       num_examine: log this many decoded responses of the first call (debugging aid, like verl).
-    Raises (at construction): TypeError if `compute_score` is not picklable and num_workers > 0.
+      max_error_fraction: `compute` raises RewardFunctionError when more than this fraction of a batch's
+        calls fail (raise, time out, crash, bad return value); 1.0 = never raise.
+    Raises (at construction): TypeError if `compute_score` is not picklable and num_workers > 0;
+      ValueError if `max_error_fraction` is not in [0, 1] or `timeout_s` is not > 0.
     """
 
     def __init__(
@@ -78,6 +92,7 @@ class RewardManager:
         mp_context: str | None = None,
         skip_special_tokens: bool = True,
         num_examine: int = 0,
+        max_error_fraction: float = 0.5,
     ):
         if compute_score is None:
             from jaxrl_post.rewards import default_compute_score
@@ -92,9 +107,15 @@ class RewardManager:
         self.skip_special_tokens = skip_special_tokens
         self.num_examine = num_examine
         self._examined = 0
+        if not 0.0 <= float(max_error_fraction) <= 1.0:
+            raise ValueError(f"max_error_fraction must be in [0, 1], got {max_error_fraction}")
+        if timeout_s is not None and timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0 (or None in process), got {timeout_s}")
+        self.max_error_fraction = float(max_error_fraction)
         self._pool = (
             RewardWorkerPool(compute_score, self.num_workers, timeout_s, mp_context) if self.num_workers > 0 else None
         )
+        self._thread = ThreadCaller(compute_score, timeout_s) if self._pool is None and timeout_s else None
         self.total_errors = 0
         self.total_timeouts = 0
 
@@ -128,7 +149,12 @@ class RewardManager:
 
     def compute(self, data) -> RewardOutput:
         """Score `data` (a DataProto with batch 'responses' [B, R] and 'response_mask' [B, R], and
-        non_tensor 'data_source', 'ground_truth' (or 'reward_model'), optional 'extra_info')."""
+        non_tensor 'data_source', 'ground_truth' (or 'reward_model'), optional 'extra_info').
+
+        Raises:
+          RewardFunctionError: more than `max_error_fraction` of the calls failed.
+          KeyError / ValueError: the batch lacks a needed key or its masks do not match.
+        """
         texts, last = self.decode_responses(data)
         B = len(texts)
         R = np.asarray(data.batch["responses"]).shape[1]
@@ -142,13 +168,16 @@ class RewardManager:
 
         if self._pool is not None:
             results = self._pool.map(args)
+        elif self._thread is not None:
+            results = [self._thread.call(a) for a in args]
         else:
-            results = [_call(self.compute_score, a) for a in args]
+            results = [call_safely(self.compute_score, a) for a in args]
 
         scores = np.zeros((B,), np.float32)
         extra: dict[str, list[Any]] = {}
         n_err = n_timeout = 0
         errors: list[str] = []
+        first_fail: tuple[int, CallResult] | None = None
         for i, res in enumerate(results):
             if res.status == "ok":
                 try:
@@ -165,12 +194,16 @@ class RewardManager:
                     scores[i] = s
                     continue
                 except Exception as e:
-                    res = CallResult("error", message=f"{type(e).__name__}: {e}")
+                    res = CallResult("error", message=f"{type(e).__name__}: {e}", exception=e)
+            if first_fail is None:
+                first_fail = (i, res)
             n_err += 1  # every failed call, timeouts included (issue: "raises or exceeds its timeout")
             if res.status == "timeout":
                 n_timeout += 1
             if len(errors) < 8:
                 errors.append(f"row {i} (data_source={sources[i]!r}): {res.message}")
+        if first_fail is not None and n_err > self.max_error_fraction * B:
+            self._raise_failed(first_fail, sources, n_err, n_timeout, B)
         if errors:
             log.warning(
                 "reward: %d failed calls (%d timeouts) in a batch of %d; first: %s", n_err, n_timeout, B, errors[0]
@@ -203,6 +236,19 @@ class RewardManager:
             self._examined = self.num_examine
         return RewardOutput(token_level, scores, metrics, extra_infos, errors)
 
+    def _raise_failed(self, first: tuple[int, CallResult], sources: list, n_err: int, n_timeout: int, B: int):
+        i, res = first
+        where = "in worker processes" if self._pool is not None else "in process"
+        msg = (
+            f"reward function {_fn_label(self.compute_score)} failed on {n_err} of {B} responses "
+            f"({n_err / B:.0%}, {n_timeout} timeouts; limit reward_model.max_error_fraction="
+            f"{self.max_error_fraction:g}). First failure, row {i} (data_source={sources[i]!r}), {where}: "
+            f"{res.message}"
+        )
+        if res.traceback and res.exception is None:  # raised in a worker process: show its traceback here
+            msg += "\n\nTraceback of that call (reward worker):\n" + res.traceback.rstrip()
+        raise RewardFunctionError(msg) from res.exception
+
     def __call__(self, data) -> tuple[np.ndarray, dict[str, float]]:
         """-> (token_level_scores [B, R] float32, metrics incl. 'reward/num_errors', 'reward/num_timeouts')."""
         out = self.compute(data)
@@ -211,6 +257,8 @@ class RewardManager:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.close()
+        if self._thread is not None:
+            self._thread.close()
 
     def __enter__(self):
         return self

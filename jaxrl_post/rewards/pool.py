@@ -15,6 +15,7 @@ import multiprocessing as mp
 import pickle
 import sys
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -32,11 +33,17 @@ def default_mp_context() -> str:
 
 @dataclass
 class CallResult:
-    """Outcome of one call: status 'ok' (value set), 'error' (message set) or 'timeout'."""
+    """Outcome of one call: status 'ok' (value set), 'error' (message set) or 'timeout'.
+
+    For an exception raised by the function, `traceback` holds its formatted traceback and, when the call
+    ran in this process, `exception` the exception itself.
+    """
 
     status: str
     value: Any = None
     message: str = ""
+    traceback: str = ""
+    exception: BaseException | None = None
 
 
 def _worker_main(conn, fn: Callable[..., Any]) -> None:  # runs in the child process
@@ -52,7 +59,7 @@ def _worker_main(conn, fn: Callable[..., Any]) -> None:  # runs in the child pro
         try:
             out = ("ok", fn(*args))
         except BaseException as e:
-            out = ("error", f"{type(e).__name__}: {e}")
+            out = ("error", f"{type(e).__name__}: {e}", traceback.format_exc())
         try:
             conn.send((idx, *out))
         except Exception as e:  # unpicklable result
@@ -123,7 +130,7 @@ class RewardWorkerPool:
         except Exception as e:
             raise TypeError(
                 f"reward function {fn!r} is not picklable ({e}); define it at module level, load it with "
-                "load_custom_reward_fn(path, name), or use num_workers=0 (in-process, no timeout)"
+                "load_custom_reward_fn(path, name), or use num_workers=0 (in process, on a helper thread)"
             ) from e
         self._fn = fn
         self._ctx = mp.get_context(mp_context)
@@ -181,9 +188,11 @@ class RewardWorkerPool:
                 if msg == _READY:
                     w.ready = True
                     continue
-                idx, status, payload = msg
+                idx, status, payload, *tb = msg
                 results[idx] = (
-                    CallResult("ok", value=payload) if status == "ok" else CallResult("error", message=payload)
+                    CallResult("ok", value=payload)
+                    if status == "ok"
+                    else CallResult("error", message=payload, traceback=tb[0] if tb else "")
                 )
                 done += 1
                 w.task = None

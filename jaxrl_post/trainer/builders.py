@@ -6,6 +6,7 @@ typed arguments.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -16,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_post.trainer import steps
+from jaxrl_post.trainer.config_check import ConfigError, validation_enabled
 
 log = logging.getLogger(__name__)
 
@@ -103,45 +105,131 @@ def _rg_kwargs(cfg: Any, val: bool) -> dict[str, Any]:
     )
 
 
-def load_split_rows(cfg: Any, val: bool) -> list[dict[str, Any]]:
-    """Rows of `data.train_files` / `data.val_files` (comma-separated specs) via `data.sources.load_rows`."""
+def load_split_rows(cfg: Any, val: bool):
+    """`sources.Rows` of `data.train_files` / `data.val_files` (comma-separated specs) via `sources.load_rows`.
+
+    Raises: MalformedRowError naming the file, row and problem (unless `data.skip_malformed`);
+      FileNotFoundError.
+    """
     from jaxrl_post.data.sources import load_rows
 
     spec = cfg.data.val_files if val else cfg.data.train_files
     specs = [s.strip() for s in str(spec).split(",") if s.strip()]
-    rows = load_rows(
+    return load_rows(
         specs if len(specs) > 1 else specs[0],
         split="test" if val else "train",
         skip_malformed=bool(cfg.data.skip_malformed),
         system_prompt=cfg.data.system_prompt,
         **_rg_kwargs(cfg, val),
     )
-    return list(getattr(rows, "rows", rows))
 
 
 def _prompt_key(row: dict[str, Any]) -> str:
     return repr([m.get("content") for m in row["prompt"]])
 
 
-def heldout_rows(
-    train_rows: list[dict[str, Any]], val_rows: list[dict[str, Any]], limit: int | None
-) -> tuple[list[dict[str, Any]], int]:
-    """Validation rows whose prompt does not occur in the training rows (first `limit`), and #dropped."""
-    seen = {_prompt_key(r) for r in train_rows}
-    kept = [r for r in val_rows if _prompt_key(r) not in seen]
-    dropped = len(val_rows) - len(kept)
+def heldout_rows(train_rows, val_rows, limit: int | None):
+    """Validation rows whose prompt does not occur in the training rows (first `limit`), and #dropped.
+
+    `train_rows` / `val_rows`: lists of rows or `sources.Rows` (then a `Rows` is returned)."""
+    seen = {_prompt_key(r) for r in getattr(train_rows, "rows", train_rows)}
+    rows = getattr(val_rows, "rows", val_rows)
+    keep = [i for i, r in enumerate(rows) if _prompt_key(r) not in seen]
+    dropped = len(rows) - len(keep)
     if limit:
-        kept = kept[:limit]
-    return kept, dropped
+        keep = keep[:limit]
+    if hasattr(val_rows, "select"):
+        return val_rows.select(keep), dropped
+    return [rows[i] for i in keep], dropped
 
 
-def build_dataloaders(cfg: Any, tokenizer, pad_token_id: int):
-    """(train loader (infinite, shuffled, drop_remainder), val loader or None, data stats dict)."""
+@dataclasses.dataclass
+class DataRows:
+    """Checked rows of both splits (`sources.Rows`; `val` None without validation data) and data stats."""
+
+    train: Any
+    val: Any
+    stats: dict[str, Any]
+
+
+def _check_reward_sources(cfg: Any, data: DataRows) -> None:
+    """Without a custom reward function, every row's data_source must have a scorer in the reward registry."""
+    if cfg.custom_reward_function.path:
+        return
+    from jaxrl_post.rewards import UnknownDataSourceError, check_data_sources
+
+    for key, spec, rows in (
+        ("train_files", cfg.data.train_files, data.train),
+        ("val_files", cfg.data.val_files, data.val),
+    ):
+        if rows is None:
+            continue
+        try:
+            check_data_sources(r["data_source"] for r in rows.rows)
+        except UnknownDataSourceError as e:
+            raise ConfigError(f"config.data.{key}={spec!r}: {e}") from e
+
+
+def load_data_rows(cfg: Any) -> DataRows:
+    """Load and check both splits' rows before any model is loaded (no tokenizer needed).
+
+    Validation rows whose prompt occurs in the training data are dropped (a held-out set must be held out;
+    counted in `data/val_dropped_seen_in_train`); reasoning-gym specs draw more to keep `val_size`.
+
+    Raises:
+      MalformedRowError: a malformed row (file, row, problem; suggests `data.skip_malformed=True`).
+      ConfigError: a data_source with no reward function and no `custom_reward_function.path` (lists the
+        known ones); every validation prompt also occurs in the training data while validation is on
+        (`trainer.val_before_train`, `trainer.val_at_end`, `trainer.test_freq > 0`). With validation off
+        such a val set is dropped with a warning (`trainer.validate()` then raises).
+    """
+    train_rows = load_split_rows(cfg, val=False)
+    stats: dict[str, Any] = {}
+    if train_rows.num_skipped:
+        stats["data/num_skipped_malformed"] = train_rows.num_skipped
+    val_rows = None
+    if cfg.data.val_files:
+        spec_is_rg = str(cfg.data.val_files).startswith("reasoning_gym")
+        want = int(cfg.data.max_val_samples or (cfg.data.reasoning_gym.val_size if spec_is_rg else 0)) or None
+        loaded = load_split_rows(cfg, val=True)
+        val_rows, dropped = heldout_rows(train_rows, loaded, want)
+        factor = 2
+        while spec_is_rg and len(val_rows) < want and factor <= 16:
+            # problems seen in training were dropped: draw more from the same held-out generator
+            more = cfg.copy_and_resolve_references()
+            more.data.reasoning_gym.val_size = factor * int(cfg.data.reasoning_gym.val_size)
+            loaded = load_split_rows(more, val=True)
+            val_rows, dropped = heldout_rows(train_rows, loaded, want)
+            factor *= 2
+        stats["data/val_dropped_seen_in_train"] = dropped
+        if loaded.num_skipped:
+            stats["data/num_val_skipped_malformed"] = loaded.num_skipped
+        if len(val_rows) == 0:
+            why = (
+                f"config.data.val_files={cfg.data.val_files!r}: all {dropped} validation prompts also occur in "
+                f"config.data.train_files={cfg.data.train_files!r}; validating on training prompts would measure "
+                "memorisation, not held-out accuracy"
+            )
+            if validation_enabled(cfg):
+                raise ConfigError(
+                    f"{why}. Use held-out data (for reasoning_gym: move data.reasoning_gym.val_seed away from the "
+                    "training seeds), or turn validation off (trainer.val_before_train=False, "
+                    "trainer.val_at_end=False, trainer.test_freq=-1)."
+                )
+            log.warning("%s; validation is off, so the validation set is dropped.", why)
+            val_rows = None
+    data = DataRows(train_rows, val_rows, stats)
+    _check_reward_sources(cfg, data)
+    return data
+
+
+def build_dataloaders(cfg: Any, data: DataRows, tokenizer, pad_token_id: int):
+    """(train loader (infinite, shuffled, drop_remainder), val loader or None, data stats dict) from the
+    rows of `load_data_rows`."""
     from jaxrl_post.data import pipeline
 
-    train_rows = load_split_rows(cfg, val=False)
     train = pipeline.make_dataloader(
-        train_rows,
+        data.train,
         tokenizer,
         batch_size=int(cfg.data.train_batch_size),
         max_prompt_length=int(cfg.data.max_prompt_length),
@@ -153,29 +241,13 @@ def build_dataloaders(cfg: Any, tokenizer, pad_token_id: int):
         truncation=cfg.data.truncation,
         pad_token_id=pad_token_id,
     )
-    stats = dict(train.stats)
+    stats = dict(train.stats, **data.stats)
     val = None
-    if cfg.data.val_files:
-        spec_is_rg = str(cfg.data.val_files).startswith("reasoning_gym")
-        want = int(cfg.data.max_val_samples or (cfg.data.reasoning_gym.val_size if spec_is_rg else 0)) or None
-        val_rows, dropped = heldout_rows(train_rows, load_split_rows(cfg, val=True), want)
-        factor = 2
-        while spec_is_rg and len(val_rows) < want and factor <= 16:
-            # problems seen in training were dropped: draw more from the same held-out generator
-            more = cfg.copy_and_resolve_references()
-            more.data.reasoning_gym.val_size = factor * int(cfg.data.reasoning_gym.val_size)
-            val_rows, dropped = heldout_rows(train_rows, load_split_rows(more, val=True), want)
-            factor *= 2
-        stats["data/val_dropped_seen_in_train"] = dropped
-        n_val = len(val_rows)
-        if n_val == 0:
-            raise ValueError(
-                f"config.data.val_files: all {dropped} held-out prompts also occur in the training data"
-                " (for reasoning_gym: move data.reasoning_gym.val_seed away from the training seeds)"
-            )
+    if data.val is not None:
+        n_val = len(data.val)
         bs = int(cfg.data.val_batch_size or n_val)
         val = pipeline.make_dataloader(
-            val_rows,
+            data.val,
             tokenizer,
             batch_size=min(bs, n_val),
             max_prompt_length=int(cfg.data.max_prompt_length),
@@ -195,8 +267,13 @@ def build_reward_manager(cfg: Any, tokenizer):
     from jaxrl_post.rewards import RewardManager, load_custom_reward_fn
 
     fn = load_custom_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
+    rm = cfg.reward_model
     return RewardManager(
-        fn, tokenizer, num_workers=int(cfg.reward_model.num_workers), timeout_s=float(cfg.reward_model.timeout_s)
+        fn,
+        tokenizer,
+        num_workers=int(rm.num_workers),
+        timeout_s=float(rm.timeout_s),
+        max_error_fraction=float(rm.max_error_fraction),
     )
 
 

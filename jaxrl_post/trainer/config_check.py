@@ -57,6 +57,12 @@ def critic_enabled(cfg: Any) -> bool:
     return bool(cfg.critic.enable)
 
 
+def validation_enabled(cfg: Any) -> bool:
+    """Whether `fit()` ever validates: `trainer.val_before_train`, `trainer.val_at_end` or `trainer.test_freq > 0`."""
+    t = cfg.trainer
+    return bool(t.val_before_train) or bool(t.val_at_end) or int(t.test_freq) > 0
+
+
 def kl_in_use(cfg: Any) -> bool:
     """Whether reference log-probs are needed (KL loss or KL in reward)."""
     return bool(cfg.actor.use_kl_loss) or bool(cfg.algorithm.use_kl_in_reward)
@@ -288,6 +294,7 @@ def validate_config(cfg: Any, n_devices: int | None = None) -> None:
     check("reward_model.reward_manager", lambda v: v == "naive", "only 'naive' is implemented")
     check("reward_model.num_workers", lambda v: is_int(v) and v >= 0, "must be an int >= 0")
     check("reward_model.timeout_s", lambda v: is_num(v) and v > 0, "must be > 0")
+    check("reward_model.max_error_fraction", lambda v: is_num(v) and 0 <= v <= 1, "must be in [0, 1] (1 = never stop)")
     path = cfg.custom_reward_function.path
     if path and not os.path.exists(path):
         err("custom_reward_function.path", "file not found")
@@ -299,15 +306,14 @@ def validate_config(cfg: Any, n_devices: int | None = None) -> None:
         elif not os.path.exists(os.path.expanduser(rp)):
             err("trainer.resume_from_path", f"not found: {rp}")
     check("trainer.default_local_dir", lambda v: isinstance(v, str) and v, "must be a non-empty path")
-    loggers = ("console", "jsonl", "tensorboard", "wandb")
-    if (
-        check(
-            "trainer.logger",
-            lambda v: not isinstance(v, str) and all(x in loggers for x in v),
-            f"a list of {list(loggers)}",
-        )
-        and "wandb" in cfg.trainer.logger
-    ):
+    from jaxrl_post.trainer.tracking import parse_logger_names
+
+    try:
+        logger_names = parse_logger_names(cfg.trainer.logger)
+    except ValueError as e:
+        err("trainer.logger", str(e))
+        logger_names = ()
+    if "wandb" in logger_names:
         import importlib.util
 
         if importlib.util.find_spec("wandb") is None:

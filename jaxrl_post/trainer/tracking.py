@@ -130,6 +130,33 @@ def _wandb(workdir, **kw):
 
 
 BACKENDS = {"console": ConsoleLogger, "jsonl": JsonlLogger, "tensorboard": _tensorboard, "wandb": _wandb}
+LOGGER_SYNTAX = "--config.trainer.logger=console,tensorboard or --config.trainer.logger=\"('console','tensorboard')\""
+
+
+def parse_logger_names(value: Any) -> tuple[str, ...]:
+    """`trainer.logger` -> backend names, accepting "console,tensorboard", ("console", "tensorboard") and
+    the command line's ('console,tensorboard',) alike (entries split on commas; spaces, quotes and brackets
+    stripped; duplicates and empty entries dropped).
+
+    Raises:
+      ValueError: a name not in `BACKENDS` (the message lists the valid names and the syntax), or a value
+        that is neither a string nor a list/tuple of strings.
+    """
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(x, str) for x in items):
+        raise ValueError(
+            f"trainer.logger must be a comma-separated string or a list of names, got {value!r}; {_hint()}"
+        )
+    names = [n.strip(" \t'\"[]()") for x in items for n in x.split(",")]
+    names = list(dict.fromkeys(n for n in names if n))
+    unknown = [n for n in names if n not in BACKENDS]
+    if unknown:
+        raise ValueError(f"unknown logger(s) {unknown}; {_hint()}")
+    return tuple(names)
+
+
+def _hint() -> str:
+    return f"valid names: {', '.join(sorted(BACKENDS))} (jsonl is always on); syntax: {LOGGER_SYNTAX}"
 
 
 class Tracking:
@@ -137,8 +164,11 @@ class Tracking:
 
     `project`, `experiment` and `config` (a JSON-able dict) go to backends that record runs (wandb).
 
+    `loggers`: names as `parse_logger_names` accepts them (a list, or "console,tensorboard").
+
     Raises:
-      ValueError: an unknown logger name. ImportError / RuntimeError: wandb requested but not installed /
+      ValueError: an unknown logger name (lists the valid ones and the syntax).
+      ImportError / RuntimeError: wandb requested but not installed /
         not configured (see `loggers.WandbLogger`).
     """
 
@@ -153,10 +183,10 @@ class Tracking:
         experiment: str | None = None,
         config: Mapping[str, Any] | None = None,
     ):
-        names = list(dict.fromkeys(["jsonl", *loggers]))
-        unknown = [n for n in names if n not in BACKENDS]
-        if unknown:
-            raise ValueError(f"trainer.logger: unknown logger(s) {unknown}; valid: {sorted(BACKENDS)}")
+        try:
+            names = list(dict.fromkeys(["jsonl", *parse_logger_names(loggers)]))
+        except ValueError as e:
+            raise ValueError(f"trainer.logger: {e}") from None
         self.backends = {}
         for n in names:
             if n == "jsonl":

@@ -50,6 +50,7 @@ from jaxrl_post.trainer import metrics as metrics_lib
 from jaxrl_post.trainer.config_check import critic_enabled, kl_in_use, validate_config
 from jaxrl_post.trainer.loggers import config_to_dict, save_run_config
 from jaxrl_post.trainer.nonfinite import NonFiniteGuard
+from jaxrl_post.trainer.progress import progress_bar
 from jaxrl_post.trainer.tracking import Tracking
 
 _FWD_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
@@ -75,7 +76,10 @@ class RLTrainer:
       console_write: optional callable for console lines (tests capture it).
 
     Raises:
-      ConfigError: invalid config (names every bad key), before any model is loaded or compiled.
+      ConfigError: invalid config (names every bad key), before any model is loaded or compiled; also a
+        data_source with no reward function (without `custom_reward_function.path`), and validation data
+        that all occurs in the training data while validation is on (`builders.load_data_rows`).
+      MalformedRowError: a malformed data row (file, row, problem), before the model is loaded.
       CheckpointError: the checkpoint to resume from cannot be read or does not match the config.
     """
 
@@ -85,6 +89,9 @@ class RLTrainer:
         self.workdir = cfg.trainer.default_local_dir
         os.makedirs(self.workdir, exist_ok=True)
         self.trace_counts: dict[str, int] = {}
+
+        # ---- data rows first: malformed rows, unknown data sources, ... fail before the (slow) model load
+        data_rows = builders.load_data_rows(cfg)
 
         # ---- devices, model, tokenizer
         self.mesh = builders.build_mesh(cfg)
@@ -96,7 +103,7 @@ class RLTrainer:
 
         # ---- data, rewards
         self.train_loader, self.val_loader, self.data_stats = builders.build_dataloaders(
-            cfg, self.tokenizer, self.pad_token_id
+            cfg, data_rows, self.tokenizer, self.pad_token_id
         )
         self.reward_fn = builders.build_reward_manager(cfg, self.tokenizer)
         self.total_training_steps = int(
@@ -503,9 +510,19 @@ class RLTrainer:
         Returns verl's validation metrics (`validation.process_validation_metrics`:
         `val-core/{data_source}/reward/mean@{n}`, best@k / maj@k / pass@k when n > 1; `acc` becomes the core
         variable when the reward function reports it), `val-aux/{data_source}/response_length/mean`,
-        `val-aux/{data_source}/num_samples`, `timing_s/testing`.
+        `val-aux/{data_source}/num_samples`, `timing_s/testing`. Shows a progress bar (prompts done) when
+        `trainer.progress_bar`.
+
+        Raises:
+          ValueError: `data.val_files` is set but every prompt in it also occurs in the training data (the
+            set was dropped because validation was off). RewardFunctionError: see `RewardManager.compute`.
         """
         if self.val_loader is None:
+            if self.config.data.val_files:  # dropped by builders.load_data_rows (validation was off)
+                raise ValueError(
+                    "validate(): no validation set: every prompt of config.data.val_files also occurs in "
+                    "config.data.train_files (allowed only while validation is off)"
+                )
             return {}
         t0 = time.perf_counter()
         n = int(self.config.rollout.val_kwargs.n)
@@ -513,30 +530,33 @@ class RLTrainer:
         sources, scores, lengths, uids, preds = [], [], [], [], []
         extras: dict[str, list[np.ndarray]] = {}
         bs = self.val_loader.batch_size
-        for i, batch in enumerate(iter(self.val_loader)):
-            if n > 1:
-                batch = batch.repeat(n, interleave=True)
-            batch, pad = batch.pad_to_divisor(bs * n)  # fixed generate shape: one compile for every batch
-            out = self.generator.generate(batch, params)
-            out = out.unpad(pad) if pad else out
-            res = self.reward_fn.compute(out)
-            if n > 1:  # extracted final answers, for majority voting (maj@k)
-                from jaxrl_post.trainer.validation import extract_answer
+        bar_kw = dict(total=self.val_loader.num_prompts, desc="validation", unit="prompt", leave=False)
+        with progress_bar(bool(self.config.trainer.progress_bar), **bar_kw) as bar:
+            for i, batch in enumerate(iter(self.val_loader)):
+                if n > 1:
+                    batch = batch.repeat(n, interleave=True)
+                batch, pad = batch.pad_to_divisor(bs * n)  # fixed generate shape: one compile for every batch
+                out = self.generator.generate(batch, params)
+                out = out.unpad(pad) if pad else out
+                res = self.reward_fn.compute(out)
+                if n > 1:  # extracted final answers, for majority voting (maj@k)
+                    from jaxrl_post.trainer.validation import extract_answer
 
-                texts, _ = self.reward_fn.decode_responses(out)
-                nt = out.non_tensor_batch
-                infos = nt["extra_info"] if "extra_info" in nt else [None] * len(texts)
-                preds += [
-                    extract_answer(str(d), t, e if isinstance(e, dict) else None)
-                    for d, t, e in zip(nt["data_source"], texts, infos)
-                ]
-            scores.append(np.asarray(res.scores, np.float64))
-            lengths.append(np.asarray(out.batch["response_mask"]).sum(-1))
-            sources.append(np.asarray(out.non_tensor_batch["data_source"]))
-            uids.append(np.asarray([f"{i}/{u}" for u in out.non_tensor_batch["uid"]]))
-            for k, v in res.extra_infos.items():
-                if np.asarray(v).dtype.kind == "f":
-                    extras.setdefault(k, []).append(np.asarray(v, np.float64))
+                    texts, _ = self.reward_fn.decode_responses(out)
+                    nt = out.non_tensor_batch
+                    infos = nt["extra_info"] if "extra_info" in nt else [None] * len(texts)
+                    preds += [
+                        extract_answer(str(d), t, e if isinstance(e, dict) else None)
+                        for d, t, e in zip(nt["data_source"], texts, infos)
+                    ]
+                scores.append(np.asarray(res.scores, np.float64))
+                lengths.append(np.asarray(out.batch["response_mask"]).sum(-1))
+                sources.append(np.asarray(out.non_tensor_batch["data_source"]))
+                uids.append(np.asarray([f"{i}/{u}" for u in out.non_tensor_batch["uid"]]))
+                for k, v in res.extra_infos.items():
+                    if np.asarray(v).dtype.kind == "f":
+                        extras.setdefault(k, []).append(np.asarray(v, np.float64))
+                bar.update(len(res.scores) // n)
         scores, lengths = np.concatenate(scores), np.concatenate(lengths)
         sources, uids = np.concatenate(sources), np.concatenate(uids)
         from jaxrl_post.trainer.validation import process_validation_metrics

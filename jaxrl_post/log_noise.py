@@ -1,0 +1,53 @@
+"""Keep known start-up noise off the console of the main job, without hiding real warnings or errors.
+
+Under absl (`app.run`), Python INFO records reach stderr, so libraries' routine INFO messages show up as if
+they mattered. Dropped here, by logger and message, INFO level only (warnings and errors always pass):
+
+- jax's backend probe: "Unable to initialize backend 'tpu': ... Failed to open libtpu.so" on every machine
+  without a TPU (jax then uses the next platform; a real fallback problem is logged by jax as a WARNING).
+- tensorboardX: "Summary name val-core/.../mean@1 is illegal; using ..._1 instead" on every validation log.
+- matplotlib (imported by reasoning-gym, never used here): "Matplotlib is building the font cache; this may
+  take a moment." (a WARNING, dropped by its exact text; matplotlib's other warnings pass).
+
+Orbax's per-save INFO records are dropped by `trainer.checkpoint`. JAX_PLATFORMS is deliberately not set:
+the job cannot know whether a TPU/GPU is meant to be used, and the probe only costs this log line.
+"""
+
+from __future__ import annotations
+
+import logging
+
+__all__ = ["quiet_startup_noise"]
+
+# logger name -> message prefixes dropped at INFO level and below
+_NOISE: dict[str, tuple[str, ...]] = {
+    "jax._src.xla_bridge": ("Unable to initialize backend",),
+    "tensorboardX.summary": ("Summary name",),
+}
+
+
+# logger name -> messages dropped at any level below ERROR (known harmless warnings)
+_NOISE_WARNINGS: dict[str, tuple[str, ...]] = {
+    "matplotlib.font_manager": ("Matplotlib is building the font cache",),
+}
+
+
+class _DropNoise(logging.Filter):
+    def __init__(self, prefixes: tuple[str, ...], below: int):
+        super().__init__()
+        self.prefixes = prefixes
+        self.below = below
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= self.below:
+            return True
+        return not str(record.msg).startswith(self.prefixes)
+
+
+def quiet_startup_noise() -> None:
+    """Install the filters (idempotent)."""
+    for table, below in ((_NOISE, logging.WARNING), (_NOISE_WARNINGS, logging.ERROR)):
+        for name, prefixes in table.items():
+            logger = logging.getLogger(name)
+            if not any(isinstance(f, _DropNoise) for f in logger.filters):
+                logger.addFilter(_DropNoise(prefixes, below))
