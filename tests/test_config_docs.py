@@ -78,15 +78,15 @@ def test_generator_handles_new_keys_and_names_uncommented_ones(tmp_path):
     assert anchor in src
     src = src.replace(
         anchor,
-        "    c.reward_model.max_error_fraction = 0.25  # stop when more responses than this fail to score\n"
+        "    c.reward_model.example_new_key = 0.25  # an example key added by this test\n"
         "    c.reward_model.undocumented = 3\n" + anchor,
     )
     path = tmp_path / "base.py"
     path.write_text(src)
     rows = {r.key: r for r in gen.collect(str(path))[0]}
-    new = rows["reward_model.max_error_fraction"]
+    new = rows["reward_model.example_new_key"]
     assert (new.default, new.section, new.verl) == ("0.25", "rewards", None)
-    assert new.meaning == "stop when more responses than this fail to score"
+    assert new.meaning == "an example key added by this test"
     assert gen.missing_meanings(list(rows.values())) == ["reward_model.undocumented"]
     with pytest.raises(ValueError, match=r"reward_model\.undocumented"):
         gen.render(str(path))
