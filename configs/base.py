@@ -183,10 +183,14 @@ def get_base_config() -> mlc.ConfigDict:
     c.trainer.val_at_end = True  # validate after the last step
     c.trainer.test_freq = -1  # validate every k steps (-1 = only before/after)
     c.trainer.critic_warmup = 0  # steps that update only the critic
-    c.trainer.save_freq = -1  # checkpoint every k steps and after the last step (-1 = off)
+    # Checkpoints (<default_local_dir>/checkpoints/global_step_<N>) are on by default, so rerunning the same
+    # command resumes (resume_mode auto) and Ctrl-C / SIGTERM saves the last completed step.
+    c.trainer.save_freq = 10  # checkpoint every k steps and after the last step (-1 = off)
     c.trainer.resume_mode = "auto"  # auto (latest checkpoint in the working dir) | disable | resume_path
     c.trainer.resume_from_path = _opt_str()  # resume_path: a global_step_<N> dir or a checkpoints/run dir
-    c.trainer.max_actor_ckpt_to_keep = _opt_int()  # keep the newest k checkpoints (None = all)
+    # keep the newest k checkpoints, older ones are deleted (None = all). SmolLM2-135M float32: params +
+    # AdamW moments are ~1.6 GB per checkpoint.
+    c.trainer.max_actor_ckpt_to_keep = _opt_int(2)
     c.trainer.async_save = True  # write checkpoints in a background thread
     c.trainer.max_consecutive_nonfinite = 10  # stop after k skipped (non-finite) updates in a row (0 = never)
     c.trainer.seed = 0  # seeds params init (random models), sampling, mini-batch shuffles

@@ -50,6 +50,7 @@ from jaxrl_post.trainer import metrics as metrics_lib
 from jaxrl_post.trainer.config_check import critic_enabled, kl_in_use, validate_config
 from jaxrl_post.trainer.loggers import config_to_dict, save_run_config
 from jaxrl_post.trainer.nonfinite import NonFiniteGuard
+from jaxrl_post.trainer.run_files import prepare_metrics_file
 from jaxrl_post.trainer.tracking import Tracking
 
 _FWD_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
@@ -259,6 +260,10 @@ class RLTrainer:
         found = ckpt.find_resume_checkpoint(cfg.trainer.resume_mode, self.workdir, cfg.trainer.resume_from_path)
         if found is not None:
             self.load_checkpoint(*found)
+        # metrics.jsonl holds this run only: an earlier run's file is moved aside, a resumed one truncated
+        notice = prepare_metrics_file(self.workdir, self.global_steps if found is not None else None)
+        if notice:
+            self._say(notice)
 
     # ------------------------------------------------------------------------------------ jit helpers
     def _tracer(self, name: str) -> Callable[[], None]:
@@ -555,23 +560,27 @@ class RLTrainer:
         return out_m
 
     # ------------------------------------------------------------------------------------ loop
-    def fit(self, max_steps: int | None = None) -> dict[str, Any]:
+    def fit(self, max_steps: int | None = None, *, stop=None) -> dict[str, Any]:
         """Train until `total_training_steps` (validating before/after as configured), checkpointing every
         `trainer.save_freq` steps and after the last step.
 
         Args:
           max_steps: stop after this many steps of this call even if training is not finished (a later
             trainer resumes from the last checkpoint; used to test exact resume).
+          stop: optional `interrupt.GracefulStop` (anything with `defer()` and `requested`). After each
+            completed step `stop.defer()` is called; when `stop.requested`, the loop checkpoints the last
+            completed step (even with `save_freq=-1`) and returns early.
 
         Returns `{"val_before": metrics | None, "val_after": metrics | None, "last": last step metrics,
-        "history": list of per-step metrics}`.
+        "history": list of per-step metrics, "stopped_at": step | None}` (`stopped_at`: the step a stop
+        request ended the loop after, its checkpoint started; `close()` waits for it).
 
         Raises:
           NonFiniteError: `trainer.max_consecutive_nonfinite` skipped updates in a row (no checkpoint of
             that step is written). CheckpointError: a checkpoint could not be written.
         """
         cfg = self.config
-        result: dict[str, Any] = {"val_before": None, "val_after": None, "last": {}, "history": []}
+        result: dict[str, Any] = {"val_before": None, "val_after": None, "last": {}, "history": [], "stopped_at": None}
         if self.global_steps >= self.total_training_steps:
             self._say(
                 f"training already finished: step {self.global_steps} of {self.total_training_steps}"
@@ -597,6 +606,8 @@ class RLTrainer:
             while self.global_steps < stop_at:
                 prompts = next(self.train_loader)
                 m = self.train_step(prompts)
+                if stop is not None:
+                    stop.defer()  # a completed step exists: a signal now waits for the checkpoint below
                 last = self.global_steps >= self.total_training_steps
                 freq = int(cfg.trainer.test_freq)
                 if self.val_loader is not None and (
@@ -611,10 +622,15 @@ class RLTrainer:
                 result["last"] = m
                 if save_freq > 0 and (self.global_steps % save_freq == 0 or last):
                     self.save_checkpoint()
+                if stop is not None and stop.requested:
+                    self.save_checkpoint()  # no-op when this step was just saved
+                    result["stopped_at"] = self.global_steps
                 self.checkpointer.check_for_errors()  # a failed background save stops the run here
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(score=f"{m.get('critic/score/mean', float('nan')):.3f}")
+                if result["stopped_at"] is not None:
+                    break
         finally:
             if bar is not None:
                 bar.close()
@@ -685,7 +701,7 @@ class RLTrainer:
             like["ref"] = {"params": self.ref_params}
         self.load_state_dict(c.restore(step, like=like))
         self.resumed_from = c.step_path(step)
-        self._say(f"resumed from {self.resumed_from} (step {self.global_steps} of {self.total_training_steps})")
+        self._say(f"resumed from step {self.global_steps} of {self.total_training_steps} ({self.resumed_from})")
 
     def load_actor_params_from(self, root: str, step: int) -> None:
         """Load only the actor params of a checkpoint (evaluation / export); optimizer state untouched."""
