@@ -9,6 +9,9 @@ clean up by hand; nothing is deleted, and TensorBoard users are used to one even
 A resumed run (from step N) drops the lines logged after step N by the interrupted run, because the
 resumed run logs those steps again; the file is rewritten atomically (temp file + `os.replace`), so a
 crash during the rewrite leaves the old file intact.
+
+The same holds for `<workdir>/checkpoints` of an earlier run that a run does not resume from (e.g.
+`trainer.resume_mode=disable`): it is moved to `checkpoints.<YYYYmmdd-HHMMSS>` (`move_aside_old_checkpoints`).
 """
 
 from __future__ import annotations
@@ -70,6 +73,28 @@ def truncate_after(path: str, step: int) -> int:
             if os.path.exists(tmp):
                 os.remove(tmp)
     return dropped
+
+
+def move_aside_old_checkpoints(checkpoint_root: str, resume_root: str | None, steps: list[int]) -> str | None:
+    """Move `checkpoint_root` to `<checkpoint_root>.<YYYYmmdd-HHMMSS>` when it holds complete checkpoints
+    (`steps`) of an earlier run that this run does not resume from (`resume_root` is another directory or
+    None): otherwise this run's saves would be skipped where a step of the old run exists (orbax keeps the
+    existing step), and a later resume would mix the two runs.
+
+    Returns:
+      A one-line notice when something was moved, else None.
+
+    Raises:
+      OSError: the directory cannot be renamed (it is then left where it was).
+    """
+    if not steps or (resume_root is not None and os.path.abspath(resume_root) == os.path.abspath(checkpoint_root)):
+        return None
+    aside = _aside_name(checkpoint_root)
+    os.rename(checkpoint_root, aside)
+    return (
+        f"{checkpoint_root} holds checkpoints of an earlier run (steps {steps}) that this run does not resume "
+        f"from; moved to {aside}"
+    )
 
 
 def prepare_metrics_file(workdir: str, resumed_step: int | None, filename: str = METRICS_FILE) -> str | None:

@@ -50,7 +50,7 @@ from jaxrl_post.trainer import metrics as metrics_lib
 from jaxrl_post.trainer.config_check import critic_enabled, kl_in_use, validate_config
 from jaxrl_post.trainer.loggers import config_to_dict, save_run_config
 from jaxrl_post.trainer.nonfinite import NonFiniteGuard
-from jaxrl_post.trainer.run_files import prepare_metrics_file
+from jaxrl_post.trainer.run_files import move_aside_old_checkpoints, prepare_metrics_file
 from jaxrl_post.trainer.tracking import Tracking
 
 _FWD_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
@@ -251,13 +251,15 @@ class RLTrainer:
         self.actor_guard = NonFiniteGuard(max_nf, "actor")
         self.critic_guard = NonFiniteGuard(max_nf, "critic")
         self.ref_is_initial = True  # the reference never changes here: saved as a pointer, not as params
-        self.checkpointer = ckpt.Checkpointer(
-            ckpt.checkpoint_dir(self.workdir),
-            max_to_keep=cfg.trainer.max_actor_ckpt_to_keep,
-            async_save=bool(cfg.trainer.async_save),
-        )
         self.resumed_from: str | None = None
         found = ckpt.find_resume_checkpoint(cfg.trainer.resume_mode, self.workdir, cfg.trainer.resume_from_path)
+        own_root = ckpt.checkpoint_dir(self.workdir)
+        notice = move_aside_old_checkpoints(own_root, found and found[0], ckpt.list_complete_steps(own_root))
+        if notice:
+            self._say(notice)
+        self.checkpointer = ckpt.Checkpointer(
+            own_root, max_to_keep=cfg.trainer.max_actor_ckpt_to_keep, async_save=bool(cfg.trainer.async_save)
+        )
         if found is not None:
             self.load_checkpoint(*found)
         # metrics.jsonl holds this run only: an earlier run's file is moved aside, a resumed one truncated
