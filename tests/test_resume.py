@@ -123,10 +123,10 @@ def test_exact_resume_bitwise(straight_run, tmp_path):
     lines = []
     b1 = RLTrainer(_cfg(tmp_path), console_write=lines.append)
     try:
-        h1 = b1.fit(max_steps=2)["history"]  # "preempted" after the step-2 checkpoint
+        h1 = b1.fit(max_steps=3)["history"]  # "preempted" after step 3; the last checkpoint is step 2
     finally:
         b1.close()
-    assert b1.global_steps == 2
+    assert b1.global_steps == 3
 
     b2 = RLTrainer(_cfg(tmp_path), console_write=lines.append)
     try:
@@ -139,11 +139,13 @@ def test_exact_resume_bitwise(straight_run, tmp_path):
     finally:
         b2.close()
 
-    assert [_strip_time(m) for m in h1 + h2] == [_strip_time(m) for m in a["history"]]
+    assert [_strip_time(m) for m in h1[:2] + h2] == [_strip_time(m) for m in a["history"]]
+    assert _strip_time(h1[2]) == _strip_time(h2[0])  # step 3 redone identically
     assert any(k.startswith("val-core/") for k in h2[-1])  # validation (test_freq=2) is part of it
     _assert_bitwise(params, a["params"])
     _assert_bitwise(opt_state, a["opt_state"])
     assert ckpt.list_complete_steps(os.path.join(tmp_path, "checkpoints")) == [2, 4]
+    # the first run's step-3 line was dropped on resume (it is logged again): every step appears once
     steps_logged = [r["step"] for r in _read_jsonl(os.path.join(tmp_path, "metrics.jsonl")) if "critic/score/mean" in r]
     assert steps_logged == [1, 2, 3, 4]
 
