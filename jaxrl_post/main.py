@@ -92,10 +92,10 @@ def main(argv) -> None:
     """Build the trainer and train, under `_STOP` (SIGINT/SIGTERM -> checkpoint, one line, exit 130/143)."""
     del argv
     from jaxrl_post.trainer.config_check import ConfigError
-    from jaxrl_post.trainer.interrupt import exit_now
+    from jaxrl_post.trainer.interrupt import GracefulStop, exit_now
     from jaxrl_post.trainer.trainer import RLTrainer, summarize
 
-    stop = _STOP
+    stop = _STOP if _STOP is not None else GracefulStop()  # `run()` installs it; a bare one installs nothing
     try:
         trainer = RLTrainer(_CONFIG.value)
     except ConfigError as e:

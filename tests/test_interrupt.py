@@ -44,36 +44,6 @@ def test_graceful_stop_defers_after_a_step_and_aborts_before(sig, code):
     assert exit_code_for(signal.SIGINT) == 130 and exit_code_for(signal.SIGTERM) == 143
 
 
-def test_fit_saves_the_last_completed_step_and_stops(tmp_path):
-    """fit(stop=...) with a stop requested during step 2: checkpoint of step 2 (save_freq off), loop ends."""
-    from configs import grpo
-    from jaxrl_post.trainer.trainer import RLTrainer
-
-    class FakeStop:
-        def __init__(self):
-            self.deferred, self.calls = False, 0
-
-        def defer(self):
-            self.deferred, self.calls = True, self.calls + 1
-
-        @property
-        def requested(self):
-            return self.calls >= 2
-
-    c = grpo.get_config("tiny")
-    c.trainer.default_local_dir = str(tmp_path)
-    c.trainer.total_training_steps = 5
-    c.trainer.save_freq = -1
-    c.trainer.val_before_train = c.trainer.val_at_end = False
-    t = RLTrainer(c, console_write=lambda s: None)
-    try:
-        result = t.fit(stop=FakeStop())
-    finally:
-        t.close()
-    assert result["stopped_at"] == 2 and len(result["history"]) == 2 and t.global_steps == 2
-    assert ckpt.list_complete_steps(os.path.join(tmp_path, "checkpoints")) == [2]
-
-
 # ----------------------------------------------------------------------------------------- subprocess
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
@@ -172,7 +142,8 @@ def test_sigint_after_a_step_saves_exits_130_and_rerun_resumes(env, tmp_path):
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
     resumed = [s for s in again.stdout.splitlines() if s.startswith("resumed from")]
     assert resumed == [f"resumed from step {n} of {TOTAL} ({os.path.join(root, f'global_step_{n}')})"]
-    assert ckpt.list_complete_steps(root)[-1] == TOTAL
+    # defaults: a checkpoint every 10 steps, the newest 2 kept; older ones (and step n) are gone from disk
+    assert sorted(os.listdir(root)) == [f"global_step_{TOTAL - 10}", f"global_step_{TOTAL}"]
     assert _score_steps(workdir) == list(range(1, TOTAL + 1))  # each step logged once, across both runs
 
 
@@ -208,3 +179,50 @@ def test_sigint_before_the_first_step_exits_130_without_saving(env, tmp_path, wh
     assert [s for _, s in run.lines if s.startswith("interrupted")] == [want], run.text[-3000:]
     assert t_exit - t_sig < 10  # right after the current XLA call, not after the whole step
     assert ckpt.list_complete_steps(os.path.join(workdir, "checkpoints")) == []
+
+
+def test_fit_saves_the_last_completed_step_and_stops(env, tmp_path):
+    """fit(stop=...) with a stop requested during step 2: checkpoint of step 2 (save_freq off), loop ends.
+    (Last in this file: it reads the tiny steps from the compilation cache the subprocesses filled.)"""
+    import jax
+    from jax._src import compilation_cache
+
+    from configs import grpo
+    from jaxrl_post.trainer.trainer import RLTrainer
+
+    class FakeStop:
+        def __init__(self):
+            self.deferred, self.calls = False, 0
+
+        def defer(self):
+            self.deferred, self.calls = True, self.calls + 1
+
+        @property
+        def requested(self):
+            return self.calls >= 2
+
+    c = grpo.get_config("tiny")
+    c.trainer.default_local_dir = str(tmp_path)
+    c.trainer.total_training_steps = 5
+    c.trainer.save_freq = -1
+    c.trainer.val_before_train = c.trainer.val_at_end = False
+    names = {
+        "jax_compilation_cache_dir": env["JAX_COMPILATION_CACHE_DIR"],
+        "jax_persistent_cache_min_compile_time_secs": 0.0,
+        "jax_persistent_cache_min_entry_size_bytes": 0,
+    }
+    old = {n: getattr(jax.config, n) for n in names}
+    for n, v in names.items():
+        jax.config.update(n, v)
+    try:
+        t = RLTrainer(c, console_write=lambda s: None)
+        try:
+            result = t.fit(stop=FakeStop())
+        finally:
+            t.close()
+    finally:
+        for n, v in old.items():
+            jax.config.update(n, v)
+        compilation_cache.reset_cache()
+    assert result["stopped_at"] == 2 and len(result["history"]) == 2 and t.global_steps == 2
+    assert ckpt.list_complete_steps(os.path.join(tmp_path, "checkpoints")) == [2]

@@ -52,10 +52,17 @@ RESUME_MODES = ("auto", "disable", "resume_path")
 
 
 class _DropOrbaxInfo(logging.Filter):
-    """Drops orbax's INFO/DEBUG records (dozens per save) from absl logging; warnings and errors pass."""
+    """Drops orbax's INFO/DEBUG records (dozens per save) from absl logging, and the two warnings every
+    read-only open prints (scripts/evaluate.py, scripts/export_hf.py); other warnings and errors pass."""
+
+    _READ_ONLY_NOISE = ("read_only=True, setting save_interval_steps", "Given directory is read only")
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.WARNING or f"{os.sep}orbax{os.sep}" not in (record.pathname or "")
+        if f"{os.sep}orbax{os.sep}" not in (record.pathname or ""):
+            return True
+        if record.levelno < logging.WARNING:
+            return False
+        return not any(s in record.getMessage() for s in self._READ_ONLY_NOISE)
 
 
 def _quiet_orbax_info() -> None:

@@ -75,6 +75,23 @@ def truncate_after(path: str, step: int) -> int:
     return dropped
 
 
+def is_lead_process() -> bool:
+    """True on process 0 (the only one that moves or rewrites run files; the others wait in `sync`)."""
+    import jax
+
+    return jax.process_index() == 0
+
+
+def sync(tag: str) -> None:
+    """Barrier across processes (no-op in a single-process run), after process 0 moved run files."""
+    import jax
+
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(f"jaxrl_post.run_files.{tag}")
+
+
 def move_aside_old_checkpoints(checkpoint_root: str, resume_root: str | None, steps: list[int]) -> str | None:
     """Move `checkpoint_root` to `<checkpoint_root>.<YYYYmmdd-HHMMSS>` when it holds complete checkpoints
     (`steps`) of an earlier run that this run does not resume from (`resume_root` is another directory or

@@ -50,7 +50,7 @@ from jaxrl_post.trainer import metrics as metrics_lib
 from jaxrl_post.trainer.config_check import critic_enabled, kl_in_use, validate_config
 from jaxrl_post.trainer.loggers import config_to_dict, save_run_config
 from jaxrl_post.trainer.nonfinite import NonFiniteGuard
-from jaxrl_post.trainer.run_files import move_aside_old_checkpoints, prepare_metrics_file
+from jaxrl_post.trainer.run_files import is_lead_process, move_aside_old_checkpoints, prepare_metrics_file, sync
 from jaxrl_post.trainer.tracking import Tracking
 
 _FWD_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
@@ -254,7 +254,9 @@ class RLTrainer:
         self.resumed_from: str | None = None
         found = ckpt.find_resume_checkpoint(cfg.trainer.resume_mode, self.workdir, cfg.trainer.resume_from_path)
         own_root = ckpt.checkpoint_dir(self.workdir)
-        notice = move_aside_old_checkpoints(own_root, found and found[0], ckpt.list_complete_steps(own_root))
+        steps_on_disk = ckpt.list_complete_steps(own_root)
+        notice = move_aside_old_checkpoints(own_root, found and found[0], steps_on_disk) if is_lead_process() else None
+        sync("checkpoints")
         if notice:
             self._say(notice)
         self.checkpointer = ckpt.Checkpointer(
@@ -263,7 +265,9 @@ class RLTrainer:
         if found is not None:
             self.load_checkpoint(*found)
         # metrics.jsonl holds this run only: an earlier run's file is moved aside, a resumed one truncated
-        notice = prepare_metrics_file(self.workdir, self.global_steps if found is not None else None)
+        resumed_step = self.global_steps if found is not None else None
+        notice = prepare_metrics_file(self.workdir, resumed_step) if is_lead_process() else None
+        sync("metrics")
         if notice:
             self._say(notice)
 
