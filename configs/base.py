@@ -188,8 +188,8 @@ def get_base_config() -> mlc.ConfigDict:
     c.trainer.save_freq = 10  # checkpoint every k steps and after the last step (-1 = off)
     c.trainer.resume_mode = "auto"  # auto (latest checkpoint in the working dir) | disable | resume_path
     c.trainer.resume_from_path = _opt_str()  # resume_path: a global_step_<N> dir or a checkpoints/run dir
-    # keep the newest k checkpoints, older ones are deleted (None = all). SmolLM2-135M float32: 330 MB of
-    # weights on disk plus up to ~1 GB of AdamW moments per checkpoint.
+    # keep the newest k checkpoints, older ones are deleted (None = all). SmolLM2-135M float32: ~1.4 GB per
+    # checkpoint (330 MB of weights, 1.1 GB of AdamW moments).
     c.trainer.max_actor_ckpt_to_keep = _opt_int(2)
     c.trainer.async_save = True  # write checkpoints in a background thread
     c.trainer.max_consecutive_nonfinite = 10  # stop after k skipped (non-finite) updates in a row (0 = never)
