@@ -155,6 +155,11 @@ def test_exact_resume_bitwise(straight_run, tmp_path):
         assert b3.global_steps == 4 and b3.fit()["history"] == []
     finally:
         b3.close()
+    assert lines[-2:] == [
+        f"resumed from step 4 of 4 ({os.path.join(str(tmp_path), 'checkpoints', 'global_step_4')})",
+        "training already finished at step 4 of 4; to start over, pass --config.trainer.resume_mode=disable "
+        "(the old run is moved aside)",
+    ]
 
 
 def test_resume_modes(straight_run, tmp_path):

@@ -48,7 +48,8 @@ def exit_code_for(signum: int) -> int:
 
 def exit_now(code: int) -> None:
     """Flush stdout/stderr and leave the process at once (`os._exit`: no interpreter shutdown, so no
-    crash from threads that XLA or orbax still run). Call only after the trainer is closed."""
+    crash from threads that XLA or orbax still run). Call after the trainer is closed, or when nothing
+    needs closing (a signal before the first completed step)."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

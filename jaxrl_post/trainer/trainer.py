@@ -78,6 +78,8 @@ class RLTrainer:
     Raises:
       ConfigError: invalid config (names every bad key), before any model is loaded or compiled.
       CheckpointError: the checkpoint to resume from cannot be read or does not match the config.
+      OSError: an earlier run's `checkpoints/` or `metrics.jsonl` could not be moved aside (see
+        `run_files.py`; nothing is deleted).
     """
 
     def __init__(self, config, *, tracker: Tracking | None = None, console_write: Callable[[str], None] | None = None):
@@ -589,8 +591,8 @@ class RLTrainer:
         result: dict[str, Any] = {"val_before": None, "val_after": None, "last": {}, "history": [], "stopped_at": None}
         if self.global_steps >= self.total_training_steps:
             self._say(
-                f"training already finished: step {self.global_steps} of {self.total_training_steps}"
-                + (f" (resumed from {self.resumed_from})" if self.resumed_from else "")
+                f"training already finished at step {self.global_steps} of {self.total_training_steps}; to start "
+                "over, pass --config.trainer.resume_mode=disable (the old run is moved aside)"
             )
             return result
         stop_at = (
