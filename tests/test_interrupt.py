@@ -44,6 +44,21 @@ def test_graceful_stop_defers_after_a_step_and_aborts_before(sig, code):
     assert exit_code_for(signal.SIGINT) == 130 and exit_code_for(signal.SIGTERM) == 143
 
 
+def test_reward_workers_ignore_sigint():
+    """Ctrl-C reaches the worker processes too: they keep running and the trainer stops them itself."""
+    import operator
+
+    from jaxrl_post.rewards.pool import RewardWorkerPool
+
+    with RewardWorkerPool(operator.add, num_workers=1, timeout_s=30) as pool:
+        assert [r.value for r in pool.map([(1, 2)])] == [3]
+        (w,) = pool._workers
+        os.kill(w.proc.pid, signal.SIGINT)
+        time.sleep(0.5)
+        assert w.proc.is_alive() and [r.value for r in pool.map([(2, 3)])] == [5] and pool.num_restarts == 0
+    assert w.proc.exitcode == 0  # stopped by the pool's close(), not by the signal
+
+
 # ----------------------------------------------------------------------------------------- subprocess
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
