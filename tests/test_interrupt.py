@@ -197,7 +197,8 @@ def test_sigint_before_the_first_step_exits_130_without_saving(env, tmp_path, wh
 
 
 def test_fit_saves_the_last_completed_step_and_stops(env, tmp_path):
-    """fit(stop=...) with a stop requested during step 2: checkpoint of step 2 (save_freq off), loop ends.
+    """fit(stop=...) with a stop requested during step 2: checkpoint of step 2 (save_freq off), no validation
+    of step 2 (test_freq), loop ends.
     (Last in this file: it reads the tiny steps from the compilation cache the subprocesses filled.)"""
     import jax
     from jax._src import compilation_cache
@@ -220,6 +221,7 @@ def test_fit_saves_the_last_completed_step_and_stops(env, tmp_path):
     c.trainer.default_local_dir = str(tmp_path)
     c.trainer.total_training_steps = 5
     c.trainer.save_freq = -1
+    c.trainer.test_freq = 2  # step 2 would validate; a stop skips that, to save and exit sooner
     c.trainer.val_before_train = c.trainer.val_at_end = False
     names = {
         "jax_compilation_cache_dir": env["JAX_COMPILATION_CACHE_DIR"],
@@ -240,4 +242,5 @@ def test_fit_saves_the_last_completed_step_and_stops(env, tmp_path):
             jax.config.update(n, v)
         compilation_cache.reset_cache()
     assert result["stopped_at"] == 2 and len(result["history"]) == 2 and t.global_steps == 2
+    assert "critic/score/mean" in result["history"][1] and not any(k.startswith("val-") for k in result["history"][1])
     assert ckpt.list_complete_steps(os.path.join(tmp_path, "checkpoints")) == [2]

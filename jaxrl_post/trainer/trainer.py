@@ -576,8 +576,10 @@ class RLTrainer:
           max_steps: stop after this many steps of this call even if training is not finished (a later
             trainer resumes from the last checkpoint; used to test exact resume).
           stop: optional `interrupt.GracefulStop` (anything with `defer()` and `requested`). After each
-            completed step `stop.defer()` is called; when `stop.requested`, the loop checkpoints the last
-            completed step (even with `save_freq=-1`) and returns early.
+            completed step `stop.defer()` is called; when `stop.requested`, the loop checkpoints the step
+            (even with `save_freq=-1`; a `test_freq` validation of that step is skipped, the final one is
+            not: metrics are logged before the checkpoint, so a resumed run never misses a step's line)
+            and returns early.
 
         Returns `{"val_before": metrics | None, "val_after": metrics | None, "last": last step metrics,
         "history": list of per-step metrics, "stopped_at": step | None}` (`stopped_at`: the step a stop
@@ -618,8 +620,9 @@ class RLTrainer:
                     stop.defer()  # a completed step exists: a signal now waits for the checkpoint below
                 last = self.global_steps >= self.total_training_steps
                 freq = int(cfg.trainer.test_freq)
+                stopping = stop is not None and stop.requested  # a stop skips the mid-run validation
                 if self.val_loader is not None and (
-                    (last and cfg.trainer.val_at_end) or (freq > 0 and self.global_steps % freq == 0)
+                    (last and cfg.trainer.val_at_end) or (freq > 0 and self.global_steps % freq == 0 and not stopping)
                 ):
                     v = self.validate()
                     m.update(v)
