@@ -203,10 +203,13 @@ def get_base_config() -> mlc.ConfigDict:
     # verl documents the same meaning; its loop (steps counted from 1, actor updated when critic_warmup <= step)
     # gives k-1 critic-only steps for k >= 1.
     c.trainer.critic_warmup = 0  # number of training steps, from the first, that update only the critic
-    c.trainer.save_freq = -1  # checkpoint every k training steps and after the last step (-1 = off)
+    # Checkpoints (<default_local_dir>/checkpoints/global_step_<N>) are on by default, so rerunning the same
+    # command resumes (resume_mode auto) and Ctrl-C / SIGTERM saves the last completed step.
+    c.trainer.save_freq = 10  # checkpoint every k training steps and after the last step (-1 = off)
     c.trainer.resume_mode = "auto"  # auto (latest checkpoint in the working dir) | disable | resume_path
     c.trainer.resume_from_path = _opt_str()  # resume_path: a global_step_<N> dir or a checkpoints/run dir
-    c.trainer.max_actor_ckpt_to_keep = _opt_int()  # keep the newest k checkpoints, actor and critic (None = all)
+    # SmolLM2-135M float32: ~1.4 GB per checkpoint (330 MB of weights, 1.1 GB of AdamW moments).
+    c.trainer.max_actor_ckpt_to_keep = _opt_int(2)  # keep the newest k checkpoints, actor and critic (None = all)
     c.trainer.async_save = True  # write checkpoints in a background thread
     c.trainer.max_consecutive_nonfinite = 10  # stop after k skipped (non-finite) updates in a row (0 = never)
     c.trainer.seed = 0  # seeds params init (random models), sampling, mini-batch shuffles

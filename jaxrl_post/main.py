@@ -1,7 +1,9 @@
 """Main job: `python -m jaxrl_post.main --config=configs/grpo.py[:variant] [--config.a.b=value ...]`.
 
 Reads the ml_collections config (the only entry point that does), validates it before anything is
-compiled, builds `RLTrainer` and runs `fit()`. Metrics go to the console and to
+compiled, builds `RLTrainer` and runs `fit()`. SIGINT / SIGTERM stop the run cleanly
+(`trainer/interrupt.py`): the last completed step is checkpointed, one line says where, and the exit
+code is 130 / 143; rerunning the same command resumes. Metrics go to the console and to
 `<trainer.default_local_dir>/metrics.jsonl`; the resolved config to `config.json` there.
 """
 
@@ -71,49 +73,85 @@ def has_config_flag(argv: list[str]) -> bool:
     return any(a == f"--{_CONFIG_FLAG}" or a.startswith(f"--{_CONFIG_FLAG}=") or a in _HELP_FLAGS for a in args)
 
 
+def _stop_line(trainer) -> str:
+    """The one line printed when a signal ended the run (after `trainer.close()` finished the save)."""
+    from jaxrl_post.trainer import checkpoint as ckpt
+
+    n = trainer.global_steps
+    path = trainer.checkpointer.step_path(n)
+    if n in ckpt.list_complete_steps(trainer.checkpointer.directory):
+        return f"interrupted at step {n}; checkpoint saved to {path}; rerun the same command to resume"
+    return f"interrupted at step {n}; no checkpoint of step {n} was saved ({path} is missing)"
+
+
+def _nothing_saved_line(trainer) -> str:
+    if trainer is None:
+        return "interrupted during start-up; nothing was saved"
+    n = trainer.global_steps
+    if trainer.resumed_from:
+        return (
+            f"interrupted before step {n + 1} finished; nothing new was saved "
+            f"(rerun the same command to resume from step {n}: {trainer.resumed_from})"
+        )
+    return "interrupted before the first step finished; nothing was saved"
+
+
 def main(argv) -> None:
+    """Build the trainer and train, under `_STOP` (SIGINT/SIGTERM -> checkpoint, one line, exit 130/143)."""
     del argv
+    from jaxrl_post.data.sources import MalformedRowError
     from jaxrl_post.trainer.config_check import ConfigError
+    from jaxrl_post.trainer.interrupt import GracefulStop, exit_now
     from jaxrl_post.trainer.trainer import RLTrainer, summarize
 
-    cfg = _CONFIG.value
+    stop = _STOP if _STOP is not None else GracefulStop()  # `run()` installs it; a bare one installs nothing
     try:
-        trainer = RLTrainer(cfg)
-    except ConfigError as e:
+        trainer = RLTrainer(_CONFIG.value)
+    except (ConfigError, MalformedRowError) as e:  # bad config or data: the message says what and where
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    stop.abort_line = _nothing_saved_line(trainer)  # printed by a signal before the first completed step
     try:
-        result = trainer.fit()
+        result = trainer.fit(stop=stop)
     finally:
-        trainer.close()
+        trainer.close()  # waits for the (async) checkpoint save, stops the reward workers
+    if stop.requested:
+        print(_stop_line(trainer), flush=True)
+        exit_now(stop.exit_code)
     if result.get("val_before") or result.get("val_after"):
         print(summarize(result), flush=True)
 
 
 def run(argv=None) -> None:
-    global _CONFIG
-    from absl import app
-    from ml_collections import config_flags
+    """Entry point: checks `--config.*` keys, then runs `main` under absl with SIGINT/SIGTERM handled."""
+    global _CONFIG, _STOP
+    from jaxrl_post.trainer.interrupt import GracefulStop
 
     argv = list(sys.argv if argv is None else argv)
     if not has_config_flag(argv):
         print(f"{USAGE}\nerror: --{_CONFIG_FLAG} is required", file=sys.stderr)
         sys.exit(2)
-    from jaxrl_post.log_noise import quiet_startup_noise
+    with GracefulStop(_nothing_saved_line(None)) as stop:
+        _STOP = stop
+        from absl import app
+        from ml_collections import config_flags
 
-    quiet_startup_noise()
-    try:
-        check_override_keys(argv)
-    except UnknownConfigKeyError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    _CONFIG = config_flags.DEFINE_config_file(
-        _CONFIG_FLAG, None, "Job config: path/to/config.py[:variant].", lock_config=True
-    )
-    app.run(main, argv=argv)
+        from jaxrl_post.log_noise import quiet_startup_noise
+
+        quiet_startup_noise()
+        try:
+            check_override_keys(argv)
+        except UnknownConfigKeyError as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+        _CONFIG = config_flags.DEFINE_config_file(
+            _CONFIG_FLAG, None, "Job config: path/to/config.py[:variant].", lock_config=True
+        )
+        app.run(main, argv=argv)
 
 
 _CONFIG = None
+_STOP = None
 
 if __name__ == "__main__":
     run()

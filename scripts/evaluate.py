@@ -45,7 +45,12 @@ def _define_flags():
 
 def evaluate(cfg, checkpoint: str | None = None, *, step: int | None = None, workdir: str | None = None) -> dict:
     """Build the trainer from `cfg` (no training), load the actor params of `checkpoint` if given, and
-    return `validate()`'s metrics plus `eval/checkpoint_step` (-1 for the base model)."""
+    return `validate()`'s metrics plus `eval/checkpoint_step` (-1 for the base model).
+
+    Raises:
+      CheckpointError: nothing complete at `checkpoint` (the message says what to pass), or `step` is not
+        one of its complete steps.
+    """
     from jaxrl_post.trainer import checkpoint as ckpt
     from jaxrl_post.trainer.trainer import RLTrainer
 
@@ -56,12 +61,18 @@ def evaluate(cfg, checkpoint: str | None = None, *, step: int | None = None, wor
     cfg.trainer.progress_bar = False
     if not cfg.data.val_files:
         raise ValueError("config.data.val_files is empty: nothing to evaluate on")
+    loaded = -1
+    if checkpoint:  # resolved before the model is built, so a wrong path fails at once
+        root, found = ckpt.find_resume_checkpoint("resume_path", ".", checkpoint, what="--checkpoint")
+        loaded = found if step is None else int(step)
+        if loaded not in ckpt.list_complete_steps(root):
+            raise ckpt.CheckpointError(
+                f"--step={loaded}: no complete checkpoint of that step in {root} "
+                f"(complete steps: {ckpt.list_complete_steps(root)})"
+            )
     trainer = RLTrainer(cfg)
     try:
-        loaded = -1
         if checkpoint:
-            root, found = ckpt.find_resume_checkpoint("resume_path", cfg.trainer.default_local_dir, checkpoint)
-            loaded = found if step is None else int(step)
             trainer.load_actor_params_from(root, loaded)
         metrics = trainer.validate()
         metrics["eval/checkpoint_step"] = float(loaded)
@@ -73,8 +84,14 @@ def evaluate(cfg, checkpoint: str | None = None, *, step: int | None = None, wor
 
 def main(argv) -> None:
     del argv
+    from jaxrl_post.trainer.checkpoint import CheckpointError
+
     workdir = FLAGS.workdir or tempfile.mkdtemp(prefix="jaxrl_eval_")
-    metrics = evaluate(FLAGS.config, FLAGS.checkpoint, step=FLAGS.step, workdir=workdir)
+    try:
+        metrics = evaluate(FLAGS.config, FLAGS.checkpoint, step=FLAGS.step, workdir=workdir)
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     out = FLAGS.output or os.path.join(workdir, "eval_metrics.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:

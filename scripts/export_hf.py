@@ -33,7 +33,7 @@ def load_actor(checkpoint: str, *, step: int | None = None, mesh=None):
     from jaxrl_post.models import init_model
     from jaxrl_post.trainer import checkpoint as ckpt
 
-    root, found = ckpt.find_resume_checkpoint("resume_path", ".", checkpoint)
+    root, found = ckpt.find_resume_checkpoint("resume_path", ".", checkpoint, what="--checkpoint")
     step = found if step is None else int(step)
     c = ckpt.Checkpointer(root, read_only=True)
     host = c.read_host(step)
@@ -76,7 +76,13 @@ def main(argv: list[str] | None = None) -> int:
         help="step to export (default: the one --checkpoint names, else the latest complete one)",
     )
     args = ap.parse_args(argv)
-    print(export(args.checkpoint, args.out, step=args.step))
+    from jaxrl_post.trainer.checkpoint import CheckpointError
+
+    try:
+        print(export(args.checkpoint, args.out, step=args.step))
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -5,7 +5,9 @@ Usage: python scripts/plot_metrics.py WORKDIR [--out DIR]   (default DIR: WORKDI
 
 Writes `overview.png` (all panels) and one PNG per panel (`score.png`, `response_length.png`, `kl.png`,
 `entropy.png`, `clip_fraction.png`, `timing.png`); a panel whose metrics are absent from the run is
-skipped. When a run was resumed, steps logged again after the restart replace the earlier lines.
+skipped. One file holds one run (the trainer moves an earlier run's file aside and truncates on resume);
+if the steps in a file go backwards anyway (two runs in one file), only the last run is plotted and a
+note on stderr says which lines.
 """
 
 from __future__ import annotations
@@ -37,13 +39,13 @@ TIMING_PARTS = (
 )
 
 
-def load_metrics(path: str) -> dict[str, dict[int, float]]:
-    """`{metric: {step: value}}` from a metrics.jsonl (later lines win; non-numeric values dropped).
+def read_rows(path: str) -> list[tuple[int, dict]]:
+    """`(line number, row)` for every non-empty line of a metrics.jsonl.
 
     Raises:
       FileNotFoundError: no such file. ValueError: a line is not JSON (names file and line).
     """
-    series: dict[str, dict[int, float]] = defaultdict(dict)
+    rows = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             line = line.strip()
@@ -53,14 +55,58 @@ def load_metrics(path: str) -> dict[str, dict[int, float]]:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{lineno}: not a JSON line ({e})") from e
-            step = int(row.get("step", lineno))
-            for k, v in row.items():
-                if k == "step" or isinstance(v, bool):
-                    continue
-                try:
-                    series[k][step] = float(v)  # 'nan'/'inf' strings too
-                except (TypeError, ValueError):
-                    continue
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{lineno}: not a JSON object")
+            rows.append((lineno, row))
+    return rows
+
+
+def split_runs(rows: list[tuple[int, dict]]) -> list[list[tuple[int, dict]]]:
+    """Split rows where the step goes backwards: each part is one run.
+
+    The trainer keeps one run per file (an earlier run's file is moved aside, a resumed run drops the
+    lines after the step it resumed from), so a step going backwards means two runs were written into
+    one file (e.g. by an older version of the trainer, or by concatenating files).
+    """
+    runs: list[list[tuple[int, dict]]] = []
+    prev = None
+    for lineno, row in rows:
+        step = int(row.get("step", lineno))
+        if prev is None or step < prev:
+            runs.append([])
+        runs[-1].append((lineno, row))
+        prev = step
+    return runs
+
+
+def load_metrics(path: str, *, note=None) -> dict[str, dict[int, float]]:
+    """`{metric: {step: value}}` of the last run in a metrics.jsonl (later lines win; non-numeric values
+    dropped). Two runs are never merged: when the steps go backwards, only the last run is read and
+    `note` (default: print to stderr) is told which lines were plotted.
+
+    Raises:
+      FileNotFoundError: no such file. ValueError: a line is not JSON (names file and line).
+    """
+    runs = split_runs(read_rows(path))
+    if len(runs) > 1:
+        first, last = runs[-1][0], runs[-1][-1]
+        prev_step = int(runs[-2][-1][1].get("step", runs[-2][-1][0]))
+        msg = (
+            f"note: {path} holds {len(runs)} runs (the step goes back from {prev_step} to "
+            f"{int(first[1].get('step', first[0]))} at line {first[0]}); plotting only the last run "
+            f"(lines {first[0]}-{last[0]}); runs are never merged"
+        )
+        (note or (lambda m: print(m, file=sys.stderr)))(msg)
+    series: dict[str, dict[int, float]] = defaultdict(dict)
+    for lineno, row in runs[-1] if runs else []:
+        step = int(row.get("step", lineno))
+        for k, v in row.items():
+            if k == "step" or isinstance(v, bool):
+                continue
+            try:
+                series[k][step] = float(v)  # 'nan'/'inf' strings too
+            except (TypeError, ValueError):
+                continue
     return dict(series)
 
 

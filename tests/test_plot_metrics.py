@@ -46,7 +46,7 @@ def _write_run(workdir, with_kl=True):
             r["actor/ppo_kl"] = 0.001 * step
         rows.append(r)
     rows.append({"step": 8, "val-core/rg/reward/mean@1": 0.6})
-    rows.append({"step": 4, "critic/score/mean": 0.99, "timing_s/step": 4.0})  # resumed: step 4 logged again
+    rows.append({"step": 8, "critic/score/mean": 0.99, "timing_s/step": 4.0})  # same step logged again
     with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
@@ -54,10 +54,35 @@ def _write_run(workdir, with_kl=True):
 
 def test_load_metrics_last_line_wins_and_nan(tmp_path):
     _write_run(tmp_path)
-    s = _module().load_metrics(os.path.join(tmp_path, "metrics.jsonl"))
-    assert s["critic/score/mean"][4] == 0.99 and s["critic/score/mean"][3] == pytest.approx(0.3)
+    notes = []
+    s = _module().load_metrics(os.path.join(tmp_path, "metrics.jsonl"), note=notes.append)
+    assert s["critic/score/mean"][8] == 0.99 and s["critic/score/mean"][3] == pytest.approx(0.3)
     assert s["val-core/rg/reward/mean@1"] == {0: 0.2, 8: 0.6}
     assert np.isnan(s["actor/pg_loss"][1])
+    assert notes == []  # one run
+
+
+def _two_runs(path):
+    """An old run (steps 0-5) and a new one (steps 0-2) in one file: what appending used to produce."""
+    with open(path, "w") as f:
+        for step in range(6):
+            f.write(json.dumps({"step": step, "critic/score/mean": 0.5}) + "\n")
+        for step in range(3):
+            f.write(json.dumps({"step": step, "critic/score/mean": 0.1 * step, "timing_s/step": 1.0}) + "\n")
+
+
+def test_two_runs_in_one_file_are_never_merged(tmp_path):
+    path = os.path.join(tmp_path, "metrics.jsonl")
+    _two_runs(path)
+    notes = []
+    s = _module().load_metrics(path, note=notes.append)
+    assert s["critic/score/mean"] == {0: 0.0, 1: 0.1, 2: pytest.approx(0.2)}  # the last run only
+    assert notes == [
+        f"note: {path} holds 2 runs (the step goes back from 5 to 0 at line 7); plotting only the last run "
+        "(lines 7-9); runs are never merged"
+    ]
+    r = subprocess.run([sys.executable, SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "plotting only the last run (lines 7-9)" in r.stderr, r.stderr
 
 
 def test_timing_panel_is_stacked_to_step_time(tmp_path):
@@ -75,7 +100,7 @@ def test_timing_panel_is_stacked_to_step_time(tmp_path):
     assert labels == ["gen", "reward", "update_actor", "other"]
     tops = np.sum([[r.get_height() for r in c] for c in ax.containers], axis=0)
     np.testing.assert_allclose(tops, [s["timing_s/step"][k] for k in sorted(s["timing_s/step"])])
-    # step 4 was re-logged with 4.0 s == gen + reward + update_actor (+0.5 s unaccounted -> 'other' 0)
+    # step 8 was re-logged with 4.0 s (the later line wins): 0.5 s more than its parts -> 'other'
     plt.close(fig)
 
 

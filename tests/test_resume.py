@@ -9,6 +9,7 @@ cache (also handed to the subprocesses) makes every trainer after the first chea
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -122,10 +123,10 @@ def test_exact_resume_bitwise(straight_run, tmp_path):
     lines = []
     b1 = RLTrainer(_cfg(tmp_path), console_write=lines.append)
     try:
-        h1 = b1.fit(max_steps=2)["history"]  # "preempted" after the step-2 checkpoint
+        h1 = b1.fit(max_steps=3)["history"]  # "preempted" after step 3; the last checkpoint is step 2
     finally:
         b1.close()
-    assert b1.global_steps == 2
+    assert b1.global_steps == 3
 
     b2 = RLTrainer(_cfg(tmp_path), console_write=lines.append)
     try:
@@ -138,11 +139,13 @@ def test_exact_resume_bitwise(straight_run, tmp_path):
     finally:
         b2.close()
 
-    assert [_strip_time(m) for m in h1 + h2] == [_strip_time(m) for m in a["history"]]
+    assert [_strip_time(m) for m in h1[:2] + h2] == [_strip_time(m) for m in a["history"]]
+    assert _strip_time(h1[2]) == _strip_time(h2[0])  # step 3 redone identically
     assert any(k.startswith("val-core/") for k in h2[-1])  # validation (test_freq=2) is part of it
     _assert_bitwise(params, a["params"])
     _assert_bitwise(opt_state, a["opt_state"])
     assert ckpt.list_complete_steps(os.path.join(tmp_path, "checkpoints")) == [2, 4]
+    # the first run's step-3 line was dropped on resume (it is logged again): every step appears once
     steps_logged = [r["step"] for r in _read_jsonl(os.path.join(tmp_path, "metrics.jsonl")) if "critic/score/mean" in r]
     assert steps_logged == [1, 2, 3, 4]
 
@@ -152,6 +155,11 @@ def test_exact_resume_bitwise(straight_run, tmp_path):
         assert b3.global_steps == 4 and b3.fit()["history"] == []
     finally:
         b3.close()
+    assert lines[-2:] == [
+        f"resumed from step 4 of 4 ({os.path.join(str(tmp_path), 'checkpoints', 'global_step_4')})",
+        "training already finished at step 4 of 4; to start over, pass --config.trainer.resume_mode=disable "
+        "(the old run is moved aside)",
+    ]
 
 
 def test_resume_modes(straight_run, tmp_path):
@@ -168,12 +176,30 @@ def test_resume_modes(straight_run, tmp_path):
         assert t.train_loader.get_state() == ckpt.Checkpointer(os.path.dirname(src)).read_host(2)["data_iter"]
     finally:
         t.close()
-    t = RLTrainer(_cfg(straight_run["workdir"], **{"trainer.resume_mode": "disable"}), console_write=lambda s: None)
+    # a fresh run in a used working dir (a copy of the straight run's): the earlier run's checkpoints and
+    # metrics.jsonl are moved aside, never mixed with this run's
+    fresh = tmp_path / "fresh"
+    shutil.copytree(straight_run["workdir"], fresh)
+    old_lines = (fresh / "metrics.jsonl").read_text()
+    lines = []
+    t = RLTrainer(_cfg(fresh, **{"trainer.resume_mode": "disable"}), console_write=lines.append)
     try:
         assert t.global_steps == 0 and t.resumed_from is None
         _assert_bitwise(_host(t.actor_params), straight_run["init"])
+        t.fit(max_steps=2)
     finally:
         t.close()
+    (ck_aside,) = [n for n in os.listdir(fresh) if n.startswith("checkpoints.")]
+    (m_aside,) = [n for n in os.listdir(fresh) if n.startswith("metrics.") and n != "metrics.jsonl"]
+    assert lines[:2] == [
+        f"{fresh / 'checkpoints'} holds checkpoints of an earlier run (steps [2, 4]) that this run does not "
+        f"resume from; moved to {fresh / ck_aside}",
+        f"{fresh / 'metrics.jsonl'} of an earlier run (this run starts from scratch) moved to {fresh / m_aside}",
+    ]
+    assert (fresh / m_aside).read_text() == old_lines
+    assert ckpt.list_complete_steps(fresh / ck_aside) == [2, 4]
+    assert ckpt.list_complete_steps(fresh / "checkpoints") == [2]  # this run's step 2, not the old one
+    assert [r["step"] for r in _read_jsonl(fresh / "metrics.jsonl")] == [0, 1, 2]  # this run only
     with pytest.raises(ConfigError, match="trainer.resume_from_path"):
         RLTrainer(_cfg(tmp_path, **{"trainer.resume_mode": "resume_path"}))
 
@@ -188,6 +214,7 @@ def test_sigkill_then_resume_matches_straight_run(straight_run, jax_cache, tmp_p
         f"--config.trainer.default_local_dir={workdir}",
         "--config.trainer.total_training_steps=8",
         "--config.trainer.save_freq=1",
+        "--config.trainer.max_actor_ckpt_to_keep=10",  # step 4 is compared below
         "--config.trainer.val_before_train=False",
         "--config.trainer.val_at_end=False",
         "--config.trainer.resume_mode=auto",
@@ -214,8 +241,12 @@ def test_sigkill_then_resume_matches_straight_run(straight_run, jax_cache, tmp_p
     assert 8 not in done_before  # killed mid-run
     r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert f"resumed from {os.path.join(root, f'global_step_{done_before[-1]}')}" in r.stdout + r.stderr
+    n = done_before[-1]
+    assert f"resumed from step {n} of 8 ({os.path.join(root, f'global_step_{n}')})" in r.stdout
     assert ckpt.list_complete_steps(root)[-1] == 8
+    # metrics.jsonl: the lines the killed run logged after step n were dropped, so every step appears once
+    steps_logged = [r["step"] for r in _read_jsonl(os.path.join(workdir, "metrics.jsonl")) if "critic/score/mean" in r]
+    assert steps_logged == list(range(1, 9))
     # the first 4 steps of this killed-and-resumed 8-step run equal the straight 4-step run (constant lr)
     c = ckpt.Checkpointer(root)
     got = c.restore(4, like={"actor": {"params": straight_run["params"]}})

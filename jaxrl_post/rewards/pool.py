@@ -6,13 +6,15 @@ it runs), so each worker here is a `multiprocessing.Process` with its own Pipe. 
 os._exit) is replaced too. Workers are started with the 'forkserver' context on POSIX ('spawn'
 elsewhere): never 'fork', because forking a process that runs JAX (threads, accelerator runtime) is
 unsafe. The timer of a call starts when it is handed to an already started, ready worker, so slow
-interpreter start-up never counts against a reward call.
+interpreter start-up never counts against a reward call. Workers ignore SIGINT (the trainer shuts
+them down after a Ctrl-C, see `trainer/interrupt.py`).
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import pickle
+import signal
 import sys
 import time
 import traceback
@@ -47,6 +49,10 @@ class CallResult:
 
 
 def _worker_main(conn, fn: Callable[..., Any]) -> None:  # runs in the child process
+    # Ctrl-C in a terminal reaches the whole process group: the parent finishes its step and stops the
+    # workers itself (`close`), so a worker ignores SIGINT instead of dying with a KeyboardInterrupt
+    # traceback mid-call. SIGTERM keeps its default (a quiet exit), so `kill` still works on a stray one.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     conn.send(_READY)
     while True:
         try:

@@ -52,10 +52,17 @@ RESUME_MODES = ("auto", "disable", "resume_path")
 
 
 class _DropOrbaxInfo(logging.Filter):
-    """Drops orbax's INFO/DEBUG records (dozens per save) from absl logging; warnings and errors pass."""
+    """Drops orbax's INFO/DEBUG records (dozens per save) from absl logging, and the two warnings every
+    read-only open prints (scripts/evaluate.py, scripts/export_hf.py); other warnings and errors pass."""
+
+    _READ_ONLY_NOISE = ("read_only=True, setting save_interval_steps", "Given directory is read only")
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.WARNING or f"{os.sep}orbax{os.sep}" not in (record.pathname or "")
+        if f"{os.sep}orbax{os.sep}" not in (record.pathname or ""):
+            return True
+        if record.levelno < logging.WARNING:
+            return False
+        return not any(s in record.getMessage() for s in self._READ_ONLY_NOISE)
 
 
 def _quiet_orbax_info() -> None:
@@ -459,7 +466,11 @@ def parse_step_dir(path: str | os.PathLike) -> tuple[str, int | None]:
 
 
 def find_resume_checkpoint(
-    mode: str, workdir: str | os.PathLike, resume_from_path: str | None = None
+    mode: str,
+    workdir: str | os.PathLike,
+    resume_from_path: str | None = None,
+    *,
+    what: str = "trainer.resume_from_path",
 ) -> tuple[str, int] | None:
     """Which checkpoint a run resumes from (verl `trainer.resume_mode`).
 
@@ -467,6 +478,7 @@ def find_resume_checkpoint(
       mode: 'disable' (start fresh: None); 'auto' (latest complete step in `checkpoint_dir(workdir)`, or
         None when there is none); 'resume_path' (`resume_from_path`: a `global_step_<N>` directory, or a
         checkpoints directory / working directory whose latest complete step is used).
+      what: how error messages name `resume_from_path` (scripts pass `'--checkpoint'`).
 
     Returns:
       `(checkpoint root directory, step)` or None.
@@ -474,7 +486,7 @@ def find_resume_checkpoint(
     Raises:
       ValueError: unknown mode, or 'resume_path' without a path.
       CheckpointError: 'resume_path' points at nothing complete (e.g. an unfinished `.orbax-checkpoint-tmp`
-        directory or a step that was never committed).
+        directory or a step that was never committed); the message names `what` and what to pass instead.
     """
     if mode not in RESUME_MODES:
         raise ValueError(f"trainer.resume_mode must be one of {RESUME_MODES}, got {mode!r}")
@@ -485,21 +497,27 @@ def find_resume_checkpoint(
         steps = list_complete_steps(root)
         return (root, steps[-1]) if steps else None
     if not resume_from_path:
-        raise ValueError("trainer.resume_mode='resume_path' needs trainer.resume_from_path")
+        raise ValueError(f"trainer.resume_mode='resume_path' needs {what}")
     path = os.fspath(resume_from_path)
+    hint = (
+        f"pass a run directory (trainer.default_local_dir, e.g. {what}=runs/grpo), its checkpoints/ directory, "
+        f"or one checkpoints/{STEP_PREFIX}_<N> directory"
+    )
     if not os.path.exists(path):
-        raise CheckpointError(f"trainer.resume_from_path {path} does not exist")
+        raise CheckpointError(f"{what}={path} does not exist; {hint}")
     root, step = parse_step_dir(path)
     if step is None:
         for cand in (root, checkpoint_dir(root)):
             steps = list_complete_steps(cand)
             if steps:
                 return cand, steps[-1]
-        raise CheckpointError(f"trainer.resume_from_path {path}: no complete {STEP_PREFIX}_<N> checkpoint in it")
+        raise CheckpointError(
+            f"{what}={path}: no complete {STEP_PREFIX}_<N> checkpoint in {root} or {checkpoint_dir(root)} "
+            f"(a run writes them every trainer.save_freq steps and when stopped with Ctrl-C); {hint}"
+        )
     if step not in list_complete_steps(root):
         raise CheckpointError(
-            f"trainer.resume_from_path {path} is not a complete checkpoint "
-            f"(complete steps in {root}: {list_complete_steps(root)})"
+            f"{what}={path} is not a complete checkpoint (complete steps in {root}: {list_complete_steps(root)})"
         )
     return root, step
 

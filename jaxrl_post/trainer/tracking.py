@@ -65,19 +65,27 @@ def to_jsonable(metrics: Mapping[str, Any]) -> dict[str, Any]:
 
 
 class JsonlLogger:
-    """Appends `{"step": step, **metrics}` lines to `<workdir>/metrics.jsonl` (flushed every line)."""
+    """Appends `{"step": step, **metrics}` lines to `<workdir>/metrics.jsonl` (flushed every line).
+
+    The file is opened at the first `log`, so the trainer can still move an earlier run's file aside or
+    truncate it on resume (`run_files.prepare_metrics_file`) after building its loggers.
+    """
 
     def __init__(self, workdir: str, filename: str = "metrics.jsonl"):
         os.makedirs(workdir, exist_ok=True)
         self.path = os.path.join(workdir, filename)
-        self._f = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+        self._f = None
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
+        if self._f is None:
+            self._f = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
         self._f.write(json.dumps({"step": int(step), **to_jsonable(metrics)}) + "\n")
         self._f.flush()
 
     def close(self) -> None:
-        self._f.close()
+        if self._f is not None:
+            self._f.close()
+            self._f = None
 
 
 class ConsoleLogger:

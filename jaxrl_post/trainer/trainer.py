@@ -51,6 +51,7 @@ from jaxrl_post.trainer.config_check import critic_enabled, kl_in_use, validate_
 from jaxrl_post.trainer.loggers import config_to_dict, save_run_config
 from jaxrl_post.trainer.nonfinite import NonFiniteGuard
 from jaxrl_post.trainer.progress import progress_bar
+from jaxrl_post.trainer.run_files import is_lead_process, move_aside_old_checkpoints, prepare_metrics_file, sync
 from jaxrl_post.trainer.tracking import Tracking
 
 _FWD_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
@@ -81,6 +82,8 @@ class RLTrainer:
         that all occurs in the training data while validation is on (`builders.load_data_rows`).
       MalformedRowError: a malformed data row (file, row, problem), before the model is loaded.
       CheckpointError: the checkpoint to resume from cannot be read or does not match the config.
+      OSError: an earlier run's `checkpoints/` or `metrics.jsonl` could not be moved aside (see
+        `run_files.py`; nothing is deleted).
     """
 
     def __init__(self, config, *, tracker: Tracking | None = None, console_write: Callable[[str], None] | None = None):
@@ -257,15 +260,25 @@ class RLTrainer:
         self.actor_guard = NonFiniteGuard(max_nf, "actor")
         self.critic_guard = NonFiniteGuard(max_nf, "critic")
         self.ref_is_initial = True  # the reference never changes here: saved as a pointer, not as params
-        self.checkpointer = ckpt.Checkpointer(
-            ckpt.checkpoint_dir(self.workdir),
-            max_to_keep=cfg.trainer.max_actor_ckpt_to_keep,
-            async_save=bool(cfg.trainer.async_save),
-        )
         self.resumed_from: str | None = None
         found = ckpt.find_resume_checkpoint(cfg.trainer.resume_mode, self.workdir, cfg.trainer.resume_from_path)
+        own_root = ckpt.checkpoint_dir(self.workdir)
+        steps_on_disk = ckpt.list_complete_steps(own_root)
+        notice = move_aside_old_checkpoints(own_root, found and found[0], steps_on_disk) if is_lead_process() else None
+        sync("checkpoints")
+        if notice:
+            self._say(notice)
+        self.checkpointer = ckpt.Checkpointer(
+            own_root, max_to_keep=cfg.trainer.max_actor_ckpt_to_keep, async_save=bool(cfg.trainer.async_save)
+        )
         if found is not None:
             self.load_checkpoint(*found)
+        # metrics.jsonl holds this run only: an earlier run's file is moved aside, a resumed one truncated
+        resumed_step = self.global_steps if found is not None else None
+        notice = prepare_metrics_file(self.workdir, resumed_step) if is_lead_process() else None
+        sync("metrics")
+        if notice:
+            self._say(notice)
 
     # ------------------------------------------------------------------------------------ jit helpers
     def _tracer(self, name: str) -> Callable[[], None]:
@@ -575,27 +588,33 @@ class RLTrainer:
         return out_m
 
     # ------------------------------------------------------------------------------------ loop
-    def fit(self, max_steps: int | None = None) -> dict[str, Any]:
+    def fit(self, max_steps: int | None = None, *, stop=None) -> dict[str, Any]:
         """Train until `total_training_steps` (validating before/after as configured), checkpointing every
         `trainer.save_freq` steps and after the last step.
 
         Args:
           max_steps: stop after this many steps of this call even if training is not finished (a later
             trainer resumes from the last checkpoint; used to test exact resume).
+          stop: optional `interrupt.GracefulStop` (anything with `defer()` and `requested`). After each
+            completed step `stop.defer()` is called; when `stop.requested`, the loop checkpoints the step
+            (even with `save_freq=-1`; a `test_freq` validation of that step is skipped, the final one is
+            not: metrics are logged before the checkpoint, so a resumed run never misses a step's line)
+            and returns early.
 
         Returns `{"val_before": metrics | None, "val_after": metrics | None, "last": last step metrics,
-        "history": list of per-step metrics}`.
+        "history": list of per-step metrics, "stopped_at": step | None}` (`stopped_at`: the step a stop
+        request ended the loop after, its checkpoint started; `close()` waits for it).
 
         Raises:
           NonFiniteError: `trainer.max_consecutive_nonfinite` skipped updates in a row (no checkpoint of
             that step is written). CheckpointError: a checkpoint could not be written.
         """
         cfg = self.config
-        result: dict[str, Any] = {"val_before": None, "val_after": None, "last": {}, "history": []}
+        result: dict[str, Any] = {"val_before": None, "val_after": None, "last": {}, "history": [], "stopped_at": None}
         if self.global_steps >= self.total_training_steps:
             self._say(
-                f"training already finished: step {self.global_steps} of {self.total_training_steps}"
-                + (f" (resumed from {self.resumed_from})" if self.resumed_from else "")
+                f"training already finished at step {self.global_steps} of {self.total_training_steps}; to start "
+                "over, pass --config.trainer.resume_mode=disable (the old run is moved aside)"
             )
             return result
         stop_at = (
@@ -617,10 +636,13 @@ class RLTrainer:
             while self.global_steps < stop_at:
                 prompts = next(self.train_loader)
                 m = self.train_step(prompts)
+                if stop is not None:
+                    stop.defer()  # a completed step exists: a signal now waits for the checkpoint below
                 last = self.global_steps >= self.total_training_steps
                 freq = int(cfg.trainer.test_freq)
+                stopping = stop is not None and stop.requested  # a stop skips the mid-run validation
                 if self.val_loader is not None and (
-                    (last and cfg.trainer.val_at_end) or (freq > 0 and self.global_steps % freq == 0)
+                    (last and cfg.trainer.val_at_end) or (freq > 0 and self.global_steps % freq == 0 and not stopping)
                 ):
                     v = self.validate()
                     m.update(v)
@@ -631,10 +653,15 @@ class RLTrainer:
                 result["last"] = m
                 if save_freq > 0 and (self.global_steps % save_freq == 0 or last):
                     self.save_checkpoint()
+                if stop is not None and stop.requested:
+                    self.save_checkpoint()  # no-op when this step was just saved
+                    result["stopped_at"] = self.global_steps
                 self.checkpointer.check_for_errors()  # a failed background save stops the run here
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(score=f"{m.get('critic/score/mean', float('nan')):.3f}")
+                if result["stopped_at"] is not None:
+                    break
         finally:
             if bar is not None:
                 bar.close()
@@ -705,7 +732,7 @@ class RLTrainer:
             like["ref"] = {"params": self.ref_params}
         self.load_state_dict(c.restore(step, like=like))
         self.resumed_from = c.step_path(step)
-        self._say(f"resumed from {self.resumed_from} (step {self.global_steps} of {self.total_training_steps})")
+        self._say(f"resumed from step {self.global_steps} of {self.total_training_steps} ({self.resumed_from})")
 
     def load_actor_params_from(self, root: str, step: int) -> None:
         """Load only the actor params of a checkpoint (evaluation / export); optimizer state untouched."""

@@ -1,0 +1,138 @@
+"""Keep `<workdir>/metrics.jsonl` to one run: move an earlier run's file aside, truncate on resume.
+
+A from-scratch run in a working directory that already holds a `metrics.jsonl` moves that file to
+`metrics.<YYYYmmdd-HHMMSS>.jsonl` (the old file's last-write time) and says so in one line. We move it
+rather than refuse: rerunning a command with `trainer.resume_mode=disable` (or after deleting the
+checkpoints) is how verl/TRL users start over, and they expect the run to start, not to be asked to
+clean up by hand; nothing is deleted, and TensorBoard users are used to one event file per run.
+
+A resumed run (from step N) drops the lines logged after step N by the interrupted run, because the
+resumed run logs those steps again; the file is rewritten atomically (temp file + `os.replace`), so a
+crash during the rewrite leaves the old file intact.
+
+The same holds for `<workdir>/checkpoints` of an earlier run that a run does not resume from (e.g.
+`trainer.resume_mode=disable`): it is moved to `checkpoints.<YYYYmmdd-HHMMSS>` (`move_aside_old_checkpoints`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def _aside_name(path: str) -> str:
+    stem, ext = os.path.splitext(path)
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(os.path.getmtime(path)))
+    cand, i = f"{stem}.{stamp}{ext}", 1
+    while os.path.exists(cand):
+        cand, i = f"{stem}.{stamp}-{i}{ext}", i + 1
+    return cand
+
+
+def _step_of(line: str) -> int | None:
+    try:
+        row = json.loads(line)
+        return int(row["step"])
+    except (ValueError, TypeError, KeyError):
+        return None
+
+
+def truncate_after(path: str, step: int) -> int:
+    """Drop the lines of `path` logged after `step` (rewritten atomically); returns how many were dropped.
+
+    A line that is not JSON is kept, except a partial last line (a run killed mid-write), which is dropped.
+
+    Raises:
+      OSError: the file cannot be read or rewritten (the original is then left as it was).
+    """
+    with open(path, encoding="utf-8") as f:
+        lines = f.readlines()
+    keep, dropped = [], 0
+    for i, line in enumerate(lines):
+        s = _step_of(line)
+        partial_last = i == len(lines) - 1 and not line.endswith("\n") and s is None
+        if partial_last or (s is not None and s > step):
+            dropped += 1
+        else:
+            keep.append(line)
+    fix_end = bool(keep) and not keep[-1].endswith("\n")  # the next run's lines must start on a new line
+    if fix_end:
+        keep[-1] += "\n"
+    if dropped or fix_end:
+        tmp = f"{path}.tmp.{os.getpid()}"
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.writelines(keep)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+    return dropped
+
+
+def is_lead_process() -> bool:
+    """True on process 0 (the only one that moves or rewrites run files; the others wait in `sync`)."""
+    import jax
+
+    return jax.process_index() == 0
+
+
+def sync(tag: str) -> None:
+    """Barrier across processes (no-op in a single-process run), after process 0 moved run files."""
+    import jax
+
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(f"jaxrl_post.run_files.{tag}")
+
+
+def move_aside_old_checkpoints(checkpoint_root: str, resume_root: str | None, steps: list[int]) -> str | None:
+    """Move `checkpoint_root` to `<checkpoint_root>.<YYYYmmdd-HHMMSS>` when it holds complete checkpoints
+    (`steps`) of an earlier run that this run does not resume from (`resume_root` is another directory or
+    None): otherwise this run's saves would be skipped where a step of the old run exists (orbax keeps the
+    existing step), and a later resume would mix the two runs.
+
+    Returns:
+      A one-line notice when something was moved, else None.
+
+    Raises:
+      OSError: the directory cannot be renamed (it is then left where it was).
+    """
+    if not steps or (resume_root is not None and os.path.abspath(resume_root) == os.path.abspath(checkpoint_root)):
+        return None
+    aside = _aside_name(checkpoint_root)
+    os.rename(checkpoint_root, aside)
+    return (
+        f"{checkpoint_root} holds checkpoints of an earlier run (steps {steps}) that this run does not resume "
+        f"from; moved to {aside}"
+    )
+
+
+def prepare_metrics_file(workdir: str, resumed_step: int | None, filename: str = METRICS_FILE) -> str | None:
+    """Make `<workdir>/<filename>` hold only this run's lines, before the run logs anything.
+
+    Args:
+      workdir: the run's working directory.
+      resumed_step: the step this run resumed from, or None for a run from scratch.
+
+    Returns:
+      A one-line notice to print when an earlier run's file was moved aside, else None.
+
+    Raises:
+      OSError: the file cannot be moved or rewritten (nothing is lost: the old file stays where it was).
+    """
+    path = os.path.join(workdir, filename)
+    if not os.path.exists(path) or os.path.getsize(path) == 0:
+        return None
+    if resumed_step is not None:
+        truncate_after(path, int(resumed_step))
+        return None
+    aside = _aside_name(path)
+    os.rename(path, aside)
+    return f"{path} of an earlier run (this run starts from scratch) moved to {aside}"
