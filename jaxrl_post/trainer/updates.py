@@ -1,0 +1,100 @@
+"""`RLTrainer`'s mini-batch update loops (actor, critic) and the metrics of one training step.
+
+`UpdatesMixin` is mixed into `RLTrainer` (trainer.py); its methods read the trainer's config, batch
+geometry and jitted update fns, and advance its params, optimizer states and update counters. The batch
+`b` is the step's host batch: numpy arrays with B = `batch_size` rows (responses), token fields [B, T] and
+response fields [B, response_length].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import jax
+import numpy as np
+
+from jaxrl_post.protocol import DataProto
+from jaxrl_post.trainer import metrics as metrics_lib
+
+
+def minibatches(n_rows: int, mini: int, epochs: int, shuffle: bool, rng: np.random.Generator) -> Iterator[np.ndarray]:
+    """Row indices of each mini-batch: `epochs` passes over `n_rows` rows in chunks of `mini` (a fresh
+    permutation per epoch when `shuffle`)."""
+    for _ in range(epochs):
+        perm = rng.permutation(n_rows) if shuffle else np.arange(n_rows)
+        for i in range(0, n_rows, mini):
+            yield perm[i : i + mini]
+
+
+class UpdatesMixin:
+    """Actor/critic update loops and per-step metrics of `RLTrainer` (see the module docstring)."""
+
+    def _update_actor(self, b: dict[str, np.ndarray], rng) -> dict[str, float]:
+        a = self.config.actor
+        keys = ["input_ids", "attention_mask", "position_ids", "responses", "advantages", "rollout_log_probs"]
+        keys += [] if self.on_policy else ["old_log_probs"]
+        keys += ["ref_log_prob"] if a.use_kl_loss else []
+        out = []
+        for idx in minibatches(self.batch_size, self.actor_mini, int(a.ppo_epochs), bool(a.shuffle), rng):
+            mb = {k: b[k][idx] for k in keys}
+            mb["response_mask"] = b["loss_mask"][idx]
+            lr = float(self.actor_lr(self.actor_update_count))
+            self.actor_params, self.actor_opt_state, m = self._actor_update(
+                self.actor_params, self.actor_opt_state, self._put(mb)
+            )
+            self.actor_update_count += 1
+            out.append(dict(m, lr=lr))
+        out = [jax.device_get(m) for m in out]
+        guard = self.actor_guard.observe([m["update_skipped"] for m in out], step=self.global_steps + 1)
+        red = metrics_lib.reduce_metrics(out)
+        res = {f"actor/{k}": v for k, v in red.items() if k not in ("rollout_probs_diff_mean", "loss")}
+        res.update(guard)
+        if "rollout_probs_diff_mean" in red:
+            res["training/rollout_probs_diff_mean"] = red["rollout_probs_diff_mean"]
+        if a.use_kl_loss:
+            res["actor/kl_coef"] = float(a.kl_loss_coef)
+        return res
+
+    def _update_critic(self, b: dict[str, np.ndarray], rng) -> dict[str, float]:
+        c = self.config.critic
+        keys = ["input_ids", "attention_mask", "position_ids", "responses", "values", "returns"]
+        out = []
+        for idx in minibatches(self.batch_size, self.critic_mini, int(c.ppo_epochs), bool(c.shuffle), rng):
+            mb = {k: b[k][idx] for k in keys}
+            mb["response_mask"] = b["loss_mask"][idx]
+            lr = float(self.critic_lr(self.critic_update_count))
+            self.critic_params, self.critic_opt_state, m = self._critic_update(
+                self.critic_params, self.critic_opt_state, self._put(mb)
+            )
+            self.critic_update_count += 1
+            out.append(dict(m, lr=lr))
+        out = [jax.device_get(m) for m in out]
+        guard = self.critic_guard.observe([m["update_skipped"] for m in out], step=self.global_steps + 1)
+        red = metrics_lib.reduce_metrics(out)
+        return dict({f"critic/{k}": v for k, v in red.items()}, **guard)
+
+    def _step_metrics(self, b, timing, prompts: DataProto) -> dict[str, float]:
+        cfg = self.config
+        m = metrics_lib.compute_data_metrics(
+            b,
+            use_critic=self.use_critic,
+            max_prompt_length=int(cfg.data.max_prompt_length),
+            max_response_length=self.response_length,
+        )
+        n_prompt_tok = int(b["attention_mask"][:, : -self.response_length].sum())
+        n_resp_tok = int(b["response_mask"].sum())
+        m.update(metrics_lib.compute_timing_metrics(timing, n_prompt_tok, n_resp_tok))
+        m.update(metrics_lib.compute_throughput_metrics(n_prompt_tok + n_resp_tok, timing["step"], self.n_devices))
+        if "update_actor" in timing:
+            seq_lens = b["attention_mask"].sum(-1)
+            m["perf/mfu/actor"] = metrics_lib.compute_mfu(
+                self.actor_model.config,
+                seq_lens,
+                int(cfg.actor.ppo_epochs),
+                timing["update_actor"],
+                self.n_devices,
+                self.peak_flops,
+            )
+        m["training/global_step"] = float(self.global_steps)
+        m["training/epoch"] = float(prompts.meta_info.get("epoch", 0))
+        return m
