@@ -34,7 +34,8 @@ def run_validation(
     sources, scores, lengths, uids, preds = [], [], [], [], []
     extras: dict[str, list[np.ndarray]] = {}
     bs = val_loader.batch_size
-    bar_kw = dict(total=val_loader.num_prompts, desc="validation", unit="prompt", leave=False)
+    # mininterval=0: batches are few and slow, so draw every one (a fast, compiled batch would else skip "16/16")
+    bar_kw = dict(total=val_loader.num_prompts, desc="validation", unit="prompt", leave=False, mininterval=0)
     with progress_bar(bool(config.trainer.progress_bar), **bar_kw) as bar:
         for i, batch in enumerate(iter(val_loader)):
             if n > 1:
