@@ -8,6 +8,8 @@ they mattered. Dropped here, by logger and message, INFO level only (warnings an
 - tensorboardX: "Summary name val-core/.../mean@1 is illegal; using ..._1 instead" on every validation log.
 - matplotlib (imported by reasoning-gym, never used here): "Matplotlib is building the font cache; this may
   take a moment." (a WARNING, dropped by its exact text; matplotlib's other warnings pass).
+- transformers without torch: "PyTorch was not found. Models won't be available ..." (a WARNING; the job
+  uses transformers only for tokenizers and configs, and runs without torch on purpose).
 
 Orbax's per-save INFO records are dropped by `trainer.checkpoint`. JAX_PLATFORMS is deliberately not set:
 the job cannot know whether a TPU/GPU is meant to be used, and the probe only costs this log line.
@@ -29,6 +31,8 @@ _NOISE: dict[str, tuple[str, ...]] = {
 # logger name -> messages dropped at any level below ERROR (known harmless warnings)
 _NOISE_WARNINGS: dict[str, tuple[str, ...]] = {
     "matplotlib.font_manager": ("Matplotlib is building the font cache",),
+    # printed when transformers is imported without torch, which is how the job runs (torch is test-only)
+    "transformers": ("PyTorch was not found",),
 }
 
 
