@@ -38,9 +38,14 @@ def test_graceful_stop_defers_after_a_step_and_aborts_before(sig, code):
         stop.defer()
         os.kill(os.getpid(), sig)  # after defer(): only recorded, the loop saves and stops
         assert stop.requested and stop.signum == sig and stop.exit_code == code
-        assert (lines, exits) == ([], [])
+        name = signal.Signals(sig).name
+        ack = (
+            f"{name} received: finishing the current step, then saving a checkpoint "
+            f"({name} again quits now without saving)"
+        )
+        assert (lines, exits) == ([ack], [])  # acknowledged at once, no exit
         os.kill(os.getpid(), signal.SIGINT)  # a second signal forces the exit (with the first one's code)
-        assert exits == [code] and lines == ["second SIGINT: exiting now without saving"]
+        assert exits == [code] and lines == [ack, "second SIGINT: exiting now without saving"]
     assert exit_code_for(signal.SIGINT) == 130 and exit_code_for(signal.SIGTERM) == 143
 
 
@@ -143,6 +148,8 @@ def test_sigint_after_a_step_saves_exits_130_and_rerun_resumes(env, tmp_path):
     _assert_clean(run.text)
     stop_lines = [s for _, s in run.lines if s.startswith("interrupted")]
     assert len(stop_lines) == 1, run.text[-3000:]
+    ack = [s for _, s in run.lines if s.startswith("SIGINT received: finishing the current step")]
+    assert len(ack) == 1, run.text[-3000:]  # said at once, not only when the step ends
     n = int(stop_lines[0].split()[3].rstrip(";"))
     root = os.path.join(workdir, "checkpoints")
     assert stop_lines[0] == (

@@ -112,6 +112,12 @@ class GracefulStop:
         if not self.deferred:
             self._write(self.abort_line)
             self._hard_exit(exit_code_for(signum))
+            return
+        # acknowledged at once: the step may run for minutes, and a user who sees nothing presses Ctrl-C again
+        self._write(
+            f"{signal_name(signum)} received: finishing the current step, then saving a checkpoint "
+            f"({signal_name(signum)} again quits now without saving)"
+        )
 
     def __enter__(self) -> GracefulStop:
         if threading.current_thread() is threading.main_thread():
