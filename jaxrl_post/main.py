@@ -43,28 +43,76 @@ def _all_keys(cfg, prefix: str = "") -> list[str]:
     return out
 
 
-def check_override_keys(argv: list[str]) -> None:
-    """Fail with a clear message (and suggestions) when a `--config.<key>=...` names no config field.
-
-    ml_collections rejects such overrides too, but with a bare `AttributeError: "'key'"` traceback.
-    """
-    spec = None
-    keys = []
+def _config_spec(argv: list[str]) -> str | None:
+    """The `path[:variant]` of `--config=...` or `--config ...` in argv, if any."""
     prefix = f"--{_CONFIG_FLAG}"
-    for a in argv[1:]:
+    for i, a in enumerate(argv[1:], start=1):
         if a.startswith(prefix + "="):
-            spec = a[len(prefix) + 1 :]
-        elif a.startswith(prefix + "."):
+            return a[len(prefix) + 1 :]
+        if a == prefix and i + 1 < len(argv):
+            return argv[i + 1]
+    return None
+
+
+def _by_verl_name(valid: set[str]) -> dict[str, str]:
+    """verl's full key name -> our key, for the keys that carry verl's name and meaning ({} when `configs.base`
+    is not importable, e.g. a job config outside this repo)."""
+    try:
+        from configs.base import verl_key
+    except ImportError:
+        return {}
+    return {v: k for k in valid if (v := verl_key(k))}
+
+
+def _suggest(key: str, valid: set[str]) -> str:
+    """'; did you mean config.X?' for a misspelled key or a verl name (`actor_rollout_ref.rollout.n`), or ''."""
+    by_verl = _by_verl_name(valid)
+    if key in by_verl:
+        return f"; did you mean config.{by_verl[key]} (verl's {key})?"
+    close = difflib.get_close_matches(key.removeprefix("actor_rollout_ref."), sorted(valid), n=3)
+    return f"; did you mean {', '.join('config.' + c for c in close)}?" if close else ""
+
+
+def check_override_keys(argv: list[str]) -> None:
+    """Fail with a clear message (and suggestions) when a `--config.<key>=...` names no config field, or when
+    argv has a bare `key=value` (Hydra/verl style), which absl would silently ignore.
+
+    ml_collections rejects unknown keys too, but with a bare `AttributeError: "'key'"` traceback.
+
+    Raises:
+      UnknownConfigKeyError: an unknown key, or a positional argument.
+      FileNotFoundError: the `--config` file does not exist.
+    """
+    spec = _config_spec(argv)
+    prefix = f"--{_CONFIG_FLAG}"
+    keys, positional = [], []
+    prev = ""
+    for a in argv[1:]:
+        if a.startswith(prefix + "."):
             keys.append(a[len(prefix) + 1 :].split("=", 1)[0])
-    if spec is None or not keys:
-        return
-    cfg = _load_config_file(spec)
-    valid = set(_all_keys(cfg))
+        elif not a.startswith("-") and a != spec:
+            # `--flag value` (absl's space form) passes a value; `key=value` never is one
+            if "=" in a or not prev.startswith("-") or "=" in prev:
+                positional.append(a)
+        prev = a
+    cfg = _load_config_file(spec) if spec is not None else None
+    valid = set(_all_keys(cfg)) if cfg is not None else set()
+    if positional:
+        a = positional[0]
+        key, eq, value = a.partition("=")
+        if eq and valid:
+            local = _by_verl_name(valid).get(key, key).removeprefix("actor_rollout_ref.")
+            hint = f" (did you mean --{_CONFIG_FLAG}.{local}={value}?)" if local in valid else _suggest(key, valid)
+        else:
+            hint = ""
+        raise UnknownConfigKeyError(
+            f"unexpected argument {a!r}: overrides are written --{_CONFIG_FLAG}.KEY=VALUE{hint}\n{USAGE}"
+        )
     for key in keys:
         if key not in valid:
-            close = difflib.get_close_matches(key, sorted(valid), n=3)
-            hint = f"; did you mean {', '.join('config.' + c for c in close)}?" if close else ""
-            raise UnknownConfigKeyError(f"unknown config key config.{key} (from --{_CONFIG_FLAG}.{key}){hint}")
+            raise UnknownConfigKeyError(
+                f"unknown config key config.{key} (from --{_CONFIG_FLAG}.{key}){_suggest(key, valid)}"
+            )
 
 
 def has_config_flag(argv: list[str]) -> bool:
@@ -141,7 +189,7 @@ def run(argv=None) -> None:
         quiet_startup_noise()
         try:
             check_override_keys(argv)
-        except UnknownConfigKeyError as e:
+        except (UnknownConfigKeyError, FileNotFoundError) as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
         _CONFIG = config_flags.DEFINE_config_file(

@@ -124,6 +124,35 @@ def test_unknown_override_key_is_named():
     with pytest.raises(UnknownConfigKeyError, match=r"config\.actor\.ppo_mini_batchsize.*ppo_mini_batch_size"):
         check_override_keys(["prog", f"--config={cfg}:tiny", "--config.actor.ppo_mini_batchsize=4"])
     check_override_keys(["prog", f"--config={cfg}:tiny", "--config.actor.ppo_mini_batch_size=4"])
+    # space form of --config, and absl's `--flag value` form, are fine
+    check_override_keys(["prog", "--config", f"{cfg}:tiny", "--verbosity", "1", "--config.rollout.n=2"])
+    with pytest.raises(UnknownConfigKeyError, match=r"config\.rollout\.nn.*did you mean config\.rollout\.n\b"):
+        check_override_keys(["prog", "--config", f"{cfg}:tiny", "--config.rollout.nn=2"])
+    # verl's full key names point at ours
+    with pytest.raises(UnknownConfigKeyError, match=r"did you mean config\.actor\.ppo_mini_batch_size \(verl's"):
+        check_override_keys(["prog", f"--config={cfg}:tiny", "--config.actor_rollout_ref.actor.ppo_mini_batch_size=2"])
+
+
+@pytest.mark.parametrize(
+    "arg,hint",
+    [
+        ("rollout.n=2", "did you mean --config.rollout.n=2?"),  # Hydra style, as verl's command lines
+        ("actor_rollout_ref.rollout.n=2", "did you mean --config.rollout.n=2?"),
+        ("data.train_batch_size=8", "did you mean --config.data.train_batch_size=8?"),
+        ("stray", "overrides are written --config.KEY=VALUE"),
+    ],
+)
+def test_positional_overrides_are_refused_not_ignored(arg, hint):
+    """absl ignores positional arguments; a verl user's `rollout.n=2` must not silently train with the default."""
+    cfg = os.path.join(REPO, "configs", "grpo.py")
+    with pytest.raises(UnknownConfigKeyError, match=f"unexpected argument '{arg}'") as e:
+        check_override_keys(["prog", f"--config={cfg}:tiny", arg])
+    assert hint in str(e.value)
+
+
+def test_missing_config_file_is_named():
+    with pytest.raises(FileNotFoundError, match=r"config file not found: nope\.py"):
+        check_override_keys(["prog", "--config=nope.py:tiny"])
 
 
 # ----------------------------------------------------------------------------------------- update math
