@@ -25,7 +25,7 @@ _CONSOLE_KEYS = (
     ("critic/rewards/mean", "reward"),
     ("critic/vf_explained_var", "vf_ev"),
     ("response_length/mean", "resp_len"),
-    ("response_length/clip_ratio", "clip"),
+    ("response_length/clip_ratio", "truncated"),  # share of responses cut at max_response_length (not PPO clip)
     ("actor/pg_loss", "pg"),
     ("actor/entropy", "ent"),
     ("actor/ppo_kl", "ppo_kl"),
