@@ -32,6 +32,7 @@ import numpy as np
 
 __all__ = [
     "PromptDataLoader",
+    "NotEnoughPromptsError",
     "PromptError",
     "PromptIterator",
     "compute_position_ids",
@@ -52,6 +53,23 @@ class PromptError(ValueError):
         super().__init__(f"row {index}: {reason}")
         self.index = index
         self.reason = reason
+
+
+class NotEnoughPromptsError(ValueError):
+    """Fewer prompts than one batch are left after filtering overlong ones (none at all included).
+
+    Attributes: `num_rows` (rows given), `num_kept` (prompts left), `num_filtered` (dropped as longer than
+    `max_prompt_length`), `batch_size`, `max_prompt_length`, `lengths` (token length of every row's prompt).
+    """
+
+    def __init__(self, message: str, *, num_rows, num_kept, num_filtered, batch_size, max_prompt_length, lengths):
+        super().__init__(message)
+        self.num_rows = num_rows
+        self.num_kept = num_kept
+        self.num_filtered = num_filtered
+        self.batch_size = batch_size
+        self.max_prompt_length = max_prompt_length
+        self.lengths = list(lengths)
 
 
 def tokenize_prompts(tokenizer, conversations: Sequence[Sequence[dict]], chunk: int = 512) -> list[list[int]]:
@@ -138,9 +156,10 @@ class PromptDataLoader:
       pad_token_id: default tokenizer.pad_token_id, else eos_token_id, else 0.
       where: each row's origin ("<file>, row <i>", `sources.Rows.where`), used in error messages.
     Raises:
-      ValueError: no rows left after filtering, batch_size larger than the data with drop_remainder,
-        bad arguments. MalformedRowError (a ValueError): a prompt the chat template rejects, or an overlong
-        prompt with truncation='error'; the message names the row's file and row number.
+      NotEnoughPromptsError (a ValueError): no rows, no rows left after filtering, or fewer than
+        batch_size with drop_remainder. ValueError: bad arguments. MalformedRowError (a ValueError): a
+        prompt the chat template rejects, or an overlong prompt with truncation='error'; the message names
+        the row's file and row number.
     """
 
     def __init__(
@@ -207,11 +226,22 @@ class PromptDataLoader:
         if self.num_filtered:
             log.info("filtered %d of %d prompts longer than %d tokens", self.num_filtered, self.num_rows, P)
         n = len(self._rows)
-        if n == 0:
-            raise ValueError(f"no prompts left: all {self.num_rows} rows are longer than max_prompt_length={P}")
-        if drop_remainder and n < self.batch_size:
-            raise ValueError(
-                f"only {n} prompts (after filtering) for batch_size={self.batch_size} with drop_remainder=True"
+        if n == 0 or (drop_remainder and n < self.batch_size):
+            why = (
+                f"no prompts left: all {self.num_rows} rows are longer than max_prompt_length={P}"
+                if n == 0 and self.num_rows
+                else "no rows"
+                if n == 0
+                else f"only {n} prompts (after filtering) for batch_size={self.batch_size} with drop_remainder=True"
+            )
+            raise NotEnoughPromptsError(
+                why,
+                num_rows=self.num_rows,
+                num_kept=n,
+                num_filtered=self.num_filtered,
+                batch_size=self.batch_size,
+                max_prompt_length=P,
+                lengths=[len(ids) for ids in all_ids],
             )
 
         ds = grain.MapDataset.range(n)

@@ -110,18 +110,51 @@ def load_split_rows(cfg: Any, val: bool):
     """`sources.Rows` of `data.train_files` / `data.val_files` (comma-separated specs) via `sources.load_rows`.
 
     Raises: MalformedRowError naming the file, row and problem (unless `data.skip_malformed`);
-      FileNotFoundError.
+      FileNotFoundError; ConfigError naming `data.train_files` / `data.val_files`: an unknown reasoning-gym
+      task (lists similar and some valid task names), or no rows at all (empty file, or every row skipped as
+      malformed).
     """
     from jaxrl_post.data.sources import load_rows
 
+    key = "data.val_files" if val else "data.train_files"
     spec = cfg.data.val_files if val else cfg.data.train_files
     specs = [s.strip() for s in str(spec).split(",") if s.strip()]
-    return load_rows(
+    for s in specs:
+        _check_reasoning_gym_task(key, spec, s)
+    rows = load_rows(
         specs if len(specs) > 1 else specs[0],
         split="test" if val else "train",
         skip_malformed=bool(cfg.data.skip_malformed),
         system_prompt=cfg.data.system_prompt,
         **_rg_kwargs(cfg, val),
+    )
+    if len(rows) == 0:
+        why = (
+            f"all {rows.num_skipped} rows were skipped as malformed (data.skip_malformed=True)"
+            if rows.num_skipped
+            else "the data has no rows (an empty file?)"
+        )
+        raise ConfigError(f"config.{key}={spec!r}: {why}; point {key} at a file with prompt rows")
+    return rows
+
+
+def _check_reasoning_gym_task(key: str, spec: str, one: str) -> None:
+    """Raises ConfigError when `one` is 'reasoning_gym:<task>' with a task reasoning-gym does not register."""
+    if not one.startswith(("reasoning_gym:", "reasoning_gym/")):
+        return
+    import difflib
+
+    from reasoning_gym.factory import DATASETS
+
+    task = one.split(":", 1)[1] if ":" in one else one.split("/", 1)[1]
+    if task in DATASETS:
+        return
+    names = sorted(DATASETS)
+    close = difflib.get_close_matches(task, names, n=3)
+    hint = f"did you mean {close}? " if close else ""
+    raise ConfigError(
+        f"config.{key}={spec!r}: reasoning-gym has no task {task!r}; {hint}valid tasks ({len(names)}) include "
+        f"{names[:8]} (all: python -c 'import reasoning_gym.factory as f; print(sorted(f.DATASETS))')"
     )
 
 
@@ -224,41 +257,75 @@ def load_data_rows(cfg: Any) -> DataRows:
     return data
 
 
+def _not_enough_prompts_message(cfg: Any, files_key: str, spec: Any, e) -> str:
+    """ConfigError text for a `pipeline.NotEnoughPromptsError`: names the key to change and a value."""
+    lengths = sorted(e.lengths)
+    longest, median = (lengths[-1], lengths[len(lengths) // 2]) if lengths else (0, 0)
+    where = f"config.{files_key}={spec!r}"
+    if e.num_kept == 0 and e.num_rows:
+        return (
+            f"config.data.max_prompt_length={e.max_prompt_length}: all {e.num_rows} prompts of {where} are longer "
+            f"(longest {longest}, median {median} tokens) and are dropped (data.filter_overlong_prompts=True); "
+            f"set --config.data.max_prompt_length={longest} (fits every prompt) or at least {median} (fits half)"
+        )
+    filtered = (
+        f" after dropping {e.num_filtered} longer than data.max_prompt_length={e.max_prompt_length}"
+        if e.num_filtered
+        else ""
+    )
+    return (
+        f"config.data.train_batch_size={e.batch_size}: only {e.num_kept} prompts of {where} are left{filtered}, "
+        f"fewer than one batch; set --config.data.train_batch_size={e.num_kept} or less, or use more data"
+    )
+
+
 def build_dataloaders(cfg: Any, data: DataRows, tokenizer, pad_token_id: int):
     """(train loader (infinite, shuffled, drop_remainder), val loader or None, data stats dict) from the
-    rows of `load_data_rows`."""
+    rows of `load_data_rows`.
+
+    Raises:
+      ConfigError: every prompt is longer than `data.max_prompt_length` (with `data.filter_overlong_prompts`;
+        gives the longest / median prompt length), or fewer training prompts than `data.train_batch_size`.
+      MalformedRowError: a prompt the chat template rejects, or an overlong one with truncation='error'.
+    """
     from jaxrl_post.data import pipeline
 
-    train = pipeline.make_dataloader(
-        data.train,
-        tokenizer,
-        batch_size=int(cfg.data.train_batch_size),
-        max_prompt_length=int(cfg.data.max_prompt_length),
-        seed=int(cfg.data.seed),
-        shuffle=bool(cfg.data.shuffle),
-        num_epochs=None,
-        drop_remainder=True,
-        filter_overlong_prompts=bool(cfg.data.filter_overlong_prompts),
-        truncation=cfg.data.truncation,
-        pad_token_id=pad_token_id,
-    )
+    try:
+        train = pipeline.make_dataloader(
+            data.train,
+            tokenizer,
+            batch_size=int(cfg.data.train_batch_size),
+            max_prompt_length=int(cfg.data.max_prompt_length),
+            seed=int(cfg.data.seed),
+            shuffle=bool(cfg.data.shuffle),
+            num_epochs=None,
+            drop_remainder=True,
+            filter_overlong_prompts=bool(cfg.data.filter_overlong_prompts),
+            truncation=cfg.data.truncation,
+            pad_token_id=pad_token_id,
+        )
+    except pipeline.NotEnoughPromptsError as e:
+        raise ConfigError(_not_enough_prompts_message(cfg, "data.train_files", cfg.data.train_files, e)) from e
     stats = dict(train.stats, **data.stats)
     val = None
     if data.val is not None:
         n_val = len(data.val)
         bs = int(cfg.data.val_batch_size or n_val)
-        val = pipeline.make_dataloader(
-            data.val,
-            tokenizer,
-            batch_size=min(bs, n_val),
-            max_prompt_length=int(cfg.data.max_prompt_length),
-            shuffle=False,
-            num_epochs=1,
-            drop_remainder=False,
-            filter_overlong_prompts=bool(cfg.data.filter_overlong_prompts),
-            truncation=cfg.data.truncation,
-            pad_token_id=pad_token_id,
-        )
+        try:
+            val = pipeline.make_dataloader(
+                data.val,
+                tokenizer,
+                batch_size=min(bs, n_val),
+                max_prompt_length=int(cfg.data.max_prompt_length),
+                shuffle=False,
+                num_epochs=1,
+                drop_remainder=False,
+                filter_overlong_prompts=bool(cfg.data.filter_overlong_prompts),
+                truncation=cfg.data.truncation,
+                pad_token_id=pad_token_id,
+            )
+        except pipeline.NotEnoughPromptsError as e:
+            raise ConfigError(_not_enough_prompts_message(cfg, "data.val_files", cfg.data.val_files, e)) from e
         stats["data/num_val_prompts"] = val.num_prompts
     return train, val, stats
 

@@ -1,0 +1,67 @@
+"""A new user's mistakes give one ConfigError naming the config key (main prints it as one `error:` line):
+empty data, unknown reasoning-gym task, every prompt too long, too few prompts for a batch, a broken
+custom reward file, an unwritable working directory."""
+
+import os
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from jaxrl_post.trainer import builders
+from jaxrl_post.trainer.char_tokenizer import build_char_tokenizer
+from jaxrl_post.trainer.config_check import ConfigError
+from tests.test_loud_startup import _row, _unloadable_model_config, _write
+
+
+def _loaders(c):
+    data = builders.load_data_rows(c)
+    return builders.build_dataloaders(c, data, build_char_tokenizer(), 0)
+
+
+def test_empty_train_file(tmp_path):
+    f = _write(tmp_path / "train.jsonl", [])
+    with pytest.raises(ConfigError) as e:
+        builders.load_data_rows(_unloadable_model_config(tmp_path, f))
+    assert str(e.value) == (
+        f"config.data.train_files={f!r}: the data has no rows (an empty file?); "
+        "point data.train_files at a file with prompt rows"
+    )
+
+
+def test_unknown_reasoning_gym_task(tmp_path):
+    c = _unloadable_model_config(tmp_path, "reasoning_gym:basic_arithmetc")
+    with pytest.raises(ConfigError) as e:
+        builders.load_data_rows(c)
+    msg = str(e.value)
+    assert msg.startswith(
+        "config.data.train_files='reasoning_gym:basic_arithmetc': reasoning-gym has no task 'basic_arithmetc'; "
+        "did you mean ['basic_arithmetic'"
+    )
+    assert "valid tasks (" in msg and "'ab'" in msg
+
+
+def test_all_prompts_too_long(tmp_path):
+    c = _unloadable_model_config(tmp_path, _write(tmp_path / "t.jsonl", [_row(i) for i in range(4)]))
+    c.data.max_prompt_length = 5
+    c.data.train_batch_size = 2
+    with pytest.raises(ConfigError) as e:
+        _loaders(c)
+    msg = str(e.value)
+    assert msg.startswith("config.data.max_prompt_length=5: all 4 prompts of config.data.train_files=")
+    assert "(longest " in msg and "median " in msg and "set --config.data.max_prompt_length=" in msg
+
+
+def test_train_batch_size_larger_than_data(tmp_path):
+    f = _write(tmp_path / "t.jsonl", [_row(i) for i in range(3)])
+    c = _unloadable_model_config(tmp_path, f)
+    c.data.train_batch_size = 100
+    with pytest.raises(ConfigError) as e:
+        _loaders(c)
+    assert str(e.value) == (
+        f"config.data.train_batch_size=100: only 3 prompts of config.data.train_files={f!r} are left, fewer than "
+        "one batch; set --config.data.train_batch_size=3 or less, or use more data"
+    )
