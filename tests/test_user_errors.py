@@ -65,3 +65,25 @@ def test_train_batch_size_larger_than_data(tmp_path):
         f"config.data.train_batch_size=100: only 3 prompts of config.data.train_files={f!r} are left, fewer than "
         "one batch; set --config.data.train_batch_size=3 or less, or use more data"
     )
+
+
+def test_custom_reward_file_errors_name_the_key(tmp_path):
+    from jaxrl_post.trainer.trainer import RLTrainer
+
+    c = _unloadable_model_config(tmp_path, _write(tmp_path / "t.jsonl", [_row(i) for i in range(4)]))
+    bad = tmp_path / "bad.py"
+    bad.write_text("def compute_score(a, b, c, d=None):\n    return 1.0 +\n")
+    c.custom_reward_function.path = str(bad)
+    with pytest.raises(ConfigError) as e:  # before the (unloadable) model
+        RLTrainer(c)
+    msg = str(e.value)
+    assert msg.startswith(f"config.custom_reward_function.path={str(bad)!r}: error while importing custom reward file")
+    assert "SyntaxError" in msg and "bad.py, line 2" in msg
+    bad.write_text("def score(a, b, c, d=None):\n    return 1.0\n")
+    c.custom_reward_function.name = "compute_scor"
+    with pytest.raises(ConfigError) as e:
+        RLTrainer(c)
+    assert str(e.value) == (
+        f"config.custom_reward_function.name='compute_scor': reward function 'compute_scor' not found in {bad}; "
+        "callables defined there: ['score']"
+    )

@@ -187,8 +187,10 @@ class DataRows:
 
 
 def _check_reward_sources(cfg: Any, data: DataRows) -> None:
-    """Without a custom reward function, every row's data_source must have a scorer in the reward registry."""
+    """Without a custom reward function, every row's data_source must have a scorer in the reward registry;
+    with one, it must load (`load_custom_reward`)."""
     if cfg.custom_reward_function.path:
+        load_custom_reward(cfg)
         return
     from jaxrl_post.rewards import UnknownDataSourceError, check_data_sources
 
@@ -213,7 +215,9 @@ def load_data_rows(cfg: Any) -> DataRows:
     Raises:
       MalformedRowError: a malformed row (file, row, problem; suggests `data.skip_malformed=True`).
       ConfigError: a data_source with no reward function and no `custom_reward_function.path` (lists the
-        known ones); every validation prompt also occurs in the training data while validation is on
+        known ones); a `custom_reward_function.path/name` that does not load (`load_custom_reward`); no rows
+        or an unknown reasoning-gym task (`load_split_rows`); every validation prompt also occurs in the
+        training data while validation is on
         (`trainer.val_before_train`, `trainer.val_at_end`, `trainer.test_freq > 0`). With validation off
         such a val set is dropped with a warning (`trainer.validate()` then raises).
     """
@@ -330,11 +334,33 @@ def build_dataloaders(cfg: Any, data: DataRows, tokenizer, pad_token_id: int):
     return train, val, stats
 
 
-def build_reward_manager(cfg: Any, tokenizer):
-    """RewardManager scoring with `custom_reward_function` (if set) or `default_compute_score`."""
-    from jaxrl_post.rewards import RewardManager, load_custom_reward_fn
+def load_custom_reward(cfg: Any):
+    """`rewards.load_custom_reward_fn` of `custom_reward_function.path/name` (None when no path is set).
 
-    fn = load_custom_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
+    Raises:
+      ConfigError: naming `custom_reward_function.path` (file missing, or it fails to import: the error
+        text, e.g. a SyntaxError's file and line, is kept) or `custom_reward_function.name` (no such
+        callable in the file: lists the file's callables).
+    """
+    from jaxrl_post.rewards import load_custom_reward_fn
+
+    crf = cfg.custom_reward_function
+    try:
+        return load_custom_reward_fn(crf.path, crf.name)
+    except (FileNotFoundError, ImportError) as e:
+        raise ConfigError(f"config.custom_reward_function.path={crf.path!r}: {e}") from e
+    except (AttributeError, TypeError) as e:
+        raise ConfigError(f"config.custom_reward_function.name={crf.name!r}: {e}") from e
+
+
+def build_reward_manager(cfg: Any, tokenizer):
+    """RewardManager scoring with `custom_reward_function` (if set) or `default_compute_score`.
+
+    Raises: ConfigError: the custom reward function cannot be loaded (see `load_custom_reward`).
+    """
+    from jaxrl_post.rewards import RewardManager
+
+    fn = load_custom_reward(cfg)
     rm = cfg.reward_model
     return RewardManager(
         fn,
