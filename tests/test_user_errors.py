@@ -87,3 +87,40 @@ def test_custom_reward_file_errors_name_the_key(tmp_path):
         f"config.custom_reward_function.name='compute_scor': reward function 'compute_scor' not found in {bad}; "
         "callables defined there: ['score']"
     )
+
+
+def test_workdir_under_a_file_or_read_only(tmp_path):
+    from jaxrl_post.trainer.trainer import RLTrainer
+
+    c = _unloadable_model_config(tmp_path, _write(tmp_path / "t.jsonl", [_row(i) for i in range(4)]))
+    (tmp_path / "file").write_text("x")
+    c.trainer.default_local_dir = str(tmp_path / "file" / "run")
+    with pytest.raises(ConfigError) as e:  # before the (unloadable) model
+        RLTrainer(c)
+    assert str(e.value) == (
+        f"config.trainer.default_local_dir={c.trainer.default_local_dir!r}: the run's working directory is under "
+        f"{tmp_path / 'file'}, which is a file, not a directory; choose another path"
+    )
+    if os.geteuid() != 0:  # root writes into read-only directories
+        ro = tmp_path / "ro"
+        ro.mkdir(mode=0o555)
+        c.trainer.default_local_dir = str(ro / "run")
+        with pytest.raises(ConfigError, match="is not writable; choose a writable path"):
+            RLTrainer(c)
+
+
+def test_failed_start_leaves_no_empty_workdir(tmp_path):
+    from jaxrl_post.data.sources import MalformedRowError
+    from jaxrl_post.trainer.trainer import RLTrainer
+
+    run = tmp_path / "run"
+    c = _unloadable_model_config(tmp_path, _write(tmp_path / "t.jsonl", [_row(0), _row(1, "my/dataset")]))
+    with pytest.raises(ConfigError):  # unknown data_source
+        RLTrainer(c)
+    c.data.train_files = _write(tmp_path / "m.jsonl", [{"prompt": "x"}])
+    with pytest.raises(MalformedRowError):
+        RLTrainer(c)
+    c.data.train_files = _write(tmp_path / "ok.jsonl", [_row(i) for i in range(4)])
+    with pytest.raises(FileNotFoundError, match="no_such_model"):  # the model does not load
+        RLTrainer(c)
+    assert not run.exists()

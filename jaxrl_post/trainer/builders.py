@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import logging
 import math
+import os
 from typing import Any
 
 import jax
@@ -29,6 +30,30 @@ def build_mesh(cfg: Any) -> jax.sharding.Mesh:
 
     m = cfg.trainer.mesh
     return make_mesh(data=int(m.data), fsdp=int(m.fsdp), tensor=int(m.tensor))
+
+
+def check_workdir(cfg: Any) -> None:
+    """Check, without creating anything, that `trainer.default_local_dir` can be created and written.
+
+    Raises:
+      ConfigError: naming `trainer.default_local_dir` when it, or the nearest existing directory above it,
+        is a regular file, or that directory is not writable (read-only directory or file system).
+    """
+    given = cfg.trainer.default_local_dir
+    key = f"config.trainer.default_local_dir={given!r}"
+    path = os.path.abspath(str(given))
+    existing = path
+    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        what = "is a file" if existing == path else f"is under {existing}, which is a file"
+        raise ConfigError(f"{key}: the run's working directory {what}, not a directory; choose another path")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        where = "" if existing == path else f" ({existing}, where it would be created)"
+        raise ConfigError(
+            f"{key}: the run's working directory{where} is not writable; choose a writable path "
+            "(--config.trainer.default_local_dir=runs/my_run)"
+        )
 
 
 def model_config_from(cfg: Any):

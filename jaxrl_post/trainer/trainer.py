@@ -75,7 +75,8 @@ class RLTrainer(RolesMixin, UpdatesMixin, CheckpointMixin):
       console_write: optional callable for console lines (tests capture it).
 
     Raises:
-      ConfigError: invalid config (names every bad key), before any model is loaded or compiled; also a
+      ConfigError: invalid config (names every bad key), before any model is loaded or compiled; also an
+        unusable `trainer.default_local_dir` (`builders.check_workdir`), a
         data_source with no reward function (without `custom_reward_function.path`), and validation data
         that all occurs in the training data while validation is on (`builders.load_data_rows`).
       MalformedRowError: a malformed data row (file, row, problem), before the model is loaded.
@@ -88,10 +89,12 @@ class RLTrainer(RolesMixin, UpdatesMixin, CheckpointMixin):
         validate_config(config)
         self.config = cfg = config
         self.workdir = cfg.trainer.default_local_dir
-        os.makedirs(self.workdir, exist_ok=True)
         self.trace_counts: dict[str, int] = {}
 
-        # ---- data rows first: malformed rows, unknown data sources, ... fail before the (slow) model load
+        # ---- pre-flight, before the (slow) model load: a writable working directory (created only once the
+        # model, data loaders and reward function are built, so a failed start leaves no empty directory),
+        # then the data rows (malformed rows, unknown data sources, ...)
+        builders.check_workdir(cfg)
         data_rows = builders.load_data_rows(cfg)
 
         # ---- devices, model, tokenizer
@@ -136,6 +139,7 @@ class RLTrainer(RolesMixin, UpdatesMixin, CheckpointMixin):
         self.critic_update_count = 0
         self.peak_flops = metrics_lib.device_peak_flops(override=cfg.trainer.device_peak_flops)
         self._say = console_write or (lambda line: print(line, flush=True))
+        os.makedirs(self.workdir, exist_ok=True)
         self.tracker = tracker or Tracking(
             self.workdir,
             cfg.trainer.logger,
