@@ -88,3 +88,11 @@ def test_save_run_config_json_and_yaml(tmp_path):
         assert json.load(f) == want
     with open(paths[1]) as f:
         assert yaml.safe_load(f) == want
+    # the command line's --config.trainer.logger=console,tensorboard is stored as the list of names
+    c.trainer.logger = ("console,tensorboard",)
+    loggers.save_run_config(c, str(tmp_path / "run"))
+    with open(paths[0]) as f:
+        assert json.load(f)["trainer"]["logger"] == ["console", "tensorboard"]
+    assert loggers.config_to_dict({"trainer": {"logger": "console, jsonl"}}) == {
+        "trainer": {"logger": ["console", "jsonl"]}
+    }

@@ -12,6 +12,7 @@ Each backend has `log(metrics: Mapping[str, scalar], step: int)` and `close()`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Mapping
@@ -109,10 +110,21 @@ class WandbLogger:
 
 
 def config_to_dict(config: Any) -> dict[str, Any]:
-    """A ConfigDict (or mapping) as plain JSON-able dicts (tuples -> lists, other objects -> str)."""
+    """A ConfigDict (or mapping) as plain JSON-able dicts (tuples -> lists, other objects -> str).
+
+    `trainer.logger` is stored as its list of names (`tracking.parse_logger_names`: "console,tensorboard"
+    -> ["console", "tensorboard"]); a value that does not parse is kept as given.
+    """
+    from jaxrl_post.trainer.tracking import parse_logger_names
+
     if hasattr(config, "to_dict"):
         config = config.to_dict()
-    return json.loads(json.dumps(config, default=str))
+    d = json.loads(json.dumps(config, default=str))
+    trainer = d.get("trainer") if isinstance(d, dict) else None
+    if isinstance(trainer, dict) and "logger" in trainer:
+        with contextlib.suppress(ValueError):
+            trainer["logger"] = list(parse_logger_names(trainer["logger"]))
+    return d
 
 
 def save_run_config(config: Any, workdir: str) -> list[str]:
