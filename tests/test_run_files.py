@@ -86,3 +86,21 @@ def test_jsonl_logger_opens_the_file_at_the_first_line(tmp_path):
     log.close()
     log.close()  # idempotent
     assert _steps(tmp_path / "metrics.jsonl") == [0]
+
+
+def test_moved_aside_checkpoints_notice_gives_size_and_rm_command(tmp_path):
+    from jaxrl_post.trainer.run_files import move_aside_old_checkpoints
+
+    root = tmp_path / "checkpoints"
+    (root / "global_step_2").mkdir(parents=True)
+    (root / "global_step_2" / "params").write_bytes(b"x" * 1500)
+    (root / "global_step_4").mkdir()
+    (root / "global_step_4" / "params").write_bytes(b"x" * 1000)
+    assert move_aside_old_checkpoints(str(root), str(root), [2, 4]) is None  # resumed from: kept
+    msg = move_aside_old_checkpoints(str(root), None, [2, 4])
+    (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith("checkpoints.")]
+    assert msg == (
+        f"{root} holds checkpoints of an earlier run (steps [2, 4]) that this run does not resume from; moved to "
+        f"{aside} (2.5 kB on disk; if you do not need them: rm -r {aside})"
+    )
+    assert not root.exists() and (aside / "global_step_4" / "params").read_bytes() == b"x" * 1000

@@ -16,8 +16,10 @@ The same holds for `<workdir>/checkpoints` of an earlier run that a run does not
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shlex
 import time
 
 METRICS_FILE = "metrics.jsonl"
@@ -99,7 +101,8 @@ def move_aside_old_checkpoints(checkpoint_root: str, resume_root: str | None, st
     existing step), and a later resume would mix the two runs.
 
     Returns:
-      A one-line notice when something was moved, else None.
+      A one-line notice when something was moved, else None; it gives the moved directory's size on disk
+      and the `rm -r` command to delete it (nothing is ever deleted here).
 
     Raises:
       OSError: the directory cannot be renamed (it is then left where it was).
@@ -110,8 +113,28 @@ def move_aside_old_checkpoints(checkpoint_root: str, resume_root: str | None, st
     os.rename(checkpoint_root, aside)
     return (
         f"{checkpoint_root} holds checkpoints of an earlier run (steps {steps}) that this run does not resume "
-        f"from; moved to {aside}"
+        f"from; moved to {aside} ({_human_size(_disk_usage(aside))} on disk; if you do not need them: "
+        f"rm -r {shlex.quote(aside)})"
     )
+
+
+def _disk_usage(path: str) -> int:
+    """Bytes of the regular files under `path` (files that vanish meanwhile are not counted)."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(root, name)).st_size
+    return total
+
+
+def _human_size(n: int) -> str:
+    """1234567 -> '1.2 MB' (powers of 1000, as `du --si`)."""
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
 
 
 def prepare_metrics_file(workdir: str, resumed_step: int | None, filename: str = METRICS_FILE) -> str | None:
