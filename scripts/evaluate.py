@@ -10,12 +10,14 @@ Usage:
 Generation settings come from `rollout.val_kwargs` (greedy n=1 by default; n>1 sampled adds best@k,
 pass@k, maj@k). `--checkpoint` is a run dir, its `checkpoints/` dir or a `global_step_<N>` dir; only the
 actor params are read. Metrics (verl names, `val-core/{data_source}/reward/mean@{n}`, ...) are printed as
-JSON and written to `--output` (default `<eval dir>/eval_metrics.json`). The evaluation's own working
-directory (`--workdir`, default a fresh temporary one) keeps the run's directory untouched.
+JSON and written to `--output` (default `<--workdir>/eval_metrics.json`, or `./eval_metrics.json` without
+`--workdir`). The evaluation's own working directory (`--workdir`, default a temporary `jaxrl_eval_*`
+directory removed at the end, also after a failure) keeps the run's directory untouched.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -37,8 +39,10 @@ def _define_flags():
     config_flags.DEFINE_config_file("config", None, "Job config: path/to/config.py[:variant].", lock_config=False)
     flags.DEFINE_string("checkpoint", None, "Checkpoint to evaluate (default: the base model).")
     flags.DEFINE_integer("step", None, "Checkpoint step (default: the one --checkpoint names, else the latest).")
-    flags.DEFINE_string("workdir", None, "Working dir of the evaluation (default: a temp dir).")
-    flags.DEFINE_string("output", None, "JSON file for the metrics (default: <workdir>/eval_metrics.json).")
+    flags.DEFINE_string("workdir", None, "Working dir of the evaluation (default: a temp dir, removed at the end).")
+    flags.DEFINE_string(
+        "output", None, "JSON file for the metrics (default: <workdir>/eval_metrics.json, else ./eval_metrics.json)."
+    )
     flags.mark_flag_as_required("config")
     return flags.FLAGS
 
@@ -47,15 +51,26 @@ def evaluate(cfg, checkpoint: str | None = None, *, step: int | None = None, wor
     """Build the trainer from `cfg` (no training), load the actor params of `checkpoint` if given, and
     return `validate()`'s metrics plus `eval/checkpoint_step` (-1 for the base model).
 
+    The trainer's working directory is `workdir`, or (None) a temporary `jaxrl_eval_*` directory removed
+    on return, also when this raises.
+
     Raises:
       CheckpointError: nothing complete at `checkpoint` (the message says what to pass), or `step` is not
         one of its complete steps.
+      ValueError: `data.val_files` is empty. ConfigError / MalformedRowError: see `RLTrainer`.
     """
+    with contextlib.ExitStack() as stack:
+        if workdir is None:
+            workdir = stack.enter_context(tempfile.TemporaryDirectory(prefix="jaxrl_eval_"))
+        return _evaluate(cfg, checkpoint, step, workdir)
+
+
+def _evaluate(cfg, checkpoint: str | None, step: int | None, workdir: str) -> dict:
     from jaxrl_post.trainer import checkpoint as ckpt
     from jaxrl_post.trainer.trainer import RLTrainer
 
     cfg = cfg.copy_and_resolve_references()
-    cfg.trainer.default_local_dir = workdir or tempfile.mkdtemp(prefix="jaxrl_eval_")
+    cfg.trainer.default_local_dir = workdir
     cfg.trainer.resume_mode = "disable"
     cfg.trainer.logger = ("jsonl",)
     cfg.trainer.progress_bar = False
@@ -84,15 +99,16 @@ def evaluate(cfg, checkpoint: str | None = None, *, step: int | None = None, wor
 
 def main(argv) -> None:
     del argv
+    from jaxrl_post.data.sources import MalformedRowError
     from jaxrl_post.trainer.checkpoint import CheckpointError
+    from jaxrl_post.trainer.config_check import ConfigError
 
-    workdir = FLAGS.workdir or tempfile.mkdtemp(prefix="jaxrl_eval_")
     try:
-        metrics = evaluate(FLAGS.config, FLAGS.checkpoint, step=FLAGS.step, workdir=workdir)
-    except CheckpointError as e:
+        metrics = evaluate(FLAGS.config, FLAGS.checkpoint, step=FLAGS.step, workdir=FLAGS.workdir)
+    except (CheckpointError, ConfigError, MalformedRowError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    out = FLAGS.output or os.path.join(workdir, "eval_metrics.json")
+    out = FLAGS.output or os.path.join(FLAGS.workdir or ".", "eval_metrics.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump(metrics, f, indent=1, sort_keys=True)

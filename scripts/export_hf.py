@@ -8,7 +8,8 @@ Usage:
 `global_step_<N>` directory. Only the actor params are read (not the optimizer state); the architecture
 and the tokenizer source come from the checkpoint's host metadata (`host['model']`, written by the
 trainer). Writes config.json, generation_config.json, model.safetensors and the tokenizer files with
-`jaxrl_post.models.save_pretrained`.
+`jaxrl_post.models.save_pretrained` (all with the same file mode), then prints the step, the number of
+parameters and the files. `--out` must be a new or empty directory unless `--overwrite` is given.
 """
 
 from __future__ import annotations
@@ -56,31 +57,72 @@ def load_actor(checkpoint: str, *, step: int | None = None, mesh=None):
     return model, tokenizer, step
 
 
-def export(checkpoint: str, out_dir: str, *, step: int | None = None) -> str:
-    """Write the HF directory for `checkpoint` into `out_dir`; returns `out_dir`."""
+class ExportError(Exception):
+    """The output directory cannot be used (not empty without --overwrite, or a file)."""
+
+
+def check_out_dir(out_dir: str, overwrite: bool) -> None:
+    """Raises ExportError when `out_dir` is a file, or a non-empty directory and not `overwrite`."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ExportError(f"--out={out_dir} is a file, not a directory")
+    if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
+        raise ExportError(
+            f"--out={out_dir} is not empty ({len(os.listdir(out_dir))} entries); choose a new directory, or pass "
+            "--overwrite to write over the files there"
+        )
+
+
+def _fix_file_modes(out_dir: str) -> None:
+    """safetensors writes its files with mode 0600; give them the mode of the other files (0666 & ~umask)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for name in os.listdir(out_dir):
+        if name.endswith(".safetensors"):
+            os.chmod(os.path.join(out_dir, name), 0o666 & ~mask)
+
+
+def export(checkpoint: str, out_dir: str, *, step: int | None = None, overwrite: bool = False, say=None) -> str:
+    """Write the HF directory for `checkpoint` into `out_dir`; returns `out_dir`. `say(line)`, when given,
+    receives a summary: the step, the number of parameters and the files written (with sizes).
+
+    Raises:
+      ExportError: `out_dir` is a file, or a non-empty directory and not `overwrite` (checked first).
+      CheckpointError: nothing complete at `checkpoint` (see `load_actor`).
+    """
+    import jax
+    from flax import nnx
+
     from jaxrl_post.models import save_pretrained
 
+    check_out_dir(out_dir, overwrite)
     model, tokenizer, step = load_actor(checkpoint, step=step)
     save_pretrained(model, tokenizer, out_dir)
+    _fix_file_modes(out_dir)
+    if say is not None:
+        n_params = sum(int(x.size) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+        say(f"exported step {step} of {checkpoint} ({n_params:,} parameters) to {out_dir}:")
+        for name in sorted(os.listdir(out_dir)):
+            say(f"  {name} ({os.path.getsize(os.path.join(out_dir, name)):,} bytes)")
     return out_dir
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--checkpoint", required=True, help="run dir, its checkpoints/ dir, or a global_step_<N> dir")
-    ap.add_argument("--out", required=True, help="output HF directory")
+    ap.add_argument("--out", required=True, help="output HF directory (new or empty, unless --overwrite)")
     ap.add_argument(
         "--step",
         type=int,
         default=None,
         help="step to export (default: the one --checkpoint names, else the latest complete one)",
     )
+    ap.add_argument("--overwrite", action="store_true", help="write into a non-empty --out directory")
     args = ap.parse_args(argv)
     from jaxrl_post.trainer.checkpoint import CheckpointError
 
     try:
-        print(export(args.checkpoint, args.out, step=args.step))
-    except CheckpointError as e:
+        export(args.checkpoint, args.out, step=args.step, overwrite=args.overwrite, say=print)
+    except (CheckpointError, ExportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

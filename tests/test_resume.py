@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -372,7 +373,17 @@ def test_export_hf_loads_in_transformers(straight_run, tmp_path):
 
     from jaxrl_post.models import init_model
 
-    out = _script("export_hf").export(straight_run["workdir"], str(tmp_path / "hf"))
+    export_hf = _script("export_hf")
+    said = []
+    out = export_hf.export(straight_run["workdir"], str(tmp_path / "hf"), say=said.append)
+    names = sorted(os.listdir(out))
+    assert said[0].startswith(f"exported step 4 of {straight_run['workdir']} (") and "parameters) to " in said[0]
+    assert [line.split(" (")[0].strip() for line in said[1:]] == names and "model.safetensors" in names
+    modes = {n: stat.S_IMODE(os.stat(os.path.join(out, n)).st_mode) for n in names}
+    assert modes["model.safetensors"] == modes["config.json"], modes  # safetensors alone wrote 0600
+    with pytest.raises(export_hf.ExportError, match="is not empty .* pass --overwrite"):
+        export_hf.export(straight_run["workdir"], out)
+    assert export_hf.main(["--checkpoint", straight_run["workdir"], "--out", out]) == 2
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
     tok = transformers.AutoTokenizer.from_pretrained(out)
     ids = tok("<|im_start|>user\n12+30=<|im_end|>\n", return_tensors="pt")["input_ids"]

@@ -124,3 +124,24 @@ def test_failed_start_leaves_no_empty_workdir(tmp_path):
     with pytest.raises(FileNotFoundError, match="no_such_model"):  # the model does not load
         RLTrainer(c)
     assert not run.exists()
+
+
+def test_evaluate_removes_its_temporary_workdir(tmp_path, monkeypatch):
+    import importlib.util
+    import tempfile
+
+    from jaxrl_post.trainer.checkpoint import CheckpointError
+
+    spec = importlib.util.spec_from_file_location("evaluate", os.path.join(REPO, "scripts", "evaluate.py"))
+    evaluate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(evaluate)
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    f = _write(tmp_path / "t.jsonl", [_row(i) for i in range(4)])
+    c = _unloadable_model_config(tmp_path, f, _write(tmp_path / "v.jsonl", [_row(i) for i in range(4, 8)]))
+    with pytest.raises(CheckpointError):  # before the trainer
+        evaluate.evaluate(c, str(tmp_path / "no_such_run"))
+    with pytest.raises(FileNotFoundError, match="no_such_model"):  # inside the trainer, in the temp workdir
+        evaluate.evaluate(c)
+    assert os.listdir(temp) == []
