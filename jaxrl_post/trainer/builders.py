@@ -295,7 +295,7 @@ def _not_enough_prompts_message(cfg: Any, files_key: str, spec: Any, e) -> str:
         return (
             f"config.data.max_prompt_length={e.max_prompt_length}: all {e.num_rows} prompts of {where} are longer "
             f"(longest {longest}, median {median} tokens) and are dropped (data.filter_overlong_prompts=True); "
-            f"set --config.data.max_prompt_length={longest} (fits every prompt) or at least {median} (fits half)"
+            f"set --config.data.max_prompt_length={longest} (the longest prompt) or more"
         )
     filtered = (
         f" after dropping {e.num_filtered} longer than data.max_prompt_length={e.max_prompt_length}"
