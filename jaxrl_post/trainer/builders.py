@@ -11,7 +11,6 @@ import dataclasses
 import functools
 import logging
 import math
-import os
 from typing import Any
 
 import jax
@@ -20,6 +19,11 @@ import numpy as np
 
 from jaxrl_post.trainer import steps
 from jaxrl_post.trainer.config_check import ConfigError, validation_enabled
+from jaxrl_post.trainer.preflight import (
+    check_reasoning_gym_task,
+    load_custom_reward,
+    not_enough_prompts_message,
+)
 
 log = logging.getLogger(__name__)
 
@@ -30,30 +34,6 @@ def build_mesh(cfg: Any) -> jax.sharding.Mesh:
 
     m = cfg.trainer.mesh
     return make_mesh(data=int(m.data), fsdp=int(m.fsdp), tensor=int(m.tensor))
-
-
-def check_workdir(cfg: Any) -> None:
-    """Check, without creating anything, that `trainer.default_local_dir` can be created and written.
-
-    Raises:
-      ConfigError: naming `trainer.default_local_dir` when it, or the nearest existing directory above it,
-        is a regular file, or that directory is not writable (read-only directory or file system).
-    """
-    given = cfg.trainer.default_local_dir
-    key = f"config.trainer.default_local_dir={given!r}"
-    path = os.path.abspath(str(given))
-    existing = path
-    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        what = "is a file" if existing == path else f"is under {existing}, which is a file"
-        raise ConfigError(f"{key}: the run's working directory {what}, not a directory; choose another path")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        where = "" if existing == path else f" ({existing}, where it would be created)"
-        raise ConfigError(
-            f"{key}: the run's working directory{where} is not writable; choose a writable path "
-            "(--config.trainer.default_local_dir=runs/my_run)"
-        )
 
 
 def model_config_from(cfg: Any):
@@ -145,7 +125,7 @@ def load_split_rows(cfg: Any, val: bool):
     spec = cfg.data.val_files if val else cfg.data.train_files
     specs = [s.strip() for s in str(spec).split(",") if s.strip()]
     for s in specs:
-        _check_reasoning_gym_task(key, spec, s)
+        check_reasoning_gym_task(key, spec, s)
     rows = load_rows(
         specs if len(specs) > 1 else specs[0],
         split="test" if val else "train",
@@ -161,26 +141,6 @@ def load_split_rows(cfg: Any, val: bool):
         )
         raise ConfigError(f"config.{key}={spec!r}: {why}; point {key} at a file with prompt rows")
     return rows
-
-
-def _check_reasoning_gym_task(key: str, spec: str, one: str) -> None:
-    """Raises ConfigError when `one` is 'reasoning_gym:<task>' with a task reasoning-gym does not register."""
-    if not one.startswith(("reasoning_gym:", "reasoning_gym/")):
-        return
-    import difflib
-
-    from reasoning_gym.factory import DATASETS
-
-    task = one.split(":", 1)[1] if ":" in one else one.split("/", 1)[1]
-    if task in DATASETS:
-        return
-    names = sorted(DATASETS)
-    close = difflib.get_close_matches(task, names, n=3)
-    hint = f"did you mean {close}? " if close else ""
-    raise ConfigError(
-        f"config.{key}={spec!r}: reasoning-gym has no task {task!r}; {hint}valid tasks ({len(names)}) include "
-        f"{names[:8]} (all: python -c 'import reasoning_gym.factory as f; print(sorted(f.DATASETS))')"
-    )
 
 
 def _prompt_key(row: dict[str, Any]) -> str:
@@ -286,28 +246,6 @@ def load_data_rows(cfg: Any) -> DataRows:
     return data
 
 
-def _not_enough_prompts_message(cfg: Any, files_key: str, spec: Any, e) -> str:
-    """ConfigError text for a `pipeline.NotEnoughPromptsError`: names the key to change and a value."""
-    lengths = sorted(e.lengths)
-    longest, median = (lengths[-1], lengths[len(lengths) // 2]) if lengths else (0, 0)
-    where = f"config.{files_key}={spec!r}"
-    if e.num_kept == 0 and e.num_rows:
-        return (
-            f"config.data.max_prompt_length={e.max_prompt_length}: all {e.num_rows} prompts of {where} are longer "
-            f"(longest {longest}, median {median} tokens) and are dropped (data.filter_overlong_prompts=True); "
-            f"set --config.data.max_prompt_length={longest} (the longest prompt) or more"
-        )
-    filtered = (
-        f" after dropping {e.num_filtered} longer than data.max_prompt_length={e.max_prompt_length}"
-        if e.num_filtered
-        else ""
-    )
-    return (
-        f"config.data.train_batch_size={e.batch_size}: only {e.num_kept} prompts of {where} are left{filtered}, "
-        f"fewer than one batch; set --config.data.train_batch_size={e.num_kept} or less, or use more data"
-    )
-
-
 def build_dataloaders(cfg: Any, data: DataRows, tokenizer, pad_token_id: int):
     """(train loader (infinite, shuffled, drop_remainder), val loader or None, data stats dict) from the
     rows of `load_data_rows`.
@@ -334,7 +272,7 @@ def build_dataloaders(cfg: Any, data: DataRows, tokenizer, pad_token_id: int):
             pad_token_id=pad_token_id,
         )
     except pipeline.NotEnoughPromptsError as e:
-        raise ConfigError(_not_enough_prompts_message(cfg, "data.train_files", cfg.data.train_files, e)) from e
+        raise ConfigError(not_enough_prompts_message(cfg, "data.train_files", cfg.data.train_files, e)) from e
     stats = dict(train.stats, **data.stats)
     val = None
     if data.val is not None:
@@ -354,28 +292,9 @@ def build_dataloaders(cfg: Any, data: DataRows, tokenizer, pad_token_id: int):
                 pad_token_id=pad_token_id,
             )
         except pipeline.NotEnoughPromptsError as e:
-            raise ConfigError(_not_enough_prompts_message(cfg, "data.val_files", cfg.data.val_files, e)) from e
+            raise ConfigError(not_enough_prompts_message(cfg, "data.val_files", cfg.data.val_files, e)) from e
         stats["data/num_val_prompts"] = val.num_prompts
     return train, val, stats
-
-
-def load_custom_reward(cfg: Any):
-    """`rewards.load_custom_reward_fn` of `custom_reward_function.path/name` (None when no path is set).
-
-    Raises:
-      ConfigError: naming `custom_reward_function.path` (file missing, or it fails to import: the error
-        text, e.g. a SyntaxError's file and line, is kept) or `custom_reward_function.name` (no such
-        callable in the file: lists the file's callables).
-    """
-    from jaxrl_post.rewards import load_custom_reward_fn
-
-    crf = cfg.custom_reward_function
-    try:
-        return load_custom_reward_fn(crf.path, crf.name)
-    except (FileNotFoundError, ImportError) as e:
-        raise ConfigError(f"config.custom_reward_function.path={crf.path!r}: {e}") from e
-    except (AttributeError, TypeError) as e:
-        raise ConfigError(f"config.custom_reward_function.name={crf.name!r}: {e}") from e
 
 
 def build_reward_manager(cfg: Any, tokenizer):

@@ -46,7 +46,7 @@ import numpy as np
 
 from jaxrl_post import core_algos
 from jaxrl_post.protocol import DataProto
-from jaxrl_post.trainer import builders, steps
+from jaxrl_post.trainer import builders, preflight, steps
 from jaxrl_post.trainer import metrics as metrics_lib
 from jaxrl_post.trainer.config_check import critic_enabled, kl_in_use, validate_config
 from jaxrl_post.trainer.loggers import config_to_dict, save_run_config
@@ -76,7 +76,7 @@ class RLTrainer(RolesMixin, UpdatesMixin, CheckpointMixin):
 
     Raises:
       ConfigError: invalid config (names every bad key), before any model is loaded or compiled; also an
-        unusable `trainer.default_local_dir` (`builders.check_workdir`), a
+        unusable `trainer.default_local_dir` (`preflight.check_workdir`), a
         data_source with no reward function (without `custom_reward_function.path`), and validation data
         that all occurs in the training data while validation is on (`builders.load_data_rows`).
       MalformedRowError: a malformed data row (file, row, problem), before the model is loaded.
@@ -94,7 +94,7 @@ class RLTrainer(RolesMixin, UpdatesMixin, CheckpointMixin):
         # ---- pre-flight, before the (slow) model load: a writable working directory (created only once the
         # model, data loaders and reward function are built, so a failed start leaves no empty directory),
         # then the data rows (malformed rows, unknown data sources, ...)
-        builders.check_workdir(cfg)
+        preflight.check_workdir(cfg)
         data_rows = builders.load_data_rows(cfg)
 
         # ---- devices, model, tokenizer

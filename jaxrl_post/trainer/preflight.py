@@ -1,0 +1,98 @@
+"""Pre-flight checks that turn a user's mistake into one `ConfigError` naming the config key (`main` prints it
+as one `error: ...` line): the working directory, reasoning-gym task names, too few / too long prompts, the
+custom reward function. Used by `builders.py`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from jaxrl_post.trainer.config_check import ConfigError
+
+__all__ = ["check_reasoning_gym_task", "check_workdir", "load_custom_reward", "not_enough_prompts_message"]
+
+
+def check_workdir(cfg: Any) -> None:
+    """Check, without creating anything, that `trainer.default_local_dir` can be created and written.
+
+    Raises:
+      ConfigError: naming `trainer.default_local_dir` when it, or the nearest existing directory above it,
+        is a regular file, or that directory is not writable (read-only directory or file system).
+    """
+    given = cfg.trainer.default_local_dir
+    key = f"config.trainer.default_local_dir={given!r}"
+    path = os.path.abspath(str(given))
+    existing = path
+    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        what = "is a file" if existing == path else f"is under {existing}, which is a file"
+        raise ConfigError(f"{key}: the run's working directory {what}, not a directory; choose another path")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        where = "" if existing == path else f" ({existing}, where it would be created)"
+        raise ConfigError(
+            f"{key}: the run's working directory{where} is not writable; choose a writable path "
+            "(--config.trainer.default_local_dir=runs/my_run)"
+        )
+
+
+def check_reasoning_gym_task(key: str, spec: str, one: str) -> None:
+    """Raises ConfigError when `one` is 'reasoning_gym:<task>' with a task reasoning-gym does not register."""
+    if not one.startswith(("reasoning_gym:", "reasoning_gym/")):
+        return
+    import difflib
+
+    from reasoning_gym.factory import DATASETS
+
+    task = one.split(":", 1)[1] if ":" in one else one.split("/", 1)[1]
+    if task in DATASETS:
+        return
+    names = sorted(DATASETS)
+    close = difflib.get_close_matches(task, names, n=3)
+    hint = f"did you mean {close}? " if close else ""
+    raise ConfigError(
+        f"config.{key}={spec!r}: reasoning-gym has no task {task!r}; {hint}valid tasks ({len(names)}) include "
+        f"{names[:8]} (all: python -c 'import reasoning_gym.factory as f; print(sorted(f.DATASETS))')"
+    )
+
+
+def not_enough_prompts_message(cfg: Any, files_key: str, spec: Any, e) -> str:
+    """ConfigError text for a `pipeline.NotEnoughPromptsError`: names the key to change and a value."""
+    lengths = sorted(e.lengths)
+    longest, median = (lengths[-1], lengths[len(lengths) // 2]) if lengths else (0, 0)
+    where = f"config.{files_key}={spec!r}"
+    if e.num_kept == 0 and e.num_rows:
+        return (
+            f"config.data.max_prompt_length={e.max_prompt_length}: all {e.num_rows} prompts of {where} are longer "
+            f"(longest {longest}, median {median} tokens) and are dropped (data.filter_overlong_prompts=True); "
+            f"set --config.data.max_prompt_length={longest} (the longest prompt) or more"
+        )
+    filtered = (
+        f" after dropping {e.num_filtered} longer than data.max_prompt_length={e.max_prompt_length}"
+        if e.num_filtered
+        else ""
+    )
+    return (
+        f"config.data.train_batch_size={e.batch_size}: only {e.num_kept} prompts of {where} are left{filtered}, "
+        f"fewer than one batch; set --config.data.train_batch_size={e.num_kept} or less, or use more data"
+    )
+
+
+def load_custom_reward(cfg: Any):
+    """`rewards.load_custom_reward_fn` of `custom_reward_function.path/name` (None when no path is set).
+
+    Raises:
+      ConfigError: naming `custom_reward_function.path` (file missing, or it fails to import: the error
+        text, e.g. a SyntaxError's file and line, is kept) or `custom_reward_function.name` (no such
+        callable in the file: lists the file's callables).
+    """
+    from jaxrl_post.rewards import load_custom_reward_fn
+
+    crf = cfg.custom_reward_function
+    try:
+        return load_custom_reward_fn(crf.path, crf.name)
+    except (FileNotFoundError, ImportError) as e:
+        raise ConfigError(f"config.custom_reward_function.path={crf.path!r}: {e}") from e
+    except (AttributeError, TypeError) as e:
+        raise ConfigError(f"config.custom_reward_function.name={crf.name!r}: {e}") from e
