@@ -89,7 +89,7 @@ def test_custom_reward_file_errors_name_the_key(tmp_path):
     )
 
 
-def test_workdir_under_a_file_or_read_only(tmp_path):
+def test_workdir_under_a_file_or_read_only(tmp_path, monkeypatch):
     from jaxrl_post.trainer.trainer import RLTrainer
 
     c = _unloadable_model_config(tmp_path, _write(tmp_path / "t.jsonl", [_row(i) for i in range(4)]))
@@ -101,12 +101,21 @@ def test_workdir_under_a_file_or_read_only(tmp_path):
         f"config.trainer.default_local_dir={c.trainer.default_local_dir!r}: the run's working directory is under "
         f"{tmp_path / 'file'}, which is a file, not a directory; choose another path"
     )
-    if os.geteuid() != 0:  # root writes into read-only directories
-        ro = tmp_path / "ro"
-        ro.mkdir(mode=0o555)
-        c.trainer.default_local_dir = str(ro / "run")
-        with pytest.raises(ConfigError, match="is not writable; choose a writable path"):
-            RLTrainer(c)
+    # a read-only directory: root (CI) may write into it anyway, so os.access answers as for a normal user
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o555)
+    real_access = os.access
+    fake = lambda p, mode, **kw: False if os.path.abspath(p) == str(ro) else real_access(p, mode, **kw)
+    monkeypatch.setattr(os, "access", fake)
+    c.trainer.default_local_dir = str(ro / "run")
+    with pytest.raises(ConfigError) as e:
+        RLTrainer(c)
+    assert str(e.value) == (
+        f"config.trainer.default_local_dir={c.trainer.default_local_dir!r}: the run's working directory ({ro}, "
+        "where it would be created) is not writable; choose a writable path "
+        "(--config.trainer.default_local_dir=runs/my_run)"
+    )
+    assert not (ro / "run").exists()
 
 
 def test_failed_start_leaves_no_empty_workdir(tmp_path):
