@@ -2,6 +2,7 @@
 
 import json
 import os
+import pathlib
 import time
 
 import pytest
@@ -86,3 +87,33 @@ def test_jsonl_logger_opens_the_file_at_the_first_line(tmp_path):
     log.close()
     log.close()  # idempotent
     assert _steps(tmp_path / "metrics.jsonl") == [0]
+
+
+def test_config_diff_warning_and_keep_previous(tmp_path):
+    from jaxrl_post.trainer.run_files import config_diff, keep_previous_config, resume_config_warning
+
+    old = {"a": {"lr": 0.001, "n": 4}, "trainer": {"total_training_steps": 4, "resume_mode": "auto"}}
+    new = {"a": {"lr": 0.5, "n": 4, "extra": None}, "trainer": {"total_training_steps": 8, "resume_mode": "auto"}}
+    assert config_diff(old, new) == [
+        ("a.extra", "<absent>", None),
+        ("a.lr", 0.001, 0.5),
+        ("trainer.total_training_steps", 4, 8),
+    ]
+    warn = resume_config_warning(old, new, "ck/global_step_4")
+    assert warn.splitlines() == [
+        "warning: resuming from ck/global_step_4 with a config that differs from the run's config.json in 2 key(s) "
+        "(the steps so far were trained with the old values):",
+        '  a.extra: "<absent>" -> null',
+        "  a.lr: 0.001 -> 0.5",
+    ]  # extending the run (total_training_steps) is not listed
+    assert resume_config_warning(old, dict(old, trainer={"total_training_steps": 8}), "x") is None
+    many_old, many_new = {f"k{i:02d}": i for i in range(13)}, {f"k{i:02d}": -i for i in range(13)}
+    lines = resume_config_warning(many_old, many_new, "x", max_keys=10).splitlines()
+    assert len(lines) == 12 and lines[-1] == "  ... and 2 more" and "in 12 key(s)" in lines[0]  # k00: 0 == -0
+
+    assert keep_previous_config(str(tmp_path), old) is None  # no config.json yet
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    assert keep_previous_config(str(tmp_path), old) is None  # same config: left in place
+    aside = keep_previous_config(str(tmp_path), new)
+    assert aside.startswith(str(tmp_path / "config.")) and aside.endswith(".json")
+    assert json.loads(pathlib.Path(aside).read_text()) == old and not (tmp_path / "config.json").exists()
