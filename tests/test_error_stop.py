@@ -171,8 +171,8 @@ def test_main_reward_failure_config_change_and_model_mismatch(jax_cache, tmp_pat
     out = r.stdout.splitlines()
     assert f"resumed from step 2 ({root / 'global_step_2'})" in out
     i = out.index(
-        f"warning: resuming from {root / 'global_step_2'} with a config that differs from the run's config.json "
-        "in 2 key(s) (the steps so far were trained with the old values):"
+        f"warning: resuming from {root / 'global_step_2'} with a config that differs from the config saved with "
+        "it in 2 key(s) (the steps so far were trained with the old values):"
     )
     assert out[i + 1 : i + 3] == ["  actor.optim.lr: 0.001 -> 0.5", "  rollout.n: 4 -> 2"]
     assert any(s.startswith("training already finished at step 2 (total_training_steps=2); ") for s in out)
@@ -181,6 +181,11 @@ def test_main_reward_failure_config_change_and_model_mismatch(jax_cache, tmp_pat
     ]
     assert (workdir / aside).read_text() == first_config
     assert json.loads((workdir / "config.json").read_text())["actor"]["optim"]["lr"] == 0.5
+
+    # back to the run's own config: no warning (compared with the config saved in the checkpoint, not with
+    # config.json, which the previous start rewrote)
+    r = run("--config.trainer.total_training_steps=2")  # (a changed total is never warned about)
+    assert r.returncode == 0 and "warning:" not in r.stdout, (r.stdout, r.stderr[-3000:])
 
     # a model that does not fit the checkpoint: one plain error line, exit 2, no orbax shutdown noise
     r = run("--config.model.arch.intermediate_size=64")

@@ -186,17 +186,19 @@ def read_run_config(run_dir: str) -> dict | None:
     return d if isinstance(d, dict) else None
 
 
-def resume_config_warning(old: dict, new: dict, checkpoint: str, max_keys: int = 10) -> str | None:
-    """The warning printed when a run resumes with a config that differs from the one the checkpointed run
-    wrote (`old`): one header line and `  key: old -> new` for at most `max_keys` keys (and a count of the
-    rest). Keys in `EXPECTED_ON_RESUME` (e.g. a larger `total_training_steps` to extend the run) are not
-    listed. None when nothing else differs."""
+def resume_config_warning(
+    old: dict, new: dict, checkpoint: str, max_keys: int = 10, source: str = "the run's config.json"
+) -> str | None:
+    """The warning printed when a run resumes with a config that differs from the one the checkpoint was
+    trained with (`old`, read from `source`): one header line and `  key: old -> new` for at most
+    `max_keys` keys (and a count of the rest). Keys in `EXPECTED_ON_RESUME` (e.g. a larger
+    `total_training_steps` to extend the run) are not listed. None when nothing else differs."""
     diffs = [d for d in config_diff(old, new) if d[0] not in EXPECTED_ON_RESUME]
     if not diffs:
         return None
     lines = [
-        f"warning: resuming from {checkpoint} with a config that differs from the run's {CONFIG_FILE} in "
-        f"{len(diffs)} key(s) (the steps so far were trained with the old values):"
+        f"warning: resuming from {checkpoint} with a config that differs from {source} in {len(diffs)} "
+        "key(s) (the steps so far were trained with the old values):"
     ]
     lines += [f"  {k}: {json.dumps(o)} -> {json.dumps(n)}" for k, o, n in diffs[:max_keys]]
     if len(diffs) > max_keys:

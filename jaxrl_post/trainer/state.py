@@ -102,15 +102,18 @@ class CheckpointMixin:
 
     def _write_run_config(self, resume_root: str | None) -> None:
         """Write `config.json` / `config.yaml` of this start; keep a differing previous `config.json` as
-        `config.<stamp>.json`; when resuming, warn about keys that differ from the checkpointed run's config
-        (`run_files.resume_config_warning`). Raises OSError when a file cannot be moved or written."""
+        `config.<stamp>.json`; when resuming, warn about keys that differ from the config the checkpoint was
+        written with (`host['config']`; for older checkpoints the resumed run's `config.json`; see
+        `run_files.resume_config_warning`). Raises OSError when a file cannot be moved or written."""
         new = config_to_dict(self.config)
         lines = []
         if is_lead_process():
             if resume_root is not None:
-                run_dir = os.path.dirname(resume_root.rstrip(os.sep))  # <run>/checkpoints -> <run>
-                old = read_run_config(run_dir)
-                warn = old and resume_config_warning(old, new, self.resumed_from)
+                old, source = getattr(self, "_checkpoint_config", None), "the config saved with it"
+                if not old:
+                    run_dir = os.path.dirname(resume_root.rstrip(os.sep))  # <run>/checkpoints -> <run>
+                    old, source = read_run_config(run_dir), f"the run's {os.path.join(run_dir, 'config.json')}"
+                warn = old and resume_config_warning(old, new, self.resumed_from, source=source)
                 lines += [warn] if warn else []
             aside = keep_previous_config(self.workdir, new)
             if aside:
@@ -217,6 +220,7 @@ class CheckpointMixin:
                 ),
                 "model": ckpt.model_metadata(self.actor_model.config, cfg.model.tokenizer_path or cfg.model.path),
                 "total_training_steps": self.total_training_steps,
+                "config": config_to_dict(cfg),  # what a resume with another config is compared with
             },
         }
 
@@ -255,6 +259,7 @@ class CheckpointMixin:
                 f"shapes ({detail}); {_MODEL_HINT}"
             ) from e
         self.load_state_dict(state)
+        self._checkpoint_config = host.get("config")  # None in checkpoints written before it was saved
         self.resumed_from = c.step_path(step)
         n, total = self.global_steps, self.total_training_steps
         self._say(f"resumed from step {n}{f' of {total}' if n < total else ''} ({self.resumed_from})")
