@@ -76,6 +76,7 @@ class CheckpointMixin:
         """
         cfg = self.config
         self.resumed_from: str | None = None
+        self._checkpoint_config: dict | None = None  # the config saved with the checkpoint resumed from
         found = ckpt.find_resume_checkpoint(cfg.trainer.resume_mode, self.workdir, cfg.trainer.resume_from_path)
         own_root = ckpt.checkpoint_dir(self.workdir)
         steps_on_disk = ckpt.list_complete_steps(own_root)
@@ -109,7 +110,7 @@ class CheckpointMixin:
         lines = []
         if is_lead_process():
             if resume_root is not None:
-                old, source = getattr(self, "_checkpoint_config", None), "the config saved with it"
+                old, source = self._checkpoint_config, "the config saved with it"
                 if not old:
                     run_dir = os.path.dirname(resume_root.rstrip(os.sep))  # <run>/checkpoints -> <run>
                     old, source = read_run_config(run_dir), f"the run's {os.path.join(run_dir, 'config.json')}"
