@@ -148,6 +148,7 @@ def main(argv) -> None:
     """Build the trainer and train, under `_STOP` (SIGINT/SIGTERM -> checkpoint, one line, exit 130/143)."""
     del argv
     from jaxrl_post.data.sources import MalformedRowError
+    from jaxrl_post.trainer.checkpoint import CheckpointError
     from jaxrl_post.trainer.config_check import ConfigError
     from jaxrl_post.trainer.interrupt import GracefulStop, exit_now
     from jaxrl_post.trainer.trainer import RLTrainer, summarize
@@ -155,8 +156,8 @@ def main(argv) -> None:
     stop = _STOP if _STOP is not None else GracefulStop()  # `run()` installs it; a bare one installs nothing
     try:
         trainer = RLTrainer(_CONFIG.value)
-    except (ConfigError, MalformedRowError) as e:  # bad config or data: the message says what and where
-        print(f"error: {e}", file=sys.stderr)
+    except (ConfigError, MalformedRowError, CheckpointError) as e:  # bad config, data or checkpoint to resume
+        print(f"error: {e}", file=sys.stderr)  # the message says what and where
         sys.exit(2)
     stop.abort_line = _nothing_saved_line(trainer)  # printed by a signal before the first completed step
     try:

@@ -157,8 +157,9 @@ def test_exact_resume_bitwise(straight_run, tmp_path):
     finally:
         b3.close()
     assert lines[-2:] == [
-        f"resumed from step 4 of 4 ({os.path.join(str(tmp_path), 'checkpoints', 'global_step_4')})",
-        "training already finished at step 4 of 4; to start over, pass --config.trainer.resume_mode=disable "
+        f"resumed from step 4 ({os.path.join(str(tmp_path), 'checkpoints', 'global_step_4')})",
+        "training already finished at step 4 (total_training_steps=4); to train further, raise "
+        "--config.trainer.total_training_steps; to start over, pass --config.trainer.resume_mode=disable "
         "(the old run is moved aside)",
     ]
 

@@ -2,6 +2,7 @@
 
 import json
 import os
+import pathlib
 import time
 
 import pytest
@@ -104,3 +105,33 @@ def test_moved_aside_checkpoints_notice_gives_size_and_rm_command(tmp_path):
         f"{aside} (2.5 kB on disk; if you do not need them: rm -r {aside})"
     )
     assert not root.exists() and (aside / "global_step_4" / "params").read_bytes() == b"x" * 1000
+
+
+def test_config_diff_warning_and_keep_previous(tmp_path):
+    from jaxrl_post.trainer.run_files import config_diff, keep_previous_config, resume_config_warning
+
+    old = {"a": {"lr": 0.001, "n": 4}, "trainer": {"total_training_steps": 4, "resume_mode": "auto"}}
+    new = {"a": {"lr": 0.5, "n": 4, "extra": None}, "trainer": {"total_training_steps": 8, "resume_mode": "auto"}}
+    assert config_diff(old, new) == [
+        ("a.extra", "<absent>", None),
+        ("a.lr", 0.001, 0.5),
+        ("trainer.total_training_steps", 4, 8),
+    ]
+    warn = resume_config_warning(old, new, "ck/global_step_4")
+    assert warn.splitlines() == [
+        "warning: resuming from ck/global_step_4 with a config that differs from the run's config.json in 2 key(s) "
+        "(the steps so far were trained with the old values):",
+        '  a.extra: "<absent>" -> null',
+        "  a.lr: 0.001 -> 0.5",
+    ]  # extending the run (total_training_steps) is not listed
+    assert resume_config_warning(old, dict(old, trainer={"total_training_steps": 8}), "x") is None
+    many_old, many_new = {f"k{i:02d}": i for i in range(13)}, {f"k{i:02d}": -i for i in range(13)}
+    lines = resume_config_warning(many_old, many_new, "x", max_keys=10).splitlines()
+    assert len(lines) == 12 and lines[-1] == "  ... and 2 more" and "in 12 key(s)" in lines[0]  # k00: 0 == -0
+
+    assert keep_previous_config(str(tmp_path), old) is None  # no config.json yet
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    assert keep_previous_config(str(tmp_path), old) is None  # same config: left in place
+    aside = keep_previous_config(str(tmp_path), new)
+    assert aside.startswith(str(tmp_path / "config.")) and aside.endswith(".json")
+    assert json.loads(pathlib.Path(aside).read_text()) == old and not (tmp_path / "config.json").exists()

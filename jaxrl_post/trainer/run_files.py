@@ -12,6 +12,11 @@ crash during the rewrite leaves the old file intact.
 
 The same holds for `<workdir>/checkpoints` of an earlier run that a run does not resume from (e.g.
 `trainer.resume_mode=disable`): it is moved to `checkpoints.<YYYYmmdd-HHMMSS>` (`move_aside_old_checkpoints`).
+
+`<workdir>/config.json` always describes the latest start of the run; when a start rewrites it with a
+different config, the previous file is kept as `config.<YYYYmmdd-HHMMSS>.json` (`keep_previous_config`)
+rather than appended to, so every file stays one loadable config. A resumed run whose config differs
+from the checkpointed run's prints one warning listing the changed keys (`resume_config_warning`).
 """
 
 from __future__ import annotations
@@ -159,3 +164,85 @@ def prepare_metrics_file(workdir: str, resumed_step: int | None, filename: str =
     aside = _aside_name(path)
     os.rename(path, aside)
     return f"{path} of an earlier run (this run starts from scratch) moved to {aside}"
+
+
+# ---------------------------------------------------------------------------------------------- config.json
+CONFIG_FILE = "config.json"
+# changed on resume as a matter of course (extending a run, saying how to resume): never listed as suspicious
+EXPECTED_ON_RESUME = (
+    "trainer.total_training_steps",
+    "trainer.total_epochs",
+    "trainer.resume_mode",
+    "trainer.resume_from_path",
+)
+_ABSENT = "<absent>"
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def config_diff(old: dict, new: dict) -> list[tuple[str, object, object]]:
+    """`(dotted key, old value, new value)` for every leaf that differs, sorted by key (a key missing on
+    one side has the value `'<absent>'`). Both are plain JSON dicts (`loggers.config_to_dict`)."""
+    a, b = _flatten(old), _flatten(new)
+    return [
+        (k, a.get(k, _ABSENT), b.get(k, _ABSENT))
+        for k in sorted(set(a) | set(b))
+        if a.get(k, _ABSENT) != b.get(k, _ABSENT)
+    ]
+
+
+def read_run_config(run_dir: str) -> dict | None:
+    """`<run_dir>/config.json` as a dict, or None when it is missing or unreadable (then nothing is compared)."""
+    try:
+        with open(os.path.join(run_dir, CONFIG_FILE), encoding="utf-8") as f:
+            d = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return d if isinstance(d, dict) else None
+
+
+def resume_config_warning(
+    old: dict, new: dict, checkpoint: str, max_keys: int = 10, source: str = "the run's config.json"
+) -> str | None:
+    """The warning printed when a run resumes with a config that differs from the one the checkpoint was
+    trained with (`old`, read from `source`): one header line and `  key: old -> new` for at most
+    `max_keys` keys (and a count of the rest). Keys in `EXPECTED_ON_RESUME` (e.g. a larger
+    `total_training_steps` to extend the run) are not listed. None when nothing else differs."""
+    diffs = [d for d in config_diff(old, new) if d[0] not in EXPECTED_ON_RESUME]
+    if not diffs:
+        return None
+    lines = [
+        f"warning: resuming from {checkpoint} with a config that differs from {source} in {len(diffs)} "
+        "key(s) (the steps so far were trained with the old values):"
+    ]
+    lines += [f"  {k}: {json.dumps(o)} -> {json.dumps(n)}" for k, o, n in diffs[:max_keys]]
+    if len(diffs) > max_keys:
+        lines.append(f"  ... and {len(diffs) - max_keys} more")
+    return "\n".join(lines)
+
+
+def keep_previous_config(workdir: str, new: dict) -> str | None:
+    """Before `<workdir>/config.json` is rewritten with `new`: when it exists and differs, move it to
+    `config.<YYYYmmdd-HHMMSS>.json` (its last-write time, like `metrics.jsonl`), so every config a run in
+    this directory used is kept; returns that path, else None (same config, or none yet).
+
+    Raises:
+      OSError: the file cannot be renamed (it is then left where it was).
+    """
+    path = os.path.join(workdir, CONFIG_FILE)
+    if not os.path.exists(path):
+        return None
+    old = read_run_config(workdir)
+    if old is not None and not config_diff(old, new):
+        return None
+    aside = _aside_name(path)
+    os.rename(path, aside)
+    return aside

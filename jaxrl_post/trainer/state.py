@@ -4,18 +4,60 @@
 params and optimizer states, global step, update counters, RNG key, KL controller, data iterator
 position, non-finite skip counters; the reference params only as a pointer (they are the initial actor,
 rebuilt the same way). The on-disk format and the resume rules are in checkpoint.py.
+
+A run stopped by an error does not lose its completed steps where the state is provably that of the last
+completed step N (`save_on_error_in_step` / `save_on_error_in_validation`): a `RewardFunctionError` in
+the reward stage of step N+1 (before any update; the RNG and the data position, which the step already
+advanced, are put back) or in the validation after step N. Then step N is checkpointed before the error
+propagates, with one line saying so. Not after other errors: a `NonFiniteError` is raised after the
+updates ran (the critic may have been updated, the KL controller, update counters and skip counters
+moved), and an error inside a jitted update may leave donated params half-written; there the last
+scheduled checkpoint stays the one to resume from.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from jaxrl_post.rewards.manager import RewardFunctionError
 from jaxrl_post.trainer import checkpoint as ckpt
-from jaxrl_post.trainer.run_files import is_lead_process, move_aside_old_checkpoints, prepare_metrics_file, sync
+from jaxrl_post.trainer.loggers import config_to_dict, save_run_config
+from jaxrl_post.trainer.run_files import (
+    is_lead_process,
+    keep_previous_config,
+    move_aside_old_checkpoints,
+    prepare_metrics_file,
+    read_run_config,
+    resume_config_warning,
+    sync,
+)
+
+# ModelConfig fields that decide the shapes / structure of the params: a checkpoint whose values differ
+# cannot be restored into this model (the others, e.g. rope_theta or dtype, load fine)
+_SHAPE_KEYS = (
+    "family",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "tie_word_embeddings",
+    "qkv_bias",
+    "qk_norm",
+    "post_norms",
+)
+_MODEL_HINT = (
+    "pass the run's model config (--config.model.*) or --config.trainer.resume_mode=disable (the old run is "
+    "moved aside)"
+)
 
 
 class CheckpointMixin:
@@ -23,15 +65,18 @@ class CheckpointMixin:
 
     def _open_run_dir(self) -> None:
         """Find what to resume from (`trainer.resume_mode`), move an earlier run's checkpoints aside, open the
-        checkpointer, resume, and prepare `metrics.jsonl` (this run only: an earlier run's file is moved
-        aside, a resumed one truncated). Called once, at the end of `__init__`.
+        checkpointer, resume, prepare `metrics.jsonl` (this run only: an earlier run's file is moved
+        aside, a resumed one truncated) and write `config.json` / `config.yaml` (a differing previous
+        `config.json` is kept; a resumed run with a changed config prints one warning naming the keys).
+        Called once, at the end of `__init__`.
 
         Raises:
           CheckpointError: the checkpoint to resume from cannot be read or does not match the config.
-          OSError: an earlier run's `checkpoints/` or `metrics.jsonl` could not be moved aside.
+          OSError: an earlier run's `checkpoints/`, `metrics.jsonl` or `config.json` could not be moved aside.
         """
         cfg = self.config
         self.resumed_from: str | None = None
+        self._checkpoint_config: dict | None = None  # the config saved with the checkpoint resumed from
         found = ckpt.find_resume_checkpoint(cfg.trainer.resume_mode, self.workdir, cfg.trainer.resume_from_path)
         own_root = ckpt.checkpoint_dir(self.workdir)
         steps_on_disk = ckpt.list_complete_steps(own_root)
@@ -43,13 +88,105 @@ class CheckpointMixin:
             own_root, max_to_keep=cfg.trainer.max_actor_ckpt_to_keep, async_save=bool(cfg.trainer.async_save)
         )
         if found is not None:
-            self.load_checkpoint(*found)
+            try:
+                self.load_checkpoint(*found)
+            except BaseException:
+                self.checkpointer.close()  # nothing pending: no orbax thread left to print at shutdown
+                raise
         # metrics.jsonl holds this run only: an earlier run's file is moved aside, a resumed one truncated
         resumed_step = self.global_steps if found is not None else None
         notice = prepare_metrics_file(self.workdir, resumed_step) if is_lead_process() else None
         sync("metrics")
         if notice:
             self._say(notice)
+        self._write_run_config(found and found[0])
+
+    def _write_run_config(self, resume_root: str | None) -> None:
+        """Write `config.json` / `config.yaml` of this start; keep a differing previous `config.json` as
+        `config.<stamp>.json`; when resuming, warn about keys that differ from the config the checkpoint was
+        written with (`host['config']`; for older checkpoints the resumed run's `config.json`; see
+        `run_files.resume_config_warning`). Raises OSError when a file cannot be moved or written."""
+        new = config_to_dict(self.config)
+        lines = []
+        if is_lead_process():
+            if resume_root is not None:
+                old, source = self._checkpoint_config, "the config saved with it"
+                if not old:
+                    run_dir = os.path.dirname(resume_root.rstrip(os.sep))  # <run>/checkpoints -> <run>
+                    old, source = read_run_config(run_dir), f"the run's {os.path.join(run_dir, 'config.json')}"
+                warn = old and resume_config_warning(old, new, self.resumed_from, source=source)
+                lines += [warn] if warn else []
+            aside = keep_previous_config(self.workdir, new)
+            if aside:
+                lines.append(f"{os.path.join(self.workdir, 'config.json')} of the previous start kept as {aside}")
+        sync("config")
+        save_run_config(self.config, self.workdir)
+        for line in lines:
+            self._say(line)
+
+    # ------------------------------------------------------------------------------------ errors
+    def _untouched_marks(self) -> str:
+        """What a training step changes once its updates begin (params change only with the counters)."""
+        return json.dumps(
+            [
+                self.global_steps,
+                self.actor_update_count,
+                self.critic_update_count,
+                self.kl_ctrl.state_dict(),
+                self.actor_guard.state_dict(),
+                self.critic_guard.state_dict(),
+            ],
+            sort_keys=True,
+            default=str,
+        )
+
+    @contextlib.contextmanager
+    def save_on_error_in_step(self):
+        """Wrap `next(train_loader)` + `train_step`: on a `RewardFunctionError` raised before any update of
+        the step (nothing but the RNG and the data position moved; both are put back), checkpoint the last
+        completed step, say so in one line, and re-raise the error unchanged. Other errors pass untouched."""
+        marks, rng, data_state = self._untouched_marks(), self.rng, self.train_loader.get_state()
+        try:
+            yield
+        except RewardFunctionError:
+            where = f"in step {self.global_steps + 1}"
+            if self._untouched_marks() != marks:  # cannot happen today (rewards come before the updates)
+                self._say(f"stopped by an error {where} after its updates began; nothing new was saved")
+                raise
+            self.rng = rng
+            self.train_loader.set_state(data_state)
+            self._save_after_error(where)
+            raise
+
+    @contextlib.contextmanager
+    def save_on_error_in_validation(self, step_metrics: dict[str, float]):
+        """Wrap the validation after a completed step: on a `RewardFunctionError`, log the step's training
+        metrics (so `metrics.jsonl` has its line), checkpoint the step and re-raise. A resumed run continues
+        with the next step; the failed validation is not redone."""
+        try:
+            yield
+        except RewardFunctionError:
+            self.tracker.log(step_metrics, step=self.global_steps)
+            self._save_after_error(f"in the validation after step {self.global_steps}")
+            raise
+
+    def _save_after_error(self, where: str) -> None:
+        """Checkpoint step `global_steps` (unless it exists or is 0) and wait for it; print one line. A
+        failed save is reported in the line, not raised (the original error is the one to propagate)."""
+        n = self.global_steps
+        fix = "fix the cause and rerun the same command to resume"
+        if n == 0:
+            self._say(f"stopped by an error {where}; no step had completed, nothing to save")
+            return
+        path = self.checkpointer.step_path(n)
+        try:
+            started = self.save_checkpoint()  # False when step n is already saved
+            self.checkpointer.wait_until_finished()
+        except ckpt.CheckpointError as e:
+            self._say(f"stopped by an error {where}; saving the checkpoint of step {n} failed too: {e}")
+            return
+        did = "saved to" if started else "is"
+        self._say(f"stopped by an error {where}; checkpoint of step {n} {did} {path}; {fix}")
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume exactly (pytrees of arrays + JSON-able host state; see checkpoint.py).
@@ -84,6 +221,7 @@ class CheckpointMixin:
                 ),
                 "model": ckpt.model_metadata(self.actor_model.config, cfg.model.tokenizer_path or cfg.model.path),
                 "total_training_steps": self.total_training_steps,
+                "config": config_to_dict(cfg),  # what a resume with another config is compared with
             },
         }
 
@@ -98,15 +236,48 @@ class CheckpointMixin:
 
     def load_checkpoint(self, root: str, step: int) -> None:
         """Restore the full training state of `<root>/global_step_<step>` into this trainer (arrays go
-        straight to the current shardings)."""
+        straight to the current shardings).
+
+        Raises:
+          CheckpointError: the step cannot be read, or its model does not match this trainer's (the message
+            names the differing model fields, e.g. `hidden_size: checkpoint 64, config 32`).
+        """
         c = self._open_checkpoint_dir(root)
-        items = set(c.read_host(step).get("items", []))
+        host = c.read_host(step)
+        items = set(host.get("items", []))
+        self._check_model_matches(host, c.step_path(step))  # before any array is read
         like = {k: v for k, v in self.state_dict().items() if k != "host"}
         if self.use_ref and "ref.params" in items:
             like["ref"] = {"params": self.ref_params}
-        self.load_state_dict(c.restore(step, like=like))
+        try:
+            state = c.restore(step, like=like)
+        except ckpt.CheckpointError as e:
+            if "shape" not in str(e).lower():
+                raise
+            detail = str(e).split(". Truncating")[0]  # orbax's advice to pad/truncate does not apply here
+            raise ckpt.CheckpointError(
+                f"the checkpoint's model does not match the config: {c.step_path(step)} holds params of other "
+                f"shapes ({detail}); {_MODEL_HINT}"
+            ) from e
+        self.load_state_dict(state)
+        self._checkpoint_config = host.get("config")  # None in checkpoints written before it was saved
         self.resumed_from = c.step_path(step)
-        self._say(f"resumed from step {self.global_steps} of {self.total_training_steps} ({self.resumed_from})")
+        n, total = self.global_steps, self.total_training_steps
+        self._say(f"resumed from step {n}{f' of {total}' if n < total else ''} ({self.resumed_from})")
+
+    def _check_model_matches(self, host: dict[str, Any], path: str) -> None:
+        """Raise `CheckpointError` naming the shape-deciding model fields (`_SHAPE_KEYS`) whose values in the
+        checkpoint's `host['model']` differ from this trainer's model (no check when it has none)."""
+        saved = (host.get("model") or {}).get("config")
+        if not saved:
+            return
+        cur = ckpt.model_metadata(self.actor_model.config, None)["config"]
+        bad = [k for k in _SHAPE_KEYS if k in saved and saved.get(k) != cur.get(k)]
+        if bad:
+            what = "; ".join(f"{k}: checkpoint {saved.get(k)!r}, config {cur.get(k)!r}" for k in bad)
+            raise ckpt.CheckpointError(
+                f"the checkpoint's model does not match the config: {what} (checkpoint {path}); {_MODEL_HINT}"
+            )
 
     def load_actor_params_from(self, root: str, step: int) -> None:
         """Load only the actor params of a checkpoint (evaluation / export); optimizer state untouched."""

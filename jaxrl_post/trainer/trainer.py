@@ -49,7 +49,7 @@ from jaxrl_post.protocol import DataProto
 from jaxrl_post.trainer import builders, preflight, steps
 from jaxrl_post.trainer import metrics as metrics_lib
 from jaxrl_post.trainer.config_check import critic_enabled, kl_in_use, validate_config
-from jaxrl_post.trainer.loggers import config_to_dict, save_run_config
+from jaxrl_post.trainer.loggers import config_to_dict
 from jaxrl_post.trainer.nonfinite import NonFiniteGuard
 from jaxrl_post.trainer.roles import RolesMixin
 from jaxrl_post.trainer.roles import to_numpy as _np
@@ -149,14 +149,12 @@ class RLTrainer(RolesMixin, UpdatesMixin, CheckpointMixin):
             experiment=cfg.trainer.experiment_name,
             config=config_to_dict(cfg),
         )
-        save_run_config(cfg, self.workdir)  # config.json + config.yaml
-
         # ---- non-finite update guards, checkpoints, resume
         max_nf = int(cfg.trainer.max_consecutive_nonfinite)
         self.actor_guard = NonFiniteGuard(max_nf, "actor")
         self.critic_guard = NonFiniteGuard(max_nf, "critic")
         self.ref_is_initial = True  # the reference never changes here: saved as a pointer, not as params
-        self._open_run_dir()  # checkpoints, resume, metrics.jsonl
+        self._open_run_dir()  # checkpoints, resume, metrics.jsonl, config.json + config.yaml
 
     # ------------------------------------------------------------------------------------ one step
     def train_step(self, prompts: DataProto) -> dict[str, float]:
@@ -286,13 +284,19 @@ class RLTrainer(RolesMixin, UpdatesMixin, CheckpointMixin):
         Raises:
           NonFiniteError: `trainer.max_consecutive_nonfinite` skipped updates in a row (no checkpoint of
             that step is written). CheckpointError: a checkpoint could not be written.
+          RewardFunctionError: a reward function failed (`RewardManager.compute`). Raised after the last
+            completed step N was checkpointed (unless saved already or N == 0) and one line printed: in the
+            reward stage of step N+1 the RNG and data position are first put back to their values before
+            that step, so resuming repeats exactly the run that would have happened; in the validation
+            after step N, that step's metrics are logged first (see state.py).
         """
         cfg = self.config
         result: dict[str, Any] = {"val_before": None, "val_after": None, "last": {}, "history": [], "stopped_at": None}
         if self.global_steps >= self.total_training_steps:
             self._say(
-                f"training already finished at step {self.global_steps} of {self.total_training_steps}; to start "
-                "over, pass --config.trainer.resume_mode=disable (the old run is moved aside)"
+                f"training already finished at step {self.global_steps} (total_training_steps="
+                f"{self.total_training_steps}); to train further, raise --config.trainer.total_training_steps; to "
+                "start over, pass --config.trainer.resume_mode=disable (the old run is moved aside)"
             )
             return result
         stop_at = (
@@ -312,8 +316,9 @@ class RLTrainer(RolesMixin, UpdatesMixin, CheckpointMixin):
             bar = tqdm(total=self.total_training_steps, initial=self.global_steps, desc="training", unit="step")
         try:
             while self.global_steps < stop_at:
-                prompts = next(self.train_loader)
-                m = self.train_step(prompts)
+                with self.save_on_error_in_step():  # a reward failure: step N saved, then re-raised
+                    prompts = next(self.train_loader)
+                    m = self.train_step(prompts)
                 if stop is not None:
                     stop.defer()  # a completed step exists: a signal now waits for the checkpoint below
                 last = self.global_steps >= self.total_training_steps
@@ -322,7 +327,8 @@ class RLTrainer(RolesMixin, UpdatesMixin, CheckpointMixin):
                 if self.val_loader is not None and (
                     (last and cfg.trainer.val_at_end) or (freq > 0 and self.global_steps % freq == 0 and not stopping)
                 ):
-                    v = self.validate()
+                    with self.save_on_error_in_validation(m):  # the step is logged and saved, then re-raised
+                        v = self.validate()
                     m.update(v)
                     if last:
                         result["val_after"] = v
