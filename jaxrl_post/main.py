@@ -117,8 +117,7 @@ def check_override_keys(argv: list[str]) -> None:
 
 def has_config_flag(argv: list[str]) -> bool:
     """Whether argv names a job config (`--config=path[:variant]` or `--config path`) or asks for help."""
-    args = argv[1:]
-    return any(a == f"--{_CONFIG_FLAG}" or a.startswith(f"--{_CONFIG_FLAG}=") or a in _HELP_FLAGS for a in args)
+    return _config_spec(argv) is not None or any(a in _HELP_FLAGS for a in argv[1:])
 
 
 def _stop_line(trainer) -> str:

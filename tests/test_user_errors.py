@@ -89,6 +89,27 @@ def test_custom_reward_file_errors_name_the_key(tmp_path):
     )
 
 
+def test_custom_reward_file_is_imported_once(tmp_path):
+    """The pre-flight check loads the user's reward file; the reward manager reuses that function, so code the
+    file runs at import (opening files, loading a verifier) runs once."""
+    c = _unloadable_model_config(tmp_path, _write(tmp_path / "t.jsonl", [_row(i) for i in range(4)]))
+    log = tmp_path / "imports.log"
+    reward = tmp_path / "reward.py"
+    reward.write_text(
+        f"with open({str(log)!r}, 'a') as f:\n    f.write('imported\\n')\n\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n"
+    )
+    c.custom_reward_function.path = str(reward)
+    c.reward_model.num_workers = 0
+    data = builders.load_data_rows(c)
+    manager = builders.build_reward_manager(c, build_char_tokenizer(), data.custom_reward_fn)
+    try:
+        assert manager.compute_score("d", "x", "y") == 1.0
+    finally:
+        manager.close()
+    assert log.read_text().splitlines() == ["imported"]
+
+
 def test_workdir_under_a_file_or_read_only(tmp_path, monkeypatch):
     from jaxrl_post.trainer.trainer import RLTrainer
 

@@ -164,18 +164,20 @@ def heldout_rows(train_rows, val_rows, limit: int | None):
 
 @dataclasses.dataclass
 class DataRows:
-    """Checked rows of both splits (`sources.Rows`; `val` None without validation data) and data stats."""
+    """Checked rows of both splits (`sources.Rows`; `val` None without validation data), data stats, and the
+    custom reward function loaded while checking (None without `custom_reward_function.path`)."""
 
     train: Any
     val: Any
     stats: dict[str, Any]
+    custom_reward_fn: Any = None
 
 
 def _check_reward_sources(cfg: Any, data: DataRows) -> None:
     """Without a custom reward function, every row's data_source must have a scorer in the reward registry;
-    with one, it must load (`load_custom_reward`)."""
+    with one, it must load (`load_custom_reward`; kept in `data.custom_reward_fn` for the reward manager)."""
     if cfg.custom_reward_function.path:
-        load_custom_reward(cfg)
+        data.custom_reward_fn = load_custom_reward(cfg)
         return
     from jaxrl_post.rewards import UnknownDataSourceError, check_data_sources
 
@@ -297,14 +299,18 @@ def build_dataloaders(cfg: Any, data: DataRows, tokenizer, pad_token_id: int):
     return train, val, stats
 
 
-def build_reward_manager(cfg: Any, tokenizer):
+def build_reward_manager(cfg: Any, tokenizer, custom_reward_fn=None):
     """RewardManager scoring with `custom_reward_function` (if set) or `default_compute_score`.
+
+    Args:
+      custom_reward_fn: the function `load_data_rows` already loaded (`DataRows.custom_reward_fn`), so the
+        user's file is imported once; None -> loaded here when `custom_reward_function.path` is set.
 
     Raises: ConfigError: the custom reward function cannot be loaded (see `load_custom_reward`).
     """
     from jaxrl_post.rewards import RewardManager
 
-    fn = load_custom_reward(cfg)
+    fn = custom_reward_fn if custom_reward_fn is not None else load_custom_reward(cfg)
     rm = cfg.reward_model
     return RewardManager(
         fn,

@@ -51,6 +51,7 @@ from jaxrl_post.trainer import metrics as metrics_lib
 from jaxrl_post.trainer.config_check import critic_enabled, kl_in_use, validate_config
 from jaxrl_post.trainer.loggers import config_to_dict
 from jaxrl_post.trainer.nonfinite import NonFiniteGuard
+from jaxrl_post.trainer.progress import progress_bar
 from jaxrl_post.trainer.roles import RolesMixin
 from jaxrl_post.trainer.roles import to_numpy as _np
 from jaxrl_post.trainer.state import CheckpointMixin
@@ -109,7 +110,7 @@ class RLTrainer(RolesMixin, UpdatesMixin, CheckpointMixin):
         self.train_loader, self.val_loader, self.data_stats = builders.build_dataloaders(
             cfg, data_rows, self.tokenizer, self.pad_token_id
         )
-        self.reward_fn = builders.build_reward_manager(cfg, self.tokenizer)
+        self.reward_fn = builders.build_reward_manager(cfg, self.tokenizer, data_rows.custom_reward_fn)
         self.total_training_steps = int(
             cfg.trainer.total_training_steps or cfg.trainer.total_epochs * len(self.train_loader)
         )
@@ -309,11 +310,13 @@ class RLTrainer(RolesMixin, UpdatesMixin, CheckpointMixin):
         if cfg.trainer.val_before_train and self.val_loader is not None:
             result["val_before"] = self.validate()
             self.tracker.log(result["val_before"], step=self.global_steps)
-        bar = None
-        if cfg.trainer.progress_bar:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=self.total_training_steps, initial=self.global_steps, desc="training", unit="step")
+        bar = progress_bar(
+            bool(cfg.trainer.progress_bar),
+            total=self.total_training_steps,
+            initial=self.global_steps,
+            desc="training",
+            unit="step",
+        )
         try:
             while self.global_steps < stop_at:
                 with self.save_on_error_in_step():  # a reward failure: step N saved, then re-raised
@@ -341,14 +344,12 @@ class RLTrainer(RolesMixin, UpdatesMixin, CheckpointMixin):
                     self.save_checkpoint()  # no-op when this step was just saved
                     result["stopped_at"] = self.global_steps
                 self.checkpointer.check_for_errors()  # a failed background save stops the run here
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(score=f"{m.get('critic/score/mean', float('nan')):.3f}")
+                bar.update(1)
+                bar.set_postfix(score=f"{m.get('critic/score/mean', float('nan')):.3f}")
                 if result["stopped_at"] is not None:
                     break
         finally:
-            if bar is not None:
-                bar.close()
+            bar.close()
         return result
 
     def close(self) -> None:
