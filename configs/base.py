@@ -58,6 +58,7 @@ def get_base_config() -> mlc.ConfigDict:
     c.model.tokenizer_path = _opt_str()  # tokenizer source ('char': toy character tokenizer); None -> model.path
     c.model.dtype = "float32"  # compute/param dtype of actor, reference and critic
     c.model.remat = False  # rematerialise decoder blocks in the backward pass (verl: enable_gradient_checkpointing)
+    c.model.scan_layers = False  # lax.scan over repeated layers in training forwards (MaxText); see decoder.py
     c.model.random_init = False  # True: random weights from `model.preset` + `model.arch` (tests)
     c.model.preset = "smollm2_135m"  # jaxrl_post.models.PRESETS key used when random_init
     c.model.arch = mlc.ConfigDict()  # ModelConfig field overrides applied to the preset (random_init); None = keep

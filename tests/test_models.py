@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxrl_post.models import PRESETS, CriticModel, ModelConfig, Transformer, init_model, save_pretrained
+from jaxrl_post.models import PRESETS, CriticModel, ModelConfig, Transformer, decoder, init_model, save_pretrained
 from jaxrl_post.models.hf_io import empty_model, load_hf_dir, load_state_dict_into, param_map
 
 torch = pytest.importorskip("torch")
@@ -346,6 +346,54 @@ def test_remat_same_loss_and_grads():
     assert "remat" in str(jax.make_jaxpr(lambda m: grad_fn(m))(models[True]))
     assert "remat" not in str(jax.make_jaxpr(lambda m: grad_fn(m))(models[False]))
     nnx.eval_shape(grad_fn, models["dots_with_no_batch_dims_saveable"])
+
+
+@pytest.mark.parametrize(
+    "family,layer_types,period",
+    [
+        ("llama", None, 1),
+        ("gemma2", ("sliding_attention", "full_attention") * 2 + ("sliding_attention",), 2),
+        ("gemma3", ("sliding_attention", "sliding_attention", "full_attention") * 2 + ("sliding_attention",), 3),
+    ],
+)
+def test_scan_layers_equals_unrolled_loss_and_grads(family, layer_types, period):
+    """lax.scan over layer groups == the unrolled loop (logits and every layer's gradient), including the
+    remainder layers after the last full group, Gemma's local/global period and remat inside the scan."""
+    kw = {"num_layers": len(layer_types or "x" * 5)} | ({"layer_types": layer_types} if layer_types else {})
+    cfg = _tiny(family, **kw)
+    assert decoder.layer_period(cfg) == period
+    ids, mask = _batch(cfg.vocab_size, b=2, t=7)
+    base = _random_model(cfg)
+
+    def loss(model):
+        lp = jax.nn.log_softmax(model(ids, mask))
+        return jnp.mean(lp[..., 0] * jnp.asarray(mask)) + jnp.mean(lp[..., 3])
+
+    out = {}
+    combos = ((False, False), (True, False)) + (((True, True),) if family == "gemma3" else ())
+    for scan, remat in combos:
+        m = empty_model(cfg, remat=remat)
+        nnx.update(m, nnx.state(base))
+        m.scan_layers = scan
+        grad_fn = nnx.value_and_grad(loss)
+        out[scan, remat] = nnx.jit(grad_fn)(m)
+        assert ("scan" in str(jax.make_jaxpr(grad_fn)(m))) == scan
+    (v0, g0) = out[False, False]
+    for key in combos[1:]:
+        v1, g1 = out[key]
+        np.testing.assert_allclose(v1, v0, rtol=1e-6)
+        for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):  # float reassociation only: 1e-5 of the scale
+            assert float(jnp.abs(a - b).max()) <= 1e-5 * float(jnp.abs(b).max()) + 1e-9
+    assert all(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(nnx.state(g0.layers[4])))
+
+
+def test_layer_period_of_presets():
+    assert [decoder.layer_period(PRESETS[n]) for n in ("smollm2_135m", "qwen3_0_6b", "gemma2_2b", "gemma3_1b")] == [
+        1,
+        1,
+        2,
+        6,
+    ]
 
 
 def test_bfloat16_forward_close_to_float32():

@@ -79,6 +79,7 @@ def build_actor_and_tokenizer(cfg: Any, mesh: jax.sharding.Mesh | None):
         model.remat = cfg.model.remat
         if tok_path or tokenizer is None:
             tokenizer = load_tokenizer(tok_path or cfg.model.path)
+    model.scan_layers = bool(cfg.model.scan_layers)
     if len(tokenizer) > model.config.vocab_size:
         raise ValueError(
             f"config.model: tokenizer has {len(tokenizer)} tokens but the model vocabulary is {model.config.vocab_size}"
