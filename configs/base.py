@@ -56,7 +56,10 @@ def get_base_config() -> mlc.ConfigDict:
     c.model = mlc.ConfigDict()  # the actor (the reference and the critic start from it)
     c.model.path = "smollm2-135m-instruct"  # HF dir / .gguf / alias; ignored when random_init
     c.model.tokenizer_path = _opt_str()  # tokenizer source ('char': toy character tokenizer); None -> model.path
-    c.model.dtype = "float32"  # compute/param dtype of actor, reference and critic
+    c.model.dtype = (
+        "float32"  # compute dtype of actor/ref/critic forwards (bfloat16 on TPU/GPU; verl: mixed_precision.param_dtype)
+    )
+    c.model.param_dtype = "float32"  # master weights and optimizer state (verl keeps fp32 masters under FSDP)
     c.model.remat = False  # rematerialise decoder blocks in the backward pass (verl: enable_gradient_checkpointing)
     c.model.scan_layers = False  # lax.scan over repeated layers in training forwards (MaxText); see decoder.py
     c.model.random_init = False  # True: random weights from `model.preset` + `model.arch` (tests)
@@ -133,6 +136,9 @@ def get_base_config() -> mlc.ConfigDict:
     # ---------------------------------------------------------------- rollout
     c.rollout = mlc.ConfigDict()
     c.rollout.n = 8  # responses sampled per prompt (group size G)
+    c.rollout.dtype = (
+        _opt_str()
+    )  # weights + compute dtype of the rollout copy; None = model.dtype (verl default: bfloat16)
     c.rollout.temperature = 1.0  # sampling temperature (training log-probs use the same temperature)
     c.rollout.top_k = -1  # sample from the k most likely tokens; -1 = off
     c.rollout.top_p = 1.0  # nucleus sampling mass; 1.0 = off
@@ -234,7 +240,8 @@ _VERL_KEYS_TEXT = """
     actor.entropy_coeff actor.use_kl_loss actor.kl_loss_coef actor.kl_loss_type actor.grad_clip
     actor.optim.lr actor.optim.lr_warmup_steps actor.optim.lr_warmup_steps_ratio actor.optim.warmup_style
     actor.optim.min_lr_ratio actor.optim.weight_decay actor.optim.betas
-    rollout.n rollout.temperature rollout.top_k rollout.top_p rollout.do_sample rollout.log_prob_micro_batch_size
+    rollout.n rollout.dtype rollout.temperature rollout.top_k rollout.top_p rollout.do_sample
+    rollout.log_prob_micro_batch_size
     rollout.val_kwargs.n rollout.val_kwargs.do_sample rollout.val_kwargs.temperature rollout.val_kwargs.top_k
     rollout.val_kwargs.top_p
     ref.log_prob_micro_batch_size

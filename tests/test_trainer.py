@@ -72,6 +72,8 @@ def test_config_validation_names_the_key(tmp_path):
         ("rollout.n", 1, "rollout.n"),  # grpo needs groups
         ("rollout.top_p", 0.0, "rollout.top_p"),
         ("actor.optim.warmup_style", "linear", "actor.optim.warmup_style"),
+        ("model.param_dtype", "fp32", "model.param_dtype"),
+        ("rollout.dtype", "bf16", "rollout.dtype"),
         ("data.train_files", str(tmp_path / "missing.jsonl"), "data.train_files"),
     ]
     for key, value, expect in cases:

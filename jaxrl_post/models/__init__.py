@@ -73,15 +73,16 @@ def resolve_model_path(name_or_path):
     return _resolve(name_or_path)
 
 
-def load_pretrained(path_or_alias, *, dtype="float32", mesh=None):
+def load_pretrained(path_or_alias, *, dtype="float32", mesh=None, param_dtype=None):
     """(model, tokenizer) from an HF directory, a .gguf file, an HF hub id or an alias.
 
-    dtype is the compute and param dtype. For an HF directory without tokenizer files the tokenizer is
-    None. Raises what `resolve_model_path` raises for unknown / unreachable names.
+    dtype is the compute dtype, param_dtype the storage dtype of the weights (None: = dtype). For an HF
+    directory without tokenizer files the tokenizer is None. Raises what `resolve_model_path` raises for
+    unknown / unreachable names.
     """
     kind, path = resolve_model_path(path_or_alias)
     if kind == "gguf":
         from jaxrl_post.models.gguf_io import load_gguf
 
-        return load_gguf(path, dtype, mesh=mesh), load_tokenizer(path)
-    return load_hf_dir(path, dtype, mesh), load_tokenizer(path, missing_ok=True)
+        return load_gguf(path, dtype, mesh=mesh, param_dtype=param_dtype), load_tokenizer(path)
+    return load_hf_dir(path, dtype, mesh, param_dtype=param_dtype), load_tokenizer(path, missing_ok=True)

@@ -41,7 +41,7 @@ def model_config_from(cfg: Any):
     from jaxrl_post.models import get_preset
 
     overrides = {k: v for k, v in cfg.model.arch.items() if v is not None}
-    return get_preset(cfg.model.preset).replace(dtype=cfg.model.dtype, param_dtype=cfg.model.dtype, **overrides)
+    return get_preset(cfg.model.preset).replace(dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype, **overrides)
 
 
 def load_tokenizer(path: str):
@@ -73,9 +73,18 @@ def build_actor_and_tokenizer(cfg: Any, mesh: jax.sharding.Mesh | None):
     if cfg.model.random_init:
         tokenizer = load_tokenizer(tok_path or cfg.model.path)
         mcfg = model_config_from(cfg)
-        model = init_model(mcfg, seed=int(cfg.trainer.seed), dtype=cfg.model.dtype, mesh=mesh, remat=cfg.model.remat)
+        model = init_model(
+            mcfg,
+            seed=int(cfg.trainer.seed),
+            dtype=cfg.model.dtype,
+            param_dtype=cfg.model.param_dtype,
+            mesh=mesh,
+            remat=cfg.model.remat,
+        )
     else:
-        model, tokenizer = load_pretrained(cfg.model.path, dtype=cfg.model.dtype, mesh=mesh)
+        model, tokenizer = load_pretrained(
+            cfg.model.path, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype, mesh=mesh
+        )
         model.remat = cfg.model.remat
         if tok_path or tokenizer is None:
             tokenizer = load_tokenizer(tok_path or cfg.model.path)

@@ -31,16 +31,14 @@ class RolesMixin:
 
     # ------------------------------------------------------------------------------------ construction
     def _build_actor(self) -> None:
-        """Actor: params (one copy, shared with the rollout `Generator`), optimizer, jitted update and
-        old-log-prob fns."""
-        from jaxrl_post.rollout import Generator
-
+        """Actor: params (master weights in `model.param_dtype`), optimizer, jitted update and old-log-prob
+        fns; the rollout `Generator` on the actor itself or on a copy in `rollout.dtype` (`sync_weights`)."""
         cfg, a = self.config, self.config.actor
-        self.generator = Generator(self.actor_model, mesh=self.mesh if self.n_devices > 1 else None)
         graphdef, params, rest = steps.split_model(self.actor_model)
         self.actor_graphdef, self.actor_rest = graphdef, rest
         self.actor_params = self._commit(params)
-        nnx.update(self.actor_model, self.actor_params)  # one copy of the weights, shared with the rollout
+        nnx.update(self.actor_model, self.actor_params)
+        self._build_rollout()
         self.actor_optim_cfg = builders.optim_config(
             a.optim,
             grad_clip=a.grad_clip,
@@ -221,8 +219,40 @@ class RolesMixin:
             seed=int(seed),
         )
 
-    def _sync_rollout_weights(self) -> None:
-        nnx.update(self.actor_model, self.actor_params)
+    def _build_rollout(self) -> None:
+        """The rollout model: the actor itself when `rollout.dtype` (None = `model.dtype`) equals both the
+        compute and the param dtype (one copy of the weights), else an abstract model with weights and
+        compute in `rollout.dtype`, filled by `sync_weights` (verl: the rollout engine's own weights)."""
+        from jaxrl_post.models.hf_io import empty_model
+        from jaxrl_post.rollout import Generator
+
+        cfg = self.config
+        rdt = jnp.dtype(cfg.rollout.dtype or cfg.model.dtype)
+        m = self.actor_model
+        self.rollout_params = None
+        self.rollout_copy = not (rdt == m.dtype == m.param_dtype)
+        if self.rollout_copy:
+            self.rollout_model = empty_model(m.config, dtype=rdt, param_dtype=rdt)
+            cast = lambda p: jax.tree.map(lambda x: x.astype(rdt), p)
+            self._cast_first = jax.jit(cast)
+            self._cast_donating = jax.jit(lambda p, old: cast(p), donate_argnums=(1,))
+        else:
+            self.rollout_model = m
+        self.generator = Generator(self.rollout_model, mesh=self.mesh if self.n_devices > 1 else None)
+        self.sync_weights()
+
+    def sync_weights(self) -> None:
+        """The one place where actor and rollout meet, after every actor update and restore: the rollout
+        model gets the current actor params -- shared buffers when dtypes agree, else cast to `rollout.dtype`
+        by one jitted program (shardings kept; the previous rollout copy is donated to it)."""
+        nnx.update(self.actor_model, self.actor_params)  # the actor module always holds the live params
+        if not self.rollout_copy:
+            return
+        if self.rollout_params is None:
+            self.rollout_params = self._cast_first(self.actor_params)
+        else:
+            self.rollout_params = self._cast_donating(self.actor_params, self.rollout_params)
+        nnx.update(self.rollout_model, self.rollout_params)
 
     def _next_seeds(self) -> tuple[int, int]:
         self.rng, k_gen, k_shuffle = jax.random.split(self.rng, 3)

@@ -286,7 +286,7 @@ class CheckpointMixin:
         self.actor_params = jax.tree.map(
             lambda n, l: jax.device_put(n, l.sharding), got["actor"]["params"], self.actor_params
         )
-        self._sync_rollout_weights()
+        self.sync_weights()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Inverse of `state_dict` (arrays are placed like the current ones)."""
@@ -308,4 +308,4 @@ class CheckpointMixin:
         self.critic_guard.load_state_dict(nonfinite.get("critic", {}))
         if state.get("ref") is not None and self.use_ref:
             self.ref_params = place(state["ref"]["params"], self.ref_params)
-        self._sync_rollout_weights()
+        self.sync_weights()

@@ -234,7 +234,7 @@ class RLTrainer(RolesMixin, UpdatesMixin, CheckpointMixin):
             if self.global_steps >= int(cfg.trainer.critic_warmup):
                 with _timer("update_actor", timing):
                     metrics.update(self._update_actor(b, rng))
-                self._sync_rollout_weights()
+                self.sync_weights()
 
         self.global_steps += 1
         metrics.update(self._step_metrics(b, timing, prompts))
