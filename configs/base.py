@@ -184,6 +184,16 @@ def get_base_config() -> mlc.ConfigDict:
     # Each step multiplies beta by 1 + clip(kl / target_kl - 1, +-0.2) * (responses in the step) / horizon
     c.algorithm.kl_ctrl.horizon = 10000  # adaptive controller horizon, in responses
     c.algorithm.kl_ctrl.target_kl = 0.1  # adaptive controller target
+    c.algorithm.filter_groups = mlc.ConfigDict()  # DAPO dynamic sampling
+    # After scoring, groups whose `metric` is the same for all rollout.n responses are dropped and new prompt
+    # batches (data.train_batch_size prompts each) are generated until data.train_batch_size groups are kept;
+    # surplus kept groups are dropped, so every update sees data.train_batch_size x rollout.n responses.
+    c.algorithm.filter_groups.enable = False  # drop zero-variance groups and generate more (DAPO dynamic sampling)
+    # acc: the reward function's `acc`, else its score before the overlong penalty; score: that score;
+    # seq_reward: the score after the penalty; seq_final_reward: the same (needs no KL in reward); any other
+    # name: that extra key of the reward function's dict results.
+    c.algorithm.filter_groups.metric = "acc"  # value that must vary inside a group (verl default: None)
+    c.algorithm.filter_groups.max_num_gen_batches = 0  # error after this many generation batches in a step; <= 0: never
 
     # ---------------------------------------------------------------- rewards
     c.reward_model = mlc.ConfigDict()
@@ -191,6 +201,14 @@ def get_base_config() -> mlc.ConfigDict:
     c.reward_model.num_workers = 2  # worker processes scoring decoded responses; 0 = in process (helper thread)
     c.reward_model.timeout_s = 10.0  # per-call timeout; errors/timeouts score 0 and are counted
     c.reward_model.max_error_fraction = 0.5  # stop the run when more of a batch's reward calls fail (1.0 = never)
+    c.reward_model.overlong_buffer = mlc.ConfigDict()  # DAPO overlong reward shaping
+    # A response of L tokens gets min(0, penalty_factor * ((M - len) - L) / len) added to its score
+    # (M = data.max_response_length): 0 up to M - len tokens, then linearly down to -penalty_factor at M.
+    # Applied in training and validation (as verl); the reward function's own score is logged as `acc`.
+    c.reward_model.overlong_buffer.enable = False  # penalise responses longer than max_response_length - len
+    c.reward_model.overlong_buffer.len = 0  # buffer tokens before data.max_response_length (enabled: 0 < len <= it)
+    c.reward_model.overlong_buffer.penalty_factor = 0.0  # penalty at data.max_response_length tokens (DAPO: 1.0)
+    c.reward_model.overlong_buffer.log = False  # also log the extra infos overlong_reward and overlong (penalty < 0)
     c.custom_reward_function = mlc.ConfigDict()
     c.custom_reward_function.path = _opt_str()  # python file with a scoring function (overrides dispatch)
     c.custom_reward_function.name = "compute_score"  # function name inside that file
@@ -252,6 +270,9 @@ _VERL_KEYS_TEXT = """
     algorithm.adv_estimator algorithm.gamma algorithm.lam algorithm.norm_adv_by_std_in_grpo
     algorithm.use_kl_in_reward algorithm.kl_penalty algorithm.kl_ctrl.type algorithm.kl_ctrl.kl_coef
     algorithm.kl_ctrl.horizon algorithm.kl_ctrl.target_kl
+    algorithm.filter_groups.enable algorithm.filter_groups.metric algorithm.filter_groups.max_num_gen_batches
+    reward_model.overlong_buffer.enable reward_model.overlong_buffer.len reward_model.overlong_buffer.penalty_factor
+    reward_model.overlong_buffer.log
     reward_model.reward_manager custom_reward_function.path custom_reward_function.name
     trainer.project_name trainer.experiment_name trainer.default_local_dir trainer.logger trainer.total_epochs
     trainer.total_training_steps trainer.val_before_train trainer.test_freq trainer.critic_warmup trainer.save_freq

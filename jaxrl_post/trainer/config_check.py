@@ -295,6 +295,7 @@ def validate_config(cfg: Any, n_devices: int | None = None) -> None:
     check("reward_model.num_workers", lambda v: is_int(v) and v >= 0, "must be an int >= 0")
     check("reward_model.timeout_s", lambda v: is_num(v) and v > 0, "must be > 0")
     check("reward_model.max_error_fraction", lambda v: is_num(v) and 0 <= v <= 1, "must be in [0, 1] (1 = never stop)")
+    _check_dapo(cfg, check, err, is_int, is_num)
     path = cfg.custom_reward_function.path
     if path and not os.path.exists(path):
         err("custom_reward_function.path", "file not found")
@@ -328,3 +329,40 @@ def validate_config(cfg: Any, n_devices: int | None = None) -> None:
         check("model.path", lambda v: isinstance(v, str) and v, "must name a model (dir, .gguf, alias)")
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+
+
+# filter_groups metrics every reward function has (the rest are extra keys of a reward function's dict results)
+FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
+
+
+def _check_dapo(cfg: Any, check, err, is_int, is_num) -> None:
+    """`algorithm.filter_groups.*` and `reward_model.overlong_buffer.*` (DAPO)."""
+    fg, ob = cfg.algorithm.filter_groups, cfg.reward_model.overlong_buffer
+    check("algorithm.filter_groups.enable", lambda v: isinstance(v, bool), "must be a bool")
+    check("algorithm.filter_groups.max_num_gen_batches", is_int, "must be an int (<= 0 = no limit)")
+    check("reward_model.overlong_buffer.enable", lambda v: isinstance(v, bool), "must be a bool")
+    check("reward_model.overlong_buffer.log", lambda v: isinstance(v, bool), "must be a bool")
+    if fg.enable is True:
+        if is_int(cfg.rollout.n) and cfg.rollout.n < 2:
+            err("rollout.n", "algorithm.filter_groups compares the responses of a group: needs rollout.n >= 2")
+        metric = fg.metric
+        known = FILTER_METRICS + (("overlong_reward", "overlong") if ob.enable is True and ob.log is True else ())
+        if not isinstance(metric, str) or not metric:
+            err("algorithm.filter_groups.metric", f"must name a per-response value, e.g. one of {list(known)}")
+        elif not cfg.custom_reward_function.path and metric not in known:
+            # the built-in reward functions return plain scores: no other names exist
+            err("algorithm.filter_groups.metric", f"unknown metric; valid with the built-in rewards: {list(known)}")
+        elif metric == "seq_final_reward" and cfg.algorithm.use_kl_in_reward:
+            err(
+                "algorithm.filter_groups.metric",
+                "seq_final_reward with algorithm.use_kl_in_reward is not supported (the KL penalty is computed after "
+                "filtering); use seq_reward",
+            )
+    if ob.enable is True:
+        lmax = cfg.data.max_response_length
+        check(
+            "reward_model.overlong_buffer.len",
+            lambda v: is_int(v) and 0 < v <= lmax,
+            f"must be an int in (0, data.max_response_length={lmax}] when reward_model.overlong_buffer.enable",
+        )
+        check("reward_model.overlong_buffer.penalty_factor", lambda v: is_num(v) and v >= 0, "must be >= 0")
