@@ -178,6 +178,17 @@ def get_base_config() -> mlc.ConfigDict:
     # Each step multiplies beta by 1 + clip(kl / target_kl - 1, +-0.2) * (responses in the step) / horizon
     c.algorithm.kl_ctrl.horizon = 10000  # adaptive controller horizon, in responses
     c.algorithm.kl_ctrl.target_kl = 0.1  # adaptive controller target
+    # Rollout correction (jaxrl_post.rollout_corr): IS weights / rejection from log(pi_old / pi_rollout), the
+    # training policy's log-probs over the sampler's. Both off by default. verl's bypass_mode/loss_type: not here.
+    c.algorithm.rollout_correction = mlc.ConfigDict()
+    c.algorithm.rollout_correction.rollout_is = _opt_str()  # IS weights: None (off) | token | sequence (product)
+    c.algorithm.rollout_correction.rollout_is_threshold = 2.0  # truncate IS weights from above at this value (> 0)
+    c.algorithm.rollout_correction.rollout_is_batch_normalize = False  # divide IS weights by their batch mean
+    # comma-separated, all must pass: token_k{1,2,3}, seq_sum_k{1,2,3}, seq_mean_k{1,2,3} (k1 = geo), seq_max_k{2,3}
+    c.algorithm.rollout_correction.rollout_rs = _opt_str()  # rejection sampling options; None = off
+    # one entry per option (or one shared), e.g. '0.5_2.0,0.01': k1 takes 'lower_upper' bounds (a single number
+    # u means lower = 1/u), k2/k3 an upper bound. A string: write numbers as '2.0'.
+    c.algorithm.rollout_correction.rollout_rs_threshold = _opt_str()  # rejection thresholds (required with rollout_rs)
 
     # ---------------------------------------------------------------- rewards
     c.reward_model = mlc.ConfigDict()
@@ -245,6 +256,9 @@ _VERL_KEYS_TEXT = """
     algorithm.adv_estimator algorithm.gamma algorithm.lam algorithm.norm_adv_by_std_in_grpo
     algorithm.use_kl_in_reward algorithm.kl_penalty algorithm.kl_ctrl.type algorithm.kl_ctrl.kl_coef
     algorithm.kl_ctrl.horizon algorithm.kl_ctrl.target_kl
+    algorithm.rollout_correction.rollout_is algorithm.rollout_correction.rollout_is_threshold
+    algorithm.rollout_correction.rollout_is_batch_normalize algorithm.rollout_correction.rollout_rs
+    algorithm.rollout_correction.rollout_rs_threshold
     reward_model.reward_manager custom_reward_function.path custom_reward_function.name
     trainer.project_name trainer.experiment_name trainer.default_local_dir trainer.logger trainer.total_epochs
     trainer.total_training_steps trainer.val_before_train trainer.test_freq trainer.critic_warmup trainer.save_freq
