@@ -194,6 +194,17 @@ def get_base_config() -> mlc.ConfigDict:
     # name: that extra key of the reward function's dict results.
     c.algorithm.filter_groups.metric = "acc"  # value that must vary inside a group (verl default: None)
     c.algorithm.filter_groups.max_num_gen_batches = 0  # error after this many generation batches in a step; <= 0: never
+    # Rollout correction (jaxrl_post.rollout_corr): IS weights / rejection from log(pi_old / pi_rollout), the
+    # training policy's log-probs over the sampler's. Both off by default. verl's bypass_mode/loss_type: not here.
+    c.algorithm.rollout_correction = mlc.ConfigDict()
+    c.algorithm.rollout_correction.rollout_is = _opt_str()  # IS weights: None (off) | token | sequence (product)
+    c.algorithm.rollout_correction.rollout_is_threshold = 2.0  # truncate IS weights from above at this value (> 0)
+    c.algorithm.rollout_correction.rollout_is_batch_normalize = False  # divide IS weights by their batch mean
+    # comma-separated, all must pass: token_k{1,2,3}, seq_sum_k{1,2,3}, seq_mean_k{1,2,3} (k1 = geo), seq_max_k{2,3}
+    c.algorithm.rollout_correction.rollout_rs = _opt_str()  # rejection sampling options; None = off
+    # one entry per option (or one shared), e.g. '0.5_2.0,0.01': k1 takes 'lower_upper' bounds (a single number
+    # u means lower = 1/u), k2/k3 an upper bound. A string: write numbers as '2.0'.
+    c.algorithm.rollout_correction.rollout_rs_threshold = _opt_str()  # rejection thresholds (required with rollout_rs)
 
     # ---------------------------------------------------------------- rewards
     c.reward_model = mlc.ConfigDict()
@@ -273,6 +284,9 @@ _VERL_KEYS_TEXT = """
     algorithm.filter_groups.enable algorithm.filter_groups.metric algorithm.filter_groups.max_num_gen_batches
     reward_model.overlong_buffer.enable reward_model.overlong_buffer.len reward_model.overlong_buffer.penalty_factor
     reward_model.overlong_buffer.log
+    algorithm.rollout_correction.rollout_is algorithm.rollout_correction.rollout_is_threshold
+    algorithm.rollout_correction.rollout_is_batch_normalize algorithm.rollout_correction.rollout_rs
+    algorithm.rollout_correction.rollout_rs_threshold
     reward_model.reward_manager custom_reward_function.path custom_reward_function.name
     trainer.project_name trainer.experiment_name trainer.default_local_dir trainer.logger trainer.total_epochs
     trainer.total_training_steps trainer.val_before_train trainer.test_freq trainer.critic_warmup trainer.save_freq

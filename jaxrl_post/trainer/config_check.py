@@ -25,6 +25,9 @@ WARMUP_STYLES = ("constant", "cosine")
 KL_CTRL_TYPES = ("fixed", "adaptive")
 RESUME_MODES = ("auto", "disable", "resume_path")
 VALUE_ESTIMATORS = ("gae",)  # advantage estimators that need a critic
+# Set to True once the trainer applies `algorithm.rollout_correction` (IS weights / rejection in the policy loss);
+# until then enabling it is an error rather than a silent no-op.
+ROLLOUT_CORRECTION_APPLIED = False
 
 
 class ConfigError(ValueError):
@@ -244,6 +247,22 @@ def validate_config(cfg: Any, n_devices: int | None = None) -> None:
     check("algorithm.kl_ctrl.kl_coef", nonneg, "must be >= 0")
     check("actor.kl_loss_coef", nonneg, "must be >= 0")
     check("actor.entropy_coeff", is_num, "must be a number")
+    # ---- rollout correction (verl's algorithm.rollout_correction; math in jaxrl_post.rollout_corr)
+    rc, rc_cfg = "algorithm.rollout_correction", cfg.algorithm.rollout_correction
+    rc_ok = check(f"{rc}.rollout_is", lambda v: v in (None, "token", "sequence"), "valid: None, 'token' or 'sequence'")
+    rc_ok &= check(f"{rc}.rollout_is_threshold", lambda v: is_num(v) and v > 0, "must be > 0")
+    rc_ok &= check(f"{rc}.rollout_is_batch_normalize", lambda v: isinstance(v, bool), "must be a bool")
+    if rc_cfg.rollout_rs is not None:
+        from jaxrl_post.rollout_corr import parse_rollout_rs
+
+        try:
+            parse_rollout_rs(rc_cfg.rollout_rs, rc_cfg.rollout_rs_threshold)
+        except ValueError as e:
+            rc_ok = False
+            err(f"{rc}.rollout_rs", f"{e} (rollout_rs_threshold={rc_cfg.rollout_rs_threshold!r})")
+    enabled = [k for k in ("rollout_is", "rollout_rs") if rc_cfg[k] is not None]
+    if rc_ok and enabled and not ROLLOUT_CORRECTION_APPLIED:
+        err(f"{rc}.{enabled[0]}", "rollout correction is validated but not applied by the trainer yet; leave it None")
     check("algorithm.gamma", lambda v: is_num(v) and 0 <= v <= 1, "must be in [0, 1]")
     check("algorithm.lam", lambda v: is_num(v) and 0 <= v <= 1, "must be in [0, 1]")
 
