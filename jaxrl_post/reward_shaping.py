@@ -5,7 +5,7 @@ Part of the core RL math; re-exported by :mod:`jaxrl_post.core_algos` (import it
 settings are plain numbers).
 
 Source: Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement Learning System at Scale"
-(arXiv 2503.14476), eq. 13 "Soft Overlong Punishment"; verl's `DAPORewardManager`
+(arXiv 2503.14476), section 3.4, soft overlong punishment; verl's `DAPORewardManager`
 (`verl/workers/reward_manager/dapo.py`), configured by `reward_model.overlong_buffer.*`.
 """
 

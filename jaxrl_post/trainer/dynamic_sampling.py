@@ -34,7 +34,14 @@ import numpy as np
 
 from jaxrl_post.trainer.roles import to_numpy
 
-__all__ = ["FilterGroupsError", "GroupCollector", "RolloutMixin", "filter_metric_values", "kept_groups"]
+__all__ = [
+    "FilterGroupsError",
+    "GroupCollector",
+    "RolloutMixin",
+    "filter_metric_values",
+    "kept_groups",
+    "merge_reward_metrics",
+]
 
 
 @contextlib.contextmanager
