@@ -76,6 +76,38 @@ def make_pack_spec(
     )
 
 
+def micro_rows(
+    *,
+    micro_batch_size: int,
+    use_dynamic_bsz: bool,
+    max_token_len_per_gpu: int | None,
+    row_len: int,
+    dp: int,
+    n_seqs: int,
+) -> int:
+    """Rows per packed micro-batch (global, a multiple of `dp`): how verl's batch keys map to packing.
+
+    * `use_dynamic_bsz` False: `micro_batch_size` rows of `row_len` (= P + R) tokens, the token budget (and
+      memory bound) of the padded micro-batch of `micro_batch_size` responses; a packed micro-batch holds
+      as many sequences as fit (verl packs a fixed number of sequences per micro-batch instead).
+    * `use_dynamic_bsz` True: `dp * (max_token_len_per_gpu // row_len)` rows: at most
+      `max_token_len_per_gpu` tokens per device per micro-batch (verl `ppo_max_token_len_per_gpu`).
+    Capped at `n_seqs` rounded up to a multiple of `dp` (more rows than sequences never help).
+    Raises ValueError when `max_token_len_per_gpu < row_len` (verl also requires it to hold the longest
+    sequence).
+    """
+    if use_dynamic_bsz:
+        if max_token_len_per_gpu is None or int(max_token_len_per_gpu) < row_len:
+            raise ValueError(
+                f"max_token_len_per_gpu = {max_token_len_per_gpu} must be >= max_prompt_length + "
+                f"max_response_length = {row_len} (one whole sequence per device)"
+            )
+        rows = dp * (int(max_token_len_per_gpu) // row_len)
+    else:
+        rows = int(micro_batch_size)
+    return min(rows, -(-int(n_seqs) // dp) * dp)
+
+
 def _lengths(attention_mask: np.ndarray, response_length: int) -> tuple[np.ndarray, np.ndarray]:
     """(prompt real tokens [M], response real tokens [M]); checks that the real tokens are contiguous."""
     am = np.asarray(attention_mask) != 0

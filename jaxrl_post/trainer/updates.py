@@ -39,8 +39,9 @@ class UpdatesMixin:
             mb = {k: b[k][idx] for k in keys}
             mb["response_mask"] = b["loss_mask"][idx]
             lr = float(self.actor_lr(self.actor_update_count))
+            put = self._put(mb) if self.actor_spec is None else self._put_packed(self._pack(mb, self.actor_spec))
             self.actor_params, self.actor_opt_state, m = self._actor_update(
-                self.actor_params, self.actor_opt_state, self._put(mb)
+                self.actor_params, self.actor_opt_state, put
             )
             self.actor_update_count += 1
             out.append(dict(m, lr=lr))
@@ -63,8 +64,9 @@ class UpdatesMixin:
             mb = {k: b[k][idx] for k in keys}
             mb["response_mask"] = b["loss_mask"][idx]
             lr = float(self.critic_lr(self.critic_update_count))
+            put = self._put(mb) if self.critic_spec is None else self._put_packed(self._pack(mb, self.critic_spec))
             self.critic_params, self.critic_opt_state, m = self._critic_update(
-                self.critic_params, self.critic_opt_state, self._put(mb)
+                self.critic_params, self.critic_opt_state, put
             )
             self.critic_update_count += 1
             out.append(dict(m, lr=lr))
