@@ -60,7 +60,7 @@ def _batch(m=6, p=5, r=4, vocab=50, seed=0, p_lens=None, r_lens=None):
 def test_pack_batch_round_trip_and_empty_micro_batches():
     b = _batch(m=6, p=5, r=4, seed=1)
     spec = make_pack_spec(6, rows=2, prompt_length=5, response_length=4)  # 3 micro-batches, rows of 9
-    assert (spec.n_micro, spec.row_len, spec.slots, spec.seqs) == (3, 9, 8, 6)
+    assert (spec.n_micro, spec.row_len, spec.slots, spec.seqs) == (3, 9, 18, 6)
     pk = pack_batch(b, spec)
     am = b["attention_mask"].astype(bool)
     assert np.count_nonzero(pk["segment_ids"]) == am.sum()
@@ -114,13 +114,13 @@ def test_pack_batch_rejects_non_contiguous_tokens():
 
 
 # ----------------------------------------------------------------------------------------- decoder
-def _cfg(family):
+def _cfg(family, num_layers=2):
     base = dict(
         family=family,
         vocab_size=53,
         hidden_size=32,
         intermediate_size=48,
-        num_layers=2,
+        num_layers=num_layers,
         num_heads=4,
         num_kv_heads=2,
         head_dim=8,
@@ -141,9 +141,9 @@ def _cfg(family):
     return ModelConfig(**base)
 
 
-def _model(family, seed=0):
+def _model(family, seed=0, num_layers=2):
     """Model with O(1) logits (random weights at scale 0.15; norms around their identity)."""
-    cfg = _cfg(family)
+    cfg = _cfg(family, num_layers)
     model = init_model(cfg, seed=seed)
     graphdef, state = nnx.split(model)
     rng = np.random.RandomState(seed)
@@ -222,7 +222,7 @@ def _close(a, b, tol=1e-5):
     ],
 )
 def test_packed_actor_update_equals_padded(mode, entropy_coeff):
-    model = _model("llama", seed=1)
+    model = _model("llama", seed=1, num_layers=1)
     graphdef, params, rest = steps.split_model(model)
     b = _rollout()
     tx = optax.sgd(1.0)  # new params = params - grads: compares gradients
@@ -244,6 +244,19 @@ def test_packed_actor_update_equals_padded(mode, entropy_coeff):
     for k in want[2]:
         np.testing.assert_allclose(got[2][k], want[2][k], atol=1e-5, rtol=1e-5, err_msg=k)
     assert float(want[2]["grad_norm"]) > 0.1
+    # the entropy metric (a stop_gradient side computation when entropy_coeff == 0), written out
+    logits = model(b["input_ids"], b["attention_mask"], positions=b["position_ids"])[:, 5:-1] / 0.7
+    logp = jax.nn.log_softmax(logits, -1)
+    ent = -jnp.sum(jnp.exp(logp) * logp, -1)
+    mask = jnp.asarray(b["response_mask"], jnp.float32)
+    n_seq = jnp.sum(mask.sum(-1) > 0)
+    expected = {
+        "token-mean": jnp.sum(ent * mask) / mask.sum(),
+        "seq-mean-token-sum": jnp.sum(ent * mask) / n_seq,
+        "seq-mean-token-mean": jnp.sum(jnp.sum(ent * mask, -1) / jnp.maximum(mask.sum(-1), 1)) / n_seq,
+        "seq-mean-token-sum-norm": jnp.sum(ent * mask) / 5 / n_seq,
+    }[mode]
+    np.testing.assert_allclose(got[2]["entropy"], expected, rtol=1e-5)
 
 
 def test_packed_log_probs_values_and_critic_update_equal_padded():
@@ -275,7 +288,7 @@ def test_packed_log_probs_values_and_critic_update_equal_padded():
 
 
 def test_packed_update_compiles_once_and_skips_empty_micro_batches():
-    model = _model("llama", seed=1)
+    model = _model("llama", seed=1, num_layers=1)
     graphdef, params, rest = steps.split_model(model)
     tx = optax.sgd(1.0)
     traces = []

@@ -59,13 +59,33 @@ def gather_seq(x: jax.Array, seq_index: jax.Array) -> jax.Array:
 def packed_log_probs(model, mb, temperature: float, entropy: str):
     """log pi of the response tokens `[S, R] float32` (+ entropy `[S, R]` or None) of one packed micro-batch.
 
-    entropy: a `losses.token_log_probs` mode. Padding / empty entries are 0.
+    entropy: a `losses.token_log_probs` mode. Padding / empty entries are 0. The LM head and the float32
+    log-softmax run on the response slots in chunks of `row_len` slots; chunks past the last used slot
+    (slots fill from 0) are skipped with `lax.cond`, so their cost scales with the real response tokens.
     """
-    h = _hidden_at_slots(model, mb)
-    logits = model.logits_from_hidden(h[None])  # [1, Q, V] float32
-    lp, ent = losses.token_log_probs(logits, mb["slot_tokens"][None], temperature, entropy)
-    seq = lambda x: to_seq(x[0], mb["seq_slot"])
-    return seq(lp), None if ent is None else seq(ent)
+    h = _hidden_at_slots(model, mb)  # [Q, D]
+    chunk = mb["input_ids"].shape[-1]
+    q, d = h.shape
+    if q % chunk:
+        raise ValueError(f"response slots per micro-batch ({q}) must be a multiple of row_len ({chunk})")
+    n_used = jnp.max(mb["seq_slot"]) + 1
+    on = jnp.arange(q // chunk) * chunk < n_used
+    with_ent = entropy != "none"
+
+    def one(args):
+        hc, tc, live = args
+
+        def run():
+            logits = model.logits_from_hidden(hc[None])  # [1, C, V] float32
+            lp, ent = losses.token_log_probs(logits, tc[None], temperature, entropy)
+            return (lp[0], ent[0]) if with_ent else (lp[0],)
+
+        zeros = lambda: tuple(jnp.zeros((chunk,), jnp.float32) for _ in range(1 + with_ent))
+        return jax.lax.cond(live, run, zeros)
+
+    outs = jax.lax.map(one, (h.reshape(-1, chunk, d), mb["slot_tokens"].reshape(-1, chunk), on))
+    seq = lambda x: to_seq(x.reshape(-1), mb["seq_slot"])
+    return seq(outs[0]), seq(outs[1]) if with_ent else None
 
 
 def packed_values(critic, mb) -> jax.Array:
