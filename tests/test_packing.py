@@ -60,7 +60,7 @@ def _batch(m=6, p=5, r=4, vocab=50, seed=0, p_lens=None, r_lens=None):
 def test_pack_batch_round_trip_and_empty_micro_batches():
     b = _batch(m=6, p=5, r=4, seed=1)
     spec = make_pack_spec(6, rows=2, prompt_length=5, response_length=4)  # 3 micro-batches, rows of 9
-    assert (spec.n_micro, spec.row_len, spec.slots, spec.seqs) == (3, 9, 18, 6)
+    assert (spec.n_micro, spec.row_len, spec.slots, spec.seqs) == (3, 9, 8, 6)
     pk = pack_batch(b, spec)
     am = b["attention_mask"].astype(bool)
     assert np.count_nonzero(pk["segment_ids"]) == am.sum()
@@ -287,7 +287,7 @@ def test_packed_log_probs_values_and_critic_update_equal_padded():
             np.testing.assert_allclose(got[2][k], want[2][k], atol=1e-5, rtol=1e-5, err_msg=k)
 
 
-def test_packed_update_compiles_once_and_skips_empty_micro_batches():
+def test_packed_update_compiles_once_and_runs_only_used_micro_batches():
     model = _model("llama", seed=1, num_layers=1)
     graphdef, params, rest = steps.split_model(model)
     tx = optax.sgd(1.0)

@@ -13,8 +13,9 @@ Q = response slots, L = row_len) plus the usual per-sequence fields, unpacked, `
 The losses are `losses.actor_loss` / `losses.critic_loss` on those `[S, R]` arrays with the mini-batch's
 `core_algos.global_batch_info` counts (computed from the unpacked `[M, R]` mask), so packed and padded
 updates agree in every `loss_agg_mode` (empty sequence slots have an all-zero mask and contribute 0).
-Micro-batches with no tokens are skipped with `lax.cond` inside the `lax.scan` / forward loop: compute
-scales with the real tokens while every shape, hence every compile, stays fixed.
+Micro-batches with no tokens (the packer fills micro-batches in order, so they are a suffix) are never run:
+the loops over micro-batches are `lax.fori_loop`s with a traced trip count, so compute scales with the real
+tokens while every shape, hence every compile, stays fixed.
 
 Source: verl `dp_actor` / `dp_critic` with `use_remove_padding` (unpad + varlen attention) and
 `use_dynamic_bsz`; MaxText packing (segment ids, per-segment positions).
@@ -60,32 +61,13 @@ def packed_log_probs(model, mb, temperature: float, entropy: str):
     """log pi of the response tokens `[S, R] float32` (+ entropy `[S, R]` or None) of one packed micro-batch.
 
     entropy: a `losses.token_log_probs` mode. Padding / empty entries are 0. The LM head and the float32
-    log-softmax run on the response slots in chunks of `row_len` slots; chunks past the last used slot
-    (slots fill from 0) are skipped with `lax.cond`, so their cost scales with the real response tokens.
+    log-softmax run on the `Q` response slots only (not on prompt or padding positions).
     """
-    h = _hidden_at_slots(model, mb)  # [Q, D]
-    chunk = mb["input_ids"].shape[-1]
-    q, d = h.shape
-    if q % chunk:
-        raise ValueError(f"response slots per micro-batch ({q}) must be a multiple of row_len ({chunk})")
-    n_used = jnp.max(mb["seq_slot"]) + 1
-    on = jnp.arange(q // chunk) * chunk < n_used
-    with_ent = entropy != "none"
-
-    def one(args):
-        hc, tc, live = args
-
-        def run():
-            logits = model.logits_from_hidden(hc[None])  # [1, C, V] float32
-            lp, ent = losses.token_log_probs(logits, tc[None], temperature, entropy)
-            return (lp[0], ent[0]) if with_ent else (lp[0],)
-
-        zeros = lambda: tuple(jnp.zeros((chunk,), jnp.float32) for _ in range(1 + with_ent))
-        return jax.lax.cond(live, run, zeros)
-
-    outs = jax.lax.map(one, (h.reshape(-1, chunk, d), mb["slot_tokens"].reshape(-1, chunk), on))
-    seq = lambda x: to_seq(x.reshape(-1), mb["seq_slot"])
-    return seq(outs[0]), seq(outs[1]) if with_ent else None
+    h = _hidden_at_slots(model, mb)
+    logits = model.logits_from_hidden(h[None])  # [1, Q, V] float32
+    lp, ent = losses.token_log_probs(logits, mb["slot_tokens"][None], temperature, entropy)
+    seq = lambda x: to_seq(x[0], mb["seq_slot"])
+    return seq(lp), None if ent is None else seq(ent)
 
 
 def packed_values(critic, mb) -> jax.Array:
@@ -101,8 +83,13 @@ def _split(batch, seq_keys):
     return pack, seqs
 
 
-def _has_tokens(mb) -> jax.Array:
-    return jnp.any(mb["segment_ids"] != 0)
+def _n_used(pack) -> jax.Array:
+    """Micro-batches holding tokens (int32 scalar); the packer fills them first, so they are a prefix."""
+    return jnp.sum(jnp.any(pack["segment_ids"] != 0, axis=(1, 2)).astype(jnp.int32))
+
+
+def _micro(pack, i):
+    return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), pack)
 
 
 # ------------------------------------------------------------------------------------------ forward
@@ -120,14 +107,12 @@ def _make_forward(graphdef, rest, per_micro: Callable, n_out: int, on_trace):
         model = nnx.merge(graphdef, params, rest)
         init = tuple(jnp.zeros((m + 1, r), jnp.float32) for _ in range(n_out))
 
-        def body(outs, mb):
-            def run(outs):
-                idx = jnp.where(mb["seq_index"] >= 0, mb["seq_index"], m)  # empty slots -> spare row m
-                return tuple(o.at[idx].set(v) for o, v in zip(outs, per_micro(model, mb)))
+        def body(i, outs):  # a while loop over the used micro-batches only (dynamic trip count)
+            mb = _micro(pack, i)
+            idx = jnp.where(mb["seq_index"] >= 0, mb["seq_index"], m)  # empty slots -> spare row m
+            return tuple(o.at[idx].set(v) for o, v in zip(outs, per_micro(model, mb)))
 
-            return jax.lax.cond(_has_tokens(mb), run, lambda o: o, outs), None
-
-        outs, _ = jax.lax.scan(body, init, pack)
+        outs = jax.lax.fori_loop(0, _n_used(pack), body, init)
         return tuple(o[:m] for o in outs)
 
     return fn
@@ -174,26 +159,26 @@ def make_packed_value_fn(
 
 def _accumulate_packed(loss_fn: Callable, params, batch, seq_keys):
     """Sum of `grad(loss_fn)(params, micro, seqs, counts)` and of its aux metrics over the packed
-    micro-batches (lax.scan; empty micro-batches skipped with lax.cond, contributing exact zeros)."""
+    micro-batches that hold tokens: a `lax.fori_loop` with a traced trip count (a while loop), so empty
+    micro-batches cost nothing and every shape stays static (no `lax.cond`: on XLA:CPU its branches each
+    keep their own gradient buffers)."""
     pack, seqs = _split(batch, seq_keys)
     counts = core_algos.global_batch_info(seqs["response_mask"])
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
-    def body(carry, mb):
-        grads, loss = carry
+    def grads_of(mb):
+        mb_seqs = {k: gather_seq(v, mb["seq_index"]) for k, v in seqs.items()}
+        return grad_fn(params, mb, mb_seqs, counts)
 
-        def run():
-            mb_seqs = {k: gather_seq(v, mb["seq_index"]) for k, v in seqs.items()}
-            return grad_fn(params, mb, mb_seqs, counts)
+    def body(i, carry):
+        grads, loss, aux = carry
+        (l, a), g = grads_of(_micro(pack, i))
+        return jax.tree.map(jnp.add, grads, g), loss + l, jax.tree.map(jnp.add, aux, a)
 
-        shapes = jax.eval_shape(run)
-        skip = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-        (l, a), g = jax.lax.cond(_has_tokens(mb), run, skip)
-        return (jax.tree.map(jnp.add, grads, g), loss + l), a
-
-    zero_grads = jax.tree.map(jnp.zeros_like, params)
-    (grads, loss), aux = jax.lax.scan(body, (zero_grads, jnp.zeros((), jnp.float32)), pack)
-    aux = jax.tree.map(lambda x: jnp.sum(x, axis=0), aux)
+    (_, aux_shapes), _ = jax.eval_shape(lambda: grads_of(_micro(pack, 0)))
+    zeros = lambda t: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), t)
+    init = (jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32), zeros(aux_shapes))
+    grads, loss, aux = jax.lax.fori_loop(0, _n_used(pack), body, init)
     return loss, aux, grads
 
 

@@ -5,16 +5,14 @@ packed, first-fit-decreasing, into rows of `row_len` tokens: every sequence keep
 (prompt + response, contiguous) as one *segment* of a row, with its own positions (0, 1, ... as in the
 unpadded sequence) and a segment id (1, 2, ... per row; 0 = padding). Rows are grouped into `n_micro`
 micro-batches of `rows` rows each. Only the response tokens are scored, so each micro-batch also lists
-its response tokens in `slots` *slots*, filled from slot 0 (the LM head and log-softmax run on the used
-slots only, in chunks of `row_len`).
+its response tokens in `slots` *slots* (the LM head and log-softmax run on those slots only).
 
 Static shapes (one compile per `PackSpec`): per token `[n_micro, rows, row_len]`, per slot
 `[n_micro, slots]`, per sequence `[n_micro, seqs, R]`. The packer fills micro-batches in order, so the
-trailing ones are empty when the real tokens fit in fewer; the jitted steps skip those with `lax.cond`
+trailing ones are empty when the real tokens fit in fewer; the jitted steps loop over the used ones only
 (compute scales with the real tokens, shapes never change).
 
-Capacity guarantee (`make_pack_spec` defaults, `slots = rows * row_len`, so only tokens and sequence slots
-bind): with `row_len >= P + R`, `slots >= rows * R`,
+Capacity guarantee (`make_pack_spec` defaults): with `row_len >= P + R`, `slots >= rows * R`,
 `seqs >= rows` and `n_micro = ceil(M / rows)`, every mini-batch fits: a micro-batch that refuses a
 sequence already holds >= `rows` sequences (each sequence fits alone in a fresh row and in R slots).
 
@@ -58,8 +56,9 @@ def make_pack_spec(
     """A `PackSpec` that always fits `n_seqs` sequences of `prompt_length + response_length` tokens.
 
     Defaults: `row_len = P + R` (any sequence fits a row), `n_micro = ceil(n_seqs / rows)` (the unpacked
-    micro-batch count when `rows` = the unpacked micro-batch size), `slots = rows * row_len` (never binds:
-    a micro-batch holds at most that many tokens), `seqs = n_seqs`.
+    micro-batch count when `rows` = the unpacked micro-batch size), `slots = rows * R` (the LM-head
+    positions of the padded micro-batch, so the packed LM head never costs more per micro-batch; a
+    micro-batch is also closed when its responses fill the slots), `seqs = n_seqs`.
     Raises ValueError when `rows < 1` or `row_len < P + R` (a sequence could not fit).
     """
     t = int(prompt_length) + int(response_length)
@@ -74,7 +73,7 @@ def make_pack_spec(
         rows=int(rows),
         row_len=row_len,
         seqs=int(n_seqs),
-        slots=int(rows) * row_len,
+        slots=int(rows) * int(response_length),
         response_length=int(response_length),
     )
 
