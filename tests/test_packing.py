@@ -316,8 +316,10 @@ def test_packed_update_compiles_once_and_runs_only_used_micro_batches():
 def test_tiny_ppo_step_same_metrics_packed_and_padded(tmp_path):
     """One PPO step (critic + actor update, old/ref log-probs, values, KL loss) of the tiny config, packed
     (the default) and padded, from the same params and sampling seed: same rollout, so every loss / update
-    metric agrees to float32 rounding (1e-4 relative: the two paths sum in different orders across ~15 ops
-    per metric; one optimizer step of Adam normalises the gradient, so param changes agree to ~1e-6)."""
+    metric agrees to float32 rounding: the paths sum in different orders (packed rows, slot gathers), measured
+    worst 2e-6 relative (actor/ppo_kl, pg_loss), checked at 2e-5; params after the Adam step to 1e-5. Only
+    step 1: from step 2 the rollouts may differ (different params) and near-zero means (advantages) have
+    no meaningful relative error."""
     from configs import ppo
     from jaxrl_post.trainer.trainer import RLTrainer
 
@@ -341,7 +343,7 @@ def test_tiny_ppo_step_same_metrics_packed_and_padded(tmp_path):
     keys = [k for k in mu if k.startswith(("actor/", "critic/")) and "grad_norm" not in k]
     assert "actor/pg_loss" in keys and "critic/vf_loss" in keys and "actor/entropy" in keys
     for k in keys:
-        np.testing.assert_allclose(mp[k], mu[k], rtol=1e-4, atol=1e-6, err_msg=k)
+        np.testing.assert_allclose(mp[k], mu[k], rtol=2e-5, atol=1e-7, err_msg=k)
     for k in ("actor/grad_norm", "critic/grad_norm"):
-        np.testing.assert_allclose(mp[k], mu[k], rtol=1e-4, err_msg=k)
+        np.testing.assert_allclose(mp[k], mu[k], rtol=2e-5, err_msg=k)
     _close(pp, pu, tol=1e-5)
