@@ -13,6 +13,9 @@ same-shaped arrays, so each compiles exactly once per run.
   loss is aggregated with the *mini-batch's* token / sequence counts (`core_algos.global_batch_info`),
   so the summed loss and gradient equal those of the un-split mini-batch (`agg_loss` docstring).
 
+These are the padded versions (`model.use_remove_padding=False`); the default packed ones, on rows of real
+tokens with the same losses (`losses.py`), are in `packed_steps.py`.
+
 Shape letters: B batch (responses), M mini-batch, mb micro-batch, P prompt, R response, T = P + R, V vocab.
 Sources: verl `dp_actor.DataParallelPPOActor.{compute_log_prob,update_policy}`,
 `dp_critic.DataParallelPPOCritic.{compute_values,update_critic}`.
