@@ -10,8 +10,9 @@ them and `verl_key` gives verl's full name. Units, as in verl:
 - `*.ppo_micro_batch_size`, `*.log_prob_micro_batch_size` and `critic.forward_micro_batch_size` count
   *responses* (samples), as verl's deprecated global keys do.
 
-Every batch size here is *global* (summed over all devices of the mesh); verl's `*_per_gpu` keys have no
-counterpart. `docs/config.md` lists every key with its default and meaning; it is generated from this file
+Every batch size here is *global* (summed over all devices of the mesh); verl's `*_per_gpu` micro-batch
+keys have no counterpart. The token budgets `*_max_token_len_per_gpu` (dynamic batch size) are per device,
+as in verl. `docs/config.md` lists every key with its default and meaning; it is generated from this file
 (the section headers and each key's comment) by `python scripts/gen_config_docs.py`, so every key needs
 a comment.
 
@@ -56,12 +57,14 @@ def get_base_config() -> mlc.ConfigDict:
     c.model = mlc.ConfigDict()  # the actor (the reference and the critic start from it)
     c.model.path = "smollm2-135m-instruct"  # HF dir / .gguf / alias; ignored when random_init
     c.model.tokenizer_path = _opt_str()  # tokenizer source ('char': toy character tokenizer); None -> model.path
-    c.model.dtype = (
-        "float32"  # compute dtype of actor/ref/critic forwards (bfloat16 on TPU/GPU; verl: mixed_precision.param_dtype)
-    )
-    c.model.param_dtype = "float32"  # master weights and optimizer state (verl keeps fp32 masters under FSDP)
+    c.model.dtype = "float32"  # compute dtype of actor/ref/critic (bf16 on TPU/GPU); verl: mixed_precision.param_dtype
+    c.model.param_dtype = "float32"  # dtype of master weights and AdamW moments (verl's FSDP masters: fp32)
     c.model.remat = False  # rematerialise decoder blocks in the backward pass (verl: enable_gradient_checkpointing)
     c.model.scan_layers = False  # lax.scan over repeated layers in training forwards (MaxText); see decoder.py
+    # Packing (verl: actor_rollout_ref.model.use_remove_padding, default False there; the critic follows it):
+    # the actor update, old/ref log-probs and the critic run on rows of real tokens (prompt + response, no
+    # padding) with per-sequence attention, static shapes, empty micro-batches skipped. False = padded rows.
+    c.model.use_remove_padding = True  # train/score on packed real tokens (trainer/packing.py)
     c.model.random_init = False  # True: random weights from `model.preset` + `model.arch` (tests)
     c.model.preset = "smollm2_135m"  # jaxrl_post.models.PRESETS key used when random_init
     c.model.arch = mlc.ConfigDict()  # ModelConfig field overrides applied to the preset (random_init); None = keep
@@ -114,6 +117,10 @@ def get_base_config() -> mlc.ConfigDict:
     c.actor = mlc.ConfigDict()
     c.actor.ppo_mini_batch_size = 4  # prompts per optimizer step, global: ppo_mini_batch_size * rollout.n responses
     c.actor.ppo_micro_batch_size = 8  # responses per accumulated micro-batch (lax.scan in a step), global
+    # Micro-batches by token budget (needs model.use_remove_padding). Off: a packed micro-batch has the token
+    # budget of a padded one (ppo_micro_batch_size rows of max_prompt_length + max_response_length tokens).
+    c.actor.use_dynamic_bsz = False  # micro-batches of ppo_max_token_len_per_gpu tokens per device (verl meaning)
+    c.actor.ppo_max_token_len_per_gpu = 16384  # tokens per device per micro-batch when use_dynamic_bsz
     c.actor.ppo_epochs = 1  # passes over the rollout batch per training step
     c.actor.shuffle = True  # shuffle responses into mini-batches each epoch (verl default: False)
     c.actor.clip_ratio = 0.2  # PPO clip epsilon (default for low and high)
@@ -145,6 +152,8 @@ def get_base_config() -> mlc.ConfigDict:
     c.rollout.min_p = 0.0  # drop tokens below min_p * the top probability; 0.0 = off
     c.rollout.do_sample = True  # False = greedy
     c.rollout.log_prob_micro_batch_size = 16  # responses per micro-batch when recomputing old log-probs, global
+    c.rollout.log_prob_use_dynamic_bsz = mlc.FieldReference(None, field_type=bool)  # None -> actor.use_dynamic_bsz
+    c.rollout.log_prob_max_token_len_per_gpu = _opt_int()  # None -> actor.ppo_max_token_len_per_gpu
     c.rollout.val_kwargs = mlc.ConfigDict()  # sampling for validation
     c.rollout.val_kwargs.n = 1  # responses per held-out prompt
     c.rollout.val_kwargs.do_sample = False  # greedy validation
@@ -155,6 +164,8 @@ def get_base_config() -> mlc.ConfigDict:
     # ---------------------------------------------------------------- reference policy
     c.ref = mlc.ConfigDict()
     c.ref.log_prob_micro_batch_size = 16  # responses per micro-batch for reference log-probs, global
+    c.ref.log_prob_use_dynamic_bsz = mlc.FieldReference(None, field_type=bool)  # None -> actor.use_dynamic_bsz
+    c.ref.log_prob_max_token_len_per_gpu = _opt_int()  # None -> actor.ppo_max_token_len_per_gpu
 
     # ---------------------------------------------------------------- critic (PPO with GAE)
     c.critic = mlc.ConfigDict()
@@ -163,6 +174,9 @@ def get_base_config() -> mlc.ConfigDict:
     c.critic.ppo_mini_batch_size = 4  # prompts per critic update, global: ppo_mini_batch_size * rollout.n responses
     c.critic.ppo_micro_batch_size = 8  # responses per accumulated micro-batch, global
     c.critic.forward_micro_batch_size = 16  # responses per micro-batch when computing values, global
+    c.critic.use_dynamic_bsz = mlc.FieldReference(None, field_type=bool)  # None -> actor.use_dynamic_bsz
+    c.critic.ppo_max_token_len_per_gpu = 32768  # tokens per device per critic micro-batch when use_dynamic_bsz
+    c.critic.forward_max_token_len_per_gpu = _opt_int()  # values pass; None -> critic.ppo_max_token_len_per_gpu
     c.critic.ppo_epochs = 1  # critic passes over the rollout batch per training step (verl default: the actor's)
     c.critic.shuffle = True  # shuffle responses into critic mini-batches each epoch (verl default: the actor's)
     c.critic.cliprange_value = 0.5  # value clipping range around the old values
@@ -261,7 +275,7 @@ def get_base_config() -> mlc.ConfigDict:
 
 # Keys whose name and meaning are verl's (units included: see the module docstring); the others are ours.
 _VERL_KEYS_TEXT = """
-    model.path
+    model.path model.use_remove_padding
     data.train_files data.val_files data.train_batch_size data.val_batch_size data.max_prompt_length
     data.max_response_length data.filter_overlong_prompts data.truncation data.shuffle data.seed
     actor.ppo_mini_batch_size actor.ppo_micro_batch_size actor.ppo_epochs actor.shuffle actor.clip_ratio
@@ -269,6 +283,10 @@ _VERL_KEYS_TEXT = """
     actor.entropy_coeff actor.use_kl_loss actor.kl_loss_coef actor.kl_loss_type actor.grad_clip
     actor.optim.lr actor.optim.lr_warmup_steps actor.optim.lr_warmup_steps_ratio actor.optim.warmup_style
     actor.optim.min_lr_ratio actor.optim.weight_decay actor.optim.betas
+    actor.use_dynamic_bsz actor.ppo_max_token_len_per_gpu
+    rollout.log_prob_use_dynamic_bsz rollout.log_prob_max_token_len_per_gpu
+    ref.log_prob_use_dynamic_bsz ref.log_prob_max_token_len_per_gpu
+    critic.use_dynamic_bsz critic.ppo_max_token_len_per_gpu critic.forward_max_token_len_per_gpu
     rollout.n rollout.dtype rollout.temperature rollout.top_k rollout.top_p rollout.do_sample
     rollout.log_prob_micro_batch_size
     rollout.val_kwargs.n rollout.val_kwargs.do_sample rollout.val_kwargs.temperature rollout.val_kwargs.top_k

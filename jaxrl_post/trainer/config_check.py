@@ -60,6 +60,43 @@ def critic_enabled(cfg: Any) -> bool:
     return bool(cfg.critic.enable)
 
 
+# (use_dynamic_bsz key, its fallback, max_token_len key, its fallback) of each packed pass
+_DYNAMIC_BSZ_KEYS = {
+    "actor": ("actor.use_dynamic_bsz", None, "actor.ppo_max_token_len_per_gpu", None),
+    "rollout": (
+        "rollout.log_prob_use_dynamic_bsz",
+        "actor.use_dynamic_bsz",
+        "rollout.log_prob_max_token_len_per_gpu",
+        "actor.ppo_max_token_len_per_gpu",
+    ),
+    "ref": (
+        "ref.log_prob_use_dynamic_bsz",
+        "actor.use_dynamic_bsz",
+        "ref.log_prob_max_token_len_per_gpu",
+        "actor.ppo_max_token_len_per_gpu",
+    ),
+    "critic": ("critic.use_dynamic_bsz", "actor.use_dynamic_bsz", "critic.ppo_max_token_len_per_gpu", None),
+    "values": (
+        "critic.use_dynamic_bsz",
+        "actor.use_dynamic_bsz",
+        "critic.forward_max_token_len_per_gpu",
+        "critic.ppo_max_token_len_per_gpu",
+    ),
+}
+
+
+def dynamic_bsz(cfg: Any, role: str) -> tuple[bool, int | None]:
+    """(use_dynamic_bsz, max_token_len_per_gpu) of a pass ('actor', 'rollout' = old log-probs, 'ref',
+    'critic' = critic update, 'values'), None keys resolved as verl's interpolations do."""
+    dyn_key, dyn_fb, tok_key, tok_fb = _DYNAMIC_BSZ_KEYS[role]
+    dyn = _get(cfg, dyn_key)
+    dyn = _get(cfg, dyn_fb) if dyn is None else dyn
+    tok = _get(cfg, tok_key)
+    if tok is None and tok_fb is not None:
+        tok = _get(cfg, tok_fb)
+    return bool(dyn), tok
+
+
 def validation_enabled(cfg: Any) -> bool:
     """Whether `fit()` ever validates: `trainer.val_before_train`, `trainer.val_at_end` or `trainer.test_freq > 0`."""
     t = cfg.trainer
@@ -215,6 +252,30 @@ def validate_config(cfg: Any, n_devices: int | None = None) -> None:
             )
     except (TypeError, ValueError):
         pass  # type errors reported above
+
+    # ---- packing / dynamic batch size (verl: use_remove_padding, use_dynamic_bsz, *_max_token_len_per_gpu)
+    check("model.use_remove_padding", lambda v: isinstance(v, bool), "must be a bool")
+    row_len = None
+    try:
+        row_len = int(cfg.data.max_prompt_length) + int(cfg.data.max_response_length)
+    except (TypeError, ValueError):
+        pass
+    for role in ("actor", "rollout", "ref") + (("critic", "values") if use_critic else ()):
+        dyn_key, _, tok_key, _ = _DYNAMIC_BSZ_KEYS[role]
+        try:
+            dyn, tok = dynamic_bsz(cfg, role)
+        except (AttributeError, KeyError):
+            continue
+        if not dyn:
+            continue
+        if not cfg.model.use_remove_padding:
+            err(dyn_key, "dynamic batch size packs sequences: needs model.use_remove_padding=True")
+        elif row_len is not None and not (is_int(tok) and tok >= row_len):
+            err(
+                tok_key,
+                f"{tok!r} tokens per device must be an int >= data.max_prompt_length + data.max_response_length "
+                f"= {row_len} (one whole sequence)",
+            )
 
     # ---- registries
     adv = cfg.algorithm.adv_estimator

@@ -186,17 +186,21 @@ class RLTrainer(RolesMixin, RolloutMixin, UpdatesMixin, CheckpointMixin):
             if not self.on_policy:
                 with _timer("old_log_prob", timing):
                     b["old_log_probs"] = self._forward(
-                        self._old_log_prob, self.actor_params, b, int(cfg.rollout.log_prob_micro_batch_size)
+                        self._old_log_prob,
+                        self.actor_params,
+                        b,
+                        int(cfg.rollout.log_prob_micro_batch_size),
+                        self.old_log_prob_spec,
                     )[0]
             if self.use_ref:
                 with _timer("ref", timing):
                     b["ref_log_prob"] = self._forward(
-                        self._ref_log_prob, self.ref_params, b, int(cfg.ref.log_prob_micro_batch_size)
+                        self._ref_log_prob, self.ref_params, b, int(cfg.ref.log_prob_micro_batch_size), self.ref_spec
                     )[0]
             if self.use_critic:
                 with _timer("values", timing):
                     b["values"] = self._forward(
-                        self._values, self.critic_params, b, int(cfg.critic.forward_micro_batch_size)
+                        self._values, self.critic_params, b, int(cfg.critic.forward_micro_batch_size), self.values_spec
                     )
 
             # -- KL in reward, advantages
