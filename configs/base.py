@@ -10,8 +10,9 @@ them and `verl_key` gives verl's full name. Units, as in verl:
 - `*.ppo_micro_batch_size`, `*.log_prob_micro_batch_size` and `critic.forward_micro_batch_size` count
   *responses* (samples), as verl's deprecated global keys do.
 
-Every batch size here is *global* (summed over all devices of the mesh); verl's `*_per_gpu` keys have no
-counterpart. `docs/config.md` lists every key with its default and meaning; it is generated from this file
+Every batch size here is *global* (summed over all devices of the mesh); verl's `*_per_gpu` micro-batch
+keys have no counterpart. The token budgets `*_max_token_len_per_gpu` (dynamic batch size) are per device,
+as in verl. `docs/config.md` lists every key with its default and meaning; it is generated from this file
 (the section headers and each key's comment) by `python scripts/gen_config_docs.py`, so every key needs
 a comment.
 
@@ -56,12 +57,14 @@ def get_base_config() -> mlc.ConfigDict:
     c.model = mlc.ConfigDict()  # the actor (the reference and the critic start from it)
     c.model.path = "smollm2-135m-instruct"  # HF dir / .gguf / alias; ignored when random_init
     c.model.tokenizer_path = _opt_str()  # tokenizer source ('char': toy character tokenizer); None -> model.path
-    c.model.dtype = (
-        "float32"  # compute dtype of actor/ref/critic forwards (bfloat16 on TPU/GPU; verl: mixed_precision.param_dtype)
-    )
-    c.model.param_dtype = "float32"  # master weights and optimizer state (verl keeps fp32 masters under FSDP)
+    c.model.dtype = "float32"  # compute dtype of actor/ref/critic (bf16 on TPU/GPU); verl: mixed_precision.param_dtype
+    c.model.param_dtype = "float32"  # dtype of master weights and AdamW moments (verl's FSDP masters: fp32)
     c.model.remat = False  # rematerialise decoder blocks in the backward pass (verl: enable_gradient_checkpointing)
     c.model.scan_layers = False  # lax.scan over repeated layers in training forwards (MaxText); see decoder.py
+    # Packing (verl: actor_rollout_ref.model.use_remove_padding, default False there; the critic follows it):
+    # the actor update, old/ref log-probs and the critic run on rows of real tokens (prompt + response, no
+    # padding) with per-sequence attention, static shapes, empty micro-batches skipped. False = padded rows.
+    c.model.use_remove_padding = True  # train/score on packed real tokens (trainer/packing.py)
     c.model.random_init = False  # True: random weights from `model.preset` + `model.arch` (tests)
     c.model.preset = "smollm2_135m"  # jaxrl_post.models.PRESETS key used when random_init
     c.model.arch = mlc.ConfigDict()  # ModelConfig field overrides applied to the preset (random_init); None = keep
@@ -114,6 +117,10 @@ def get_base_config() -> mlc.ConfigDict:
     c.actor = mlc.ConfigDict()
     c.actor.ppo_mini_batch_size = 4  # prompts per optimizer step, global: ppo_mini_batch_size * rollout.n responses
     c.actor.ppo_micro_batch_size = 8  # responses per accumulated micro-batch (lax.scan in a step), global
+    # Micro-batches by token budget (needs model.use_remove_padding). Off: a packed micro-batch has the token
+    # budget of a padded one (ppo_micro_batch_size rows of max_prompt_length + max_response_length tokens).
+    c.actor.use_dynamic_bsz = False  # micro-batches of ppo_max_token_len_per_gpu tokens per device (verl meaning)
+    c.actor.ppo_max_token_len_per_gpu = 16384  # tokens per device per micro-batch when use_dynamic_bsz
     c.actor.ppo_epochs = 1  # passes over the rollout batch per training step
     c.actor.shuffle = True  # shuffle responses into mini-batches each epoch (verl default: False)
     c.actor.clip_ratio = 0.2  # PPO clip epsilon (default for low and high)
@@ -145,6 +152,8 @@ def get_base_config() -> mlc.ConfigDict:
     c.rollout.min_p = 0.0  # drop tokens below min_p * the top probability; 0.0 = off
     c.rollout.do_sample = True  # False = greedy
     c.rollout.log_prob_micro_batch_size = 16  # responses per micro-batch when recomputing old log-probs, global
+    c.rollout.log_prob_use_dynamic_bsz = mlc.FieldReference(None, field_type=bool)  # None -> actor.use_dynamic_bsz
+    c.rollout.log_prob_max_token_len_per_gpu = _opt_int()  # None -> actor.ppo_max_token_len_per_gpu
     c.rollout.val_kwargs = mlc.ConfigDict()  # sampling for validation
     c.rollout.val_kwargs.n = 1  # responses per held-out prompt
     c.rollout.val_kwargs.do_sample = False  # greedy validation
@@ -155,6 +164,8 @@ def get_base_config() -> mlc.ConfigDict:
     # ---------------------------------------------------------------- reference policy
     c.ref = mlc.ConfigDict()
     c.ref.log_prob_micro_batch_size = 16  # responses per micro-batch for reference log-probs, global
+    c.ref.log_prob_use_dynamic_bsz = mlc.FieldReference(None, field_type=bool)  # None -> actor.use_dynamic_bsz
+    c.ref.log_prob_max_token_len_per_gpu = _opt_int()  # None -> actor.ppo_max_token_len_per_gpu
 
     # ---------------------------------------------------------------- critic (PPO with GAE)
     c.critic = mlc.ConfigDict()
@@ -163,6 +174,9 @@ def get_base_config() -> mlc.ConfigDict:
     c.critic.ppo_mini_batch_size = 4  # prompts per critic update, global: ppo_mini_batch_size * rollout.n responses
     c.critic.ppo_micro_batch_size = 8  # responses per accumulated micro-batch, global
     c.critic.forward_micro_batch_size = 16  # responses per micro-batch when computing values, global
+    c.critic.use_dynamic_bsz = mlc.FieldReference(None, field_type=bool)  # None -> actor.use_dynamic_bsz
+    c.critic.ppo_max_token_len_per_gpu = 32768  # tokens per device per critic micro-batch when use_dynamic_bsz
+    c.critic.forward_max_token_len_per_gpu = _opt_int()  # values pass; None -> critic.ppo_max_token_len_per_gpu
     c.critic.ppo_epochs = 1  # critic passes over the rollout batch per training step (verl default: the actor's)
     c.critic.shuffle = True  # shuffle responses into critic mini-batches each epoch (verl default: the actor's)
     c.critic.cliprange_value = 0.5  # value clipping range around the old values
@@ -184,6 +198,27 @@ def get_base_config() -> mlc.ConfigDict:
     # Each step multiplies beta by 1 + clip(kl / target_kl - 1, +-0.2) * (responses in the step) / horizon
     c.algorithm.kl_ctrl.horizon = 10000  # adaptive controller horizon, in responses
     c.algorithm.kl_ctrl.target_kl = 0.1  # adaptive controller target
+    c.algorithm.filter_groups = mlc.ConfigDict()  # DAPO dynamic sampling
+    # After scoring, groups whose `metric` is the same for all rollout.n responses are dropped and new prompt
+    # batches (data.train_batch_size prompts each) are generated until data.train_batch_size groups are kept;
+    # surplus kept groups are dropped, so every update sees data.train_batch_size x rollout.n responses.
+    c.algorithm.filter_groups.enable = False  # drop zero-variance groups and generate more (DAPO dynamic sampling)
+    # acc: the reward function's `acc`, else its score before the overlong penalty; score: that score;
+    # seq_reward: the score after the penalty; seq_final_reward: the same (needs no KL in reward); any other
+    # name: that extra key of the reward function's dict results.
+    c.algorithm.filter_groups.metric = "acc"  # value that must vary inside a group (verl default: None)
+    c.algorithm.filter_groups.max_num_gen_batches = 0  # error after this many generation batches in a step; <= 0: never
+    # Rollout correction (jaxrl_post.rollout_corr): IS weights / rejection from log(pi_old / pi_rollout), the
+    # training policy's log-probs over the sampler's. Both off by default. verl's bypass_mode/loss_type: not here.
+    c.algorithm.rollout_correction = mlc.ConfigDict()
+    c.algorithm.rollout_correction.rollout_is = _opt_str()  # IS weights: None (off) | token | sequence (product)
+    c.algorithm.rollout_correction.rollout_is_threshold = 2.0  # truncate IS weights from above at this value (> 0)
+    c.algorithm.rollout_correction.rollout_is_batch_normalize = False  # divide IS weights by their batch mean
+    # comma-separated, all must pass: token_k{1,2,3}, seq_sum_k{1,2,3}, seq_mean_k{1,2,3} (k1 = geo), seq_max_k{2,3}
+    c.algorithm.rollout_correction.rollout_rs = _opt_str()  # rejection sampling options; None = off
+    # one entry per option (or one shared), e.g. '0.5_2.0,0.01': k1 takes 'lower_upper' bounds (a single number
+    # u means lower = 1/u), k2/k3 an upper bound. A string: write numbers as '2.0'.
+    c.algorithm.rollout_correction.rollout_rs_threshold = _opt_str()  # rejection thresholds (required with rollout_rs)
 
     # ---------------------------------------------------------------- rewards
     c.reward_model = mlc.ConfigDict()
@@ -191,6 +226,14 @@ def get_base_config() -> mlc.ConfigDict:
     c.reward_model.num_workers = 2  # worker processes scoring decoded responses; 0 = in process (helper thread)
     c.reward_model.timeout_s = 10.0  # per-call timeout; errors/timeouts score 0 and are counted
     c.reward_model.max_error_fraction = 0.5  # stop the run when more of a batch's reward calls fail (1.0 = never)
+    c.reward_model.overlong_buffer = mlc.ConfigDict()  # DAPO overlong reward shaping
+    # A response of L tokens gets min(0, penalty_factor * ((M - len) - L) / len) added to its score
+    # (M = data.max_response_length): 0 up to M - len tokens, then linearly down to -penalty_factor at M.
+    # Applied in training and validation (as verl); the reward function's own score is logged as `acc`.
+    c.reward_model.overlong_buffer.enable = False  # penalise responses longer than max_response_length - len
+    c.reward_model.overlong_buffer.len = 0  # buffer tokens before data.max_response_length (enabled: 0 < len <= it)
+    c.reward_model.overlong_buffer.penalty_factor = 0.0  # penalty at data.max_response_length tokens (DAPO: 1.0)
+    c.reward_model.overlong_buffer.log = False  # also log the extra infos overlong_reward and overlong (penalty < 0)
     c.custom_reward_function = mlc.ConfigDict()
     c.custom_reward_function.path = _opt_str()  # python file with a scoring function (overrides dispatch)
     c.custom_reward_function.name = "compute_score"  # function name inside that file
@@ -232,7 +275,7 @@ def get_base_config() -> mlc.ConfigDict:
 
 # Keys whose name and meaning are verl's (units included: see the module docstring); the others are ours.
 _VERL_KEYS_TEXT = """
-    model.path
+    model.path model.use_remove_padding
     data.train_files data.val_files data.train_batch_size data.val_batch_size data.max_prompt_length
     data.max_response_length data.filter_overlong_prompts data.truncation data.shuffle data.seed
     actor.ppo_mini_batch_size actor.ppo_micro_batch_size actor.ppo_epochs actor.shuffle actor.clip_ratio
@@ -240,6 +283,10 @@ _VERL_KEYS_TEXT = """
     actor.entropy_coeff actor.use_kl_loss actor.kl_loss_coef actor.kl_loss_type actor.grad_clip
     actor.optim.lr actor.optim.lr_warmup_steps actor.optim.lr_warmup_steps_ratio actor.optim.warmup_style
     actor.optim.min_lr_ratio actor.optim.weight_decay actor.optim.betas
+    actor.use_dynamic_bsz actor.ppo_max_token_len_per_gpu
+    rollout.log_prob_use_dynamic_bsz rollout.log_prob_max_token_len_per_gpu
+    ref.log_prob_use_dynamic_bsz ref.log_prob_max_token_len_per_gpu
+    critic.use_dynamic_bsz critic.ppo_max_token_len_per_gpu critic.forward_max_token_len_per_gpu
     rollout.n rollout.dtype rollout.temperature rollout.top_k rollout.top_p rollout.do_sample
     rollout.log_prob_micro_batch_size
     rollout.val_kwargs.n rollout.val_kwargs.do_sample rollout.val_kwargs.temperature rollout.val_kwargs.top_k
@@ -252,6 +299,12 @@ _VERL_KEYS_TEXT = """
     algorithm.adv_estimator algorithm.gamma algorithm.lam algorithm.norm_adv_by_std_in_grpo
     algorithm.use_kl_in_reward algorithm.kl_penalty algorithm.kl_ctrl.type algorithm.kl_ctrl.kl_coef
     algorithm.kl_ctrl.horizon algorithm.kl_ctrl.target_kl
+    algorithm.filter_groups.enable algorithm.filter_groups.metric algorithm.filter_groups.max_num_gen_batches
+    reward_model.overlong_buffer.enable reward_model.overlong_buffer.len reward_model.overlong_buffer.penalty_factor
+    reward_model.overlong_buffer.log
+    algorithm.rollout_correction.rollout_is algorithm.rollout_correction.rollout_is_threshold
+    algorithm.rollout_correction.rollout_is_batch_normalize algorithm.rollout_correction.rollout_rs
+    algorithm.rollout_correction.rollout_rs_threshold
     reward_model.reward_manager custom_reward_function.path custom_reward_function.name
     trainer.project_name trainer.experiment_name trainer.default_local_dir trainer.logger trainer.total_epochs
     trainer.total_training_steps trainer.val_before_train trainer.test_freq trainer.critic_warmup trainer.save_freq

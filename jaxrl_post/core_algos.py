@@ -13,7 +13,8 @@ V vocabulary. Group ids (``index``) are ``[B]`` integers in any order (verl's ``
 also pass a numpy array of strings/objects (converted with ``np.unique``; not possible under jit).
 
 Masked statistics and log-prob/entropy live in :mod:`jaxrl_post.functional`, KL estimators/controllers in
-:mod:`jaxrl_post.kl`; both are re-exported here, so ``from jaxrl_post.core_algos import ...`` covers it all.
+:mod:`jaxrl_post.kl`, DAPO's overlong reward shaping in :mod:`jaxrl_post.reward_shaping`; all are re-exported
+here, so ``from jaxrl_post.core_algos import ...`` covers it all.
 Names follow verl (``verl/trainer/ppo/core_algos.py``, ``verl/utils/torch_functional.py``).
 """
 
@@ -50,6 +51,7 @@ from jaxrl_post.kl import (
     kl_full,
     kl_penalty,
 )
+from jaxrl_post.reward_shaping import compute_overlong_penalty
 
 # ----------------------------------------------------------------------------------------------------------
 # Group statistics (segment ops over arbitrary-order group ids)
@@ -777,4 +779,5 @@ __all__ = [
     "FixedKLController",
     "AdaptiveKLController",
     "get_kl_controller",
+    "compute_overlong_penalty",
 ]

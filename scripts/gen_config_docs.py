@@ -209,7 +209,7 @@ def render(base_py: str = BASE_PY) -> str:
         "",
         "Every key of `configs/base.py` with its default and meaning. Override any of them on the command line,",
         "e.g. `python -m jaxrl_post.main --config=configs/grpo.py --config.rollout.n=4`; the job configs",
-        "(`configs/grpo.py`, `configs/ppo.py` and their variants) change some defaults.",
+        "(`configs/grpo.py`, `configs/ppo.py`, `configs/dapo.py` and their variants) change some defaults.",
         "",
         "The *verl* column gives verl's full key for keys whose name and meaning (units included) are verl's;",
         "a dash marks our own keys. Rows ending in `.*` describe a group of keys.",

@@ -437,7 +437,12 @@ def test_verl_mini_batch_sizes_count_prompts(tmp_path):
 
     def spy(role, fn):
         def wrapped(params, opt_state, mb):
-            seen[role].append({k: v.shape[0] for k, v in mb.items()})
+            from jaxrl_post.trainer.packed_steps import PACK_KEYS
+
+            rows = {k: v.shape[0] for k, v in mb.items() if k not in PACK_KEYS}  # [M, R] fields
+            if "seq_index" in mb:  # packed (model.use_remove_padding): sequences placed in the plan
+                rows["packed_sequences"] = int(np.sum(np.asarray(mb["seq_index"]) >= 0))
+            seen[role].append(rows)
             return fn(params, opt_state, mb)
 
         return wrapped

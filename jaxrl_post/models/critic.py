@@ -44,7 +44,9 @@ class CriticModel(nnx.Module):
         """Critic whose backbone is a copy of the actor's params (the actor is left untouched)."""
         return cls(rngs=rngs or nnx.Rngs(0), backbone=nnx.clone(model))
 
-    def __call__(self, input_ids: jax.Array, attention_mask: jax.Array, positions=None) -> jax.Array:
-        h = self.backbone.hidden_states(input_ids, attention_mask, positions).astype(jnp.float32)
+    def __call__(self, input_ids: jax.Array, attention_mask: jax.Array, positions=None, segment_ids=None) -> jax.Array:
+        """values [B, T] float32; `segment_ids` [B, T] int32: packed rows (see `Transformer.hidden_states`)."""
+        h = self.backbone.hidden_states(input_ids, attention_mask, positions, segment_ids=segment_ids)
+        h = h.astype(jnp.float32)
         values = jnp.einsum("BTD,DO->BTO", h, self.value_head[...]) + self.value_bias[...]
         return values[..., 0]

@@ -213,10 +213,12 @@ class Attention(nnx.Module):
         y = _dot("BTD,DNK->BTNK", x, w[...], self.dtype)
         return y if b is None else y + b[...].astype(self.dtype)
 
-    def __call__(self, x, positions, kv_mask, index, kv=None):
+    def __call__(self, x, positions, kv_mask, index, kv=None, segment_ids=None):
         """x [B, T, D]; positions [B, T] int32; kv_mask [B, S] bool (valid key slots, S = T without a cache);
         index: slot of x[:, 0] (int32 scalar or Python int); kv: optional (k segments [B, N, K, S_j],
-        v segments [B, N, S_j, K]) of this layer's cache to write the new keys/values into.
+        v segments [B, N, S_j, K]) of this layer's cache to write the new keys/values into;
+        segment_ids: optional [B, T] int32 (packed rows, no cache): a key is visible only from its own
+        segment (the sliding window counts slots, = positions inside a contiguous segment).
         Returns (y [B, T, D], kv updated or None)."""
         b, t, _ = x.shape
         n, g = self.num_kv_heads, self.num_heads // self.num_kv_heads
@@ -241,6 +243,8 @@ class Attention(nnx.Module):
         if self.window is not None:  # HF: key is visible iff q_slot - window < kv_slot
             allowed &= kv_slot > q_slot - self.window
         allowed = allowed[None] & kv_mask[:, None, :]  # [B, T, S]
+        if segment_ids is not None:  # packed rows (MaxText-style): attend within the own segment only
+            allowed &= segment_ids[:, :, None] == segment_ids[:, None, :]
 
         # Query heads of one kv head are folded into the row dim: [B, N, G*T, K] (head h = n * G + g).
         qg = q.reshape(b, t, n, g, self.head_dim).transpose(0, 2, 3, 1, 4).reshape(b, n, g * t, self.head_dim)
@@ -304,8 +308,8 @@ class Block(nnx.Module):
         self.mlp = MLP(cfg, dtype=dtype, init=init)
         self.post_mlp_norm = norm() if cfg.post_norms else None
 
-    def __call__(self, x, positions, kv_mask, index, kv=None):
-        h, kv = self.attn(self.input_norm(x), positions, kv_mask, index, kv)
+    def __call__(self, x, positions, kv_mask, index, kv=None, segment_ids=None):
+        h, kv = self.attn(self.input_norm(x), positions, kv_mask, index, kv, segment_ids)
         if self.post_attn_norm is not None:
             h = self.post_attn_norm(h)
         x = x + h
@@ -315,8 +319,8 @@ class Block(nnx.Module):
         return _constrain(x + h, ("batch", None, None)), kv
 
 
-def _run_block(block: Block, x, positions, kv_mask, index):
-    return block(x, positions, kv_mask, index)[0]
+def _run_block(block: Block, x, positions, kv_mask, index, segment_ids=None):
+    return block(x, positions, kv_mask, index, segment_ids=segment_ids)[0]
 
 
 def layer_period(config: ModelConfig) -> int:
@@ -331,7 +335,7 @@ def layer_period(config: ModelConfig) -> int:
     return len(sig)
 
 
-def _scan_blocks(layers, p: int, run, x, positions, kv_mask, index):
+def _scan_blocks(layers, p: int, run, x, positions, kv_mask, index, segment_ids=None):
     """Apply `layers` (length L, period p = `layer_period`) as `lax.scan` over L // p groups of p layers,
     then the L % p remaining layers unrolled (MaxText `scan_layers`; Gemma's local/global pattern is one
     group). Each group's params are stacked `[L // p, ...]` inside the traced function (one copy of the
@@ -342,7 +346,7 @@ def _scan_blocks(layers, p: int, run, x, positions, kv_mask, index):
     n_groups = len(layers) // p
     if n_groups < 2:
         for block in layers:
-            x = run(block, x, positions, kv_mask, index)
+            x = run(block, x, positions, kv_mask, index, segment_ids)
         return x
     graphdefs, stacked = [], []
     for j in range(p):
@@ -354,12 +358,12 @@ def _scan_blocks(layers, p: int, run, x, positions, kv_mask, index):
 
     def body(h, states):
         for gd, st in zip(graphdefs, states):
-            h = run(nnx.merge(gd, st), h, positions, kv_mask, index)
+            h = run(nnx.merge(gd, st), h, positions, kv_mask, index, segment_ids)
         return h, None
 
     x, _ = jax.lax.scan(body, x, tuple(stacked))
     for block in list(layers)[n_groups * p :]:
-        x = run(block, x, positions, kv_mask, index)
+        x = run(block, x, positions, kv_mask, index, segment_ids)
     return x
 
 
@@ -429,12 +433,17 @@ class Transformer(nnx.Module):
         )
 
     # ---------------------------------------------------------------- forward
-    def hidden_states(self, input_ids, attention_mask, positions=None, cache: KVCache | None = None):
+    def hidden_states(self, input_ids, attention_mask, positions=None, cache: KVCache | None = None, segment_ids=None):
         """Final-normed hidden states [B, T, D] (compute dtype); with a cache returns (hidden, new_cache).
 
         input_ids [B, T] int32; attention_mask [B, T] int/bool (1 = real token; left padding allowed);
-        positions [B, T] int32 or None (derived per row from the mask and the cache's valid slots).
+        positions [B, T] int32 or None (derived per row from the mask and the cache's valid slots);
+        segment_ids [B, T] int32 or None: packed rows (no cache only; `trainer/packing.py`): several
+        sequences per row, each a contiguous segment with its own positions, attention masked per segment
+        (0 = padding; pass `attention_mask = segment_ids != 0`). Raises ValueError with a cache.
         """
+        if segment_ids is not None and cache is not None:
+            raise ValueError("segment_ids (packed rows) are only supported without a KV cache")
         input_ids = jnp.asarray(input_ids, jnp.int32)
         mask = jnp.asarray(attention_mask).astype(bool)
         _b, t = input_ids.shape
@@ -449,6 +458,8 @@ class Transformer(nnx.Module):
         if positions is None:
             positions = positions_from_mask(mask, prior)
         positions = jnp.asarray(positions, jnp.int32)
+        if segment_ids is not None:
+            segment_ids = jnp.asarray(segment_ids, jnp.int32)
 
         x = jnp.take(self.embedding[...], input_ids, axis=0).astype(self.dtype)
         if self.config.embed_scale:
@@ -460,11 +471,11 @@ class Transformer(nnx.Module):
             policy = None if self.remat is True else getattr(jax.checkpoint_policies, self.remat)
             run = nnx.remat(_run_block, policy=policy)
         if cache is None and self.scan_layers:
-            x = _scan_blocks(self.layers, layer_period(self.config), run, x, positions, kv_mask, index)
+            x = _scan_blocks(self.layers, layer_period(self.config), run, x, positions, kv_mask, index, segment_ids)
         else:
             for i, block in enumerate(self.layers):
                 if cache is None:
-                    x = run(block, x, positions, kv_mask, index)
+                    x = run(block, x, positions, kv_mask, index, segment_ids)
                 else:
                     x, (new_k[i], new_v[i]) = block(x, positions, kv_mask, index, (new_k[i], new_v[i]))
         h = self.final_norm(x)
@@ -488,13 +499,20 @@ class Transformer(nnx.Module):
         return logits
 
     def __call__(
-        self, input_ids, attention_mask, positions=None, cache: KVCache | None = None, logits_to_keep: int | None = None
+        self,
+        input_ids,
+        attention_mask,
+        positions=None,
+        cache: KVCache | None = None,
+        logits_to_keep: int | None = None,
+        segment_ids=None,
     ):
         """Logits [B, T, V] float32 (or (logits, new_cache) when a cache is given).
 
         logits_to_keep: if set, only the last that many positions' logits are computed ([B, n, V]).
+        segment_ids: packed rows, see `hidden_states`.
         """
-        out = self.hidden_states(input_ids, attention_mask, positions, cache)
+        out = self.hidden_states(input_ids, attention_mask, positions, cache, segment_ids)
         h, new_cache = (out, None) if cache is None else out
         if logits_to_keep:
             h = h[:, -logits_to_keep:]

@@ -8,6 +8,12 @@ raises, times out, kills its worker or returns something that is not a number / 
 'score' scores 0.0 and is counted. When more than `max_error_fraction` of a batch's calls fail, the
 batch raises `RewardFunctionError` (the first failure, its traceback, the function and the data source):
 a reward function that fails on most inputs is a bug, not a zero reward.
+
+Overlong reward shaping (DAPO, `reward_model.overlong_buffer.*`; verl's `DAPORewardManager`): when
+`overlong_buffer_len` is set, `core_algos.compute_overlong_penalty` of each response's length is added
+to its score (failed calls included: the length is known), and the extra infos gain `acc` (the reward
+function's own score, unless it reports an `acc` itself) and, with `overlong_log`, `overlong_reward`
+(the penalty) and `overlong` (penalty < 0), the names verl records.
 """
 
 from __future__ import annotations
@@ -33,13 +39,16 @@ class RewardOutput:
     scores: [B] float32; metrics: scalar metrics ('reward/num_errors': failed calls of any kind, timeouts
     included; 'reward/num_timeouts': those that timed out; 'reward/extra/<key>/mean');
     extra_infos: per-row values of the extra keys of dict results, each [B] (float32 with NaN where a
-    row lacks the key, or object when non-numeric); errors: up to 8 error messages of this batch."""
+    row lacks the key, or object when non-numeric); errors: up to 8 error messages of this batch;
+    function_scores: [B] float32, the reward function's own scores, before the overlong penalty (equal to
+    `scores` when overlong shaping is off)."""
 
     token_level_scores: np.ndarray
     scores: np.ndarray
     metrics: dict[str, float]
     extra_infos: dict[str, np.ndarray] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
+    function_scores: np.ndarray | None = None
 
 
 class RewardFunctionError(RuntimeError):
@@ -79,8 +88,14 @@ class RewardManager:
       num_examine: log this many decoded responses of the first call (debugging aid, like verl).
       max_error_fraction: `compute` raises RewardFunctionError when more than this fraction of a batch's
         calls fail (raise, time out, crash, bad return value); 1.0 = never raise.
+      overlong_buffer_len: DAPO overlong shaping (see the module docstring) over the last this many tokens
+        before `max_response_length`; None = off.
+      overlong_penalty_factor: the penalty at `max_response_length` tokens (>= 0).
+      max_response_length: `data.max_response_length` (needed with `overlong_buffer_len`).
+      overlong_log: add the `overlong_reward` / `overlong` extra infos.
     Raises (at construction): TypeError if `compute_score` is not picklable and num_workers > 0;
-      ValueError if `max_error_fraction` is not in [0, 1] or `timeout_s` is not > 0.
+      ValueError if `max_error_fraction` is not in [0, 1], `timeout_s` is not > 0, or
+      `overlong_buffer_len` is not in (0, max_response_length] (or the factor < 0).
     """
 
     def __init__(
@@ -93,6 +108,10 @@ class RewardManager:
         skip_special_tokens: bool = True,
         num_examine: int = 0,
         max_error_fraction: float = 0.5,
+        overlong_buffer_len: int | None = None,
+        overlong_penalty_factor: float = 0.0,
+        max_response_length: int | None = None,
+        overlong_log: bool = False,
     ):
         if compute_score is None:
             from jaxrl_post.rewards import default_compute_score
@@ -112,6 +131,18 @@ class RewardManager:
         if timeout_s is not None and timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0 (or None in process), got {timeout_s}")
         self.max_error_fraction = float(max_error_fraction)
+        if overlong_buffer_len is not None:
+            from jaxrl_post.reward_shaping import compute_overlong_penalty  # not at import: reward workers skip jax
+
+            if max_response_length is None:
+                raise ValueError("overlong_buffer_len needs max_response_length")
+            compute_overlong_penalty(np.zeros((1,), np.int32), max_response_length, overlong_buffer_len, 0.0)
+            if overlong_penalty_factor < 0:
+                raise ValueError(f"overlong_penalty_factor must be >= 0, got {overlong_penalty_factor}")
+        self.overlong_buffer_len = overlong_buffer_len
+        self.overlong_penalty_factor = float(overlong_penalty_factor)
+        self.max_response_length = max_response_length
+        self.overlong_log = bool(overlong_log)
         self._pool = (
             RewardWorkerPool(compute_score, self.num_workers, timeout_s, mp_context) if self.num_workers > 0 else None
         )
@@ -120,9 +151,10 @@ class RewardManager:
         self.total_timeouts = 0
 
     # ----------------------------------------------------------------------------------------------
-    def decode_responses(self, data) -> tuple[list[str], np.ndarray]:
-        """Decoded valid response tokens per row and the [B] int index of each row's last valid token
-        (-1 when a row has no valid response token)."""
+    @staticmethod
+    def response_mask(data) -> np.ndarray:
+        """[B, R] bool: the valid response tokens (`response_mask`, else the response part of
+        `attention_mask`). Raises KeyError / ValueError when neither is there or the shapes differ."""
         responses = np.asarray(data.batch["responses"])
         if "response_mask" in data.batch:
             mask = np.asarray(data.batch["response_mask"]).astype(bool)
@@ -132,6 +164,13 @@ class RewardManager:
             raise KeyError("batch needs 'response_mask' (or 'attention_mask') to know the valid response tokens")
         if mask.shape != responses.shape:
             raise ValueError(f"response_mask shape {mask.shape} != responses shape {responses.shape}")
+        return mask
+
+    def decode_responses(self, data) -> tuple[list[str], np.ndarray]:
+        """Decoded valid response tokens per row and the [B] int index of each row's last valid token
+        (-1 when a row has no valid response token)."""
+        responses = np.asarray(data.batch["responses"])
+        mask = self.response_mask(data)
         token_lists = [responses[i][mask[i]].tolist() for i in range(responses.shape[0])]
         texts = self.tokenizer.batch_decode(token_lists, skip_special_tokens=self.skip_special_tokens)
         R = responses.shape[1]
@@ -211,6 +250,23 @@ class RewardManager:
         self.total_errors += n_err
         self.total_timeouts += n_timeout
 
+        function_scores = scores.copy()
+        if self.overlong_buffer_len is not None:
+            from jaxrl_post.reward_shaping import compute_overlong_penalty
+
+            lengths = self.response_mask(data).sum(-1)
+            penalty = np.asarray(
+                compute_overlong_penalty(
+                    lengths, self.max_response_length, self.overlong_buffer_len, self.overlong_penalty_factor
+                )
+            )
+            scores = (scores + penalty).astype(np.float32)
+            if "acc" not in extra:
+                extra["acc"] = function_scores.tolist()
+            if self.overlong_log:
+                extra["overlong_reward"] = penalty.tolist()
+                extra["overlong"] = (penalty < 0).tolist()
+
         token_level = np.zeros((B, R), np.float32)
         rows = np.arange(B)
         token_level[rows, np.maximum(last, 0)] = scores  # rows without valid tokens: column 0 (masked anyway)
@@ -234,7 +290,7 @@ class RewardManager:
             for i in range(min(B, self.num_examine - self._examined)):
                 log.info("[reward example] source=%s gt=%r score=%.3f\n%s", sources[i], gts[i], scores[i], texts[i])
             self._examined = self.num_examine
-        return RewardOutput(token_level, scores, metrics, extra_infos, errors)
+        return RewardOutput(token_level, scores, metrics, extra_infos, errors, function_scores)
 
     def _raise_failed(self, first: tuple[int, CallResult], sources: list, n_err: int, n_timeout: int, B: int):
         i, res = first

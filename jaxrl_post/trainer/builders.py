@@ -310,7 +310,8 @@ def build_dataloaders(cfg: Any, data: DataRows, tokenizer, pad_token_id: int):
 
 
 def build_reward_manager(cfg: Any, tokenizer, custom_reward_fn=None):
-    """RewardManager scoring with `custom_reward_function` (if set) or `default_compute_score`.
+    """RewardManager scoring with `custom_reward_function` (if set) or `default_compute_score`, with DAPO's
+    overlong reward shaping when `reward_model.overlong_buffer.enable` (training and validation, as verl).
 
     Args:
       custom_reward_fn: the function `load_data_rows` already loaded (`DataRows.custom_reward_fn`), so the
@@ -322,12 +323,17 @@ def build_reward_manager(cfg: Any, tokenizer, custom_reward_fn=None):
 
     fn = custom_reward_fn if custom_reward_fn is not None else load_custom_reward(cfg)
     rm = cfg.reward_model
+    ob = rm.overlong_buffer
     return RewardManager(
         fn,
         tokenizer,
         num_workers=int(rm.num_workers),
         timeout_s=float(rm.timeout_s),
         max_error_fraction=float(rm.max_error_fraction),
+        overlong_buffer_len=int(ob.len) if ob.enable else None,
+        overlong_penalty_factor=float(ob.penalty_factor),
+        max_response_length=int(cfg.data.max_response_length),
+        overlong_log=bool(ob.log),
     )
 
 

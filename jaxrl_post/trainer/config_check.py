@@ -25,6 +25,9 @@ WARMUP_STYLES = ("constant", "cosine")
 KL_CTRL_TYPES = ("fixed", "adaptive")
 RESUME_MODES = ("auto", "disable", "resume_path")
 VALUE_ESTIMATORS = ("gae",)  # advantage estimators that need a critic
+# Set to True once the trainer applies `algorithm.rollout_correction` (IS weights / rejection in the policy loss);
+# until then enabling it is an error rather than a silent no-op.
+ROLLOUT_CORRECTION_APPLIED = False
 
 
 class ConfigError(ValueError):
@@ -55,6 +58,43 @@ def critic_enabled(cfg: Any) -> bool:
     if cfg.critic.enable is None:
         return cfg.algorithm.adv_estimator in VALUE_ESTIMATORS
     return bool(cfg.critic.enable)
+
+
+# (use_dynamic_bsz key, its fallback, max_token_len key, its fallback) of each packed pass
+_DYNAMIC_BSZ_KEYS = {
+    "actor": ("actor.use_dynamic_bsz", None, "actor.ppo_max_token_len_per_gpu", None),
+    "rollout": (
+        "rollout.log_prob_use_dynamic_bsz",
+        "actor.use_dynamic_bsz",
+        "rollout.log_prob_max_token_len_per_gpu",
+        "actor.ppo_max_token_len_per_gpu",
+    ),
+    "ref": (
+        "ref.log_prob_use_dynamic_bsz",
+        "actor.use_dynamic_bsz",
+        "ref.log_prob_max_token_len_per_gpu",
+        "actor.ppo_max_token_len_per_gpu",
+    ),
+    "critic": ("critic.use_dynamic_bsz", "actor.use_dynamic_bsz", "critic.ppo_max_token_len_per_gpu", None),
+    "values": (
+        "critic.use_dynamic_bsz",
+        "actor.use_dynamic_bsz",
+        "critic.forward_max_token_len_per_gpu",
+        "critic.ppo_max_token_len_per_gpu",
+    ),
+}
+
+
+def dynamic_bsz(cfg: Any, role: str) -> tuple[bool, int | None]:
+    """(use_dynamic_bsz, max_token_len_per_gpu) of a pass ('actor', 'rollout' = old log-probs, 'ref',
+    'critic' = critic update, 'values'), None keys resolved as verl's interpolations do."""
+    dyn_key, dyn_fb, tok_key, tok_fb = _DYNAMIC_BSZ_KEYS[role]
+    dyn = _get(cfg, dyn_key)
+    dyn = _get(cfg, dyn_fb) if dyn is None else dyn
+    tok = _get(cfg, tok_key)
+    if tok is None and tok_fb is not None:
+        tok = _get(cfg, tok_fb)
+    return bool(dyn), tok
 
 
 def validation_enabled(cfg: Any) -> bool:
@@ -213,6 +253,30 @@ def validate_config(cfg: Any, n_devices: int | None = None) -> None:
     except (TypeError, ValueError):
         pass  # type errors reported above
 
+    # ---- packing / dynamic batch size (verl: use_remove_padding, use_dynamic_bsz, *_max_token_len_per_gpu)
+    check("model.use_remove_padding", lambda v: isinstance(v, bool), "must be a bool")
+    row_len = None
+    try:
+        row_len = int(cfg.data.max_prompt_length) + int(cfg.data.max_response_length)
+    except (TypeError, ValueError):
+        pass
+    for role in ("actor", "rollout", "ref") + (("critic", "values") if use_critic else ()):
+        dyn_key, _, tok_key, _ = _DYNAMIC_BSZ_KEYS[role]
+        try:
+            dyn, tok = dynamic_bsz(cfg, role)
+        except (AttributeError, KeyError):
+            continue
+        if not dyn:
+            continue
+        if not cfg.model.use_remove_padding:
+            err(dyn_key, "dynamic batch size packs sequences: needs model.use_remove_padding=True")
+        elif row_len is not None and not (is_int(tok) and tok >= row_len):
+            err(
+                tok_key,
+                f"{tok!r} tokens per device must be an int >= data.max_prompt_length + data.max_response_length "
+                f"= {row_len} (one whole sequence)",
+            )
+
     # ---- registries
     adv = cfg.algorithm.adv_estimator
     if adv not in core_algos.ADV_ESTIMATORS:
@@ -244,6 +308,22 @@ def validate_config(cfg: Any, n_devices: int | None = None) -> None:
     check("algorithm.kl_ctrl.kl_coef", nonneg, "must be >= 0")
     check("actor.kl_loss_coef", nonneg, "must be >= 0")
     check("actor.entropy_coeff", is_num, "must be a number")
+    # ---- rollout correction (verl's algorithm.rollout_correction; math in jaxrl_post.rollout_corr)
+    rc, rc_cfg = "algorithm.rollout_correction", cfg.algorithm.rollout_correction
+    rc_ok = check(f"{rc}.rollout_is", lambda v: v in (None, "token", "sequence"), "valid: None, 'token' or 'sequence'")
+    rc_ok &= check(f"{rc}.rollout_is_threshold", lambda v: is_num(v) and v > 0, "must be > 0")
+    rc_ok &= check(f"{rc}.rollout_is_batch_normalize", lambda v: isinstance(v, bool), "must be a bool")
+    if rc_cfg.rollout_rs is not None:
+        from jaxrl_post.rollout_corr import parse_rollout_rs
+
+        try:
+            parse_rollout_rs(rc_cfg.rollout_rs, rc_cfg.rollout_rs_threshold)
+        except ValueError as e:
+            rc_ok = False
+            err(f"{rc}.rollout_rs", f"{e} (rollout_rs_threshold={rc_cfg.rollout_rs_threshold!r})")
+    enabled = [k for k in ("rollout_is", "rollout_rs") if rc_cfg[k] is not None]
+    if rc_ok and enabled and not ROLLOUT_CORRECTION_APPLIED:
+        err(f"{rc}.{enabled[0]}", "rollout correction is validated but not applied by the trainer yet; leave it None")
     check("algorithm.gamma", lambda v: is_num(v) and 0 <= v <= 1, "must be in [0, 1]")
     check("algorithm.lam", lambda v: is_num(v) and 0 <= v <= 1, "must be in [0, 1]")
 
@@ -295,6 +375,7 @@ def validate_config(cfg: Any, n_devices: int | None = None) -> None:
     check("reward_model.num_workers", lambda v: is_int(v) and v >= 0, "must be an int >= 0")
     check("reward_model.timeout_s", lambda v: is_num(v) and v > 0, "must be > 0")
     check("reward_model.max_error_fraction", lambda v: is_num(v) and 0 <= v <= 1, "must be in [0, 1] (1 = never stop)")
+    _check_dapo(cfg, check, err, is_int, is_num)
     path = cfg.custom_reward_function.path
     if path and not os.path.exists(path):
         err("custom_reward_function.path", "file not found")
@@ -328,3 +409,40 @@ def validate_config(cfg: Any, n_devices: int | None = None) -> None:
         check("model.path", lambda v: isinstance(v, str) and v, "must name a model (dir, .gguf, alias)")
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+
+
+# filter_groups metrics every reward function has (the rest are extra keys of a reward function's dict results)
+FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
+
+
+def _check_dapo(cfg: Any, check, err, is_int, is_num) -> None:
+    """`algorithm.filter_groups.*` and `reward_model.overlong_buffer.*` (DAPO)."""
+    fg, ob = cfg.algorithm.filter_groups, cfg.reward_model.overlong_buffer
+    check("algorithm.filter_groups.enable", lambda v: isinstance(v, bool), "must be a bool")
+    check("algorithm.filter_groups.max_num_gen_batches", is_int, "must be an int (<= 0 = no limit)")
+    check("reward_model.overlong_buffer.enable", lambda v: isinstance(v, bool), "must be a bool")
+    check("reward_model.overlong_buffer.log", lambda v: isinstance(v, bool), "must be a bool")
+    if fg.enable is True:
+        if is_int(cfg.rollout.n) and cfg.rollout.n < 2:
+            err("rollout.n", "algorithm.filter_groups compares the responses of a group: needs rollout.n >= 2")
+        metric = fg.metric
+        known = FILTER_METRICS + (("overlong_reward", "overlong") if ob.enable is True and ob.log is True else ())
+        if not isinstance(metric, str) or not metric:
+            err("algorithm.filter_groups.metric", f"must name a per-response value, e.g. one of {list(known)}")
+        elif not cfg.custom_reward_function.path and metric not in known:
+            # the built-in reward functions return plain scores: no other names exist
+            err("algorithm.filter_groups.metric", f"unknown metric; valid with the built-in rewards: {list(known)}")
+        elif metric == "seq_final_reward" and cfg.algorithm.use_kl_in_reward:
+            err(
+                "algorithm.filter_groups.metric",
+                "seq_final_reward with algorithm.use_kl_in_reward is not supported (the KL penalty is computed after "
+                "filtering); use seq_reward",
+            )
+    if ob.enable is True:
+        lmax = cfg.data.max_response_length
+        check(
+            "reward_model.overlong_buffer.len",
+            lambda v: is_int(v) and 0 < v <= lmax,
+            f"must be an int in (0, data.max_response_length={lmax}] when reward_model.overlong_buffer.enable",
+        )
+        check("reward_model.overlong_buffer.penalty_factor", lambda v: is_num(v) and v >= 0, "must be >= 0")

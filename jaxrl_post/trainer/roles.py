@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxrl_post.trainer import builders, steps
+from jaxrl_post.trainer import builders, packed_steps, packing, steps
+from jaxrl_post.trainer.config_check import dynamic_bsz
 
 _FWD_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
 
@@ -49,29 +50,56 @@ class RolesMixin:
         self.actor_lr = steps.make_lr_schedule(self.actor_optim_cfg)
         self.actor_opt_state = self._commit(jax.jit(self.actor_tx.init)(self.actor_params))
         self.actor_loss_cfg = builders.actor_loss_config(cfg, self.on_policy)
-        temperature = self.actor_loss_cfg.temperature
-        self._actor_update = self._jit_update(
-            steps.make_actor_update(
+        self.actor_spec = self._pack_spec("actor", self.actor_mini, int(a.ppo_micro_batch_size))
+        self.old_log_prob_spec = self._pack_spec("rollout", self.batch_size, int(cfg.rollout.log_prob_micro_batch_size))
+        if self.actor_spec is not None:
+            update = packed_steps.make_packed_actor_update(
+                graphdef, rest, self.actor_tx, self.actor_loss_cfg, on_trace=self._tracer("update_actor")
+            )
+        else:
+            update = steps.make_actor_update(
                 graphdef,
                 rest,
                 self.actor_tx,
                 self.actor_loss_cfg,
                 n_micro=self.actor_mini // int(a.ppo_micro_batch_size),
                 on_trace=self._tracer("update_actor"),
-            ),
-            self.actor_params,
-            self.actor_opt_state,
-        )
-        self._old_log_prob = jax.jit(
-            steps.make_log_prob_fn(
-                graphdef,
-                rest,
-                micro_batch_size=int(cfg.rollout.log_prob_micro_batch_size),
-                temperature=temperature,
-                with_entropy=False,
-                on_trace=self._tracer("old_log_prob"),
             )
+        self._actor_update = self._jit_update(update, self.actor_params, self.actor_opt_state)
+        self._old_log_prob = jax.jit(
+            self._log_prob_fn(self.old_log_prob_spec, int(cfg.rollout.log_prob_micro_batch_size), "old_log_prob")
         )
+
+    def _log_prob_fn(self, spec, micro: int, name: str):
+        """Old / reference log-prob fn (not jitted): packed when `spec`, else padded micro-batches."""
+        temperature = self.actor_loss_cfg.temperature
+        g, r = self.actor_graphdef, self.actor_rest
+        if spec is not None:
+            return packed_steps.make_packed_log_prob_fn(
+                g, r, temperature=temperature, with_entropy=False, on_trace=self._tracer(name)
+            )
+        return steps.make_log_prob_fn(
+            g, r, micro_batch_size=micro, temperature=temperature, with_entropy=False, on_trace=self._tracer(name)
+        )
+
+    def _pack_spec(self, role: str, n_seqs: int, micro: int) -> packing.PackSpec | None:
+        """Static packing geometry of one pass (None when `model.use_remove_padding` is off); see
+        `packing.micro_rows` for how `*.use_dynamic_bsz` / `*_max_token_len_per_gpu` map to rows."""
+        cfg = self.config
+        if not cfg.model.use_remove_padding:
+            return None
+        p, r = int(cfg.data.max_prompt_length), self.response_length
+        dyn, max_tok = dynamic_bsz(cfg, role)
+        dp = int(np.prod([self.mesh.shape[a] for a in ("data", "fsdp") if a in self.mesh.shape]))
+        rows = packing.micro_rows(
+            micro_batch_size=micro,
+            use_dynamic_bsz=dyn,
+            max_token_len_per_gpu=max_tok,
+            row_len=p + r,
+            dp=dp,
+            n_seqs=n_seqs,
+        )
+        return packing.make_pack_spec(n_seqs, rows, p, r)
 
     def _build_reference(self) -> None:
         """Reference: frozen copy of the initial actor params and its log-prob fn (only with a KL term)."""
@@ -79,16 +107,9 @@ class RolesMixin:
         self.ref_params = None
         if self.use_ref:
             self.ref_params = builders.copy_tree(self.actor_params)
-            self._ref_log_prob = jax.jit(
-                steps.make_log_prob_fn(
-                    self.actor_graphdef,
-                    self.actor_rest,
-                    micro_batch_size=int(cfg.ref.log_prob_micro_batch_size),
-                    temperature=self.actor_loss_cfg.temperature,
-                    with_entropy=False,
-                    on_trace=self._tracer("ref"),
-                )
-            )
+            micro = int(cfg.ref.log_prob_micro_batch_size)
+            self.ref_spec = self._pack_spec("ref", self.batch_size, micro)
+            self._ref_log_prob = jax.jit(self._log_prob_fn(self.ref_spec, micro, "ref"))
 
     def _build_critic(self) -> None:
         """Critic (PPO only): value model initialised from the actor, optimizer, jitted update and value fns."""
@@ -117,23 +138,28 @@ class RolesMixin:
             self.critic_tx = steps.make_optimizer(self.critic_optim_cfg)
             self.critic_lr = steps.make_lr_schedule(self.critic_optim_cfg)
             self.critic_opt_state = self._commit(jax.jit(self.critic_tx.init)(self.critic_params))
-            self._critic_update = self._jit_update(
-                steps.make_critic_update(
+            loss_cfg = steps.CriticLossConfig(float(c.cliprange_value), c.loss_agg_mode)
+            self.critic_spec = self._pack_spec("critic", self.critic_mini, int(c.ppo_micro_batch_size))
+            self.values_spec = self._pack_spec("values", self.batch_size, int(c.forward_micro_batch_size))
+            if self.critic_spec is not None:
+                update = packed_steps.make_packed_critic_update(
+                    cg, cr, self.critic_tx, loss_cfg, on_trace=self._tracer("update_critic")
+                )
+                values = packed_steps.make_packed_value_fn(cg, cr, on_trace=self._tracer("values"))
+            else:
+                update = steps.make_critic_update(
                     cg,
                     cr,
                     self.critic_tx,
-                    steps.CriticLossConfig(float(c.cliprange_value), c.loss_agg_mode),
+                    loss_cfg,
                     n_micro=self.critic_mini // int(c.ppo_micro_batch_size),
                     on_trace=self._tracer("update_critic"),
-                ),
-                self.critic_params,
-                self.critic_opt_state,
-            )
-            self._values = jax.jit(
-                steps.make_value_fn(
+                )
+                values = steps.make_value_fn(
                     cg, cr, micro_batch_size=int(c.forward_micro_batch_size), on_trace=self._tracer("values")
                 )
-            )
+            self._critic_update = self._jit_update(update, self.critic_params, self.critic_opt_state)
+            self._values = jax.jit(values)
 
     def _build_advantage(self) -> None:
         """Jitted KL-in-reward + advantage estimator (`algorithm.*`)."""
@@ -184,8 +210,35 @@ class RolesMixin:
             return shard_batch(tree, self.mesh)
         return {k: jnp.asarray(v) for k, v in tree.items()}
 
-    def _forward(self, fn, params, batch: dict[str, np.ndarray], micro: int):
-        """Run a jitted forward over the whole [B, ...] batch (padded to a multiple of `micro`)."""
+    def _put_packed(self, tree: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """Place a packed mini-batch: packed rows `[n, rows, L]` split over ('data', 'fsdp') on the rows dim,
+        the small packing plan (`[n, Q]`, `[n, S, ...]`) replicated, `[M, ...]` fields as `_put`."""
+        if self.n_devices == 1:
+            return {k: jnp.asarray(v) for k, v in tree.items()}
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        from jaxrl_post.sharding import LOGICAL_AXIS_RULES
+
+        rows = NamedSharding(self.mesh, PartitionSpec(None, LOGICAL_AXIS_RULES["batch"], None))
+        plan = NamedSharding(self.mesh, PartitionSpec())
+        out = self._put({k: v for k, v in tree.items() if k not in packed_steps.PACK_KEYS})
+        for k in packed_steps.PACK_KEYS:
+            sharding = rows if k in ("input_ids", "segment_ids", "positions") else plan
+            out[k] = jax.device_put(tree[k], sharding)
+        return out
+
+    def _pack(self, mb: dict[str, np.ndarray], spec: packing.PackSpec) -> dict[str, np.ndarray]:
+        """`[M, ...]` host mini-batch -> the packed step's input: packing plan + the `[M, R]` fields."""
+        packed = packing.pack_batch(mb, spec)
+        rest = {k: v for k, v in mb.items() if k not in ("input_ids", "attention_mask", "position_ids")}
+        return dict(rest, **packed)
+
+    def _forward(self, fn, params, batch: dict[str, np.ndarray], micro: int, spec: packing.PackSpec | None = None):
+        """Run a jitted forward over the whole [B, ...] batch: packed with `spec`, else padded to a multiple
+        of `micro` rows."""
+        if spec is not None:
+            out = fn(params, self._put_packed(self._pack({k: batch[k] for k in _FWD_KEYS}, spec)))
+            return jax.tree.map(to_numpy, out)
         arrays, pad = builders.pad_rows({k: batch[k] for k in _FWD_KEYS}, micro)
         out = fn(params, self._put(arrays))
         out = jax.tree.map(lambda x: to_numpy(x)[: arrays["input_ids"].shape[0] - pad], out)

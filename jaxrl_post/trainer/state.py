@@ -7,8 +7,9 @@ rebuilt the same way). The on-disk format and the resume rules are in checkpoint
 
 A run stopped by an error does not lose its completed steps where the state is provably that of the last
 completed step N (`save_on_error_in_step` / `save_on_error_in_validation`): a `RewardFunctionError` in
-the reward stage of step N+1 (before any update; the RNG and the data position, which the step already
-advanced, are put back) or in the validation after step N. Then step N is checkpointed before the error
+the reward stage of step N+1, or a `FilterGroupsError` of its dynamic sampling (before any update; the RNG
+and the data position, which the step already advanced, are put back), or one in the validation after
+step N. Then step N is checkpointed before the error
 propagates, with one line saying so. Not after other errors: a `NonFiniteError` is raised after the
 updates ran (the critic may have been updated, the KL controller, update counters and skip counters
 moved), and an error inside a jitted update may leave donated params half-written; there the last
@@ -27,6 +28,7 @@ import jax.numpy as jnp
 
 from jaxrl_post.rewards.manager import RewardFunctionError
 from jaxrl_post.trainer import checkpoint as ckpt
+from jaxrl_post.trainer.dynamic_sampling import FilterGroupsError
 from jaxrl_post.trainer.loggers import config_to_dict, save_run_config
 from jaxrl_post.trainer.run_files import (
     is_lead_process,
@@ -142,13 +144,14 @@ class CheckpointMixin:
 
     @contextlib.contextmanager
     def save_on_error_in_step(self):
-        """Wrap `next(train_loader)` + `train_step`: on a `RewardFunctionError` raised before any update of
-        the step (nothing but the RNG and the data position moved; both are put back), checkpoint the last
-        completed step, say so in one line, and re-raise the error unchanged. Other errors pass untouched."""
+        """Wrap `next(train_loader)` + `train_step`: on a `RewardFunctionError` or a `FilterGroupsError`
+        (dynamic sampling gave too few groups) raised before any update of the step (nothing but the RNG and
+        the data position moved; both are put back), checkpoint the last completed step, say so in one line,
+        and re-raise the error unchanged. Other errors pass untouched."""
         marks, rng, data_state = self._untouched_marks(), self.rng, self.train_loader.get_state()
         try:
             yield
-        except RewardFunctionError:
+        except (RewardFunctionError, FilterGroupsError):
             where = f"in step {self.global_steps + 1}"
             if self._untouched_marks() != marks:  # cannot happen today (rewards come before the updates)
                 self._say(f"stopped by an error {where} after its updates began; nothing new was saved")

@@ -13,6 +13,9 @@ same-shaped arrays, so each compiles exactly once per run.
   loss is aggregated with the *mini-batch's* token / sequence counts (`core_algos.global_batch_info`),
   so the summed loss and gradient equal those of the un-split mini-batch (`agg_loss` docstring).
 
+These are the padded versions (`model.use_remove_padding=False`); the default packed ones, on rows of real
+tokens with the same losses (`losses.py`), are in `packed_steps.py`.
+
 Shape letters: B batch (responses), M mini-batch, mb micro-batch, P prompt, R response, T = P + R, V vocab.
 Sources: verl `dp_actor.DataParallelPPOActor.{compute_log_prob,update_policy}`,
 `dp_critic.DataParallelPPOCritic.{compute_values,update_critic}`.
@@ -29,6 +32,7 @@ import optax
 from flax import nnx
 
 from jaxrl_post import core_algos
+from jaxrl_post.trainer import losses
 
 # ------------------------------------------------------------------------------------------ configs
 
@@ -136,20 +140,20 @@ def from_micro(y: jax.Array) -> jax.Array:
 
 
 def response_log_probs(
-    model: nnx.Module, batch: dict[str, jax.Array], temperature: float, with_entropy: bool
+    model: nnx.Module, batch: dict[str, jax.Array], temperature: float, with_entropy: bool | str
 ) -> tuple[jax.Array, jax.Array | None]:
     """log pi(responses) `[b, R] float32` (+ entropy `[b, R] float32` or None) under `logits / temperature`.
 
     Only the R + 1 last positions go through the LM head: logits at T-R-1 .. T-2 score response tokens.
+    with_entropy: False / True (= 'loss'), or a `losses.token_log_probs` mode ('none', 'metric', 'loss').
     """
     responses = batch["responses"]
     r = responses.shape[1]
     logits = model(
         batch["input_ids"], batch["attention_mask"], positions=batch.get("position_ids"), logits_to_keep=r + 1
     )[:, :-1]
-    log_probs = core_algos.logprobs_from_logits(logits, responses, temperature)
-    entropy = core_algos.entropy_from_logits(logits, temperature) if with_entropy else None
-    return log_probs, entropy
+    mode = {False: "none", True: "loss"}.get(with_entropy, with_entropy)
+    return losses.token_log_probs(logits, responses, temperature, mode)
 
 
 def response_values(critic: nnx.Module, batch: dict[str, jax.Array]) -> jax.Array:
@@ -291,42 +295,12 @@ def make_actor_update(
     update_skipped; plus rollout_probs_diff_mean/max when `rollout_log_probs` is given.
     """
     c = loss_cfg
-    pg_kw = dict(
-        loss_mode=c.loss_mode,
-        clip_ratio_low=c.clip_ratio_low,
-        clip_ratio_high=c.clip_ratio_high,
-        clip_ratio_c=c.clip_ratio_c,
-        loss_agg_mode=c.loss_agg_mode,
-    )
+    ent_mode = losses.entropy_mode(c.entropy_coeff)
 
     def loss_fn(params, mb, counts):
         model = nnx.merge(graphdef, params, rest)
-        mask = mb["response_mask"]
-        log_prob, entropy = response_log_probs(model, mb, c.temperature, with_entropy=True)
-        old = jax.lax.stop_gradient(log_prob) if c.on_policy else mb["old_log_probs"]
-        pg_loss, pg_m = core_algos.compute_policy_loss(old, log_prob, mb["advantages"], mask, **pg_kw, **counts)
-        ent_loss = core_algos.agg_loss(entropy, mask, c.loss_agg_mode, **counts)
-        loss = pg_loss
-        if c.entropy_coeff:
-            loss = loss - c.entropy_coeff * ent_loss
-        # token share of this micro-batch: turns micro-batch means into mini-batch means when summed
-        w = jnp.sum((mask != 0).astype(jnp.float32)) / jnp.maximum(counts["global_batch_tokens"], 1.0)
-        m = {
-            "pg_loss": pg_loss,
-            "entropy": jax.lax.stop_gradient(ent_loss),
-            "pg_clipfrac": pg_m["pg_clipfrac"] * w,
-            "pg_clipfrac_lower": pg_m["pg_clipfrac_lower"] * w,
-            "ppo_kl": pg_m["ppo_kl"] * w,
-        }
-        if c.use_kl_loss:
-            kld = core_algos.kl_penalty(log_prob, mb["ref_log_prob"], c.kl_loss_type)
-            kl_loss = core_algos.agg_loss(kld, mask, c.loss_agg_mode, **counts)
-            loss = loss + c.kl_loss_coef * kl_loss
-            m["kl_loss"] = kl_loss
-        if "rollout_log_probs" in mb:
-            diff = jnp.abs(jnp.exp(jax.lax.stop_gradient(log_prob)) - jnp.exp(mb["rollout_log_probs"]))
-            m["rollout_probs_diff_mean"] = core_algos.masked_mean(diff, mask) * w
-        return loss, m
+        log_prob, entropy = response_log_probs(model, mb, c.temperature, ent_mode)
+        return losses.actor_loss(c, log_prob, entropy, mb, counts)
 
     def fn(params, opt_state, batch):
         if on_trace is not None:
@@ -362,17 +336,7 @@ def make_critic_update(
 
     def loss_fn(params, mb, counts):
         critic = nnx.merge(graphdef, params, rest)
-        mask = mb["response_mask"]
-        vpreds = response_values(critic, mb)
-        vf_loss, clipfrac = core_algos.compute_value_loss(
-            vpreds, mb["returns"], mb["values"], mask, c.cliprange_value, c.loss_agg_mode, **counts
-        )
-        w = jnp.sum((mask != 0).astype(jnp.float32)) / jnp.maximum(counts["global_batch_tokens"], 1.0)
-        return vf_loss, {
-            "vf_loss": vf_loss,
-            "vf_clipfrac": clipfrac * w,
-            "vpred_mean": core_algos.masked_mean(jax.lax.stop_gradient(vpreds), mask) * w,
-        }
+        return losses.critic_loss(c, response_values(critic, mb), mb, counts)
 
     def fn(params, opt_state, batch):
         if on_trace is not None:

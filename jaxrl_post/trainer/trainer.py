@@ -4,6 +4,9 @@ Per training step (`train_step`):
 
     prompts -> repeat(rollout.n, interleave) -> generate (rollout.Generator)        timing_s/gen
     -> reward (RewardManager; score on the last valid response token)               timing_s/reward
+       [DAPO overlong shaping (reward_model.overlong_buffer) inside the RewardManager; DAPO dynamic sampling
+       (algorithm.filter_groups, dynamic_sampling.py): drop groups whose metric does not vary, generate and
+       score further prompt batches until data.train_batch_size groups are kept]
     -> old log-probs (skipped when exactly on-policy)                               timing_s/old_log_prob
     -> reference log-probs (only when a KL term is on)                              timing_s/ref
     -> critic values (PPO)                                                           timing_s/values
@@ -34,10 +37,8 @@ from when the trainer is built. Resuming is exact: the same steps give bit-ident
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -49,6 +50,8 @@ from jaxrl_post.protocol import DataProto
 from jaxrl_post.trainer import builders, preflight, steps
 from jaxrl_post.trainer import metrics as metrics_lib
 from jaxrl_post.trainer.config_check import critic_enabled, kl_in_use, validate_config
+from jaxrl_post.trainer.dynamic_sampling import RolloutMixin
+from jaxrl_post.trainer.dynamic_sampling import timer as _timer
 from jaxrl_post.trainer.loggers import config_to_dict
 from jaxrl_post.trainer.nonfinite import NonFiniteGuard
 from jaxrl_post.trainer.progress import progress_bar
@@ -60,15 +63,8 @@ from jaxrl_post.trainer.updates import UpdatesMixin
 from jaxrl_post.trainer.validation_loop import run_validation
 
 
-@contextlib.contextmanager
-def _timer(name: str, timing: dict[str, float]):
-    t0 = time.perf_counter()
-    yield
-    timing[name] = timing.get(name, 0.0) + time.perf_counter() - t0
-
-
-class RLTrainer(RolesMixin, UpdatesMixin, CheckpointMixin):
-    """PPO / GRPO trainer driven by a job ConfigDict (configs/grpo.py, configs/ppo.py).
+class RLTrainer(RolesMixin, RolloutMixin, UpdatesMixin, CheckpointMixin):
+    """PPO / GRPO / DAPO trainer driven by a job ConfigDict (configs/grpo.py, configs/ppo.py, configs/dapo.py).
 
     Args:
       config: the job ConfigDict (validated here, before anything is built).
@@ -158,31 +154,27 @@ class RLTrainer(RolesMixin, UpdatesMixin, CheckpointMixin):
         self._open_run_dir()  # checkpoints, resume, metrics.jsonl, config.json + config.yaml
 
     # ------------------------------------------------------------------------------------ one step
-    def train_step(self, prompts: DataProto) -> dict[str, float]:
-        """Runs one PPO/GRPO iteration on a batch of `data.train_batch_size` prompts; returns its metrics."""
+    def train_step(self, prompts: DataProto, next_prompts: Callable[[], DataProto] | None = None) -> dict[str, float]:
+        """Runs one PPO/GRPO iteration on a batch of `data.train_batch_size` prompts; returns its metrics.
+
+        With `algorithm.filter_groups.enable` (DAPO dynamic sampling), further prompt batches come from
+        `next_prompts()` (default: the training loader) until `data.train_batch_size` groups are kept
+        (dynamic_sampling.py); raises `FilterGroupsError` after `max_num_gen_batches` generation batches.
+        """
         cfg = self.config
         timing: dict[str, float] = {}
         gen_seed, shuffle_seed = self._next_seeds()
         metrics: dict[str, float] = {}
         with _timer("step", timing):
-            # -- rollout
-            with _timer("gen", timing):
-                batch = prompts.repeat(int(cfg.rollout.n), interleave=True)
-                out = self.generator.generate(batch, self.sampling_params(validate=False, seed=gen_seed))
-            b = {k: _np(v) for k, v in out.batch.items()}
-            nt = out.non_tensor_batch
-
-            # -- reward
-            with _timer("reward", timing):
-                scores, reward_metrics = self.reward_fn(out)
-            b["token_level_scores"] = np.asarray(scores, np.float32)
+            # -- rollout + reward (+ dynamic sampling: more generation batches until enough groups vary)
+            if cfg.algorithm.filter_groups.enable:
+                more = next_prompts or (lambda: next(self.train_loader))
+                b, nt, reward_metrics, prompts = self._collect_filtered_batch(prompts, gen_seed, timing, more)
+            else:
+                b, nt, res = self._generate_and_score(prompts, gen_seed, timing)
+                reward_metrics = res.metrics
             metrics.update(reward_metrics)
-            baselines = None
-            if cfg.algorithm.adv_estimator == "remax":
-                with _timer("gen_max", timing):
-                    greedy = self.generator.generate(prompts, self.sampling_params(validate=True))
-                    base_scores, _ = self.reward_fn(greedy)
-                    baselines = np.repeat(np.asarray(base_scores).sum(-1), int(cfg.rollout.n))
+            baselines = b.get("reward_baselines")
 
             b["loss_mask"] = _np(
                 steps.compute_loss_mask(b["response_mask"], b["truncated"], bool(cfg.actor.drop_truncated))
@@ -194,17 +186,21 @@ class RLTrainer(RolesMixin, UpdatesMixin, CheckpointMixin):
             if not self.on_policy:
                 with _timer("old_log_prob", timing):
                     b["old_log_probs"] = self._forward(
-                        self._old_log_prob, self.actor_params, b, int(cfg.rollout.log_prob_micro_batch_size)
+                        self._old_log_prob,
+                        self.actor_params,
+                        b,
+                        int(cfg.rollout.log_prob_micro_batch_size),
+                        self.old_log_prob_spec,
                     )[0]
             if self.use_ref:
                 with _timer("ref", timing):
                     b["ref_log_prob"] = self._forward(
-                        self._ref_log_prob, self.ref_params, b, int(cfg.ref.log_prob_micro_batch_size)
+                        self._ref_log_prob, self.ref_params, b, int(cfg.ref.log_prob_micro_batch_size), self.ref_spec
                     )[0]
             if self.use_critic:
                 with _timer("values", timing):
                     b["values"] = self._forward(
-                        self._values, self.critic_params, b, int(cfg.critic.forward_micro_batch_size)
+                        self._values, self.critic_params, b, int(cfg.critic.forward_micro_batch_size), self.values_spec
                     )
 
             # -- KL in reward, advantages
@@ -285,6 +281,8 @@ class RLTrainer(RolesMixin, UpdatesMixin, CheckpointMixin):
         Raises:
           NonFiniteError: `trainer.max_consecutive_nonfinite` skipped updates in a row (no checkpoint of
             that step is written). CheckpointError: a checkpoint could not be written.
+          FilterGroupsError: dynamic sampling (`algorithm.filter_groups`) reached `max_num_gen_batches`;
+            handled as a RewardFunctionError in the reward stage (below).
           RewardFunctionError: a reward function failed (`RewardManager.compute`). Raised after the last
             completed step N was checkpointed (unless saved already or N == 0) and one line printed: in the
             reward stage of step N+1 the RNG and data position are first put back to their values before

@@ -38,13 +38,14 @@ class UpdatesMixin:
         for idx in minibatches(self.batch_size, self.actor_mini, int(a.ppo_epochs), bool(a.shuffle), rng):
             mb = {k: b[k][idx] for k in keys}
             mb["response_mask"] = b["loss_mask"][idx]
-            lr = float(self.actor_lr(self.actor_update_count))
+            put = self._put(mb) if self.actor_spec is None else self._put_packed(self._pack(mb, self.actor_spec))
             self.actor_params, self.actor_opt_state, m = self._actor_update(
-                self.actor_params, self.actor_opt_state, self._put(mb)
+                self.actor_params, self.actor_opt_state, put
             )
+            out.append((m, self.actor_update_count))
             self.actor_update_count += 1
-            out.append(dict(m, lr=lr))
-        out = [jax.device_get(m) for m in out]
+        # no host sync inside the loop (the next mini-batch is packed while the device runs this one)
+        out = [dict(jax.device_get(m), lr=float(self.actor_lr(n))) for m, n in out]
         guard = self.actor_guard.observe([m["update_skipped"] for m in out], step=self.global_steps + 1)
         red = metrics_lib.reduce_metrics(out)
         res = {f"actor/{k}": v for k, v in red.items() if k not in ("rollout_probs_diff_mean", "loss")}
@@ -62,13 +63,14 @@ class UpdatesMixin:
         for idx in minibatches(self.batch_size, self.critic_mini, int(c.ppo_epochs), bool(c.shuffle), rng):
             mb = {k: b[k][idx] for k in keys}
             mb["response_mask"] = b["loss_mask"][idx]
-            lr = float(self.critic_lr(self.critic_update_count))
+            put = self._put(mb) if self.critic_spec is None else self._put_packed(self._pack(mb, self.critic_spec))
             self.critic_params, self.critic_opt_state, m = self._critic_update(
-                self.critic_params, self.critic_opt_state, self._put(mb)
+                self.critic_params, self.critic_opt_state, put
             )
+            out.append((m, self.critic_update_count))
             self.critic_update_count += 1
-            out.append(dict(m, lr=lr))
-        out = [jax.device_get(m) for m in out]
+        # no host sync inside the loop (the next mini-batch is packed while the device runs this one)
+        out = [dict(jax.device_get(m), lr=float(self.critic_lr(n))) for m, n in out]
         guard = self.critic_guard.observe([m["update_skipped"] for m in out], step=self.global_steps + 1)
         red = metrics_lib.reduce_metrics(out)
         return dict({f"critic/{k}": v for k, v in red.items()}, **guard)

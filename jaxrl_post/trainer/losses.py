@@ -1,0 +1,95 @@
+"""Per-micro-batch actor / critic losses shared by the padded (`steps.py`) and packed (`packed_steps.py`)
+updates: both call these on `[b, R]` arrays with the mini-batch's `global_batch_info` counts, so the two
+paths aggregate identically in every `loss_agg_mode`.
+
+Source: verl `dp_actor.DataParallelPPOActor.update_policy`, `dp_critic.DataParallelPPOCritic.update_critic`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl_post import core_algos
+
+
+def token_log_probs(logits, tokens, temperature: float, entropy: str):
+    """log p(tokens) `[..., R] float32` and entropy `[..., R] float32` (or None) of `logits / temperature`.
+
+    entropy (static): 'none'; 'metric' (computed from stop_gradient(logits): no entropy term in the
+    backward pass, same value; use when entropy_coeff == 0); 'loss' (differentiated, one shared logsumexp).
+    Raises ValueError for another value.
+    """
+    if entropy == "loss":
+        return core_algos.logprobs_and_entropy_from_logits(logits, tokens, temperature)
+    lp = core_algos.logprobs_from_logits(logits, tokens, temperature)
+    if entropy == "none":
+        return lp, None
+    if entropy == "metric":
+        return lp, core_algos.entropy_from_logits(jax.lax.stop_gradient(logits), temperature)
+    raise ValueError(f"entropy must be 'none', 'metric' or 'loss', got {entropy!r}")
+
+
+def entropy_mode(entropy_coeff: float) -> str:
+    """'loss' when the entropy bonus is on, else 'metric' (the `actor/entropy` metric only)."""
+    return "loss" if entropy_coeff else "metric"
+
+
+def actor_loss(c, log_prob, entropy, mb, counts):
+    """(loss [] float32, metrics) of one micro-batch: policy loss [+ kl_loss_coef * KL] - entropy_coeff * H.
+
+    c: `steps.ActorLossConfig`; log_prob, entropy: `[b, R] float32` (current policy); mb: `response_mask`
+    (loss mask), `advantages`, `old_log_probs` (unless c.on_policy), `ref_log_prob` (use_kl_loss), optional
+    `rollout_log_probs`, all `[b, R]`; counts: `core_algos.global_batch_info` of the whole mini-batch.
+    Mean-type metrics are pre-multiplied by this micro-batch's token share, so summing them over the
+    micro-batches gives mini-batch means.
+    """
+    pg_kw = dict(
+        loss_mode=c.loss_mode,
+        clip_ratio_low=c.clip_ratio_low,
+        clip_ratio_high=c.clip_ratio_high,
+        clip_ratio_c=c.clip_ratio_c,
+        loss_agg_mode=c.loss_agg_mode,
+    )
+    mask = mb["response_mask"]
+    old = jax.lax.stop_gradient(log_prob) if c.on_policy else mb["old_log_probs"]
+    pg_loss, pg_m = core_algos.compute_policy_loss(old, log_prob, mb["advantages"], mask, **pg_kw, **counts)
+    ent_loss = core_algos.agg_loss(entropy, mask, c.loss_agg_mode, **counts)
+    loss = pg_loss
+    if c.entropy_coeff:
+        loss = loss - c.entropy_coeff * ent_loss
+    # token share of this micro-batch: turns micro-batch means into mini-batch means when summed
+    w = jnp.sum((mask != 0).astype(jnp.float32)) / jnp.maximum(counts["global_batch_tokens"], 1.0)
+    m = {
+        "pg_loss": pg_loss,
+        "entropy": jax.lax.stop_gradient(ent_loss),
+        "pg_clipfrac": pg_m["pg_clipfrac"] * w,
+        "pg_clipfrac_lower": pg_m["pg_clipfrac_lower"] * w,
+        "ppo_kl": pg_m["ppo_kl"] * w,
+    }
+    if c.use_kl_loss:
+        kld = core_algos.kl_penalty(log_prob, mb["ref_log_prob"], c.kl_loss_type)
+        kl_loss = core_algos.agg_loss(kld, mask, c.loss_agg_mode, **counts)
+        loss = loss + c.kl_loss_coef * kl_loss
+        m["kl_loss"] = kl_loss
+    if "rollout_log_probs" in mb:
+        diff = jnp.abs(jnp.exp(jax.lax.stop_gradient(log_prob)) - jnp.exp(mb["rollout_log_probs"]))
+        m["rollout_probs_diff_mean"] = core_algos.masked_mean(diff, mask) * w
+    return loss, m
+
+
+def critic_loss(c, vpreds, mb, counts):
+    """(vf_loss [] float32, metrics) of one micro-batch: clipped value loss (c: `steps.CriticLossConfig`).
+
+    vpreds: `[b, R] float32`; mb: `response_mask`, `values` (rollout-time), `returns` `[b, R]`.
+    """
+    mask = mb["response_mask"]
+    vf_loss, clipfrac = core_algos.compute_value_loss(
+        vpreds, mb["returns"], mb["values"], mask, c.cliprange_value, c.loss_agg_mode, **counts
+    )
+    w = jnp.sum((mask != 0).astype(jnp.float32)) / jnp.maximum(counts["global_batch_tokens"], 1.0)
+    return vf_loss, {
+        "vf_loss": vf_loss,
+        "vf_clipfrac": clipfrac * w,
+        "vpred_mean": core_algos.masked_mean(jax.lax.stop_gradient(vpreds), mask) * w,
+    }

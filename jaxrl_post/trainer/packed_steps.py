@@ -1,0 +1,243 @@
+"""Packed (padding-free) versions of the `forward` and `update` jit boundaries of `steps.py`.
+
+Inputs come from `packing.pack_batch` (static `PackSpec` shapes, n = micro-batches, S = sequence slots,
+Q = response slots, L = row_len) plus the usual per-sequence fields, unpacked, `[M, R]`:
+
+* per token `input_ids`, `segment_ids`, `positions` `[n, rows, L] int32`: the decoder runs on packed rows
+  with attention masked per segment (`Transformer.hidden_states(segment_ids=...)`);
+* `slot_pos`, `slot_tokens` `[n, Q] int32`: only the hidden states that predict a response token go
+  through the LM head / log-softmax (float32) or the value head;
+* `seq_slot [n, S, R]`, `seq_index [n, S]` int32: scatter slot results into `[S, R]` per-sequence arrays
+  and gather the `[M, R]` fields (advantages, old log-probs, ...) of the same sequences.
+
+The losses are `losses.actor_loss` / `losses.critic_loss` on those `[S, R]` arrays with the mini-batch's
+`core_algos.global_batch_info` counts (computed from the unpacked `[M, R]` mask), so packed and padded
+updates agree in every `loss_agg_mode` (empty sequence slots have an all-zero mask and contribute 0).
+Micro-batches with no tokens (the packer fills micro-batches in order, so they are a suffix) are never run:
+the loops over micro-batches are `lax.fori_loop`s with a traced trip count, so compute scales with the real
+tokens while every shape, hence every compile, stays fixed.
+
+Source: verl `dp_actor` / `dp_critic` with `use_remove_padding` (unpad + varlen attention) and
+`use_dynamic_bsz`; MaxText packing (segment ids, per-segment positions).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from jaxrl_post import core_algos
+from jaxrl_post.trainer import losses
+from jaxrl_post.trainer.steps import ActorLossConfig, CriticLossConfig, _apply
+
+PACK_KEYS = ("input_ids", "segment_ids", "positions", "slot_pos", "slot_tokens", "seq_slot", "seq_index")
+ACTOR_SEQ_KEYS = ("response_mask", "advantages", "old_log_probs", "ref_log_prob", "rollout_log_probs")
+CRITIC_SEQ_KEYS = ("response_mask", "values", "returns")
+
+
+def _hidden_at_slots(backbone, mb) -> jax.Array:
+    """Final hidden states at the micro-batch's response slots, `[Q, D]`."""
+    seg = mb["segment_ids"]
+    h = backbone.hidden_states(mb["input_ids"], seg != 0, mb["positions"], segment_ids=seg)
+    return h.reshape(-1, h.shape[-1])[mb["slot_pos"]]
+
+
+def to_seq(x_q: jax.Array, seq_slot: jax.Array) -> jax.Array:
+    """Slot values `[Q]` -> per-sequence `[S, R]` (0 where `seq_slot < 0`)."""
+    return jnp.where(seq_slot >= 0, x_q[jnp.maximum(seq_slot, 0)], 0.0)
+
+
+def gather_seq(x: jax.Array, seq_index: jax.Array) -> jax.Array:
+    """Rows `[M, ...]` of the sequences in a micro-batch's slots -> `[S, ...]` (zeros in empty slots)."""
+    valid = (seq_index >= 0).reshape(seq_index.shape + (1,) * (x.ndim - 1))
+    return jnp.where(valid, x[jnp.maximum(seq_index, 0)], jnp.zeros((), x.dtype))
+
+
+def packed_log_probs(model, mb, temperature: float, entropy: str):
+    """log pi of the response tokens `[S, R] float32` (+ entropy `[S, R]` or None) of one packed micro-batch.
+
+    entropy: a `losses.token_log_probs` mode. Padding / empty entries are 0. The LM head and the float32
+    log-softmax run on the `Q` response slots only (not on prompt or padding positions).
+    """
+    h = _hidden_at_slots(model, mb)
+    logits = model.logits_from_hidden(h[None])  # [1, Q, V] float32
+    lp, ent = losses.token_log_probs(logits, mb["slot_tokens"][None], temperature, entropy)
+    seq = lambda x: to_seq(x[0], mb["seq_slot"])
+    return seq(lp), None if ent is None else seq(ent)
+
+
+def packed_values(critic, mb) -> jax.Array:
+    """Critic values of the states before each response token, `[S, R] float32` (verl values[:, -R-1:-1])."""
+    h = _hidden_at_slots(critic.backbone, mb).astype(jnp.float32)
+    v = (h @ critic.value_head[...])[:, 0] + critic.value_bias[...][0]
+    return to_seq(v, mb["seq_slot"])
+
+
+def _split(batch, seq_keys):
+    pack = {k: batch[k] for k in PACK_KEYS}
+    seqs = {k: batch[k] for k in seq_keys if k in batch}
+    return pack, seqs
+
+
+def _n_used(pack) -> jax.Array:
+    """Micro-batches holding tokens (int32 scalar); the packer fills them first, so they are a prefix."""
+    return jnp.sum(jnp.any(pack["segment_ids"] != 0, axis=(1, 2)).astype(jnp.int32))
+
+
+def _micro(pack, i):
+    return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), pack)
+
+
+# ------------------------------------------------------------------------------------------ forward
+
+
+def _make_forward(graphdef, rest, per_micro: Callable, n_out: int, on_trace):
+    """fn(params, batch) -> tuple of n_out `[M, R] float32` arrays: per_micro(model, mb) -> n_out `[S, R]`,
+    scattered back to the mini-batch rows (`seq_index`); rows never packed stay 0."""
+
+    def fn(params, batch):
+        if on_trace is not None:
+            on_trace()
+        pack = {k: batch[k] for k in PACK_KEYS}
+        m, r = batch["responses"].shape
+        model = nnx.merge(graphdef, params, rest)
+        init = tuple(jnp.zeros((m + 1, r), jnp.float32) for _ in range(n_out))
+
+        def body(i, outs):  # a while loop over the used micro-batches only (dynamic trip count)
+            mb = _micro(pack, i)
+            idx = jnp.where(mb["seq_index"] >= 0, mb["seq_index"], m)  # empty slots -> spare row m
+            return tuple(o.at[idx].set(v) for o, v in zip(outs, per_micro(model, mb)))
+
+        outs = jax.lax.fori_loop(0, _n_used(pack), body, init)
+        return tuple(o[:m] for o in outs)
+
+    return fn
+
+
+def make_packed_log_prob_fn(
+    graphdef: nnx.GraphDef,
+    rest: nnx.State,
+    *,
+    temperature: float,
+    with_entropy: bool,
+    on_trace: Callable[[], None] | None = None,
+) -> Callable:
+    """Pure `fn(params, batch) -> (log_probs [M, R] float32, entropy [M, R] | None)`; wrap with `jax.jit`.
+
+    batch: the `packing.pack_batch` arrays (spec with `seqs = M`) + `responses [M, R]` (for the shape).
+    Response padding positions are 0 (the padded path returns the model's value there; both are masked).
+    """
+    mode = "loss" if with_entropy else "none"
+
+    def per_micro(model, mb):
+        lp, ent = packed_log_probs(model, mb, temperature, mode)
+        return (lp, ent) if with_entropy else (lp,)
+
+    inner = _make_forward(graphdef, rest, per_micro, 2 if with_entropy else 1, on_trace)
+
+    def fn(params, batch):
+        outs = inner(params, batch)
+        return (outs[0], outs[1]) if with_entropy else (outs[0], None)
+
+    return fn
+
+
+def make_packed_value_fn(
+    graphdef: nnx.GraphDef, rest: nnx.State, *, on_trace: Callable[[], None] | None = None
+) -> Callable:
+    """Pure `fn(params, batch) -> values [M, R] float32` (critic) on a packed batch, as the log-prob fn."""
+    inner = _make_forward(graphdef, rest, lambda critic, mb: (packed_values(critic, mb),), 1, on_trace)
+    return lambda params, batch: inner(params, batch)[0]
+
+
+# ------------------------------------------------------------------------------------------ update
+
+
+def _accumulate_packed(loss_fn: Callable, params, batch, seq_keys):
+    """Sum of `grad(loss_fn)(params, micro, seqs, counts)` and of its aux metrics over the packed
+    micro-batches that hold tokens: a `lax.fori_loop` with a traced trip count (a while loop), so empty
+    micro-batches cost nothing and every shape stays static (no `lax.cond`: on XLA:CPU its branches each
+    keep their own gradient buffers)."""
+    pack, seqs = _split(batch, seq_keys)
+    counts = core_algos.global_batch_info(seqs["response_mask"])
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def grads_of(mb):
+        mb_seqs = {k: gather_seq(v, mb["seq_index"]) for k, v in seqs.items()}
+        return grad_fn(params, mb, mb_seqs, counts)
+
+    def body(i, carry):
+        grads, loss, aux = carry
+        (l, a), g = grads_of(_micro(pack, i))
+        return jax.tree.map(jnp.add, grads, g), loss + l, jax.tree.map(jnp.add, aux, a)
+
+    (_, aux_shapes), _ = jax.eval_shape(lambda: grads_of(_micro(pack, 0)))
+    zeros = lambda t: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), t)
+    init = (jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32), zeros(aux_shapes))
+    grads, loss, aux = jax.lax.fori_loop(0, _n_used(pack), body, init)
+    return loss, aux, grads
+
+
+def make_packed_actor_update(
+    graphdef: nnx.GraphDef,
+    rest: nnx.State,
+    tx: optax.GradientTransformation,
+    loss_cfg: ActorLossConfig,
+    *,
+    on_trace: Callable[[], None] | None = None,
+) -> Callable:
+    """Pure `fn(params, opt_state, batch) -> (params, opt_state, metrics)`: `steps.make_actor_update` on a
+    packed mini-batch (same loss, metrics and names).
+
+    batch: the `packing.pack_batch` arrays of the mini-batch + `[M, R]` fields `response_mask` (loss mask),
+    `advantages`, `old_log_probs` (unless on_policy), `ref_log_prob` (use_kl_loss), optional
+    `rollout_log_probs`. With `entropy_coeff == 0` the entropy is a metric only (no backward graph).
+    """
+    c = loss_cfg
+    ent_mode = losses.entropy_mode(c.entropy_coeff)
+
+    def loss_fn(params, mb, mb_seqs, counts):
+        model = nnx.merge(graphdef, params, rest)
+        log_prob, entropy = packed_log_probs(model, mb, c.temperature, ent_mode)
+        return losses.actor_loss(c, log_prob, entropy, mb_seqs, counts)
+
+    def fn(params, opt_state, batch):
+        if on_trace is not None:
+            on_trace()
+        loss, aux, grads = _accumulate_packed(loss_fn, params, batch, ACTOR_SEQ_KEYS)
+        params, opt_state, grad_norm, finite = _apply(tx, params, opt_state, grads, loss)
+        aux = dict(aux, loss=loss, grad_norm=grad_norm, update_skipped=1.0 - finite.astype(jnp.float32))
+        return params, opt_state, aux
+
+    return fn
+
+
+def make_packed_critic_update(
+    graphdef: nnx.GraphDef,
+    rest: nnx.State,
+    tx: optax.GradientTransformation,
+    loss_cfg: CriticLossConfig,
+    *,
+    on_trace: Callable[[], None] | None = None,
+) -> Callable:
+    """Pure `fn(params, opt_state, batch) -> (params, opt_state, metrics)`: `steps.make_critic_update` on a
+    packed mini-batch. batch: `packing.pack_batch` arrays + `[M, R]` `response_mask`, `values`, `returns`."""
+    c = loss_cfg
+
+    def loss_fn(params, mb, mb_seqs, counts):
+        critic = nnx.merge(graphdef, params, rest)
+        return losses.critic_loss(c, packed_values(critic, mb), mb_seqs, counts)
+
+    def fn(params, opt_state, batch):
+        if on_trace is not None:
+            on_trace()
+        loss, aux, grads = _accumulate_packed(loss_fn, params, batch, CRITIC_SEQ_KEYS)
+        params, opt_state, grad_norm, finite = _apply(tx, params, opt_state, grads, loss)
+        aux = dict(aux, grad_norm=grad_norm, update_skipped=1.0 - finite.astype(jnp.float32))
+        return params, opt_state, aux
+
+    return fn
