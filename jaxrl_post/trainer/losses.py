@@ -13,16 +13,25 @@ import jax.numpy as jnp
 from jaxrl_post import core_algos
 
 
-def token_log_probs(logits, tokens, temperature: float, entropy: str):
+def token_log_probs(logits, tokens, temperature: float, entropy: str, threshold=None):
     """log p(tokens) `[..., R] float32` and entropy `[..., R] float32` (or None) of `logits / temperature`.
+
+    threshold: optional `[..., R] float32` sampling thresholds of the rollout (`rollout.sampling_mask_replay`):
+    the log-prob is then the truncated distribution's (`core_algos.truncated_logprobs_from_logits`); the
+    entropy stays the full distribution's.
 
     entropy (static): 'none'; 'metric' (computed from stop_gradient(logits): no entropy term in the
     backward pass, same value; use when entropy_coeff == 0); 'loss' (differentiated, one shared logsumexp).
     Raises ValueError for another value.
     """
-    if entropy == "loss":
+    if threshold is not None:
+        lp = core_algos.truncated_logprobs_from_logits(logits, tokens, threshold, temperature)
+        if entropy == "loss":
+            return lp, core_algos.entropy_from_logits(logits, temperature)
+    elif entropy == "loss":
         return core_algos.logprobs_and_entropy_from_logits(logits, tokens, temperature)
-    lp = core_algos.logprobs_from_logits(logits, tokens, temperature)
+    else:
+        lp = core_algos.logprobs_from_logits(logits, tokens, temperature)
     if entropy == "none":
         return lp, None
     if entropy == "metric":

@@ -32,6 +32,7 @@ class UpdatesMixin:
     def _update_actor(self, b: dict[str, np.ndarray], rng) -> dict[str, float]:
         a = self.config.actor
         keys = ["input_ids", "attention_mask", "position_ids", "responses", "advantages", "rollout_log_probs"]
+        keys += ["sampling_logit_threshold"] if "sampling_logit_threshold" in b else []
         keys += [] if self.on_policy else ["old_log_probs"]
         keys += ["ref_log_prob"] if a.use_kl_loss else []
         out = []
