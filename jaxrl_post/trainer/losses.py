@@ -49,7 +49,8 @@ def actor_loss(c, log_prob, entropy, mb, counts):
 
     c: `steps.ActorLossConfig`; log_prob, entropy: `[b, R] float32` (current policy); mb: `response_mask`
     (loss mask), `advantages`, `old_log_probs` (unless c.on_policy), `ref_log_prob` (use_kl_loss), optional
-    `rollout_log_probs`, all `[b, R]`; counts: `core_algos.global_batch_info` of the whole mini-batch.
+    `rollout_log_probs` and `rollout_is_weights`, all `[b, R]`; counts: `core_algos.global_batch_info` of
+    the whole mini-batch.
     Mean-type metrics are pre-multiplied by this micro-batch's token share, so summing them over the
     micro-batches gives mini-batch means.
     """
@@ -62,6 +63,7 @@ def actor_loss(c, log_prob, entropy, mb, counts):
     )
     mask = mb["response_mask"]
     old = jax.lax.stop_gradient(log_prob) if c.on_policy else mb["old_log_probs"]
+    pg_kw["rollout_is_weights"] = mb.get("rollout_is_weights")  # algorithm.rollout_correction.rollout_is
     pg_loss, pg_m = core_algos.compute_policy_loss(old, log_prob, mb["advantages"], mask, **pg_kw, **counts)
     ent_loss = core_algos.agg_loss(entropy, mask, c.loss_agg_mode, **counts)
     loss = pg_loss

@@ -36,7 +36,14 @@ from jaxrl_post.trainer.steps import ActorLossConfig, CriticLossConfig, _apply
 
 PACK_KEYS = ("input_ids", "segment_ids", "positions", "slot_pos", "slot_tokens", "seq_slot", "seq_index")
 OPTIONAL_PACK_KEYS = ("slot_threshold",)  # rollout.sampling_mask_replay
-ACTOR_SEQ_KEYS = ("response_mask", "advantages", "old_log_probs", "ref_log_prob", "rollout_log_probs")
+ACTOR_SEQ_KEYS = (
+    "response_mask",
+    "advantages",
+    "old_log_probs",
+    "ref_log_prob",
+    "rollout_log_probs",
+    "rollout_is_weights",
+)
 CRITIC_SEQ_KEYS = ("response_mask", "values", "returns")
 
 

@@ -271,6 +271,7 @@ ACTOR_BATCH_KEYS = (
     "ref_log_prob",
     "rollout_log_probs",
     "sampling_logit_threshold",
+    "rollout_is_weights",
 )
 
 
