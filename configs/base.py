@@ -151,6 +151,9 @@ def get_base_config() -> mlc.ConfigDict:
     c.rollout.top_p = 1.0  # nucleus sampling mass; 1.0 = off
     c.rollout.min_p = 0.0  # drop tokens below min_p * the top probability; 0.0 = off
     c.rollout.do_sample = True  # False = greedy
+    # Mask replay: with top-k/top-p/min-p, rollout and training log-probs are those of the truncated distribution
+    # the sampler drew from (its per-token threshold replayed on the training logits), so on-policy ratios are 1.
+    c.rollout.sampling_mask_replay = False  # False: full-softmax log-probs, as verl (biased ratio with truncation)
     c.rollout.log_prob_micro_batch_size = 16  # responses per micro-batch when recomputing old log-probs, global
     c.rollout.log_prob_use_dynamic_bsz = mlc.FieldReference(None, field_type=bool)  # None -> actor.use_dynamic_bsz
     c.rollout.log_prob_max_token_len_per_gpu = _opt_int()  # None -> actor.ppo_max_token_len_per_gpu

@@ -40,6 +40,7 @@ from jaxrl_post.functional import (
     masked_var,
     masked_whiten,
     response_logits,
+    truncated_logprobs_from_logits,
 )
 from jaxrl_post.kl import (
     KL_PENALTIES,
@@ -742,6 +743,7 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "logprobs_from_logits",
+    "truncated_logprobs_from_logits",
     "entropy_from_logits",
     "logprobs_and_entropy_from_logits",
     "response_logits",

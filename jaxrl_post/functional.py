@@ -159,6 +159,39 @@ def logprobs_from_logits(logits: jax.Array, labels: jax.Array, temperature: floa
     return _token_stats(logits, labels, temperature, "lp")
 
 
+def sampling_keep_mask(logits: jax.Array, labels: jax.Array, threshold: jax.Array, temperature=1.0) -> jax.Array:
+    """The sampler's kept set replayed on training logits: ``z >= threshold - tol`` or the label itself.
+
+    ``z = logits / temperature``; ``threshold [B, T] float32`` is the rollout's smallest kept tempered
+    logit (``sample_tokens``; ``-inf`` keeps everything). ``tol = 1e-5 * (1 + |threshold|)`` absorbs the
+    float noise between the sampler's cached decode and the training forward (the boundary token sits
+    exactly at the threshold). Returns ``[B, T, V] bool``.
+    """
+    z = logits.astype(jnp.float32) / temperature
+    th = threshold.astype(jnp.float32)[..., None]
+    tol = jnp.where(jnp.isfinite(th), 1e-5 * (1.0 + jnp.abs(th)), 0.0)
+    is_label = jnp.arange(z.shape[-1])[None, None, :] == labels[..., None]
+    return (z >= th - tol) | is_label
+
+
+def truncated_logprobs_from_logits(
+    logits: jax.Array, labels: jax.Array, threshold: jax.Array, temperature: float | jax.Array = 1.0
+) -> jax.Array:
+    """Log-probability of ``labels`` under the distribution the sampler drew from: ``softmax(z)``
+    restricted to the kept set of top-k / top-p / min-p and renormalized (mask replay, as prime-rl does;
+    the full-softmax log-prob of verl biases the PPO ratio when truncation is on, TRL#6789).
+
+    ``log p(y) = z_y - logsumexp(z[keep])`` with ``keep = sampling_keep_mask(...)``. Args: ``logits
+    [B, T, V]``, ``labels [B, T] int``, ``threshold [B, T] float32`` (``-inf``: no truncation, equal to
+    ``logprobs_from_logits``), ``temperature`` scalar > 0. Returns ``[B, T] float32``. Differentiable in the
+    logits (the mask is constant).
+    """
+    z = logits.astype(jnp.float32) / temperature
+    keep = sampling_keep_mask(logits, labels, threshold, temperature)
+    lse = jax.nn.logsumexp(jnp.where(keep, z, -jnp.inf), axis=-1)
+    return jnp.take_along_axis(z, labels[..., None].astype(jnp.int32), axis=-1)[..., 0] - lse
+
+
 def entropy_from_logits(logits: jax.Array, temperature: float | jax.Array = 1.0) -> jax.Array:
     """Entropy of ``softmax(logits / T)`` per position: ``H = logsumexp(z) - sum_v softmax(z)_v * z_v``.
 

@@ -4,6 +4,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from configs import grpo
@@ -86,5 +87,33 @@ def test_bf16_compute_f32_master_tiny_grpo_trains_with_a_bf16_rollout_copy(tmp_p
         score = [m["critic/score/mean"] for m in hist]
         assert all(np.isfinite(list(m.values())).all() for m in hist)
         assert np.mean(score[-3:]) > np.mean(score[:3]) + 0.04, score
+    finally:
+        trainer.close()
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
+def test_sampling_mask_replay_old_log_probs_equal_rollout_log_probs(tmp_path, packed):
+    """`rollout.sampling_mask_replay` with top-k + top-p: the actor's old log-probs (packed and padded
+    forwards) equal the sampler's truncated log-probs, so the first update's ratio is 1; without the
+    thresholds the same forward gives the full-softmax log-probs, off by -log(kept mass)."""
+    from jaxrl_post.trainer.trainer import RLTrainer
+
+    c = grpo.get_config("tiny")
+    c.trainer.default_local_dir = str(tmp_path / "replay")
+    c.trainer.save_freq = -1
+    c.rollout.top_k, c.rollout.top_p, c.rollout.sampling_mask_replay = 20, 0.7, True
+    c.model.use_remove_padding = packed
+    trainer = RLTrainer(c, console_write=lambda s: None)
+    try:
+        b, _, _ = trainer._generate_and_score(next(trainer.train_loader), 5, {})
+        mask = b["response_mask"].astype(bool)
+        assert np.isfinite(b["sampling_logit_threshold"][mask]).all()
+        fwd = lambda batch: trainer._forward(
+            trainer._old_log_prob, trainer.actor_params, batch, 8, trainer.old_log_prob_spec
+        )[0]
+        old = fwd(b)
+        np.testing.assert_allclose(old[mask], b["rollout_log_probs"][mask], atol=2e-5)
+        full = fwd({k: v for k, v in b.items() if k != "sampling_logit_threshold"})
+        assert np.max(b["rollout_log_probs"][mask] - full[mask]) > 0.05
     finally:
         trainer.close()

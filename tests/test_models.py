@@ -1,5 +1,6 @@
 """Decoder tests: logit parity with HF transformers (each family), KV cache, padding, causality, critic, export."""
 
+import copy
 import json
 import os
 
@@ -132,6 +133,27 @@ def test_hf_logit_parity(case, hf_dirs):
     ours = load_hf_dir(path)
     ids, mask = _batch(hf.config.vocab_size)
     _assert_close(_forward(ours, ids, mask), _hf_logits(hf, ids, mask), mask)
+
+
+@pytest.mark.parametrize(
+    "case", ["llama_untied", "qwen2_qkv_bias", "qwen3_qk_norm", "gemma2_softcap_sliding", "gemma3_local_global"]
+)
+def test_hf_bfloat16_logit_parity(case, hf_dirs):
+    """bf16 compute with f32 master weights (cast inside the forward) vs transformers in bf16. Tolerance: two
+    correct bf16 implementations round at different points, so they may differ by about as much as bf16
+    itself moves the logits; we allow 2x transformers' own bf16-vs-f32 gap (a real bug, e.g. a dropped norm
+    offset or soft-cap, moves logits by O(1), far beyond it)."""
+    hf, path = hf_dirs(case)
+    ids, mask = _batch(hf.config.vocab_size)
+    valid = mask.astype(bool)
+    ref32 = _hf_logits(hf, ids, mask)
+    ref16 = _hf_logits(copy.deepcopy(hf).to(torch.bfloat16), ids, mask)
+    ours = load_hf_dir(path, dtype="bfloat16", param_dtype="float32")
+    assert {x.dtype for x in jax.tree.leaves(nnx.state(ours, nnx.Param))} == {jnp.dtype("float32")}
+    got = np.asarray(_forward(ours, ids, mask), np.float32)
+    bf16_gap = float(np.abs(ref16 - ref32)[valid].max())
+    assert 0 < bf16_gap < 0.5
+    assert float(np.abs(got - ref16)[valid].max()) <= 2 * bf16_gap
 
 
 def test_parity_cases_exercise_their_features(hf_dirs):

@@ -1,6 +1,7 @@
 """Rollout (issue 4): greedy parity with transformers, log-prob parity with the training path, EOS handling,
 compile-once bucketing, sharded == unsharded on 8 fake CPU devices, SmolLM2 greedy parity (slow)."""
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -187,6 +188,29 @@ def test_rollout_log_probs_equal_training_path(tiny_model, params):
     is_eos = np.isin(b["responses"], params.eos_token_ids) & rm
     np.testing.assert_array_equal(b["truncated"], ~is_eos.any(1))
     assert np.all(b["rollout_log_probs"][rm] <= 0)
+
+
+def test_truncated_rollout_log_probs_equal_replayed_training_path(tiny_model):
+    """Mask replay: with `truncated_log_probs`, the rollout's log-probs (of the truncated distribution it
+    drew from) equal the training forward's `truncated_logprobs_from_logits` with the returned thresholds,
+    so an on-policy ratio is 1 with top-k/top-p/min-p on; the full-softmax training log-prob is not."""
+    from jaxrl_post.core_algos import truncated_logprobs_from_logits
+
+    params = dataclasses.replace(FILTERED, truncated_log_probs=True)
+    _, _, dp = _prompts(3)
+    out = generate_sequences(tiny_model, dp, params)
+    b = out.batch
+    rm = b["response_mask"].astype(bool)
+    p = b["prompts"].shape[1]
+    logits = tiny_model(jnp.asarray(b["input_ids"]), jnp.asarray(b["attention_mask"]))[:, p - 1 : -1]
+    th = b["sampling_logit_threshold"]
+    assert th.shape == rm.shape and np.all(np.isfinite(th[rm])) and np.all(th[~rm] == -np.inf)
+    replay = np.asarray(
+        truncated_logprobs_from_logits(logits, jnp.asarray(b["responses"]), jnp.asarray(th), params.temperature)
+    )
+    np.testing.assert_allclose(np.where(rm, b["rollout_log_probs"], 0), np.where(rm, replay, 0), atol=1e-5)
+    full = _full_forward_logprobs(tiny_model, out, params.temperature)
+    assert np.max(np.where(rm, b["rollout_log_probs"] - full, 0)) > 0.05  # truncation renormalizes: lp rises
 
 
 def test_sampling_seeded_and_reproducible(tiny_model):

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxrl_post import core_algos
 from jaxrl_post import rollout_corr as rc
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -19,7 +20,6 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from configs import base
-from jaxrl_post.trainer import config_check
 from jaxrl_post.trainer.config_check import ConfigError, validate_config
 
 S = 20.0
@@ -475,16 +475,80 @@ def _cfg(**rc_values):
         (dict(rollout_rs="token_k1", rollout_rs_threshold="3_2"), "rollout_rs", "lower 3.0 > upper 2.0"),
     ],
 )
-def test_config_check_names_the_key(values, key, match, monkeypatch):
-    monkeypatch.setattr(config_check, "ROLLOUT_CORRECTION_APPLIED", True)
+def test_config_check_names_the_key(values, key, match):
     with pytest.raises(ConfigError, match=rf"config\.algorithm\.rollout_correction\.{key}=.*{match}"):
         validate_config(_cfg(**values), n_devices=1)
 
 
-def test_config_check_accepts_valid_and_guards_until_wired(monkeypatch):
+def test_config_check_accepts_valid():
     good = dict(rollout_is="sequence", rollout_rs="seq_mean_k1,token_k3", rollout_rs_threshold="0.9_1.1,0.5")
     validate_config(_cfg(), n_devices=1)  # defaults: off
-    with pytest.raises(ConfigError, match="not applied by the trainer yet"):
-        validate_config(_cfg(**good), n_devices=1)
-    monkeypatch.setattr(config_check, "ROLLOUT_CORRECTION_APPLIED", True)
     validate_config(_cfg(**good), n_devices=1)
+
+
+def test_policy_loss_weights_multiply_per_token_losses():
+    """`losses.actor_loss` passes `rollout_is_weights` to the policy loss: per-token losses are multiplied
+    after clipping, so weights of 2 double pg_loss in token-mean (ratios and clip fractions unchanged)."""
+    from jaxrl_post.trainer import losses, steps
+
+    rng = np.random.default_rng(0)
+    b, r = 4, 5
+    mask = (rng.random((b, r)) < 0.8).astype(np.int32)
+    mb = dict(
+        response_mask=jnp.asarray(mask),
+        advantages=jnp.asarray(rng.normal(size=(b, r)), jnp.float32),
+        old_log_probs=jnp.asarray(rng.normal(size=(b, r)) * 0.1 - 2, jnp.float32),
+    )
+    lp = mb["old_log_probs"] + jnp.asarray(rng.normal(size=(b, r)) * 0.3, jnp.float32)
+    counts = core_algos.global_batch_info(mb["response_mask"])
+    cfg = steps.ActorLossConfig()
+    base, m0 = losses.actor_loss(cfg, lp, jnp.zeros((b, r)), mb, counts)
+    doubled, m1 = losses.actor_loss(
+        cfg, lp, jnp.zeros((b, r)), dict(mb, rollout_is_weights=jnp.full((b, r), 2.0)), counts
+    )
+    np.testing.assert_allclose(float(doubled), 2 * float(base), rtol=1e-6)
+    assert float(m1["pg_clipfrac"]) == float(m0["pg_clipfrac"]) > 0
+
+
+def test_trainer_applies_rollout_correction_to_a_bf16_rollout(tmp_path):
+    """Tiny GRPO whose sampler runs on a bfloat16 copy (`rollout.dtype`) while training is float32: token IS
+    weights and token_k1 rejection are computed from the actual mismatch, rejected tokens leave the loss
+    mask, and the metrics are logged under verl's names."""
+    from configs import grpo
+    from jaxrl_post.trainer.trainer import RLTrainer
+
+    c = grpo.get_config("tiny")
+    c.trainer.default_local_dir = str(tmp_path / "rc")
+    c.trainer.save_freq = -1
+    c.trainer.total_training_steps = 1
+    c.trainer.val_before_train = c.trainer.val_at_end = False
+    c.rollout.dtype = "bfloat16"
+    rc = c.algorithm.rollout_correction
+    rc.rollout_is, rc.rollout_is_threshold = "token", 1.0005
+    rc.rollout_rs, rc.rollout_rs_threshold = "token_k1", "0.999_1.001"
+    trainer = RLTrainer(c, console_write=lambda s: None)
+    try:
+        assert trainer.rollout_copy and trainer.use_rollout_corr and not trainer.on_policy
+        b, _, _ = trainer._generate_and_score(next(trainer.train_loader), 3, {})
+        b["loss_mask"] = b["response_mask"].astype(np.int32)
+        b["old_log_probs"] = trainer._forward(
+            trainer._old_log_prob, trainer.actor_params, b, 8, trainer.old_log_prob_spec
+        )[0]
+        before = b["loss_mask"].copy()
+        m = trainer._rollout_correction(b)
+        log_ratio = b["old_log_probs"] - b["rollout_log_probs"]  # bf16 sampler vs f32 training: |.| ~1e-3
+        valid = before.astype(bool)
+        lo, hi = np.log(0.999), np.log(1.001)  # verl's token_k1 keeps tokens with -log_ratio in [log lo, log hi]
+        keep = (-log_ratio >= lo) & (-log_ratio <= hi)
+        clear = valid & (np.abs(-log_ratio - lo) > 1e-6) & (np.abs(-log_ratio - hi) > 1e-6)
+        assert 0.02 < m["rollout_corr/rollout_rs_masked_fraction"] < 0.98
+        np.testing.assert_array_equal(b["loss_mask"].astype(bool)[clear], keep[clear])
+        assert not b["loss_mask"][~valid].any()
+        w = b["rollout_is_weights"]
+        np.testing.assert_allclose(w[valid], np.minimum(np.exp(log_ratio[valid]), 1.0005), rtol=1e-5)
+        for k in ("rollout_corr/rollout_is_mean", "rollout_corr/kl", "training/rollout_probs_diff_max"):
+            assert np.isfinite(m[k]), k
+        hist = trainer.fit()["history"]
+        assert "rollout_corr/rollout_is_mean" in hist[-1] and np.isfinite(hist[-1]["actor/pg_loss"])
+    finally:
+        trainer.close()

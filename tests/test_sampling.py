@@ -163,7 +163,7 @@ def test_sample_frequencies_match_filtered_distribution(temperature, top_k, top_
         min_p=min_p,
         top_p_candidates=cands,
     )
-    tokens, logp = jax.jit(lambda l, k: sample_tokens(l, k, params))(
+    tokens, logp, _ = jax.jit(lambda l, k: sample_tokens(l, k, params))(
         jnp.broadcast_to(jnp.asarray(logits), (n, logits.size)), jax.random.key(123)
     )
     tokens = np.asarray(tokens)
@@ -260,3 +260,44 @@ def test_argmax_last_first_index_on_ties():
     np.testing.assert_array_equal(sampling.argmax_last(x), [1, 0, 3])
     y = jnp.asarray(np.random.default_rng(0).normal(size=(5, 77)).astype(np.float32))
     np.testing.assert_array_equal(sampling.argmax_last(y), np.argmax(np.asarray(y), -1))
+
+
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p,min_p,cands",
+    [(0.8, -1, 0.7, 0.0, 4), (1.3, 5, 0.9, 0.0, 256), (1.0, -1, 1.0, 0.08, 256), (1.0, -1, 1.0, 0.0, 256)],
+)
+def test_sampling_threshold_and_truncated_log_probs(temperature, top_k, top_p, min_p, cands):
+    """The returned threshold is the smallest kept tempered logit of the NumPy reference's kept set; the
+    truncated log-prob (sampler and `truncated_logprobs_from_logits` replaying that threshold) is the log of
+    the reference's renormalized probability; with no truncation the threshold is -inf."""
+    from jaxrl_post.core_algos import truncated_logprobs_from_logits
+
+    rng = np.random.default_rng(4)
+    logits = (rng.normal(size=(6, 40)) * 2.0).astype(np.float32)
+    kw = dict(max_new_tokens=1, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, top_p_candidates=cands)
+    tok, lp, th = jax.jit(lambda x, k: sample_tokens(x, k, SamplingParams(**kw, truncated_log_probs=True)))(
+        jnp.asarray(logits), jax.random.key(0)
+    )
+    tok_full, lp_full, th_full = jax.jit(lambda x, k: sample_tokens(x, k, SamplingParams(**kw)))(
+        jnp.asarray(logits), jax.random.key(0)
+    )
+    np.testing.assert_array_equal(tok, tok_full)  # the flag changes the reported log-prob only
+    np.testing.assert_array_equal(th, th_full)
+    tok, lp, th = np.asarray(tok), np.asarray(lp), np.asarray(th)
+    replay = np.asarray(
+        truncated_logprobs_from_logits(
+            jnp.asarray(logits)[:, None], jnp.asarray(tok)[:, None], jnp.asarray(th)[:, None], temperature
+        )
+    )[:, 0]
+    for b in range(logits.shape[0]):
+        expected = _np_filtered_probs(logits[b], temperature, top_k, top_p, min_p)
+        kept = expected > 0
+        z = logits[b].astype(np.float64) / temperature
+        if kept.all():
+            assert th[b] == -np.inf
+        else:
+            assert th[b] == pytest.approx(z[kept].min(), rel=1e-6)
+        assert lp[b] == pytest.approx(np.log(expected[tok[b]]), abs=2e-5)
+        assert replay[b] == pytest.approx(np.log(expected[tok[b]]), abs=2e-5)
+        full = z[tok[b]] - np.log(np.exp(z - z.max()).sum()) - z.max()
+        assert float(lp_full[b]) == pytest.approx(full, abs=2e-5)

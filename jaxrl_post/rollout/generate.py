@@ -101,7 +101,8 @@ def _decode(graphdef, state, cache, logits, row_done, key, *, params, num_steps,
     cache: KVCache after prefill (donated); logits [B, V] float32 of the first response token (donated);
     row_done [B] bool (True for batch-bucket filler rows); key: base key of this call.
     Returns tokens [B, n] int32 (pad after a row's first EOS), log_probs [B, n] float32 (0 there),
-    steps_run int32 scalar (n = num_steps rounded up to a multiple of chunk), final cache, final logits.
+    sampling thresholds [B, n] float32 (`sample_tokens`; -inf there), steps_run int32 scalar (n =
+    num_steps rounded up to a multiple of chunk), final cache, final logits.
     """
     TRACE_COUNTS["decode"] += 1
     model = nnx.merge(graphdef, state)
@@ -111,16 +112,17 @@ def _decode(graphdef, state, cache, logits, row_done, key, *, params, num_steps,
     ones = jnp.ones((batch, 1), jnp.int32)
 
     def step(carry, _):
-        cache, logits, done, t, tokens, logps = carry
-        tok, lp = sample_tokens(logits, jax.random.fold_in(key, t), params)
+        cache, logits, done, t, tokens, logps, thresholds = carry
+        tok, lp, th = sample_tokens(logits, jax.random.fold_in(key, t), params)
         tok = jnp.where(done, pad, tok)
         lp = jnp.where(done, 0.0, lp)
         tokens = jax.lax.dynamic_update_slice(tokens, tok[:, None], (0, t))
         logps = jax.lax.dynamic_update_slice(logps, lp[:, None], (0, t))
+        thresholds = jax.lax.dynamic_update_slice(thresholds, th[:, None], (0, t))
         done = done | is_eos(tok, params.eos_token_ids)
         new_logits, cache = model(tok[:, None], ones, cache=cache)
         new_logits = _constrain_batch(new_logits[:, 0], mesh)
-        return (_constrain_cache(cache, mesh), new_logits, done, t + 1, tokens, logps), None
+        return (_constrain_cache(cache, mesh), new_logits, done, t + 1, tokens, logps, thresholds), None
 
     def cond(carry):
         done, t = carry[2], carry[3]
@@ -131,11 +133,12 @@ def _decode(graphdef, state, cache, logits, row_done, key, *, params, num_steps,
 
     tokens = _constrain_batch(jnp.full((batch, n_alloc), pad, jnp.int32), mesh)
     logps = _constrain_batch(jnp.zeros((batch, n_alloc), jnp.float32), mesh)
-    init = (cache, logits, row_done, jnp.int32(0), tokens, logps)
+    thresholds = _constrain_batch(jnp.full((batch, n_alloc), -jnp.inf, jnp.float32), mesh)
+    init = (cache, logits, row_done, jnp.int32(0), tokens, logps, thresholds)
     out = jax.lax.while_loop(cond, body, init)
     # The final cache/logits are returned (and dropped by the caller) so the donated input buffers alias
     # these outputs: XLA then updates the cache in place instead of copying it into the loop.
-    return out[4], out[5], out[3], out[0], out[1]
+    return out[4], out[5], out[6], out[3], out[0], out[1]
 
 
 def _left_padded(mask: np.ndarray) -> bool:
@@ -193,8 +196,10 @@ class Generator:
           the first EOS), ``input_ids [B, P+R]``, ``attention_mask [B, P+R] int32`` (prompt mask ++
           response_mask), ``position_ids [B, P+R] int32`` (response positions continue from the last
           prompt position, verl style), ``response_mask [B, R] int32``, ``rollout_log_probs [B, R]
-          float32`` (= ``logprobs_from_logits(logits, responses, temperature)`` of the training path; 0
-          where masked), ``truncated [B] bool`` (no EOS within R).
+          float32`` (= ``logprobs_from_logits(logits, responses, temperature)`` of the training path, or
+          the truncated distribution's with ``params.truncated_log_probs``; 0 where masked),
+          ``sampling_logit_threshold [B, R] float32`` (smallest kept tempered logit of each step, -inf
+          where nothing was truncated or masked), ``truncated [B] bool`` (no EOS within R).
         Raises:
           ValueError: prompts are not left-padded, a row has no real token, or a size exceeds the buckets.
         """
@@ -246,20 +251,22 @@ class Generator:
             cache_dtype=self.cache_dtype,
             mesh=self.mesh,
         )
-        tokens, logps, _, _, _ = _decode(
+        tokens, logps, thresholds, _, _, _ = _decode(
             graphdef, state, cache, logits, done_d, key, params=static, num_steps=r, chunk=chunk, mesh=self.mesh
         )
         tokens = np.asarray(jax.device_get(tokens))[:b, :r]
         logps = np.asarray(jax.device_get(logps))[:b, :r]
-        return _assemble(prompts, ids, mask, tokens, logps, params)
+        thresholds = np.asarray(jax.device_get(thresholds))[:b, :r]
+        return _assemble(prompts, ids, mask, tokens, logps, thresholds, params)
 
 
-def _assemble(prompts: DataProto, ids, mask, tokens, logps, params: SamplingParams) -> DataProto:
+def _assemble(prompts: DataProto, ids, mask, tokens, logps, thresholds, params: SamplingParams) -> DataProto:
     """Host-side output assembly (numpy, cheap): masks, positions, concatenation."""
     r = tokens.shape[1]
     response_mask = np.asarray(get_response_mask(tokens, params.eos_token_ids)).astype(np.int32)
     tokens = np.where(response_mask.astype(bool), tokens, params.pad_token_id).astype(np.int32)
     logps = np.where(response_mask.astype(bool), logps, 0.0).astype(np.float32)
+    thresholds = np.where(response_mask.astype(bool), thresholds, -np.inf).astype(np.float32)
     truncated = ~np.any(np.asarray(is_eos(tokens, params.eos_token_ids)) & response_mask.astype(bool), axis=1)
     if "position_ids" in prompts.batch:
         ppos = np.asarray(jax.device_get(prompts.batch["position_ids"])).astype(np.int32)
@@ -274,6 +281,7 @@ def _assemble(prompts: DataProto, ids, mask, tokens, logps, params: SamplingPara
         "position_ids": np.concatenate([ppos, rpos], axis=1),
         "response_mask": response_mask,
         "rollout_log_probs": logps,
+        "sampling_logit_threshold": thresholds,
         "truncated": truncated,
     }
     return DataProto(batch, dict(prompts.non_tensor_batch), dict(prompts.meta_info))

@@ -43,6 +43,9 @@ class SamplingParams:
         at the ``top_p_candidates`` most likely tokens (``lax.top_k``) and only falls back to a bisection
         over the whole vocabulary (``lax.cond``, same kept set) for a step in which those candidates hold
         less than ``top_p`` of the probability mass in some row.
+      truncated_log_probs: return the log-prob of each token under the distribution it was drawn from
+        (tempered, truncated by top-k/top-p/min-p, renormalized) instead of the tempered full softmax;
+        training scores the same way with the sampling thresholds (``rollout.sampling_mask_replay``).
     """
 
     max_new_tokens: int
@@ -55,6 +58,7 @@ class SamplingParams:
     pad_token_id: int = 0
     seed: int = 0
     top_p_candidates: int = 256
+    truncated_log_probs: bool = False
 
     def __post_init__(self):
         if isinstance(self.eos_token_ids, int):
@@ -303,17 +307,20 @@ def _top_p_mask_bisect(probs: jax.Array, p: float) -> jax.Array:
     return bits >= hi
 
 
-def sample_tokens(logits: jax.Array, key: jax.Array, params: SamplingParams) -> tuple[jax.Array, jax.Array]:
-    """Draw one token per row and return its log-prob.
+def sample_tokens(logits: jax.Array, key: jax.Array, params: SamplingParams) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Draw one token per row; return it, its log-prob and the sampling threshold.
 
     Args:
       logits: ``[B, V]`` float logits of the next token.
       key: a ``jax.random`` key for this step; row ``b`` draws its uniform from ``fold_in(key, b)``.
       params: static sampling parameters.
     Returns:
-      ``tokens [B] int32`` drawn from ``softmax(filter_logits(logits, params))`` (argmax when greedy),
-      and ``log_probs [B] float32 = log_softmax(logits / temperature)[token]`` (temperature 1 when
-      greedy), i.e. the training path's ``logprobs_from_logits`` value.
+      ``tokens [B] int32`` drawn from ``softmax(filter_logits(logits, params))`` (argmax when greedy);
+      ``log_probs [B] float32 = log_softmax(logits / temperature)[token]`` (temperature 1 when
+      greedy), i.e. the training path's ``logprobs_from_logits`` value -- or, with
+      ``params.truncated_log_probs``, the log-prob under the truncated distribution sampled from;
+      ``threshold [B] float32``: the smallest kept tempered logit (the kept set is exactly
+      ``{v : logits[v] / temperature >= threshold}``), ``-inf`` when nothing is truncated or greedy.
 
     Every filter is a per-row threshold on the tempered logits, so the kept set is ``{x >= tau}``
     (tokens tied at a threshold are all kept, like ``apply_top_k``/``apply_top_p``): top-k's tau is the
@@ -327,7 +334,8 @@ def sample_tokens(logits: jax.Array, key: jax.Array, params: SamplingParams) -> 
     if params.greedy:
         tokens = argmax_last(logits)
         lse = jax.nn.logsumexp(logits, axis=-1)
-        return tokens, jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse
+        no_threshold = jnp.full((batch,), -jnp.inf, jnp.float32)
+        return tokens, jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse, no_threshold
 
     scaled = logits / jnp.float32(params.temperature)
     log_norm = jax.nn.logsumexp(scaled, axis=-1, keepdims=True)
@@ -367,5 +375,11 @@ def sample_tokens(logits: jax.Array, key: jax.Array, params: SamplingParams) -> 
     if keep_mask is not None:
         keep &= keep_mask
     tokens = sample_from_weights(jnp.where(keep, jnp.exp(scaled - x_max), 0.0), u)
+    truncating = use_top_k or params.top_p < 1.0 or params.min_p > 0.0
+    threshold = jnp.full((batch,), -jnp.inf, jnp.float32)
+    if truncating:
+        threshold = jnp.min(jnp.where(keep, scaled, jnp.inf), axis=-1)
+    if params.truncated_log_probs and truncating:
+        log_norm = jax.nn.logsumexp(jnp.where(keep, scaled, -jnp.inf), axis=-1, keepdims=True)
     logp = jnp.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0] - log_norm[:, 0]
-    return tokens, logp
+    return tokens, logp, threshold

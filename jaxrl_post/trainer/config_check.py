@@ -25,9 +25,6 @@ WARMUP_STYLES = ("constant", "cosine")
 KL_CTRL_TYPES = ("fixed", "adaptive")
 RESUME_MODES = ("auto", "disable", "resume_path")
 VALUE_ESTIMATORS = ("gae",)  # advantage estimators that need a critic
-# Set to True once the trainer applies `algorithm.rollout_correction` (IS weights / rejection in the policy loss);
-# until then enabling it is an error rather than a silent no-op.
-ROLLOUT_CORRECTION_APPLIED = False
 
 
 class ConfigError(ValueError):
@@ -321,9 +318,6 @@ def validate_config(cfg: Any, n_devices: int | None = None) -> None:
         except ValueError as e:
             rc_ok = False
             err(f"{rc}.rollout_rs", f"{e} (rollout_rs_threshold={rc_cfg.rollout_rs_threshold!r})")
-    enabled = [k for k in ("rollout_is", "rollout_rs") if rc_cfg[k] is not None]
-    if rc_ok and enabled and not ROLLOUT_CORRECTION_APPLIED:
-        err(f"{rc}.{enabled[0]}", "rollout correction is validated but not applied by the trainer yet; leave it None")
     check("algorithm.gamma", lambda v: is_num(v) and 0 <= v <= 1, "must be in [0, 1]")
     check("algorithm.lam", lambda v: is_num(v) and 0 <= v <= 1, "must be in [0, 1]")
 

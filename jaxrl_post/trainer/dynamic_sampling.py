@@ -246,6 +246,8 @@ class RolloutMixin:
             batch = prompts.repeat(n, interleave=True)
             out = self.generator.generate(batch, self.sampling_params(validate=False, seed=seed))
         b = {k: to_numpy(v) for k, v in out.batch.items()}
+        if not self.config.rollout.sampling_mask_replay:  # the forwards score the full softmax
+            b.pop("sampling_logit_threshold", None)
         with timer("reward", timing):
             res = self.reward_fn.compute(out)
         b["token_level_scores"] = np.asarray(res.token_level_scores, np.float32)

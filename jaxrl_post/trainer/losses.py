@@ -13,16 +13,25 @@ import jax.numpy as jnp
 from jaxrl_post import core_algos
 
 
-def token_log_probs(logits, tokens, temperature: float, entropy: str):
+def token_log_probs(logits, tokens, temperature: float, entropy: str, threshold=None):
     """log p(tokens) `[..., R] float32` and entropy `[..., R] float32` (or None) of `logits / temperature`.
+
+    threshold: optional `[..., R] float32` sampling thresholds of the rollout (`rollout.sampling_mask_replay`):
+    the log-prob is then the truncated distribution's (`core_algos.truncated_logprobs_from_logits`); the
+    entropy stays the full distribution's.
 
     entropy (static): 'none'; 'metric' (computed from stop_gradient(logits): no entropy term in the
     backward pass, same value; use when entropy_coeff == 0); 'loss' (differentiated, one shared logsumexp).
     Raises ValueError for another value.
     """
-    if entropy == "loss":
+    if threshold is not None:
+        lp = core_algos.truncated_logprobs_from_logits(logits, tokens, threshold, temperature)
+        if entropy == "loss":
+            return lp, core_algos.entropy_from_logits(logits, temperature)
+    elif entropy == "loss":
         return core_algos.logprobs_and_entropy_from_logits(logits, tokens, temperature)
-    lp = core_algos.logprobs_from_logits(logits, tokens, temperature)
+    else:
+        lp = core_algos.logprobs_from_logits(logits, tokens, temperature)
     if entropy == "none":
         return lp, None
     if entropy == "metric":
@@ -40,7 +49,8 @@ def actor_loss(c, log_prob, entropy, mb, counts):
 
     c: `steps.ActorLossConfig`; log_prob, entropy: `[b, R] float32` (current policy); mb: `response_mask`
     (loss mask), `advantages`, `old_log_probs` (unless c.on_policy), `ref_log_prob` (use_kl_loss), optional
-    `rollout_log_probs`, all `[b, R]`; counts: `core_algos.global_batch_info` of the whole mini-batch.
+    `rollout_log_probs` and `rollout_is_weights`, all `[b, R]`; counts: `core_algos.global_batch_info` of
+    the whole mini-batch.
     Mean-type metrics are pre-multiplied by this micro-batch's token share, so summing them over the
     micro-batches gives mini-batch means.
     """
@@ -53,6 +63,7 @@ def actor_loss(c, log_prob, entropy, mb, counts):
     )
     mask = mb["response_mask"]
     old = jax.lax.stop_gradient(log_prob) if c.on_policy else mb["old_log_probs"]
+    pg_kw["rollout_is_weights"] = mb.get("rollout_is_weights")  # algorithm.rollout_correction.rollout_is
     pg_loss, pg_m = core_algos.compute_policy_loss(old, log_prob, mb["advantages"], mask, **pg_kw, **counts)
     ent_loss = core_algos.agg_loss(entropy, mask, c.loss_agg_mode, **counts)
     loss = pg_loss

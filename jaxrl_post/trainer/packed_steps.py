@@ -35,7 +35,15 @@ from jaxrl_post.trainer import losses
 from jaxrl_post.trainer.steps import ActorLossConfig, CriticLossConfig, _apply
 
 PACK_KEYS = ("input_ids", "segment_ids", "positions", "slot_pos", "slot_tokens", "seq_slot", "seq_index")
-ACTOR_SEQ_KEYS = ("response_mask", "advantages", "old_log_probs", "ref_log_prob", "rollout_log_probs")
+OPTIONAL_PACK_KEYS = ("slot_threshold",)  # rollout.sampling_mask_replay
+ACTOR_SEQ_KEYS = (
+    "response_mask",
+    "advantages",
+    "old_log_probs",
+    "ref_log_prob",
+    "rollout_log_probs",
+    "rollout_is_weights",
+)
 CRITIC_SEQ_KEYS = ("response_mask", "values", "returns")
 
 
@@ -65,7 +73,9 @@ def packed_log_probs(model, mb, temperature: float, entropy: str):
     """
     h = _hidden_at_slots(model, mb)
     logits = model.logits_from_hidden(h[None])  # [1, Q, V] float32
-    lp, ent = losses.token_log_probs(logits, mb["slot_tokens"][None], temperature, entropy)
+    th = mb.get("slot_threshold")
+    th = None if th is None else th[None]
+    lp, ent = losses.token_log_probs(logits, mb["slot_tokens"][None], temperature, entropy, th)
     seq = lambda x: to_seq(x[0], mb["seq_slot"])
     return seq(lp), None if ent is None else seq(ent)
 
@@ -78,7 +88,7 @@ def packed_values(critic, mb) -> jax.Array:
 
 
 def _split(batch, seq_keys):
-    pack = {k: batch[k] for k in PACK_KEYS}
+    pack = {k: batch[k] for k in PACK_KEYS + OPTIONAL_PACK_KEYS if k in batch}
     seqs = {k: batch[k] for k in seq_keys if k in batch}
     return pack, seqs
 
@@ -102,7 +112,7 @@ def _make_forward(graphdef, rest, per_micro: Callable, n_out: int, on_trace):
     def fn(params, batch):
         if on_trace is not None:
             on_trace()
-        pack = {k: batch[k] for k in PACK_KEYS}
+        pack = {k: batch[k] for k in PACK_KEYS + OPTIONAL_PACK_KEYS if k in batch}
         m, r = batch["responses"].shape
         model = nnx.merge(graphdef, params, rest)
         init = tuple(jnp.zeros((m + 1, r), jnp.float32) for _ in range(n_out))

@@ -177,7 +177,8 @@ def pack_batch(batch: dict[str, np.ndarray], spec: PackSpec) -> dict[str, np.nda
       (the token before it); `slot_tokens [n, Q] int32`: that response token;
       `seq_slot [n, S, R] int32`: the slot of response token r of sequence slot s, -1 where there is none
       (response padding, empty sequence slot); `seq_index [n, S] int32`: the mini-batch row held by each
-      sequence slot, -1 = empty.
+      sequence slot, -1 = empty; with `sampling_logit_threshold [M, R]` in `batch`, also `slot_threshold
+      [n, Q] float32` (-inf in unused slots).
     Raises ValueError (see `plan_packing`, and when real tokens are not contiguous).
     """
     ids = np.asarray(batch["input_ids"])
@@ -197,6 +198,9 @@ def pack_batch(batch: dict[str, np.ndarray], spec: PackSpec) -> dict[str, np.nda
     }
     pos_ids = batch.get("position_ids")
     responses = np.asarray(batch["responses"])
+    thresholds = batch.get("sampling_logit_threshold")
+    if thresholds is not None:  # rollout.sampling_mask_replay: each slot's sampling threshold
+        out["slot_threshold"] = np.full((n, Q), -np.inf, np.float32)
     n_segs = np.zeros((n, rows), np.int32)
     p = t - r_max
     for i in range(m):
@@ -215,6 +219,8 @@ def pack_batch(batch: dict[str, np.ndarray], spec: PackSpec) -> dict[str, np.nda
         out["slot_tokens"][k, q : q + rl] = responses[i, :rl]
         out["seq_slot"][k, s, :rl] = q + np.arange(rl)
         out["seq_index"][k, s] = i
+        if thresholds is not None:
+            out["slot_threshold"][k, q : q + rl] = thresholds[i, :rl]
     return out
 
 

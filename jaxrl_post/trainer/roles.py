@@ -19,7 +19,7 @@ from flax import nnx
 from jaxrl_post.trainer import builders, packed_steps, packing, steps
 from jaxrl_post.trainer.config_check import dynamic_bsz
 
-_FWD_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
+_FWD_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "sampling_logit_threshold")
 
 
 def to_numpy(x) -> np.ndarray:
@@ -237,9 +237,9 @@ class RolesMixin:
         """Run a jitted forward over the whole [B, ...] batch: packed with `spec`, else padded to a multiple
         of `micro` rows."""
         if spec is not None:
-            out = fn(params, self._put_packed(self._pack({k: batch[k] for k in _FWD_KEYS}, spec)))
+            out = fn(params, self._put_packed(self._pack({k: batch[k] for k in _FWD_KEYS if k in batch}, spec)))
             return jax.tree.map(to_numpy, out)
-        arrays, pad = builders.pad_rows({k: batch[k] for k in _FWD_KEYS}, micro)
+        arrays, pad = builders.pad_rows({k: batch[k] for k in _FWD_KEYS if k in batch}, micro)
         out = fn(params, self._put(arrays))
         out = jax.tree.map(lambda x: to_numpy(x)[: arrays["input_ids"].shape[0] - pad], out)
         return out
@@ -270,6 +270,7 @@ class RolesMixin:
             eos_token_ids=self.eos_token_ids,
             pad_token_id=self.pad_token_id,
             seed=int(seed),
+            truncated_log_probs=bool(r.sampling_mask_replay) and not validate,
         )
 
     def _build_rollout(self) -> None:

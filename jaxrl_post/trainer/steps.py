@@ -153,7 +153,7 @@ def response_log_probs(
         batch["input_ids"], batch["attention_mask"], positions=batch.get("position_ids"), logits_to_keep=r + 1
     )[:, :-1]
     mode = {False: "none", True: "loss"}.get(with_entropy, with_entropy)
-    return losses.token_log_probs(logits, responses, temperature, mode)
+    return losses.token_log_probs(logits, responses, temperature, mode, batch.get("sampling_logit_threshold"))
 
 
 def response_values(critic: nnx.Module, batch: dict[str, jax.Array]) -> jax.Array:
@@ -164,7 +164,7 @@ def response_values(critic: nnx.Module, batch: dict[str, jax.Array]) -> jax.Arra
     return values[:, t - r - 1 : t - 1].astype(jnp.float32)
 
 
-_FWD_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
+_FWD_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "sampling_logit_threshold")
 
 
 def compute_loss_mask(response_mask, truncated, drop_truncated: bool):
@@ -270,6 +270,8 @@ ACTOR_BATCH_KEYS = (
     "old_log_probs",
     "ref_log_prob",
     "rollout_log_probs",
+    "sampling_logit_threshold",
+    "rollout_is_weights",
 )
 
 

@@ -117,8 +117,13 @@ class RLTrainer(RolesMixin, RolloutMixin, UpdatesMixin, CheckpointMixin):
         a = cfg.actor
         self.actor_mini = int(a.ppo_mini_batch_size) * int(cfg.rollout.n)  # responses (verl counts prompts)
         self.actor_updates_per_step = int(a.ppo_epochs) * (self.batch_size // self.actor_mini)
+        rc = cfg.algorithm.rollout_correction
+        self.use_rollout_corr = rc.rollout_is is not None or rc.rollout_rs is not None  # needs old log-probs
         self.on_policy = (
-            int(a.ppo_epochs) == 1 and self.actor_mini == self.batch_size and not cfg.algorithm.use_kl_in_reward
+            int(a.ppo_epochs) == 1
+            and self.actor_mini == self.batch_size
+            and not cfg.algorithm.use_kl_in_reward
+            and not self.use_rollout_corr
         )
 
         # ---- roles: actor (params / optimizer / jitted fns), reference (only with a KL term), critic (PPO)
@@ -202,6 +207,9 @@ class RLTrainer(RolesMixin, RolloutMixin, UpdatesMixin, CheckpointMixin):
                     b["values"] = self._forward(
                         self._values, self.critic_params, b, int(cfg.critic.forward_micro_batch_size), self.values_spec
                     )
+
+            if self.use_rollout_corr:  # IS weights / rejection mask from log(pi_old / pi_rollout), whole batch
+                metrics.update(self._rollout_correction(b))
 
             # -- KL in reward, advantages
             with _timer("adv", timing):

@@ -32,6 +32,7 @@ class UpdatesMixin:
     def _update_actor(self, b: dict[str, np.ndarray], rng) -> dict[str, float]:
         a = self.config.actor
         keys = ["input_ids", "attention_mask", "position_ids", "responses", "advantages", "rollout_log_probs"]
+        keys += [k for k in ("sampling_logit_threshold", "rollout_is_weights") if k in b]
         keys += [] if self.on_policy else ["old_log_probs"]
         keys += ["ref_log_prob"] if a.use_kl_loss else []
         out = []
@@ -55,6 +56,31 @@ class UpdatesMixin:
         if a.use_kl_loss:
             res["actor/kl_coef"] = float(a.kl_loss_coef)
         return res
+
+    def _rollout_correction(self, b: dict[str, np.ndarray]) -> dict[str, float]:
+        """verl's rollout correction on the whole batch (`rollout_corr.compute_rollout_correction_and_rejection_mask`):
+        `b["rollout_is_weights"] [B, R]` (IS on) multiplies the per-token policy loss after clipping; rejected
+        tokens leave `b["loss_mask"]` (actor and critic losses, every `loss_agg_mode` normaliser); advantages
+        keep the response mask. Returns the `rollout_corr/*` and `training/rollout_probs_diff_*` metrics."""
+        from jaxrl_post.rollout_corr import compute_rollout_correction_and_rejection_mask
+
+        rc = self.config.algorithm.rollout_correction
+        if not np.any(b["loss_mask"]):
+            return {}
+        weights, mask, metrics = compute_rollout_correction_and_rejection_mask(
+            b["old_log_probs"],
+            b["rollout_log_probs"],
+            b["loss_mask"],
+            rollout_is=rc.rollout_is,
+            rollout_is_threshold=rc.rollout_is_threshold,
+            rollout_is_batch_normalize=bool(rc.rollout_is_batch_normalize),
+            rollout_rs=rc.rollout_rs,
+            rollout_rs_threshold=rc.rollout_rs_threshold,
+        )
+        b["loss_mask"] = np.asarray(mask).astype(np.int32)
+        if weights is not None:
+            b["rollout_is_weights"] = np.asarray(weights, np.float32)
+        return {k: float(v) for k, v in jax.device_get(metrics).items()}
 
     def _update_critic(self, b: dict[str, np.ndarray], rng) -> dict[str, float]:
         c = self.config.critic
