@@ -65,6 +65,10 @@ def get_base_config() -> mlc.ConfigDict:
     # the actor update, old/ref log-probs and the critic run on rows of real tokens (prompt + response, no
     # padding) with per-sequence attention, static shapes, empty micro-batches skipped. False = padded rows.
     c.model.use_remove_padding = True  # train/score on packed real tokens (trainer/packing.py)
+    # Packed row length in max-length sequences (max_prompt_length + max_response_length tokens each): longer
+    # rows pack tighter (responses longer than half of max_response_length fill one-sequence rows badly) but
+    # attention over a row costs row_len^2 (masked across sequences, not skipped).
+    c.model.seqs_per_packed_row = 2  # packed rows of this many max-length sequences (ours; 1 = rows of P + R)
     c.model.random_init = False  # True: random weights from `model.preset` + `model.arch` (tests)
     c.model.preset = "smollm2_135m"  # jaxrl_post.models.PRESETS key used when random_init
     c.model.arch = mlc.ConfigDict()  # ModelConfig field overrides applied to the preset (random_init); None = keep

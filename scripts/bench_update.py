@@ -76,6 +76,7 @@ def main(argv=None):
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--entropy-coeff", type=float, default=0.0)
     ap.add_argument("--variants", default="padded,packed", help="comma-separated subset of padded,packed")
+    ap.add_argument("--seqs-per-row", type=int, default=2, help="model.seqs_per_packed_row (row_len = k (P + R))")
     ap.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "bench_update.json"))
     args = ap.parse_args(argv)
 
@@ -88,7 +89,16 @@ def main(argv=None):
     cfg = model.config
     m, p, r = args.batch, args.prompt_len, args.response_len
     batch = make_batch(m, p, r, cfg.vocab_size)
-    spec = packing.make_pack_spec(m, args.micro, p, r)
+    rows, row_len = packing.micro_geometry(
+        micro_batch_size=args.micro,
+        use_dynamic_bsz=False,
+        max_token_len_per_gpu=None,
+        seq_len=p + r,
+        seqs_per_row=args.seqs_per_row,
+        dp=1,
+        n_seqs=m,
+    )
+    spec = packing.make_pack_spec(m, rows, p, r, row_len=row_len)
     t = time.perf_counter()
     packed_np = dict(
         {k: batch[k] for k in ("response_mask", "advantages", "responses")}, **packing.pack_batch(batch, spec)
@@ -119,6 +129,7 @@ def main(argv=None):
         res[name]["compile_s"] = round(time.perf_counter() - t, 2)
         res[name]["loss"] = float(out[2]["loss"])
         state = out[:2]
+        print(f"  {name}: compiled + first call {res[name]['compile_s']:.1f} s", flush=True)
     peak = matmul_peak()
     for _ in range(args.rounds):
         for name, fn in fns.items():
@@ -128,6 +139,7 @@ def main(argv=None):
             res[name]["times"].append(round(time.perf_counter() - t, 3))
             res[name]["loads"].append((la, loadavg()))
             state = out[:2]
+            print(f"  {name}: {res[name]['times'][-1]:.2f} s (load {la} -> {res[name]['loads'][-1][1]})", flush=True)
     flops = sum(metrics_lib.transformer_flops_per_sequence(cfg, int(n), training=True) for n in real)
     rows = []
     for name, v in res.items():
@@ -153,6 +165,7 @@ def main(argv=None):
         prompt_len=p,
         response_len=r,
         micro=args.micro,
+        packed_rows=f"{spec.rows} x {spec.row_len}",
         entropy_coeff=args.entropy_coeff,
         tokens_real=n_real,
         tokens_padded=n_padded,
@@ -165,7 +178,10 @@ def main(argv=None):
         results=rows,
     )
     print(f"{source} {args.dtype}: {m} x (P {p} + R {r}) = {n_padded} padded tokens, {n_real} real")
-    print(f"packed micro-batches used {used_micro}/{spec.n_micro}; peak {peak / 1e9:.1f} GFLOP/s")
+    print(
+        f"packed: {spec.rows} rows x {spec.row_len} per micro-batch, used {used_micro}/{spec.n_micro}; "
+        f"peak {peak / 1e9:.1f} GFLOP/s"
+    )
     print(f"{'variant':8} {'best s':>8} {'median s':>9} {'real tok/s':>11} {'MFU(real)':>10} {'compile s':>10}")
     for row in rows:
         print(

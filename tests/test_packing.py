@@ -10,7 +10,14 @@ from flax import nnx
 
 from jaxrl_post.models import CriticModel, ModelConfig, init_model
 from jaxrl_post.trainer import packed_steps, steps
-from jaxrl_post.trainer.packing import PackSpec, make_pack_spec, pack_batch, plan_packing, unpack_seq
+from jaxrl_post.trainer.packing import (
+    PackSpec,
+    make_pack_spec,
+    micro_geometry,
+    pack_batch,
+    plan_packing,
+    unpack_seq,
+)
 
 
 # ----------------------------------------------------------------------------------------- packer
@@ -104,6 +111,32 @@ def test_pack_batch_round_trip_and_empty_micro_batches():
     pk = pack_batch(small, spec)
     assert np.any(pk["segment_ids"][0]) and not np.any(pk["segment_ids"][1:])
     assert np.all(pk["seq_index"][1:] == -1)
+
+
+def test_micro_geometry_maps_verl_batch_keys_and_long_rows_always_fit():
+    geo = lambda **kw: micro_geometry(**dict(dict(max_token_len_per_gpu=None, dp=1, n_seqs=64), **kw))
+    # padded micro-batch of 8 responses of T = 184: 8 rows of 184, or 4 rows of 368 (same token budget)
+    assert geo(micro_batch_size=8, use_dynamic_bsz=False, seq_len=184, seqs_per_row=1) == (8, 184)
+    assert geo(micro_batch_size=8, use_dynamic_bsz=False, seq_len=184, seqs_per_row=2) == (4, 368)
+    # dynamic: 1000 tokens per device on 2 devices -> 2 rows of 368 (k lowered to 1 if a row would not fit)
+    assert geo(
+        micro_batch_size=8, use_dynamic_bsz=True, max_token_len_per_gpu=1000, seq_len=184, seqs_per_row=2, dp=2
+    ) == (
+        4,
+        368,
+    )
+    assert geo(micro_batch_size=8, use_dynamic_bsz=True, max_token_len_per_gpu=300, seq_len=184, seqs_per_row=2) == (
+        1,
+        184,
+    )
+    with pytest.raises(ValueError, match="max_token_len_per_gpu"):
+        geo(micro_batch_size=8, use_dynamic_bsz=True, max_token_len_per_gpu=100, seq_len=184, seqs_per_row=1)
+    # worst case for rows of 2 sequences: every sequence full length (2 per row) or just over a third of a row
+    spec = make_pack_spec(12, rows=2, prompt_length=5, response_length=4, row_len=18)
+    assert (spec.n_micro, spec.slots) == (3, 16)
+    for n in (9, 7):
+        b = _batch(m=12, p=5, r=4, seed=5, p_lens=[5] * 12, r_lens=[n - 5] * 12)
+        assert np.count_nonzero(pack_batch(b, spec)["segment_ids"]) == 12 * n
 
 
 def test_pack_batch_rejects_non_contiguous_tokens():
@@ -238,7 +271,10 @@ def test_packed_actor_update_equals_padded(mode, entropy_coeff):
     padded = jax.jit(steps.make_actor_update(graphdef, rest, tx, cfg, n_micro=4))
     packed = jax.jit(packed_steps.make_packed_actor_update(graphdef, rest, tx, cfg))
     want = padded(params, tx.init(params), b)
-    got = packed(params, tx.init(params), _packed(b, rows=2))
+    # rows of one max-length sequence (2 per micro-batch) or of two (1 per micro-batch): same token budget
+    long_rows = mode in ("seq-mean-token-sum", "seq-mean-token-mean")
+    pk = _packed(b, rows=1, row_len=22) if long_rows else _packed(b, rows=2)
+    got = packed(params, tx.init(params), pk)
     _close(got[0], want[0])
     assert set(got[2]) == set(want[2])
     for k in want[2]:

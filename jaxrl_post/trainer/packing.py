@@ -55,11 +55,13 @@ def make_pack_spec(
 ) -> PackSpec:
     """A `PackSpec` that always fits `n_seqs` sequences of `prompt_length + response_length` tokens.
 
-    Defaults: `row_len = P + R` (any sequence fits a row), `n_micro = ceil(n_seqs / rows)` (the unpacked
-    micro-batch count when `rows` = the unpacked micro-batch size), `slots = rows * R` (the LM-head
-    positions of the padded micro-batch, so the packed LM head never costs more per micro-batch; a
-    micro-batch is also closed when its responses fill the slots), `seqs = n_seqs`.
-    Raises ValueError when `rows < 1` or `row_len < P + R` (a sequence could not fit).
+    With T = P + R and k = row_len // T (whole max-length sequences per row): defaults `row_len = T`,
+    `n_micro = ceil(n_seqs / (rows * k))` (the padded micro-batch count when `rows * k` = the padded
+    micro-batch size), `slots = rows * k * R` (the LM-head positions of that padded micro-batch, so the packed
+    LM head never costs more per micro-batch; a micro-batch is also closed when its responses fill the
+    slots), `seqs = n_seqs`. Guarantee: a full row holds >= k sequences, so a micro-batch that refuses a
+    sequence holds >= rows * k of them.
+    Raises ValueError when `rows < 1` or `row_len < T` (a sequence could not fit).
     """
     t = int(prompt_length) + int(response_length)
     row_len = t if row_len is None else int(row_len)
@@ -67,47 +69,57 @@ def make_pack_spec(
         raise ValueError(f"rows per micro-batch must be >= 1, got {rows}")
     if row_len < t:
         raise ValueError(f"row_len {row_len} < max sequence length P + R = {t}: a sequence may not fit a row")
-    n_micro = -(-int(n_seqs) // int(rows)) if n_micro is None else int(n_micro)
+    per_micro = int(rows) * (row_len // t)
+    n_micro = -(-int(n_seqs) // per_micro) if n_micro is None else int(n_micro)
     return PackSpec(
         n_micro=n_micro,
         rows=int(rows),
         row_len=row_len,
         seqs=int(n_seqs),
-        slots=int(rows) * int(response_length),
+        slots=per_micro * int(response_length),
         response_length=int(response_length),
     )
 
 
-def micro_rows(
+def micro_geometry(
     *,
     micro_batch_size: int,
     use_dynamic_bsz: bool,
     max_token_len_per_gpu: int | None,
-    row_len: int,
+    seq_len: int,
+    seqs_per_row: int,
     dp: int,
     n_seqs: int,
-) -> int:
-    """Rows per packed micro-batch (global, a multiple of `dp`): how verl's batch keys map to packing.
+) -> tuple[int, int]:
+    """(rows per packed micro-batch (global, a multiple of `dp`), row_len): how verl's keys map to packing.
 
-    * `use_dynamic_bsz` False: `micro_batch_size` rows of `row_len` (= P + R) tokens, the token budget (and
-      memory bound) of the padded micro-batch of `micro_batch_size` responses; a packed micro-batch holds
-      as many sequences as fit (verl packs a fixed number of sequences per micro-batch instead).
+    Rows hold `k = seqs_per_row` max-length sequences (`row_len = k * seq_len`, seq_len = P + R): longer
+    rows pack tighter (a sequence longer than half a row leaves the rest of a one-sequence row empty), but
+    attention over a row costs `row_len^2` (masked across segments, not skipped).
+    * `use_dynamic_bsz` False: `ceil(micro_batch_size / k)` rows, the token budget (and memory bound) of the
+      padded micro-batch of `micro_batch_size` responses; a packed micro-batch holds as many sequences as
+      fit (verl packs a fixed number of sequences per micro-batch instead).
     * `use_dynamic_bsz` True: `dp * (max_token_len_per_gpu // row_len)` rows: at most
-      `max_token_len_per_gpu` tokens per device per micro-batch (verl `ppo_max_token_len_per_gpu`).
-    Capped at `n_seqs` rounded up to a multiple of `dp` (more rows than sequences never help).
-    Raises ValueError when `max_token_len_per_gpu < row_len` (verl also requires it to hold the longest
-    sequence).
+      `max_token_len_per_gpu` tokens per device per micro-batch (verl `ppo_max_token_len_per_gpu`); k is
+      lowered to fit one row per device.
+    Rows are capped at what `n_seqs` sequences need. Raises ValueError when `max_token_len_per_gpu <
+    seq_len` (verl also requires it to hold the longest sequence) or `seqs_per_row < 1`.
     """
+    k = int(seqs_per_row)
+    if k < 1:
+        raise ValueError(f"seqs_per_row must be >= 1, got {seqs_per_row}")
     if use_dynamic_bsz:
-        if max_token_len_per_gpu is None or int(max_token_len_per_gpu) < row_len:
+        if max_token_len_per_gpu is None or int(max_token_len_per_gpu) < seq_len:
             raise ValueError(
                 f"max_token_len_per_gpu = {max_token_len_per_gpu} must be >= max_prompt_length + "
-                f"max_response_length = {row_len} (one whole sequence per device)"
+                f"max_response_length = {seq_len} (one whole sequence per device)"
             )
-        rows = dp * (int(max_token_len_per_gpu) // row_len)
+        k = min(k, int(max_token_len_per_gpu) // seq_len)
+        rows = dp * (int(max_token_len_per_gpu) // (k * seq_len))
     else:
-        rows = int(micro_batch_size)
-    return min(rows, -(-int(n_seqs) // dp) * dp)
+        rows = -(-int(micro_batch_size) // k)
+    rows = -(-rows // dp) * dp
+    return min(rows, -(-int(n_seqs) // (k * dp)) * dp), k * seq_len
 
 
 def _lengths(attention_mask: np.ndarray, response_length: int) -> tuple[np.ndarray, np.ndarray]:

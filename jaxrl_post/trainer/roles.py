@@ -84,22 +84,23 @@ class RolesMixin:
 
     def _pack_spec(self, role: str, n_seqs: int, micro: int) -> packing.PackSpec | None:
         """Static packing geometry of one pass (None when `model.use_remove_padding` is off); see
-        `packing.micro_rows` for how `*.use_dynamic_bsz` / `*_max_token_len_per_gpu` map to rows."""
+        `packing.micro_geometry` for how `*.use_dynamic_bsz` / `*_max_token_len_per_gpu` map to rows."""
         cfg = self.config
         if not cfg.model.use_remove_padding:
             return None
         p, r = int(cfg.data.max_prompt_length), self.response_length
         dyn, max_tok = dynamic_bsz(cfg, role)
         dp = int(np.prod([self.mesh.shape[a] for a in ("data", "fsdp") if a in self.mesh.shape]))
-        rows = packing.micro_rows(
+        rows, row_len = packing.micro_geometry(
             micro_batch_size=micro,
             use_dynamic_bsz=dyn,
             max_token_len_per_gpu=max_tok,
-            row_len=p + r,
+            seq_len=p + r,
+            seqs_per_row=int(cfg.model.seqs_per_packed_row),
             dp=dp,
             n_seqs=n_seqs,
         )
-        return packing.make_pack_spec(n_seqs, rows, p, r)
+        return packing.make_pack_spec(n_seqs, rows, p, r, row_len=row_len)
 
     def _build_reference(self) -> None:
         """Reference: frozen copy of the initial actor params and its log-prob fn (only with a KL term)."""
