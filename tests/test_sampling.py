@@ -195,20 +195,21 @@ def test_greedy_and_reproducibility():
     rng = np.random.default_rng(3)
     logits = jnp.asarray(rng.normal(size=(8, 30)).astype(np.float32))
     greedy = SamplingParams(max_new_tokens=1, do_sample=False)
-    tok, lp = _sample(logits, jax.random.key(0), greedy)
+    tok, lp, th = _sample(logits, jax.random.key(0), greedy)
+    assert np.all(np.asarray(th) == -np.inf)  # greedy truncates nothing
     np.testing.assert_array_equal(tok, np.argmax(np.asarray(logits), -1))
     np.testing.assert_allclose(lp, np.asarray(jax.nn.log_softmax(logits))[np.arange(8), np.asarray(tok)], atol=1e-6)
-    tok0, _ = _sample(logits, jax.random.key(0), SamplingParams(max_new_tokens=1, temperature=0.0))
+    tok0, _, _ = _sample(logits, jax.random.key(0), SamplingParams(max_new_tokens=1, temperature=0.0))
     np.testing.assert_array_equal(tok0, tok)
 
     p = SamplingParams(max_new_tokens=1, temperature=1.0, top_p=0.9)
-    a, _ = _sample(logits, jax.random.key(7), p)
-    b, _ = _sample(logits, jax.random.key(7), p)
-    c, _ = _sample(logits, jax.random.key(8), p)
+    a, _, _ = _sample(logits, jax.random.key(7), p)
+    b, _, _ = _sample(logits, jax.random.key(7), p)
+    c, _, _ = _sample(logits, jax.random.key(8), p)
     np.testing.assert_array_equal(a, b)
     assert not np.array_equal(a, c)
     # a row's sample does not depend on the batch size (per-row keys)
-    half, _ = _sample(logits[:4], jax.random.key(7), p)
+    half, _, _ = _sample(logits[:4], jax.random.key(7), p)
     np.testing.assert_array_equal(half, a[:4])
 
 
