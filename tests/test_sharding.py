@@ -44,7 +44,7 @@ def test_shard_params_and_param_shardings_single_device():
     mesh = sharding.make_mesh()
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     specs = sharding.param_shardings(nnx.state(abstract), mesh)
-    assert specs["layers"][0]["mlp"]["down_proj"].get_value().spec == P("tensor", "fsdp")
+    assert specs["layers"][0]["mlp"]["down_proj"]["kernel"].get_value().spec == P("tensor", "fsdp")
     state = jax.tree.map(lambda x: jax.numpy.zeros(x.shape, x.dtype), nnx.state(abstract))
     placed = sharding.shard_params(state, mesh)
     assert placed["embedding"][...].sharding.spec == P("tensor", "fsdp")
@@ -68,7 +68,7 @@ _SCRIPT = textwrap.dedent(r"""
                       attn_logit_softcap=5.0, final_logit_softcap=10.0)
     out = {}
     model = init_model(cfg, seed=0, mesh=mesh)
-    q = model.layers[0].attn.q_proj[...]
+    q = model.layers[0].attn.q_proj.kernel[...]
     out["q_spec"] = str(q.sharding.spec)
     out["q_shard_shape"] = list(q.addressable_shards[0].data.shape)
     out["emb_spec"] = str(model.embedding[...].sharding.spec)
@@ -105,7 +105,7 @@ _SCRIPT = textwrap.dedent(r"""
     d = tempfile.mkdtemp()
     save_pretrained(single, None, d)
     loaded = load_hf_dir(d, mesh=mesh)
-    out["loaded_q_spec"] = str(loaded.layers[0].attn.q_proj[...].sharding.spec)
+    out["loaded_q_spec"] = str(loaded.layers[0].attn.q_proj.kernel[...].sharding.spec)
     with jax.set_mesh(mesh):
         out["loaded_diff"] = float(np.abs(np.asarray(fwd(loaded, ids, mask)) - ref)[valid].max())
 
@@ -164,5 +164,5 @@ def test_sharded_forward_matches_single_device(fake8):
 
 def test_divisibility_errors_are_explicit(fake8):
     msg = fake8["div_error"]
-    assert msg is not None and "layers.0.attn.k_proj" in msg and "dim 1 (size 1)" in msg and "'tensor'" in msg
+    assert msg is not None and "layers.0.attn.k_proj.kernel" in msg and "dim 1 (size 1)" in msg and "'tensor'" in msg
     assert fake8["batch_error"] is not None and "divisible by data*fsdp=4" in fake8["batch_error"]

@@ -6,6 +6,7 @@ query head h uses kv head h // (H / Hkv)), so HF checkpoints map 1:1 (see hf_io.
 Shape letters: B batch, T new tokens, S key/cache slots, D width, H query heads, N kv heads, G = H / N,
 K head dim, F mlp width, V vocab, L layers.
 Params carry logical axis names (`out_sharding` metadata) mapped to mesh axes by `jaxrl_post.sharding`.
+Every q/k/v/o/gate/up/down projection is a `linear.Linear` (weight `<proj>.kernel`, bias, optional LoRA).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from flax import nnx
 
 from jaxrl_post.models.config import ModelConfig
 from jaxrl_post.models.kv_cache import KVCache, write_slots
+from jaxrl_post.models.linear import Linear
 
 _NEG = float(np.finfo(np.float32).min)
 
@@ -83,15 +85,6 @@ class ParamInit:
 
     def const(self, shape, names, value: float = 0.0) -> nnx.Param:
         return self._param(jnp.full(shape, value, self.param_dtype), names)
-
-
-def _dot(spec: str, x: jax.Array, w: jax.Array, dtype) -> jax.Array:
-    """einsum in `dtype` with float32 accumulation, result cast back to `dtype` (as torch bf16 matmuls do).
-
-    Asking for a float32 result keeps bfloat16 operands on XLA:CPU's native bf16 kernels (AMX/AVX512-BF16);
-    a bf16-out dot is otherwise upcast to a float32 dot, converting the weights every call.
-    """
-    return jnp.einsum(spec, x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32).astype(dtype)
 
 
 def _constrain(x: jax.Array, names: tuple) -> jax.Array:
@@ -170,18 +163,17 @@ class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype, init: ParamInit):
         d, f = cfg.hidden_size, cfg.intermediate_size
         self.act, self.dtype = cfg.hidden_act, dtype
-        self.gate_proj = init.normal((d, f), ("embed", "mlp"))
-        self.up_proj = init.normal((d, f), ("embed", "mlp"))
-        self.down_proj = init.normal((f, d), ("mlp", "embed"))
+        self.gate_proj = Linear("BTD,DF->BTF", init.normal((d, f), ("embed", "mlp")), dtype=dtype)
+        self.up_proj = Linear("BTD,DF->BTF", init.normal((d, f), ("embed", "mlp")), dtype=dtype)
+        self.down_proj = Linear("BTF,FD->BTD", init.normal((f, d), ("mlp", "embed")), dtype=dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        gate = _dot("BTD,DF->BTF", x, self.gate_proj[...], self.dtype)
-        up = _dot("BTD,DF->BTF", x, self.up_proj[...], self.dtype)
+        gate, up = self.gate_proj(x), self.up_proj(x)
         if self.act == "silu":
             gate = jax.nn.silu(gate)
         else:  # gelu_pytorch_tanh / gelu_new: tanh approximation; "gelu": exact erf
             gate = jax.nn.gelu(gate, approximate=self.act != "gelu")
-        return _dot("BTF,FD->BTD", gate * up, self.down_proj[...], self.dtype)
+        return self.down_proj(gate * up)
 
 
 class Attention(nnx.Module):
@@ -197,21 +189,17 @@ class Attention(nnx.Module):
         self.scale = (cfg.query_pre_attn_scalar or k) ** -0.5
         self.softcap = cfg.attn_logit_softcap
         self.window = cfg.sliding_window if cfg.is_sliding(layer) else None
-        self.q_proj = init.normal((d, h, k), ("embed", "heads", "head_dim"))
-        self.k_proj = init.normal((d, n, k), ("embed", "kv_heads", "head_dim"))
-        self.v_proj = init.normal((d, n, k), ("embed", "kv_heads", "head_dim"))
-        self.o_proj = init.normal((h, k, d), ("heads", "head_dim", "embed"))
-        bias = cfg.qkv_bias
-        self.q_bias = init.const((h, k), ("heads", "head_dim")) if bias else None
-        self.k_bias = init.const((n, k), ("kv_heads", "head_dim")) if bias else None
-        self.v_bias = init.const((n, k), ("kv_heads", "head_dim")) if bias else None
+        qkv = {"q": (h, "heads"), "k": (n, "kv_heads"), "v": (n, "kv_heads")}  # creation order fixes init
+        w = {m: init.normal((d, heads, k), ("embed", ax, "head_dim")) for m, (heads, ax) in qkv.items()}
+        o = init.normal((h, k, d), ("heads", "head_dim", "embed"))
+        bias = {m: init.const((heads, k), (ax, "head_dim")) if cfg.qkv_bias else None for m, (heads, ax) in qkv.items()}
+        self.q_proj = Linear("BTD,DNK->BTNK", w["q"], bias["q"], dtype=dtype)
+        self.k_proj = Linear("BTD,DNK->BTNK", w["k"], bias["k"], dtype=dtype)
+        self.v_proj = Linear("BTD,DNK->BTNK", w["v"], bias["v"], dtype=dtype)
+        self.o_proj = Linear("BTHK,HKD->BTD", o, dtype=dtype)
         norm = partial(RMSNorm, k, eps=cfg.rms_norm_eps, offset=cfg.norm_offset, names=("head_dim",), init=init)
         self.q_norm = norm() if cfg.qk_norm else None
         self.k_norm = norm() if cfg.qk_norm else None
-
-    def _proj(self, x, w, b):
-        y = _dot("BTD,DNK->BTNK", x, w[...], self.dtype)
-        return y if b is None else y + b[...].astype(self.dtype)
 
     def __call__(self, x, positions, kv_mask, index, kv=None):
         """x [B, T, D]; positions [B, T] int32; kv_mask [B, S] bool (valid key slots, S = T without a cache);
@@ -220,9 +208,7 @@ class Attention(nnx.Module):
         Returns (y [B, T, D], kv updated or None)."""
         b, t, _ = x.shape
         n, g = self.num_kv_heads, self.num_heads // self.num_kv_heads
-        q = self._proj(x, self.q_proj, self.q_bias)  # [B, T, H, K]
-        k = self._proj(x, self.k_proj, self.k_bias)  # [B, T, N, K]
-        v = self._proj(x, self.v_proj, self.v_bias)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [B, T, H, K], [B, T, N, K] x 2
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         angles = _rope_angles(positions, self.head_dim, self.rope_base, dict(self.rope_scaling), self.max_pos)
@@ -286,7 +272,7 @@ class Attention(nnx.Module):
             )
             out = part if out is None else out + part
         out = out.astype(self.dtype).reshape(b, n, g, t, self.head_dim).transpose(0, 3, 1, 2, 4)
-        y = _dot("BTHK,HKD->BTD", out.reshape(b, t, self.num_heads, self.head_dim), self.o_proj[...], self.dtype)
+        y = self.o_proj(out.reshape(b, t, self.num_heads, self.head_dim))
         return y, kv
 
 
