@@ -63,8 +63,8 @@ class Linear(nnx.Module):
         self.kernel, self.bias = kernel, bias
         self.n_in = len(ins)
         self.lora_specs = (f"{xs},{ins}r->{batch}r", f"{batch}r,r{outs}->{spec.split('->')[1].strip()}")
-        self.lora_a: nnx.LoRAParam | None = None
-        self.lora_b: nnx.LoRAParam | None = None
+        self.lora_a: nnx.LoRAParam | None = nnx.data(None)  # data attributes: `add_lora` may set them later
+        self.lora_b: nnx.LoRAParam | None = nnx.data(None)
         self.lora_scale = 0.0
         self.lora_enabled = True
 
@@ -82,6 +82,11 @@ class Linear(nnx.Module):
         """Rank r of the attached adapter (0 without one)."""
         return 0 if self.lora_a is None else int(self.lora_a.shape[-1])
 
+    def lora_axis_names(self) -> tuple[tuple, tuple]:
+        """Logical axis names of (A, B): the kernel's input names + 'lora', 'lora' + its output names."""
+        names = self.kernel.get_metadata().get("out_sharding") or (None,) * len(self.kernel.shape)
+        return tuple(names[: self.n_in]) + (LORA_AXIS,), (LORA_AXIS,) + tuple(names[self.n_in :])
+
     def add_lora(self, a: jax.Array, b: jax.Array, alpha: float) -> None:
         """Attach an adapter: a `[in..., r]`, b `[r, out...]` (stored float32, kernel's logical names + 'lora').
 
@@ -93,9 +98,7 @@ class Linear(nnx.Module):
                 f"LoRA A {tuple(np.shape(a))} / B {tuple(np.shape(b))} do not fit kernel {tuple(self.kernel.shape)} "
                 f"(expected A {self.in_shape + ('r',)}, B {('r',) + self.out_shape}, r >= 1)"
             )
-        names = self.kernel.get_metadata().get("out_sharding") or (None,) * len(self.kernel.shape)
-        a_names = tuple(names[: self.n_in]) + (LORA_AXIS,)
-        b_names = (LORA_AXIS,) + tuple(names[self.n_in :])
+        a_names, b_names = self.lora_axis_names()
         self.lora_a = nnx.LoRAParam(jnp.asarray(a, jnp.float32), out_sharding=a_names, eager_sharding=False)
         self.lora_b = nnx.LoRAParam(jnp.asarray(b, jnp.float32), out_sharding=b_names, eager_sharding=False)
         self.lora_scale = float(alpha) / r

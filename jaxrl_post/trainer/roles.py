@@ -32,12 +32,20 @@ class RolesMixin:
     # ------------------------------------------------------------------------------------ construction
     def _build_actor(self) -> None:
         """Actor: params (one copy, shared with the rollout `Generator`), optimizer, jitted update and
-        old-log-prob fns."""
+        old-log-prob fns. With LoRA (`self.lora`) the trained params are the adapters; the frozen base
+        weights (`actor_frozen`) are an argument of every jitted actor fn and the rollout runs with the
+        adapters (its model holds the same buffers)."""
         from jaxrl_post.rollout import Generator
 
         cfg, a = self.config, self.config.actor
         self.generator = Generator(self.actor_model, mesh=self.mesh if self.n_devices > 1 else None)
-        graphdef, params, rest = steps.split_model(self.actor_model)
+        if self.lora is not None:
+            graphdef, params, frozen, rest = steps.split_lora_model(self.actor_model)
+            self.actor_frozen = self._commit(frozen)
+            nnx.update(self.actor_model, self.actor_frozen)
+        else:
+            graphdef, params, rest = steps.split_model(self.actor_model)
+            self.actor_frozen = None
         self.actor_graphdef, self.actor_rest = graphdef, rest
         self.actor_params = self._commit(params)
         nnx.update(self.actor_model, self.actor_params)  # one copy of the weights, shared with the rollout
@@ -76,11 +84,13 @@ class RolesMixin:
         )
 
     def _build_reference(self) -> None:
-        """Reference: frozen copy of the initial actor params and its log-prob fn (only with a KL term)."""
+        """Reference (only with a KL term): a frozen copy of the initial actor params and its log-prob fn; with
+        LoRA no copy at all: the actor's own model with its adapters off (`ref_params` stays None)."""
         cfg = self.config
         self.ref_params = None
         if self.use_ref:
-            self.ref_params = builders.copy_tree(self.actor_params)
+            if self.lora is None:
+                self.ref_params = builders.copy_tree(self.actor_params)
             self._ref_log_prob = jax.jit(
                 steps.make_log_prob_fn(
                     self.actor_graphdef,
@@ -88,6 +98,7 @@ class RolesMixin:
                     micro_batch_size=int(cfg.ref.log_prob_micro_batch_size),
                     temperature=self.actor_loss_cfg.temperature,
                     with_entropy=False,
+                    adapters=self.lora is None,
                     on_trace=self._tracer("ref"),
                 )
             )
@@ -186,10 +197,11 @@ class RolesMixin:
             return shard_batch(tree, self.mesh)
         return {k: jnp.asarray(v) for k, v in tree.items()}
 
-    def _forward(self, fn, params, batch: dict[str, np.ndarray], micro: int):
-        """Run a jitted forward over the whole [B, ...] batch (padded to a multiple of `micro`)."""
+    def _forward(self, fn, params, batch: dict[str, np.ndarray], micro: int, frozen=None):
+        """Run a jitted forward over the whole [B, ...] batch (padded to a multiple of `micro`); `frozen`: a
+        LoRA actor's base params."""
         arrays, pad = builders.pad_rows({k: batch[k] for k in _FWD_KEYS}, micro)
-        out = fn(params, self._put(arrays))
+        out = fn(params, self._put(arrays)) if frozen is None else fn(params, self._put(arrays), frozen)
         out = jax.tree.map(lambda x: to_numpy(x)[: arrays["input_ids"].shape[0] - pad], out)
         return out
 

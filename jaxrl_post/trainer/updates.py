@@ -39,9 +39,10 @@ class UpdatesMixin:
             mb = {k: b[k][idx] for k in keys}
             mb["response_mask"] = b["loss_mask"][idx]
             lr = float(self.actor_lr(self.actor_update_count))
-            self.actor_params, self.actor_opt_state, m = self._actor_update(
-                self.actor_params, self.actor_opt_state, self._put(mb)
-            )
+            args = (self.actor_params, self.actor_opt_state, self._put(mb))
+            if self.actor_frozen is not None:  # LoRA: the adapters are trained, the base is an argument
+                args += (self.actor_frozen,)
+            self.actor_params, self.actor_opt_state, m = self._actor_update(*args)
             self.actor_update_count += 1
             out.append(dict(m, lr=lr))
         out = [jax.device_get(m) for m in out]
