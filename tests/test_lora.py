@@ -1,0 +1,292 @@
+"""LoRA: exactness with B = 0 / adapters off, gradients only on A/B, merged export and PEFT adapter vs
+transformers + peft, adapter round trip, bad-input errors, and a tiny GRPO run with LoRA (learns, reference =
+base, adapters-only checkpoint and resume, export)."""
+
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from jaxrl_post.models import ModelConfig, init_model, load_hf_dir, save_pretrained
+from jaxrl_post.models.lora import (
+    LoRAConfig,
+    apply_lora,
+    iter_projections,
+    load_peft_adapter,
+    lora_config_of,
+    parse_target_modules,
+    save_peft_adapter,
+    set_lora_enabled,
+)
+
+TINY = ModelConfig(
+    family="qwen2", vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
+    head_dim=8, qkv_bias=True,
+)  # fmt: skip
+_fwd = jax.jit(lambda m, ids, mask: m(ids, mask))
+
+
+def _batch(vocab, b=2, t=9, seed=0):
+    ids = np.random.RandomState(seed).randint(0, vocab, (b, t)).astype(np.int32)
+    mask = np.ones((b, t), np.int32)
+    mask[0, :3] = 0  # left padding
+    return ids, mask
+
+
+def _randomize_adapters(model, seed=1, scale=0.3):
+    rng = np.random.default_rng(seed)
+    for *_, lin in iter_projections(model):
+        if lin.lora_a is not None:
+            lin.lora_b.set_value(jnp.asarray(rng.normal(0, scale, lin.lora_b.shape), jnp.float32))
+
+
+def test_zero_b_equals_base_adapters_off_equals_base_and_grads_reach_only_adapters():
+    ids, mask = _batch(TINY.vocab_size)
+    bf16 = init_model(TINY, seed=3, dtype="bfloat16")  # bf16 compute and params, float32 adapters
+    base = np.asarray(_fwd(bf16, ids, mask))
+    np.testing.assert_array_equal(np.asarray(_fwd(apply_lora(bf16, LoRAConfig(4, 8.0)), ids, mask)), base)
+    model = init_model(TINY, seed=3)
+    base = np.asarray(_fwd(model, ids, mask))
+    apply_lora(model, LoRAConfig(4, 8.0))
+    assert lora_config_of(model) == LoRAConfig(4, 8.0)
+    np.testing.assert_array_equal(np.asarray(_fwd(model, ids, mask)), base)  # B = 0: bit-exact
+    # trainable state = the A/B of all 7 projections of both layers, float32, nothing else
+    graphdef, adapters, frozen, rest = nnx.split(model, nnx.LoRAParam, nnx.Param, ...)
+    paths = [p for p, _ in nnx.to_flat_state(adapters)]
+    assert len(paths) == 2 * 7 * 2 and all(p[-1] in ("lora_a", "lora_b") for p in paths)
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(adapters))
+    assert not any(p[-1].startswith("lora") for p, _ in nnx.to_flat_state(frozen))
+
+    def loss(ad):
+        return jnp.sum(nnx.merge(graphdef, ad, frozen, rest)(ids, mask)[..., :7] ** 2)
+
+    grads = jax.jit(jax.grad(loss))(adapters)
+    g = {p: float(jnp.abs(v.get_value()).max()) for p, v in nnx.to_flat_state(grads)}
+    assert all(v > 0 for p, v in g.items() if p[-1] == "lora_b")  # dL/dB = scale (xA)^T dL/dy != 0
+    assert all(v == 0 for p, v in g.items() if p[-1] == "lora_a")  # dL/dA has a factor B = 0
+    _randomize_adapters(model)
+    adapted = np.asarray(_fwd(model, ids, mask))
+    assert np.abs(adapted - base).max() > 0.1
+    np.testing.assert_array_equal(np.asarray(_fwd(set_lora_enabled(model, False), ids, mask)), base)
+    np.testing.assert_array_equal(np.asarray(_fwd(set_lora_enabled(model, True), ids, mask)), adapted)
+
+
+def test_bad_lora_settings_raise_clear_errors(tmp_path):
+    from configs import grpo
+    from jaxrl_post.trainer.config_check import ConfigError, validate_config
+
+    assert parse_target_modules("all-linear") == LoRAConfig(1).target_modules
+    assert parse_target_modules("v_proj, q_proj") == ("q_proj", "v_proj")
+    assert parse_target_modules(["model.layers.0.mlp.up_proj"]) == ("up_proj",)
+    with pytest.raises(ValueError, match=r"unknown module names \['qkv'\]; valid: 'all-linear' or any of"):
+        LoRAConfig(8, target_modules=("q_proj", "qkv"))
+    for rank in (0, -1):
+        with pytest.raises(ValueError, match="LoRA rank must be an int >= 1"):
+            LoRAConfig(rank)
+    model = apply_lora(init_model(TINY, seed=0), LoRAConfig(2, target_modules=("q_proj",)))
+    with pytest.raises(ValueError, match="already has a LoRA adapter"):
+        apply_lora(model, LoRAConfig(2))
+
+    def errors(**model_keys):
+        c = grpo.get_config("tiny")
+        c.trainer.default_local_dir = str(tmp_path / "run")
+        for k, v in model_keys.items():
+            setattr(c.model, k, v)
+        with pytest.raises(ConfigError) as e:
+            validate_config(c)
+        return str(e.value)
+
+    assert "config.model.lora_rank=-1: must be an int >= 0" in errors(lora_rank=-1)
+    assert "config.model.target_modules='q_proj,attn'" in errors(lora_rank=8, target_modules="q_proj,attn")
+    assert "config.model.lora_alpha=0.0: must be > 0" in errors(lora_rank=8, lora_alpha=0.0)
+    missing = errors(lora_adapter_path=str(tmp_path / "nope"))
+    assert "config.model.lora_adapter_path" in missing and "no adapter_config.json" in missing
+    save_peft_adapter(model, tmp_path / "ad")
+    assert "has r=2; set lora_rank=2 or 0" in errors(lora_rank=4, lora_adapter_path=str(tmp_path / "ad"))
+    with pytest.raises(ValueError, match="has rank r=2 but model.lora_rank=4"):
+        load_peft_adapter(init_model(TINY, seed=0), tmp_path / "ad", rank=4)
+
+
+def _hf_llama(tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=71, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for _, p in hf.named_parameters():
+            p.copy_(0.15 * torch.randn_like(p))
+    hf.save_pretrained(tmp_path / "base")
+    return str(tmp_path / "base")
+
+
+def _torch_logits(model, ids, mask):
+    import torch
+
+    pos = np.maximum(np.cumsum(mask, 1) - 1, 0)
+    with torch.no_grad():
+        ids, mask, pos = torch.tensor(ids).long(), torch.tensor(mask), torch.tensor(pos)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos)
+    return out.logits.float().numpy()
+
+
+def test_merged_export_and_peft_adapter_match_transformers(tmp_path):
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    base_dir = _hf_llama(tmp_path)
+    model = apply_lora(load_hf_dir(base_dir), LoRAConfig(3, 6.0, ("q_proj", "v_proj", "o_proj", "down_proj")))
+    _randomize_adapters(model, seed=2)
+    for *_, lin in iter_projections(model):
+        if lin.lora_a is not None:  # A too, so every dim of the layout matters
+            lin.lora_a.set_value(lin.lora_a[...] * 3.0)
+    ids, mask = _batch(71, b=3, t=10)
+    valid = mask.astype(bool)
+    ours = np.asarray(_fwd(model, ids, mask))
+    save_pretrained(model, None, tmp_path / "merged")
+    save_peft_adapter(model, tmp_path / "adapter", base_model_name_or_path=base_dir)
+    cfg = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert (cfg["r"], cfg["lora_alpha"], cfg["peft_type"]) == (3, 6, "LORA")
+
+    auto = transformers.AutoModelForCausalLM
+    merged = _torch_logits(auto.from_pretrained(tmp_path / "merged", attn_implementation="eager").eval(), ids, mask)
+    base_hf = auto.from_pretrained(base_dir, attn_implementation="eager").eval()
+    base_logits = _torch_logits(base_hf, ids, mask)
+    with_adapter = peft.PeftModel.from_pretrained(base_hf, tmp_path / "adapter").eval()
+    via_peft = _torch_logits(with_adapter, ids, mask)
+    assert np.abs(merged - base_logits)[valid].max() > 0.5  # the adapter changes the model
+    assert np.abs(merged - via_peft)[valid].max() <= 1e-5  # merged export == adapter forward (transformers)
+    assert np.abs(ours - via_peft)[valid].max() <= 1e-4 * max(1.0, np.abs(via_peft).max())  # == ours
+    # the adapter loads back onto our base exactly
+    again = load_hf_dir(base_dir)
+    assert load_peft_adapter(again, tmp_path / "adapter") == lora_config_of(model)
+    np.testing.assert_array_equal(np.asarray(_fwd(again, ids, mask)), ours)
+
+
+def test_peft_adapter_of_some_layers_only_is_refused(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    model = apply_lora(init_model(TINY, seed=0), LoRAConfig(2, target_modules=("q_proj",)))
+    save_peft_adapter(model, tmp_path)
+    f = tmp_path / "adapter_model.safetensors"
+    save_file({k: v for k, v in load_file(f).items() if ".layers.1." not in k}, f)
+    with pytest.raises(ValueError, match=r"every one of the model's 2 layers needs lora_A and lora_B"):
+        load_peft_adapter(init_model(TINY, seed=0), tmp_path)
+
+
+# ----------------------------------------------------------------------------------------- trainer
+def _tiny_base_dir(path):
+    """A tiny llama HF dir whose logits are O(1) (embeddings x3): a random 0.02-std model is near-uniform and
+    its tied head would leave LoRA on the projections almost no way to move the output distribution."""
+    from configs import grpo
+    from jaxrl_post.trainer.builders import model_config_from
+
+    model = init_model(model_config_from(grpo.get_config("tiny")), seed=0)
+    model.embedding.set_value(model.embedding[...] * 3.0)
+    save_pretrained(model, None, path)
+    return str(path)
+
+
+def _saved_keys(step_dir, item):
+    with open(os.path.join(step_dir, item, "_METADATA")) as f:
+        return [k for k, v in json.load(f)["tree_metadata"].items() if v["value_metadata"].get("write_shape")]
+
+
+def test_grpo_tiny_lora_learns_reference_is_base_checkpoint_holds_adapters_and_exports(tmp_path):
+    from configs import grpo
+    from jaxrl_post.trainer import checkpoint as ckpt
+    from jaxrl_post.trainer.trainer import RLTrainer
+
+    base_dir = _tiny_base_dir(tmp_path / "base")
+    c = grpo.get_config("tiny")
+    c.model.random_init, c.model.path = False, base_dir  # tokenizer: 'char' (tiny config)
+    c.model.lora_rank, c.model.lora_alpha = 8, 16.0
+    c.actor.optim.lr = 1e-2
+    c.trainer.total_training_steps = c.trainer.save_freq = 20
+    c.trainer.val_before_train = c.trainer.val_at_end = False
+    c.trainer.print_every = 100
+    c.trainer.default_local_dir = str(tmp_path / "run")
+    trainer = RLTrainer(c, console_write=lambda line: None)
+    try:
+        assert trainer.lora == LoRAConfig(8, 16.0) and trainer.ref_params is None and trainer.use_ref
+        # trained state: the 28 A/B arrays; AdamW moments only for them
+        shapes = sorted(x.shape for x in jax.tree.leaves(trainer.actor_params))
+        assert len(shapes) == 2 * 7 * 2 and all(8 in s for s in shapes)
+        moments = sorted(x.shape for x in jax.tree.leaves(trainer.actor_opt_state) if x.ndim)
+        assert moments == sorted(shapes * 2)
+        # reference = initial actor = the base model without adapters, bit for bit
+        rng = np.random.RandomState(0)
+        t, r, n = c.data.max_prompt_length + c.data.max_response_length, c.data.max_response_length, 16
+        b = {"input_ids": rng.randint(3, 100, (n, t)).astype(np.int32), "attention_mask": np.ones((n, t), np.int32)}
+        b["position_ids"] = np.tile(np.arange(t, dtype=np.int32), (n, 1))
+        b["responses"] = b["input_ids"][:, -r:]
+
+        def log_probs(fn):
+            return trainer._forward(fn, trainer.actor_params, b, 8, trainer.actor_frozen)[0]
+
+        ref0, actor0 = log_probs(trainer._ref_log_prob), log_probs(trainer._old_log_prob)
+        np.testing.assert_array_equal(ref0, actor0)
+        logits = jax.jit(lambda m, ids, mask, pos: m(ids, mask, pos))
+        base_logits = logits(load_hf_dir(base_dir), b["input_ids"][:2], b["attention_mask"][:2], b["position_ids"][:2])
+        own = logits(trainer.actor_model, b["input_ids"][:2], b["attention_mask"][:2], b["position_ids"][:2])
+        np.testing.assert_array_equal(np.asarray(own), np.asarray(base_logits))
+        frozen0 = jax.tree.map(np.asarray, trainer.actor_frozen)
+
+        hist = trainer.fit()["history"]
+        scores = [m["critic/score/mean"] for m in hist]
+        assert len(scores) == 20 and np.mean(scores[-5:]) > np.mean(scores[:5]) + 0.08, scores  # it learns
+        # the base never moved; the reference still is the base, the actor is not
+        assert jax.tree.all(jax.tree.map(np.array_equal, frozen0, jax.tree.map(np.asarray, trainer.actor_frozen)))
+        np.testing.assert_array_equal(log_probs(trainer._ref_log_prob), ref0)
+        assert np.abs(log_probs(trainer._old_log_prob) - actor0).max() > 0.1
+        trained = jax.tree.map(np.asarray, trainer.actor_params)
+    finally:
+        trainer.close()
+
+    # the checkpoint holds the adapters and their optimizer state only
+    step_dir = os.path.join(c.trainer.default_local_dir, "checkpoints", "global_step_20")
+    for item in ("actor.params", "actor.opt_state"):
+        keys = _saved_keys(step_dir, item)
+        assert len(keys) == (28 if item == "actor.params" else 56) and all("lora_" in k for k in keys), item
+    # resume rebuilds the base from model.path and restores the adapters
+    again = RLTrainer(c, console_write=lambda line: None)
+    try:
+        assert again.resumed_from == step_dir and again.global_steps == 20
+        assert jax.tree.all(jax.tree.map(np.array_equal, trained, jax.tree.map(np.asarray, again.actor_params)))
+        ours = np.asarray(logits(again.actor_model, b["input_ids"][:2], b["attention_mask"][:2], b["position_ids"][:2]))
+    finally:
+        again.close()
+    c.model.lora_rank = 4
+    with pytest.raises(ckpt.CheckpointError, match=r"LoRA does not match the config: checkpoint rank=8, alpha=16.0"):
+        RLTrainer(c, console_write=lambda line: None)
+
+    # export: merged weights (transformers) and a PEFT adapter (peft on the HF base) agree with the actor
+    pytest.importorskip("torch")
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    import export_hf
+
+    out = export_hf.export(str(tmp_path / "run"), str(tmp_path / "hf"))
+    assert (
+        json.loads((tmp_path / "hf" / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"]
+        == base_dir
+    )
+    auto = transformers.AutoModelForCausalLM
+    ids, mask = b["input_ids"][:2, :40], b["attention_mask"][:2, :40]
+    merged = _torch_logits(auto.from_pretrained(out, attn_implementation="eager").eval(), ids, mask)
+    base_hf = auto.from_pretrained(base_dir, attn_implementation="eager").eval()
+    via_peft = _torch_logits(peft.PeftModel.from_pretrained(base_hf, tmp_path / "hf" / "adapter").eval(), ids, mask)
+    assert np.abs(merged - via_peft).max() <= 1e-5
+    np.testing.assert_allclose(ours[:, :40], via_peft, atol=1e-4 * max(1.0, np.abs(via_peft).max()))
