@@ -172,6 +172,14 @@ def test_merged_export_and_peft_adapter_match_transformers(tmp_path):
     again = load_hf_dir(base_dir)
     assert load_peft_adapter(again, tmp_path / "adapter") == lora_config_of(model)
     np.testing.assert_array_equal(np.asarray(_fwd(again, ids, mask)), ours)
+    # an adapter written by peft itself (random B, full-path target_modules) loads with the same logits
+    cfg = peft.LoraConfig(r=2, lora_alpha=5, target_modules="all-linear", init_lora_weights=False)
+    theirs = peft.get_peft_model(auto.from_pretrained(base_dir, attn_implementation="eager"), cfg).eval()
+    theirs.save_pretrained(tmp_path / "peft_made")
+    ref = _torch_logits(theirs, ids, mask)
+    ours = load_hf_dir(base_dir)
+    assert load_peft_adapter(ours, tmp_path / "peft_made", rank=2) == LoRAConfig(2, 5.0)
+    assert np.abs(np.asarray(_fwd(ours, ids, mask)) - ref)[valid].max() <= 1e-4 * max(1.0, np.abs(ref).max())
 
 
 def test_peft_adapter_of_some_layers_only_is_refused(tmp_path):
