@@ -105,6 +105,10 @@ class Attention(nnx.Module):
 
         # Query heads of one kv head are folded into the row dim: [B, N, G*T, K] (head h = n * G + g).
         qg = q.reshape(b, t, n, g, self.head_dim).transpose(0, 2, 3, 1, 4).reshape(b, n, g * t, self.head_dim)
+        # A cache wider than the compute dtype (float32 under bf16 compute, the CPU rollout default) is read
+        # as it is: q and the probabilities are widened instead (exact), so no step copies the cache.
+        att_dtype = jnp.promote_types(self.dtype, k_segs[0].dtype)
+        qg = qg.astype(att_dtype)
         offsets = np.cumsum([0] + [seg.shape[-1] for seg in k_segs])
         visible = [jnp.any(allowed[:, :, lo:hi]) for lo, hi in zip(offsets[:-1], offsets[1:])]
 
@@ -119,7 +123,7 @@ class Attention(nnx.Module):
                     skip_if_hidden(
                         i,
                         lambda kj=kj: jnp.einsum(
-                            "BNQK,BNKS->BNQS", qg, kj.astype(self.dtype), preferred_element_type=jnp.float32
+                            "BNQK,BNKS->BNQS", qg, kj.astype(att_dtype), preferred_element_type=jnp.float32
                         ),
                         (b, n, g * t, kj.shape[-1]),
                         _NEG,
@@ -134,13 +138,13 @@ class Attention(nnx.Module):
             scores = jnp.tanh(scores / self.softcap) * self.softcap
         scores = scores.reshape(b, n, g, t, s)
         scores = jnp.where(allowed[:, None, None], scores, _NEG).reshape(b, n, g * t, s)
-        probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
+        probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype).astype(att_dtype)
         out = None  # [B, N, G*T, K]
         for i, (vj, lo, hi) in enumerate(zip(v_segs, offsets[:-1], offsets[1:])):
             part = skip_if_hidden(
                 i,
                 lambda vj=vj, lo=lo, hi=hi: jnp.einsum(
-                    "BNQS,BNSK->BNQK", probs[..., lo:hi], vj.astype(self.dtype), preferred_element_type=jnp.float32
+                    "BNQS,BNSK->BNQK", probs[..., lo:hi], vj.astype(att_dtype), preferred_element_type=jnp.float32
                 ),
                 (b, n, g * t, self.head_dim),
                 0.0,
