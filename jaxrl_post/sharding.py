@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -125,7 +124,8 @@ def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
 def shard_batch(tree, mesh: Mesh):
     """Place every array leaf with its leading (batch) dim over ('data', 'fsdp').
 
-    Host numpy leaves on multi-host runs are treated as this process's slice of the global batch.
+    Host leaves are the GLOBAL batch, the same on every process of a multi-process run (each process places
+    its own rows); process-local rows go through `distributed.global_from_local` instead.
     Raises ValueError when a leading dim does not divide the batch axes' size.
     """
     n = _axis_size(dict(mesh.shape), LOGICAL_AXIS_RULES["batch"])
@@ -134,8 +134,6 @@ def shard_batch(tree, mesh: Mesh):
         if not hasattr(x, "shape") or x.ndim == 0:
             return x
         sharding = batch_sharding(mesh, x.ndim)
-        if jax.process_count() > 1 and isinstance(x, np.ndarray):
-            return jax.make_array_from_process_local_data(sharding, x)
         if x.shape[0] % n:
             raise ValueError(
                 f"batch leaf {jax.tree_util.keystr(path)}: leading dim {x.shape[0]} is not divisible by data*fsdp={n}"

@@ -23,8 +23,10 @@ _FWD_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "sampli
 
 
 def to_numpy(x) -> np.ndarray:
-    """A (possibly sharded) device array as one host numpy array."""
-    return np.asarray(jax.device_get(x))
+    """A (possibly sharded, possibly multi-process) device array as one host numpy array (every process)."""
+    from jaxrl_post.distributed import to_host
+
+    return to_host(x)
 
 
 class RolesMixin:

@@ -45,7 +45,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxrl_post import core_algos
+from jaxrl_post import core_algos, distributed
 from jaxrl_post.protocol import DataProto
 from jaxrl_post.trainer import builders, preflight, steps
 from jaxrl_post.trainer import metrics as metrics_lib
@@ -106,6 +106,8 @@ class RLTrainer(RolesMixin, RolloutMixin, UpdatesMixin, CheckpointMixin):
         self.train_loader, self.val_loader, self.data_stats = builders.build_dataloaders(
             cfg, data_rows, self.tokenizer, self.pad_token_id
         )
+        # multi-process: each process loads only its share of every global prompt batch (distributed.py)
+        self.process_local = distributed.shard_loader(self.train_loader, self.mesh, int(cfg.rollout.n))
         self.reward_fn = builders.build_reward_manager(cfg, self.tokenizer, data_rows.custom_reward_fn)
         self.total_training_steps = int(
             cfg.trainer.total_training_steps or cfg.trainer.total_epochs * len(self.train_loader)
@@ -142,6 +144,8 @@ class RLTrainer(RolesMixin, RolloutMixin, UpdatesMixin, CheckpointMixin):
         self.peak_flops = metrics_lib.device_peak_flops(override=cfg.trainer.device_peak_flops)
         self._say = console_write or (lambda line: print(line, flush=True))
         os.makedirs(self.workdir, exist_ok=True)
+        if not distributed.is_main():  # process 0 alone prints, logs and writes metrics files
+            self._say, tracker = (lambda line: None), tracker or distributed.NullTracker()
         self.tracker = tracker or Tracking(
             self.workdir,
             cfg.trainer.logger,
@@ -317,7 +321,7 @@ class RLTrainer(RolesMixin, RolloutMixin, UpdatesMixin, CheckpointMixin):
             result["val_before"] = self.validate()
             self.tracker.log(result["val_before"], step=self.global_steps)
         bar = progress_bar(
-            bool(cfg.trainer.progress_bar),
+            bool(cfg.trainer.progress_bar) and distributed.is_main(),
             total=self.total_training_steps,
             initial=self.global_steps,
             desc="training",
