@@ -71,7 +71,8 @@ def check_keys(coordinator_address, num_processes, process_id) -> None:
                 f"config.trainer.distributed.coordinator_address must be 'host:port', got {coordinator_address!r}"
             )
     explicit = [k is not None for k in (coordinator_address, num_processes, process_id)]
-    if any(explicit) and not all(explicit) and detect_cluster() is None:
+    single = coordinator_address is None and num_processes is not None and int(num_processes) == 1
+    if any(explicit) and not all(explicit) and not single and detect_cluster() is None:
         raise DistributedConfigError(
             "config.trainer.distributed: set coordinator_address, num_processes and process_id together "
             "(or none of them, to auto-detect a TPU pod / SLURM / Open MPI cluster); got "

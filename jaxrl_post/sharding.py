@@ -167,3 +167,38 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     if any(x.shape[d] % _axis_size(sizes, a) for d, a in enumerate(spec)):
         return x
     return jax.lax.with_sharding_constraint(x, spec)
+
+
+class InMesh:
+    """A jitted fn called -- and so traced -- with `mesh` as the ambient mesh (`jax.set_mesh`), so the model's
+    activation constraints (`constrain`) take effect inside it; other attributes (`lower`, `_cache_size`)
+    are the jitted fn's. `mesh=None` calls `fn` as it is."""
+
+    def __init__(self, fn, mesh: Mesh | None):
+        self._fn, self._mesh = fn, mesh
+
+    def __call__(self, *args, **kwargs):
+        if self._mesh is None:
+            return self._fn(*args, **kwargs)
+        with jax.set_mesh(self._mesh):
+            return self._fn(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._fn, name)
+
+
+def init_opt_state(tx, params, mesh: Mesh | None):
+    """`tx.init(params)` with every param-shaped optimizer leaf (Adam mu / nu, ...) sharded like its param and
+    the rest (step counts) replicated -- under FSDP a device holds 1/N of the optimizer state, as of the
+    params (`jax.jit(tx.init)` alone returns every leaf replicated)."""
+    if mesh is None:
+        return jax.jit(tx.init)(params)
+    import optax
+
+    replicated = NamedSharding(mesh, P())
+    abstract = jax.eval_shape(tx.init, params)
+    param_sh = jax.tree.map(lambda x: x.sharding, params)
+    shardings = optax.tree_map_params(
+        tx, lambda _, sh: sh, abstract, param_sh, transform_non_params=lambda _: replicated
+    )
+    return jax.jit(tx.init, out_shardings=shardings)(params)

@@ -258,7 +258,9 @@ class Generator:
         pid_d, pmask_d, done_d = arrays
         max_len = p_pad + n_alloc
         seg = self.cache_segment_len or max(16, -(-max_len // 128) * 16)  # ~8 segments, multiple of 16
-        logits, cache = _prefill(
+        from jaxrl_post.sharding import InMesh
+
+        logits, cache = InMesh(_prefill, self.mesh)(
             graphdef,
             state,
             pid_d,
@@ -269,7 +271,7 @@ class Generator:
             cache_dtype=self.cache_dtype,
             mesh=self.mesh,
         )
-        tokens, logps, thresholds, _, _, _ = _decode(
+        tokens, logps, thresholds, _, _, _ = InMesh(_decode, self.mesh)(
             graphdef, state, cache, logits, done_d, key, params=static, num_steps=r, chunk=chunk, mesh=self.mesh
         )
         from jaxrl_post.distributed import local_part, to_host
