@@ -80,6 +80,33 @@ def check_keys(coordinator_address, num_processes, process_id) -> None:
         )
 
 
+def config_errors(cfg) -> list[str]:
+    """Problems of the job config's `trainer.distributed.*` keys and of the per-process prompt share, as
+    `config.<key>...: <problem>` lines (`trainer/config_check.py` reports them with the others)."""
+    import jax
+
+    d, out = cfg.trainer.get("distributed"), []
+    if d is None:  # a job config without the block: auto-detection only
+        return out
+    types = {"coordinator_address": (str, "None or 'host:port'"), "num_processes": (int, "None or an int >= 1")}
+    types["process_id"] = (int, "None or an int >= 0")
+    bad = False
+    for key, (typ, what) in types.items():
+        v = d[key]
+        if v is not None and (not isinstance(v, typ) or isinstance(v, bool)):
+            out.append(f"config.trainer.distributed.{key}={v!r}: must be {what}")
+            bad = True
+    if not bad:
+        try:
+            check_keys(d.coordinator_address, d.num_processes, d.process_id)
+        except DistributedConfigError as e:
+            out.append(str(e))
+    n, b = jax.process_count(), cfg.data.train_batch_size
+    if n > 1 and isinstance(b, int) and b % n:
+        out.append(f"config.data.train_batch_size={b}: must be a multiple of the process count ({n})")
+    return out
+
+
 def initialize(coordinator_address=None, num_processes=None, process_id=None) -> bool:
     """Start `jax.distributed` once, before any other JAX call; returns whether it was started.
 

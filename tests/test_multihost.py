@@ -36,8 +36,10 @@ _SCRIPT = r"""
 import json, os, re, sys
 sys.path.insert(0, os.getcwd())
 args = json.loads(sys.argv[1])
+from jaxrl_post import distributed
+distributed.initialize(**args.get("dist", {}))  # before any other JAX call
 import jax, numpy as np
-from configs import grpo
+from configs import grpo, ppo
 from jaxrl_post import sharding
 from jaxrl_post.distributed import to_host
 from jaxrl_post.trainer import checkpoint as ckpt
@@ -51,7 +53,7 @@ def spy(x, names):
     return _constrain(x, names)
 sharding.constrain = spy
 
-c = grpo.get_config("tiny")
+c = {"grpo": grpo, "ppo": ppo}[args.get("algo", "grpo")].get_config("tiny")
 for k, v in args["overrides"].items():
     node = c
     *head, last = k.split(".")
@@ -87,8 +89,9 @@ out["history"] = res["history"]
 out["constrain_calls"], out["constrain_with_mesh"] = len(seen), sum(seen)
 params = flat(t.actor_params)
 t.close()
-np.savez(args["out"] + ".npz", **params)
-json.dump(out, open(args["out"] + ".json", "w"))
+if jax.process_index() == 0:
+    np.savez(args["out"] + ".npz", **params)
+    json.dump(out, open(args["out"] + ".json", "w"))
 """
 
 
@@ -103,8 +106,8 @@ def _env(n_devices: int) -> dict:
     return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
 
 
-def _start_script(tmp, name, n_devices, mesh, **extra):
-    args = dict(overrides=_OVERRIDES, workdir=str(tmp / name), mesh=mesh, out=str(tmp / name) + ".out", **extra)
+def _start_script(tmp, name, n_devices, mesh, overrides=_OVERRIDES, **extra):
+    args = dict(overrides=overrides, workdir=str(tmp / name), mesh=mesh, out=str(tmp / name) + ".out", **extra)
     cmd = [sys.executable, str(tmp / "run.py"), json.dumps(args)]
     return subprocess.Popen(
         cmd, cwd=REPO, env=_env(n_devices), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -225,3 +228,33 @@ def test_fsdp_shards_params_and_optimizer_state_and_constraints_apply(runs):
     # the decoder's activation constraints were traced under the mesh (not silently skipped)
     assert one8["constrain_calls"] > 0 and one8["constrain_with_mesh"] == one8["constrain_calls"]
     assert one1["constrain_with_mesh"] == 0  # one device: no mesh, nothing to constrain
+
+
+_PPO = {"trainer.val_before_train": False, "trainer.val_at_end": False, "trainer.total_training_steps": 2}
+
+
+def test_ppo_two_processes_equal_one_process(tmp_path):
+    """Tiny PPO (critic, GAE, KL in reward, old/ref log-probs, 2 shuffled actor and critic mini-batches)."""
+    (tmp_path / "run.py").write_text(_SCRIPT)
+    port = _free_port()
+    two = [
+        _start_script(
+            tmp_path,
+            "ppo2",
+            4,
+            [1, 4, 2],
+            overrides=_PPO,
+            algo="ppo",
+            dist=dict(coordinator_address=f"localhost:{port}", num_processes=2, process_id=i),
+        )
+        for i in range(2)
+    ]
+    one = _start_script(tmp_path, "ppo1", 1, [1, 1, 1], overrides=_PPO, algo="ppo")
+    for p in two[1:]:
+        _, err = p.communicate(timeout=900)
+        assert p.returncode == 0, err[-4000:]
+    ppo2, ppo1 = _finish_script(tmp_path, "ppo2", two[0]), _finish_script(tmp_path, "ppo1", one)
+    assert ppo2["processes"] == 2 and ppo2["devices"] == 8 and ppo1["devices"] == 1
+    assert "critic/vf_loss" in ppo2["history"][0] and "actor/reward_kl_penalty" in ppo2["history"][0]
+    assert _metric_diff(ppo2["history"], ppo1["history"]) <= TOL
+    assert _param_diff(ppo2["params"], ppo1["params"]) <= TOL

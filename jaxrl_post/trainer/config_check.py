@@ -402,32 +402,11 @@ def validate_config(cfg: Any, n_devices: int | None = None) -> None:
     )
     if not cfg.model.random_init:
         check("model.path", lambda v: isinstance(v, str) and v, "must name a model (dir, .gguf, alias)")
-    _check_distributed(cfg, check, err, is_int)
+    from jaxrl_post.distributed import config_errors
+
+    errors += config_errors(cfg)  # trainer.distributed.*, the per-process prompt share
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
-
-
-def _check_distributed(cfg: Any, check, err, is_int) -> None:
-    """`trainer.distributed.*` (jax.distributed keys) and the per-process share of the prompt batch."""
-    import jax
-
-    from jaxrl_post.distributed import DistributedConfigError, check_keys
-
-    d = "trainer.distributed."
-    ok = check(d + "coordinator_address", lambda v: v is None or isinstance(v, str), "must be None or 'host:port'")
-    ok &= check(d + "num_processes", lambda v: v is None or is_int(v), "must be None or an int >= 1")
-    ok &= check(d + "process_id", lambda v: v is None or is_int(v), "must be None or an int >= 0")
-    if ok:
-        t = cfg.trainer.distributed
-        try:
-            check_keys(t.coordinator_address, t.num_processes, t.process_id)
-        except DistributedConfigError as e:
-            err("trainer.distributed", str(e).removeprefix("config.trainer.distributed"))
-    n = jax.process_count()
-    if n > 1 and is_int(cfg.data.train_batch_size) and cfg.data.train_batch_size % n:
-        err(
-            "data.train_batch_size", f"must be a multiple of the process count ({n}): each process loads an equal share"
-        )
 
 
 # filter_groups metrics every reward function has (the rest are extra keys of a reward function's dict results)

@@ -49,7 +49,7 @@ from jaxrl_post import core_algos, distributed
 from jaxrl_post.protocol import DataProto
 from jaxrl_post.trainer import builders, preflight, steps
 from jaxrl_post.trainer import metrics as metrics_lib
-from jaxrl_post.trainer.config_check import critic_enabled, kl_in_use, validate_config
+from jaxrl_post.trainer.config_check import ConfigError, critic_enabled, kl_in_use, validate_config
 from jaxrl_post.trainer.dynamic_sampling import RolloutMixin
 from jaxrl_post.trainer.dynamic_sampling import timer as _timer
 from jaxrl_post.trainer.loggers import config_to_dict
@@ -107,7 +107,10 @@ class RLTrainer(RolesMixin, RolloutMixin, UpdatesMixin, CheckpointMixin):
             cfg, data_rows, self.tokenizer, self.pad_token_id
         )
         # multi-process: each process loads only its share of every global prompt batch (distributed.py)
-        self.process_local = distributed.shard_loader(self.train_loader, self.mesh, int(cfg.rollout.n))
+        try:
+            self.process_local = distributed.shard_loader(self.train_loader, self.mesh, int(cfg.rollout.n))
+        except ValueError as e:  # shares that are not whole prompt groups, a tensor axis across processes
+            raise ConfigError(str(e)) from e
         self.reward_fn = builders.build_reward_manager(cfg, self.tokenizer, data_rows.custom_reward_fn)
         self.total_training_steps = int(
             cfg.trainer.total_training_steps or cfg.trainer.total_epochs * len(self.train_loader)
