@@ -124,3 +124,21 @@ def test_single_process_helpers_are_identities():
     np.testing.assert_array_equal(
         distributed.local_part(distributed.global_from_local(np.arange(4.0), mesh)), [0, 1, 2, 3]
     )
+
+
+def test_reward_failure_is_raised_on_every_process_path():
+    from jaxrl_post.rewards.manager import RewardFunctionError
+    from jaxrl_post.trainer.dynamic_sampling import score_everywhere
+
+    class Fails:
+        def compute(self, data):
+            raise RewardFunctionError("boom")
+
+    class Ok:
+        def compute(self, data):
+            return "scored"
+
+    for local in (False, True):  # one process: the flag gather is an identity
+        assert score_everywhere(Ok(), None, local) == "scored"
+        with pytest.raises(RewardFunctionError, match="boom"):
+            score_everywhere(Fails(), None, local)

@@ -230,7 +230,8 @@ def test_fsdp_shards_params_and_optimizer_state_and_constraints_apply(runs):
     assert one1["constrain_with_mesh"] == 0  # one device: no mesh, nothing to constrain
 
 
-_PPO = {"trainer.val_before_train": False, "trainer.val_at_end": False, "trainer.total_training_steps": 2}
+# validation after the last step too: held-out batches are placed from the global batch on every process
+_PPO = {"trainer.val_before_train": False, "trainer.val_at_end": True, "trainer.total_training_steps": 2}
 
 
 def test_ppo_two_processes_equal_one_process(tmp_path):
@@ -256,5 +257,6 @@ def test_ppo_two_processes_equal_one_process(tmp_path):
     ppo2, ppo1 = _finish_script(tmp_path, "ppo2", two[0]), _finish_script(tmp_path, "ppo1", one)
     assert ppo2["processes"] == 2 and ppo2["devices"] == 8 and ppo1["devices"] == 1
     assert "critic/vf_loss" in ppo2["history"][0] and "actor/reward_kl_penalty" in ppo2["history"][0]
+    assert any(k.startswith("val-core/") for k in ppo2["history"][1])  # compared below with the rest
     assert _metric_diff(ppo2["history"], ppo1["history"]) <= TOL
     assert _param_diff(ppo2["params"], ppo1["params"]) <= TOL

@@ -231,6 +231,30 @@ def merge_reward_metrics(outputs: list[Any]) -> dict[str, float]:
     return out
 
 
+def score_everywhere(reward_fn, data, local: bool):
+    """`reward_fn.compute(data)`; with process-local rows a failure on any process is raised on every process
+    (the others would otherwise wait in the next gather forever). Raises RewardFunctionError."""
+    from jaxrl_post.rewards.manager import RewardFunctionError
+
+    if not local:
+        return reward_fn.compute(data)
+    from jaxrl_post.distributed import gather_rows
+
+    err = None
+    try:
+        res = reward_fn.compute(data)
+    except RewardFunctionError as e:
+        err = e
+    failed = gather_rows(np.asarray([err is not None]))
+    if err is not None:
+        raise err
+    if failed.any():
+        raise RewardFunctionError(
+            f"the reward function failed on process {int(np.argmax(failed))} (its message is in that process's log)"
+        )
+    return res
+
+
 class RolloutMixin:
     """One generation batch of `RLTrainer` (generate + reward) and the dynamic-sampling loop over them."""
 
@@ -252,7 +276,7 @@ class RolloutMixin:
         if not self.config.rollout.sampling_mask_replay:  # the forwards score the full softmax
             b.pop("sampling_logit_threshold", None)
         with timer("reward", timing):
-            res = self.reward_fn.compute(out)  # this process's rows only
+            res = score_everywhere(self.reward_fn, out, local)  # this process's rows only
         b["token_level_scores"] = np.asarray(res.token_level_scores, np.float32)
         if self.config.algorithm.adv_estimator == "remax":
             with timer("gen_max", timing):
