@@ -179,7 +179,9 @@ def _norm(key: str) -> str:
 def _param_diff(a: dict, b: dict) -> float:
     a, b = {_norm(k): v for k, v in a.items()}, {_norm(k): v for k, v in b.items()}
     assert sorted(a) == sorted(b) and a
-    return max(float(np.max(np.abs(a[k].astype(np.float64) - b[k]))) for k in a)
+    d = max(float(np.max(np.abs(a[k].astype(np.float64) - b[k]))) for k in a)
+    print(f"max |param diff| = {d:.3g}")  # shown with -s
+    return d
 
 
 def _metric_diff(h1: list, h2: list) -> float:
@@ -189,6 +191,7 @@ def _metric_diff(h1: list, h2: list) -> float:
         keys = {k for k in m1 if not k.startswith(_NOT_COMPARED) and k != "step"}
         assert keys and keys <= set(m2), sorted(keys - set(m2))
         worst = max(worst, max(abs(float(m1[k]) - float(m2[k])) for k in keys))
+    print(f"max |metric diff| = {worst:.3g}")  # shown with -s
     return worst
 
 
