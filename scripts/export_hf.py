@@ -10,6 +10,11 @@ and the tokenizer source come from the checkpoint's host metadata (`host['model'
 trainer). Writes config.json, generation_config.json, model.safetensors and the tokenizer files with
 `jaxrl_post.models.save_pretrained` (all with the same file mode), then prints the step, the number of
 parameters and the files. `--out` must be a new or empty directory unless `--overwrite` is given.
+
+A LoRA checkpoint holds the adapters only: the base weights are rebuilt from where the run took them
+(`host['model']['base']`: its `model.path`, or the random init of `trainer.seed`). `--out` then gets the
+merged weights (W + alpha/r A B, loadable by transformers alone) and `--out`/adapter/ the PEFT adapter
+(`adapter_model.safetensors` + `adapter_config.json`, for `peft.PeftModel.from_pretrained(base, dir)`).
 """
 
 from __future__ import annotations
@@ -24,11 +29,17 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 
 def load_actor(checkpoint: str, *, step: int | None = None, mesh=None):
-    """(Transformer with the checkpoint's actor params, tokenizer or None, step) from a checkpoint path.
+    """(Transformer with the checkpoint's actor params, tokenizer or None, step) from a checkpoint path; a
+    LoRA checkpoint's model is the rebuilt base with the adapters attached.
 
     Raises:
       CheckpointError: nothing complete at `checkpoint`, or a checkpoint without model metadata.
     """
+    return _load_actor(checkpoint, step=step, mesh=mesh)[:3]
+
+
+def _load_actor(checkpoint: str, *, step: int | None = None, mesh=None):
+    """`load_actor` plus the checkpoint's `host['model']` metadata."""
     from flax import nnx
 
     from jaxrl_post.models import init_model
@@ -44,8 +55,21 @@ def load_actor(checkpoint: str, *, step: int | None = None, mesh=None):
             f'{c.step_path(step)} has no model metadata (host["model"]); it was not written by jaxrl_post.trainer'
         )
     mcfg = ckpt.model_config_from_metadata(meta)
-    model = init_model(mcfg, seed=0, dtype=mcfg.dtype, param_dtype=mcfg.param_dtype, mesh=mesh)
-    params = nnx.state(model, nnx.Param)
+    if meta.get("lora"):  # adapters only: rebuild the base the run started from, then attach them
+        from jaxrl_post.models import load_pretrained
+        from jaxrl_post.models.lora import LoRAConfig, apply_lora
+
+        base = meta.get("base") or {}
+        if base.get("random_init"):
+            model = init_model(mcfg, seed=int(base.get("seed") or 0), dtype=mcfg.dtype, mesh=mesh)
+        else:
+            model = load_pretrained(base["model_path"], dtype=mcfg.dtype, mesh=mesh)[0]
+        lo = meta["lora"]
+        apply_lora(model, LoRAConfig(int(lo["rank"]), float(lo["alpha"]), tuple(lo["target_modules"])))
+        params = nnx.state(model, nnx.LoRAParam)
+    else:
+        model = init_model(mcfg, seed=0, dtype=mcfg.dtype, param_dtype=mcfg.param_dtype, mesh=mesh)
+        params = nnx.state(model, nnx.Param)
     got = c.restore(step, like={"actor": {"params": params}})
     nnx.update(model, got["actor"]["params"])
     tokenizer = None
@@ -54,7 +78,10 @@ def load_actor(checkpoint: str, *, step: int | None = None, mesh=None):
 
         tokenizer = load_tokenizer(meta["tokenizer"])
     c.close()
-    return model, tokenizer, step
+    return model, tokenizer, step, meta
+
+
+ADAPTER_SUBDIR = "adapter"  # PEFT adapter of a LoRA checkpoint (not next to config.json: transformers would load it)
 
 
 class ExportError(Exception):
@@ -95,14 +122,24 @@ def export(checkpoint: str, out_dir: str, *, step: int | None = None, overwrite:
     from jaxrl_post.models import save_pretrained
 
     check_out_dir(out_dir, overwrite)
-    model, tokenizer, step = load_actor(checkpoint, step=step)
-    save_pretrained(model, tokenizer, out_dir)
+    from jaxrl_post.models.lora import lora_config_of, save_peft_adapter
+
+    model, tokenizer, step, meta = _load_actor(checkpoint, step=step)
+    save_pretrained(model, tokenizer, out_dir)  # LoRA: merged weights
+    adapter_dir = os.path.join(out_dir, ADAPTER_SUBDIR)
+    if lora_config_of(model) is not None:
+        base_path = (meta.get("base") or {}).get("model_path")
+        save_peft_adapter(model, adapter_dir, base_model_name_or_path=base_path)
+        _fix_file_modes(adapter_dir)
     _fix_file_modes(out_dir)
     if say is not None:
         n_params = sum(int(x.size) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
         say(f"exported step {step} of {checkpoint} ({n_params:,} parameters) to {out_dir}:")
-        for name in sorted(os.listdir(out_dir)):
-            say(f"  {name} ({os.path.getsize(os.path.join(out_dir, name)):,} bytes)")
+        for root in (out_dir, adapter_dir):
+            for name in sorted(os.listdir(root)) if os.path.isdir(root) else ():
+                path = os.path.join(root, name)
+                if os.path.isfile(path):
+                    say(f"  {os.path.relpath(path, out_dir)} ({os.path.getsize(path):,} bytes)")
     return out_dir
 
 

@@ -567,7 +567,7 @@ def test_init_model_statistics_and_determinism():
     np.testing.assert_array_equal(emb, np.asarray(b.embedding[...]))
     assert np.abs(emb - np.asarray(c.embedding[...])).max() > 0.01
     assert abs(emb.mean()) < 1e-3 and abs(emb.std() - 0.02) < 1e-3
-    q = np.asarray(a.layers[0].attn.q_proj[...]).ravel()
+    q = np.asarray(a.layers[0].attn.q_proj.kernel[...]).ravel()
     assert abs(np.corrcoef(q[:-1], q[1:])[0, 1]) < 0.05  # neighbouring elements independent
     assert np.abs(q[: emb.size] - emb.ravel()[: q.size]).max() > 0.01  # params draw different streams
     np.testing.assert_array_equal(np.asarray(a.layers[0].input_norm.scale[...]), 0.0)  # gemma: 1 + w

@@ -213,6 +213,31 @@ def test_truncated_rollout_log_probs_equal_replayed_training_path(tiny_model):
     assert np.max(np.where(rm, b["rollout_log_probs"] - full, 0)) > 0.05  # truncation renormalizes: lp rises
 
 
+def test_bf16_rollout_keeps_a_float32_kv_cache_on_cpu(monkeypatch):
+    """bf16 compute on CPU: the KV cache defaults to float32 (XLA:CPU would copy every bf16 cache segment on
+    each slot write); the float32 slots hold the bf16 keys/values exactly, so tokens and log-probs equal a
+    bf16-cache rollout bit for bit, and both match the bf16 training forward to bf16 rounding."""
+    from jaxrl_post.rollout import generate as gen_mod
+    from jaxrl_post.rollout import kv_cache_dtype
+
+    model = _sharpen(init_model(ModelConfig(**TINY), seed=3, dtype="bfloat16", param_dtype="bfloat16"))
+    assert jax.default_backend() == "cpu"
+    assert kv_cache_dtype(model) == "float32" and kv_cache_dtype(model, "bfloat16") == "bfloat16"
+    assert kv_cache_dtype(_tiny(seed=3)) == "float32"
+    used, prefill = [], gen_mod._prefill
+    monkeypatch.setattr(gen_mod, "_prefill", lambda *a, **kw: used.append(kw["cache_dtype"]) or prefill(*a, **kw))
+    _, _, dp = _prompts(2)
+    outs = [Generator(model, cache_dtype=c)(dp, SAMPLED) for c in (None, "bfloat16")]
+    assert used == ["float32", "bfloat16"]
+    (f32, bf16) = (o.batch for o in outs)
+    np.testing.assert_array_equal(f32["responses"], bf16["responses"])
+    np.testing.assert_array_equal(f32["rollout_log_probs"], bf16["rollout_log_probs"])
+    rm = f32["response_mask"].astype(bool)
+    ref = _full_forward_logprobs(model, outs[0], SAMPLED.temperature)
+    # bf16 forward: different op shapes (one cached token vs the full sequence) round differently
+    np.testing.assert_allclose(np.where(rm, f32["rollout_log_probs"], 0), np.where(rm, ref, 0), atol=0.05)
+
+
 def test_sampling_seeded_and_reproducible(tiny_model):
     ids, mask, dp = _prompts(4)
     a = generate_sequences(tiny_model, dp, SAMPLED).batch["responses"]

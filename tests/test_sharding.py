@@ -44,7 +44,7 @@ def test_shard_params_and_param_shardings_single_device():
     mesh = sharding.make_mesh()
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     specs = sharding.param_shardings(nnx.state(abstract), mesh)
-    assert specs["layers"][0]["mlp"]["down_proj"].get_value().spec == P("tensor", "fsdp")
+    assert specs["layers"][0]["mlp"]["down_proj"]["kernel"].get_value().spec == P("tensor", "fsdp")
     state = jax.tree.map(lambda x: jax.numpy.zeros(x.shape, x.dtype), nnx.state(abstract))
     placed = sharding.shard_params(state, mesh)
     assert placed["embedding"][...].sharding.spec == P("tensor", "fsdp")
@@ -68,7 +68,7 @@ _SCRIPT = textwrap.dedent(r"""
                       attn_logit_softcap=5.0, final_logit_softcap=10.0)
     out = {}
     model = init_model(cfg, seed=0, mesh=mesh)
-    q = model.layers[0].attn.q_proj[...]
+    q = model.layers[0].attn.q_proj.kernel[...]
     out["q_spec"] = str(q.sharding.spec)
     out["q_shard_shape"] = list(q.addressable_shards[0].data.shape)
     out["emb_spec"] = str(model.embedding[...].sharding.spec)
@@ -105,9 +105,23 @@ _SCRIPT = textwrap.dedent(r"""
     d = tempfile.mkdtemp()
     save_pretrained(single, None, d)
     loaded = load_hf_dir(d, mesh=mesh)
-    out["loaded_q_spec"] = str(loaded.layers[0].attn.q_proj[...].sharding.spec)
+    out["loaded_q_spec"] = str(loaded.layers[0].attn.q_proj.kernel[...].sharding.spec)
     with jax.set_mesh(mesh):
         out["loaded_diff"] = float(np.abs(np.asarray(fwd(loaded, ids, mask)) - ref)[valid].max())
+
+    # LoRA adapters on the mesh: A/B sharded by their kernels' logical names; sharded == single device
+    from jaxrl_post.models.lora import LoRAConfig, apply_lora, iter_projections
+    apply_lora(loaded, LoRAConfig(4, 8.0), seed=1)
+    for *_, lin in iter_projections(loaded):
+        lin.lora_b.set_value(lin.lora_b[...] + 0.05)
+    attn = loaded.layers[0].attn
+    lora_vars = (attn.q_proj.lora_a, attn.q_proj.lora_b, attn.o_proj.lora_a, attn.o_proj.lora_b)
+    out["lora_specs"] = [str(p[...].sharding.spec) for p in lora_vars]
+    lg, ls = nnx.split(loaded)
+    lref = np.asarray(fwd(nnx.merge(lg, jax.device_put(jax.device_get(ls), jax.devices()[0])), ids, mask))
+    with jax.set_mesh(mesh):
+        out["lora_diff"] = float(np.abs(np.asarray(fwd(loaded, ids, mask)) - lref)[valid].max())
+    out["lora_effect"] = float(np.abs(lref - ref)[valid].max())
 
     # critic on the mesh
     critic = CriticModel.from_actor(model)
@@ -152,6 +166,13 @@ def test_sharded_params_created_on_mesh(fake8):
     assert fake8["emb_spec"] == str(P("tensor", "fsdp"))
     assert fake8["loaded_q_spec"] == fake8["q_spec"]
     assert fake8["logits_spec"].startswith(str(P(("data", "fsdp")))[:-1])
+    # LoRA A/B follow their kernel's logical names (q: [D, H, K] -> A [D, r], B [r, H, K]; o: [H, K, D])
+    assert fake8["lora_specs"] == [
+        str(P("fsdp", None)),
+        str(P(None, "tensor", None)),
+        str(P("tensor", None, None)),
+        str(P(None, "fsdp")),
+    ]
 
 
 def test_sharded_forward_matches_single_device(fake8):
@@ -160,9 +181,10 @@ def test_sharded_forward_matches_single_device(fake8):
     assert fake8["cache_diff"] <= tol
     assert fake8["loaded_diff"] <= tol
     assert fake8["critic_diff"] <= 1e-4
+    assert fake8["lora_diff"] <= tol < fake8["lora_effect"]
 
 
 def test_divisibility_errors_are_explicit(fake8):
     msg = fake8["div_error"]
-    assert msg is not None and "layers.0.attn.k_proj" in msg and "dim 1 (size 1)" in msg and "'tensor'" in msg
+    assert msg is not None and "layers.0.attn.k_proj.kernel" in msg and "dim 1 (size 1)" in msg and "'tensor'" in msg
     assert fake8["batch_error"] is not None and "divisible by data*fsdp=4" in fake8["batch_error"]

@@ -55,7 +55,7 @@ def _read_jsonl(path):
 
 # ----------------------------------------------------------------------------------------- config checks
 def test_config_validation_names_the_key(tmp_path):
-    for mod, var in [(grpo, None), (grpo, "gsm8k"), (grpo, "tiny"), (ppo, None), (ppo, "tiny")]:
+    for mod, var in [(grpo, None), (grpo, "gsm8k"), (grpo, "lora"), (grpo, "tiny"), (ppo, None), (ppo, "tiny")]:
         if var == "gsm8k" and not os.path.exists(grpo.GSM8K_DIR):
             continue
         validate_config(mod.get_config(var), n_devices=1)

@@ -1,4 +1,5 @@
-"""Decoder models (Llama, Qwen2/2.5, Qwen3, Gemma 2/3), critic, checkpoint I/O and tokenizer helpers."""
+"""Decoder models (Llama, Qwen2/2.5, Qwen3, Gemma 2/3), critic, LoRA adapters, checkpoint I/O and tokenizer
+helpers."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from jaxrl_post.models.critic import CriticModel
 from jaxrl_post.models.decoder import Transformer
 from jaxrl_post.models.hf_io import load_hf_dir, save_pretrained
 from jaxrl_post.models.kv_cache import KVCache
+from jaxrl_post.models.lora import LoRAConfig, apply_lora, load_peft_adapter, save_peft_adapter
 
 __all__ = [
     "ModelConfig",
@@ -21,6 +23,10 @@ __all__ = [
     "Transformer",
     "CriticModel",
     "KVCache",
+    "LoRAConfig",
+    "apply_lora",
+    "load_peft_adapter",
+    "save_peft_adapter",
     "init_model",
     "load_pretrained",
     "save_pretrained",

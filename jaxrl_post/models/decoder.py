@@ -6,6 +6,8 @@ query head h uses kv head h // (H / Hkv)), so HF checkpoints map 1:1 (see hf_io.
 Shape letters: B batch, T new tokens, S key/cache slots, D width, H query heads, N kv heads, G = H / N,
 K head dim, F mlp width, V vocab, L layers.
 Params carry logical axis names (`out_sharding` metadata) mapped to mesh axes by `jaxrl_post.sharding`.
+Every q/k/v/o/gate/up/down projection is a `linear.Linear` (weight `<proj>.kernel`, bias, optional LoRA);
+param init, RMSNorm and RoPE live in layers.py.
 """
 
 from __future__ import annotations
@@ -20,148 +22,10 @@ from flax import nnx
 
 from jaxrl_post.models.config import ModelConfig
 from jaxrl_post.models.kv_cache import KVCache, write_slots
+from jaxrl_post.models.layers import ParamInit, RMSNorm, _constrain, _rope_angles, apply_rope
+from jaxrl_post.models.linear import Linear
 
 _NEG = float(np.finfo(np.float32).min)
-
-
-def _fmix32(h: jax.Array) -> jax.Array:
-    """murmur3 32-bit finalizer (uint32 -> uint32 avalanche hash); lax ops keep tracing cheap."""
-    lax = jax.lax
-    u32 = partial(lax.full_like, h)
-    h = lax.mul(lax.bitwise_xor(h, lax.shift_right_logical(h, u32(16))), u32(0x85EBCA6B))
-    h = lax.mul(lax.bitwise_xor(h, lax.shift_right_logical(h, u32(13))), u32(0xC2B2AE35))
-    return lax.bitwise_xor(h, lax.shift_right_logical(h, u32(16)))
-
-
-def hash_normal(seed: jax.Array, salt: int, shape, dtype, stddev: float = 0.02) -> jax.Array:
-    """N(0, stddev^2) sample from a counter-based hash of (seed uint32 scalar, salt, element index) and
-    Box-Muller.
-
-    Used instead of `jax.random.normal` per param because XLA:CPU compiles every threefry op slowly (~1 s
-    each; a 30-layer model has 200+ params) and NNX's Rngs counter update is quadratic to trace; this is
-    a few elementwise integer ops, deterministic in (seed, salt), and partitions trivially when params are
-    created under jit with out_shardings.
-    """
-    lax = jax.lax
-    shape = tuple(shape)
-    if math.prod(shape) >= 2**32:
-        raise ValueError(f"hash_normal supports < 2**32 elements per param, got shape {shape}")
-    s = _fmix32(lax.bitwise_xor(seed, jnp.uint32((salt * 0x9E3779B9) % 2**32)))
-    idx, stride = None, 1  # row-major flat index, built from per-dim iotas (partitions without a flat iota)
-    for d in reversed(range(len(shape))):
-        term = lax.broadcasted_iota(jnp.uint32, shape, d)
-        if stride > 1:
-            term = lax.mul(term, lax.full_like(term, stride))
-        idx = term if idx is None else lax.add(idx, term)
-        stride *= shape[d]
-    if idx is None:  # scalar param
-        idx = jnp.zeros((), jnp.uint32)
-    h1 = _fmix32(lax.bitwise_xor(idx, lax.broadcast(s, shape)))
-    h2 = _fmix32(lax.bitwise_xor(h1, lax.broadcast(lax.bitwise_xor(s, jnp.uint32(0x68E31DA4)), shape)))
-    u1 = (lax.shift_right_logical(h1, lax.full_like(h1, 8)).astype(jnp.float32) + 1.0) * (2.0**-24)  # (0,1]
-    u2 = lax.shift_right_logical(h2, lax.full_like(h2, 8)).astype(jnp.float32) * (2.0**-24)  # [0,1)
-    z = jnp.sqrt(-2.0 * jnp.log(u1)) * jnp.cos(2.0 * math.pi * u2)
-    return (stddev * z).astype(dtype)
-
-
-class ParamInit:
-    """Creates the Params of one model from a single key (param i draws `hash_normal` salted by i)."""
-
-    def __init__(self, key: jax.Array, param_dtype):
-        words = jax.random.key_data(key).ravel().astype(jnp.uint32)
-        seed = jnp.uint32(0x3C6EF372)
-        for i in range(words.shape[0]):
-            seed = _fmix32(jax.lax.bitwise_xor(seed, words[i]))
-        self.seed, self.param_dtype, self.count = seed, param_dtype, 0
-
-    def _param(self, value, names) -> nnx.Param:
-        return nnx.Param(value, out_sharding=names, eager_sharding=False)
-
-    def normal(self, shape, names, stddev: float = 0.02) -> nnx.Param:
-        self.count += 1
-        return self._param(hash_normal(self.seed, self.count, shape, self.param_dtype, stddev), names)
-
-    def const(self, shape, names, value: float = 0.0) -> nnx.Param:
-        return self._param(jnp.full(shape, value, self.param_dtype), names)
-
-
-def _dot(spec: str, x: jax.Array, w: jax.Array, dtype) -> jax.Array:
-    """einsum in `dtype` with float32 accumulation, result cast back to `dtype` (as torch bf16 matmuls do).
-
-    Asking for a float32 result keeps bfloat16 operands on XLA:CPU's native bf16 kernels (AMX/AVX512-BF16);
-    a bf16-out dot is otherwise upcast to a float32 dot, converting the weights every call.
-    """
-    return jnp.einsum(spec, x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32).astype(dtype)
-
-
-def _constrain(x: jax.Array, names: tuple) -> jax.Array:
-    from jaxrl_post.sharding import constrain  # local: sharding imports nothing from models
-
-    return constrain(x, names)
-
-
-# ------------------------------------------------------------------------------------------ rope
-def rope_inv_freq(head_dim: int, base: float, scaling: dict) -> np.ndarray:
-    """Static inverse frequencies [K/2] float32 (HF `ROPE_INIT_FUNCTIONS`: default, linear, llama3).
-
-    'dynamic' is handled in `_rope_angles` because it depends on the current positions.
-    """
-    inv = 1.0 / (base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
-    rope_type = scaling.get("rope_type", "default")
-    if rope_type == "linear":
-        inv = inv / scaling["factor"]
-    elif rope_type == "llama3":  # Llama 3.1 frequency-dependent interpolation
-        factor, lo, hi = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-        old_ctx = scaling["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv
-        scaled = np.where(wavelen > old_ctx / lo, inv / factor, inv)
-        smooth = (old_ctx / wavelen - lo) / (hi - lo)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= old_ctx / hi) & (wavelen <= old_ctx / lo)
-        inv = np.where(medium, smoothed, scaled)
-    return inv.astype(np.float32)
-
-
-def _rope_angles(positions: jax.Array, head_dim: int, base: float, scaling: dict, max_pos: int) -> jax.Array:
-    """positions [B, T] int -> angles [B, T, K/2] float32."""
-    pos = positions.astype(jnp.float32)
-    if scaling.get("rope_type") == "dynamic":  # dynamic NTK: base grows with the longest position seen
-        seq_len = jnp.maximum(jnp.max(positions) + 1, max_pos).astype(jnp.float32)
-        factor = scaling["factor"]
-        new_base = base * ((factor * seq_len / max_pos) - (factor - 1)) ** (head_dim / (head_dim - 2))
-        inv = 1.0 / new_base ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-    else:
-        inv = jnp.asarray(rope_inv_freq(head_dim, base, scaling))
-    return pos[..., None] * inv
-
-
-def apply_rope(x: jax.Array, angles: jax.Array) -> jax.Array:
-    """Rotate-half RoPE. x [B, T, N, K], angles [B, T, K/2] float32 -> [B, T, N, K] in x.dtype."""
-    ang = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
-    xf = x.astype(jnp.float32)
-    x1, x2 = jnp.split(xf, 2, axis=-1)
-    rotated = jnp.concatenate([-x2, x1], axis=-1)
-    return (xf * jnp.cos(ang) + rotated * jnp.sin(ang)).astype(x.dtype)
-
-
-# ------------------------------------------------------------------------------------ layers
-class RMSNorm(nnx.Module):
-    """RMSNorm over the last axis, statistics in float32.
-
-    offset 0 (Llama): `w * norm(x)` (normalized value cast to x.dtype first);
-    offset 1 (Gemma): `norm(x) * (1 + w)` in float32, then cast.
-    """
-
-    def __init__(self, dim: int, *, eps: float, offset: float, names: tuple, init: ParamInit):
-        self.eps, self.offset = eps, offset
-        self.scale = init.const((dim,), names, 1.0 - offset)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        xf = x.astype(jnp.float32)
-        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        if self.offset:
-            return (y * (self.offset + self.scale[...].astype(jnp.float32))).astype(x.dtype)
-        return y.astype(x.dtype) * self.scale[...].astype(x.dtype)
 
 
 class MLP(nnx.Module):
@@ -170,18 +34,17 @@ class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype, init: ParamInit):
         d, f = cfg.hidden_size, cfg.intermediate_size
         self.act, self.dtype = cfg.hidden_act, dtype
-        self.gate_proj = init.normal((d, f), ("embed", "mlp"))
-        self.up_proj = init.normal((d, f), ("embed", "mlp"))
-        self.down_proj = init.normal((f, d), ("mlp", "embed"))
+        self.gate_proj = Linear("BTD,DF->BTF", init.normal((d, f), ("embed", "mlp")), dtype=dtype)
+        self.up_proj = Linear("BTD,DF->BTF", init.normal((d, f), ("embed", "mlp")), dtype=dtype)
+        self.down_proj = Linear("BTF,FD->BTD", init.normal((f, d), ("mlp", "embed")), dtype=dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        gate = _dot("BTD,DF->BTF", x, self.gate_proj[...], self.dtype)
-        up = _dot("BTD,DF->BTF", x, self.up_proj[...], self.dtype)
+        gate, up = self.gate_proj(x), self.up_proj(x)
         if self.act == "silu":
             gate = jax.nn.silu(gate)
         else:  # gelu_pytorch_tanh / gelu_new: tanh approximation; "gelu": exact erf
             gate = jax.nn.gelu(gate, approximate=self.act != "gelu")
-        return _dot("BTF,FD->BTD", gate * up, self.down_proj[...], self.dtype)
+        return self.down_proj(gate * up)
 
 
 class Attention(nnx.Module):
@@ -197,21 +60,17 @@ class Attention(nnx.Module):
         self.scale = (cfg.query_pre_attn_scalar or k) ** -0.5
         self.softcap = cfg.attn_logit_softcap
         self.window = cfg.sliding_window if cfg.is_sliding(layer) else None
-        self.q_proj = init.normal((d, h, k), ("embed", "heads", "head_dim"))
-        self.k_proj = init.normal((d, n, k), ("embed", "kv_heads", "head_dim"))
-        self.v_proj = init.normal((d, n, k), ("embed", "kv_heads", "head_dim"))
-        self.o_proj = init.normal((h, k, d), ("heads", "head_dim", "embed"))
-        bias = cfg.qkv_bias
-        self.q_bias = init.const((h, k), ("heads", "head_dim")) if bias else None
-        self.k_bias = init.const((n, k), ("kv_heads", "head_dim")) if bias else None
-        self.v_bias = init.const((n, k), ("kv_heads", "head_dim")) if bias else None
+        qkv = {"q": (h, "heads"), "k": (n, "kv_heads"), "v": (n, "kv_heads")}  # creation order fixes init
+        w = {m: init.normal((d, heads, k), ("embed", ax, "head_dim")) for m, (heads, ax) in qkv.items()}
+        o = init.normal((h, k, d), ("heads", "head_dim", "embed"))
+        bias = {m: init.const((heads, k), (ax, "head_dim")) if cfg.qkv_bias else None for m, (heads, ax) in qkv.items()}
+        self.q_proj = Linear("BTD,DNK->BTNK", w["q"], bias["q"], dtype=dtype)
+        self.k_proj = Linear("BTD,DNK->BTNK", w["k"], bias["k"], dtype=dtype)
+        self.v_proj = Linear("BTD,DNK->BTNK", w["v"], bias["v"], dtype=dtype)
+        self.o_proj = Linear("BTHK,HKD->BTD", o, dtype=dtype)
         norm = partial(RMSNorm, k, eps=cfg.rms_norm_eps, offset=cfg.norm_offset, names=("head_dim",), init=init)
         self.q_norm = norm() if cfg.qk_norm else None
         self.k_norm = norm() if cfg.qk_norm else None
-
-    def _proj(self, x, w, b):
-        y = _dot("BTD,DNK->BTNK", x, w[...], self.dtype)
-        return y if b is None else y + b[...].astype(self.dtype)
 
     def __call__(self, x, positions, kv_mask, index, kv=None, segment_ids=None):
         """x [B, T, D]; positions [B, T] int32; kv_mask [B, S] bool (valid key slots, S = T without a cache);
@@ -222,9 +81,7 @@ class Attention(nnx.Module):
         Returns (y [B, T, D], kv updated or None)."""
         b, t, _ = x.shape
         n, g = self.num_kv_heads, self.num_heads // self.num_kv_heads
-        q = self._proj(x, self.q_proj, self.q_bias)  # [B, T, H, K]
-        k = self._proj(x, self.k_proj, self.k_bias)  # [B, T, N, K]
-        v = self._proj(x, self.v_proj, self.v_bias)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [B, T, H, K], [B, T, N, K] x 2
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         angles = _rope_angles(positions, self.head_dim, self.rope_base, dict(self.rope_scaling), self.max_pos)
@@ -248,6 +105,10 @@ class Attention(nnx.Module):
 
         # Query heads of one kv head are folded into the row dim: [B, N, G*T, K] (head h = n * G + g).
         qg = q.reshape(b, t, n, g, self.head_dim).transpose(0, 2, 3, 1, 4).reshape(b, n, g * t, self.head_dim)
+        # A cache wider than the compute dtype (float32 under bf16 compute, the CPU rollout default) is read
+        # as it is: q and the probabilities are widened instead (exact), so no step copies the cache.
+        att_dtype = jnp.promote_types(self.dtype, k_segs[0].dtype)
+        qg = qg.astype(att_dtype)
         offsets = np.cumsum([0] + [seg.shape[-1] for seg in k_segs])
         visible = [jnp.any(allowed[:, :, lo:hi]) for lo, hi in zip(offsets[:-1], offsets[1:])]
 
@@ -262,7 +123,7 @@ class Attention(nnx.Module):
                     skip_if_hidden(
                         i,
                         lambda kj=kj: jnp.einsum(
-                            "BNQK,BNKS->BNQS", qg, kj.astype(self.dtype), preferred_element_type=jnp.float32
+                            "BNQK,BNKS->BNQS", qg, kj.astype(att_dtype), preferred_element_type=jnp.float32
                         ),
                         (b, n, g * t, kj.shape[-1]),
                         _NEG,
@@ -277,20 +138,20 @@ class Attention(nnx.Module):
             scores = jnp.tanh(scores / self.softcap) * self.softcap
         scores = scores.reshape(b, n, g, t, s)
         scores = jnp.where(allowed[:, None, None], scores, _NEG).reshape(b, n, g * t, s)
-        probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
+        probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype).astype(att_dtype)
         out = None  # [B, N, G*T, K]
         for i, (vj, lo, hi) in enumerate(zip(v_segs, offsets[:-1], offsets[1:])):
             part = skip_if_hidden(
                 i,
                 lambda vj=vj, lo=lo, hi=hi: jnp.einsum(
-                    "BNQS,BNSK->BNQK", probs[..., lo:hi], vj.astype(self.dtype), preferred_element_type=jnp.float32
+                    "BNQS,BNSK->BNQK", probs[..., lo:hi], vj.astype(att_dtype), preferred_element_type=jnp.float32
                 ),
                 (b, n, g * t, self.head_dim),
                 0.0,
             )
             out = part if out is None else out + part
         out = out.astype(self.dtype).reshape(b, n, g, t, self.head_dim).transpose(0, 3, 1, 2, 4)
-        y = _dot("BTHK,HKD->BTD", out.reshape(b, t, self.num_heads, self.head_dim), self.o_proj[...], self.dtype)
+        y = self.o_proj(out.reshape(b, t, self.num_heads, self.head_dim))
         return y, kv
 
 

@@ -6,6 +6,7 @@ whose params are still abstract (`empty_model`), so the host never holds a secon
 
 Layout changes HF -> ours (inverse on export): linear weights [out, in] are transposed; q/k/v
 [H*K, D] -> [D, H, K]; o_proj [D, H*K] -> [H, K, D]; qkv biases [H*K] -> [H, K]; lm_head [V, D] -> [D, V].
+Projection weights and biases live in `Linear` modules (`layers.<i>.attn.q_proj.kernel`, `.bias`).
 Llama/Qwen's `post_attention_layernorm` is the pre-MLP norm; Gemma's is the post-attention norm.
 """
 
@@ -48,19 +49,19 @@ def param_map(config: ModelConfig) -> dict[str, tuple[tuple, Callable, Callable]
         out["lm_head.weight"] = (("lm_head",), *t)
     for i in range(config.num_layers):
         p, a = f"model.layers.{i}.", ("layers", i)
-        out[p + "self_attn.q_proj.weight"] = (a + ("attn", "q_proj"), *qkv(h))
-        out[p + "self_attn.k_proj.weight"] = (a + ("attn", "k_proj"), *qkv(n))
-        out[p + "self_attn.v_proj.weight"] = (a + ("attn", "v_proj"), *qkv(n))
-        out[p + "self_attn.o_proj.weight"] = (a + ("attn", "o_proj"), *o)
+        out[p + "self_attn.q_proj.weight"] = (a + ("attn", "q_proj", "kernel"), *qkv(h))
+        out[p + "self_attn.k_proj.weight"] = (a + ("attn", "k_proj", "kernel"), *qkv(n))
+        out[p + "self_attn.v_proj.weight"] = (a + ("attn", "v_proj", "kernel"), *qkv(n))
+        out[p + "self_attn.o_proj.weight"] = (a + ("attn", "o_proj", "kernel"), *o)
         if config.qkv_bias:
-            out[p + "self_attn.q_proj.bias"] = (a + ("attn", "q_bias"), *bias(h))
-            out[p + "self_attn.k_proj.bias"] = (a + ("attn", "k_bias"), *bias(n))
-            out[p + "self_attn.v_proj.bias"] = (a + ("attn", "v_bias"), *bias(n))
+            out[p + "self_attn.q_proj.bias"] = (a + ("attn", "q_proj", "bias"), *bias(h))
+            out[p + "self_attn.k_proj.bias"] = (a + ("attn", "k_proj", "bias"), *bias(n))
+            out[p + "self_attn.v_proj.bias"] = (a + ("attn", "v_proj", "bias"), *bias(n))
         if config.qk_norm:
             out[p + "self_attn.q_norm.weight"] = (a + ("attn", "q_norm", "scale"), *ident)
             out[p + "self_attn.k_norm.weight"] = (a + ("attn", "k_norm", "scale"), *ident)
         for name in ("gate_proj", "up_proj", "down_proj"):
-            out[p + f"mlp.{name}.weight"] = (a + ("mlp", name), *t)
+            out[p + f"mlp.{name}.weight"] = (a + ("mlp", name, "kernel"), *t)
         out[p + "input_layernorm.weight"] = (a + ("input_norm", "scale"), *ident)
         if config.post_norms:
             out[p + "post_attention_layernorm.weight"] = (a + ("post_attn_norm", "scale"), *ident)
@@ -90,6 +91,14 @@ def _get_variable(model, path: tuple) -> nnx.Variable:
     for p in path:
         obj = obj[p] if isinstance(p, int) else getattr(obj, p)
     return obj
+
+
+def _export_value(model, path: tuple) -> jax.Array:
+    """The value written for `path`: a projection kernel with its LoRA adapter merged in (`Linear.merged_kernel`),
+    every other param as stored."""
+    if path[-1] == "kernel":
+        return _get_variable(model, path[:-1]).merged_kernel()
+    return _get_variable(model, path).get_value()
 
 
 def _target_sharding(var: nnx.Variable, mesh, path: tuple):
@@ -206,8 +215,10 @@ def save_pretrained(model: Transformer, tokenizer, out_dir, *, max_shard_bytes: 
     """Write an HF directory: config.json, generation_config.json, model.safetensors (or shards + index),
     tokenizer files (`tokenizer.save_pretrained`, skipped when tokenizer is None).
 
-    Params are written in their own dtype; tensors are fetched to the host one shard-file at a time. On
-    multi-host runs every process must call this (gathers are collective); only process 0 writes.
+    Params are written in their own dtype; a projection with a LoRA adapter is written merged
+    (`W + (alpha / r) A B`; `models.lora.save_peft_adapter` writes the adapter alone). Tensors are fetched to
+    the host one shard-file at a time. On multi-host runs every process must call this (gathers are
+    collective); only process 0 writes.
     """
     from safetensors.numpy import save_file
 
@@ -236,7 +247,7 @@ def save_pretrained(model: Transformer, tokenizer, out_dir, *, max_shard_bytes: 
         tensors = {}
         for name in names:
             path, _, to_hf = mapping[name]
-            tensors[name] = np.ascontiguousarray(to_hf(_to_host(_get_variable(model, path).get_value())))
+            tensors[name] = np.ascontiguousarray(to_hf(_to_host(_export_value(model, path))))
             weight_map[name] = fname
             total += tensors[name].nbytes
         if write:

@@ -1,6 +1,6 @@
 """Rollout: jitted prefill + decode loop with a KV cache, and the sampling processors."""
 
-from jaxrl_post.rollout.generate import TRACE_COUNTS, Generator, bucket_size, generate_sequences
+from jaxrl_post.rollout.generate import TRACE_COUNTS, Generator, bucket_size, generate_sequences, kv_cache_dtype
 from jaxrl_post.rollout.sampling import (
     SamplingParams,
     apply_min_p,
@@ -17,6 +17,7 @@ __all__ = [
     "TRACE_COUNTS",
     "bucket_size",
     "generate_sequences",
+    "kv_cache_dtype",
     "SamplingParams",
     "apply_min_p",
     "apply_temperature",

@@ -147,6 +147,19 @@ def _left_padded(mask: np.ndarray) -> bool:
     return bool(np.all(m[:, 1:] >= m[:, :-1]))
 
 
+def kv_cache_dtype(model, cache_dtype=None, mesh=None) -> str:
+    """KV cache dtype a ``Generator`` uses: ``cache_dtype`` if given, else the model's compute dtype, or
+    float32 when that is a 16-bit float and the devices (``mesh``'s, else the default backend's) are CPUs
+    (see ``Generator.cache_dtype``)."""
+    if cache_dtype is not None:
+        return jnp.dtype(cache_dtype).name
+    dtype = jnp.dtype(getattr(model, "dtype", jnp.float32))
+    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+    if platform == "cpu" and dtype.itemsize == 2 and jnp.issubdtype(dtype, jnp.floating):
+        return "float32"
+    return dtype.name
+
+
 @dataclasses.dataclass
 class Generator:
     """Reusable sampler for one model structure; compiled functions are cached per bucketed shape.
@@ -158,7 +171,10 @@ class Generator:
         ('data','fsdp'). Params must already be placed on this mesh.
       prompt_buckets / batch_buckets: allowed padded sizes (None = powers of two; prompt >= 16).
       decode_chunk: decode steps per ``lax.scan`` chunk (the early-exit check runs between chunks).
-      cache_dtype: KV cache dtype (default: the model's compute dtype).
+      cache_dtype: KV cache dtype. None (default): the model's compute dtype, except float32 for a
+        16-bit compute dtype on CPU (``kv_cache_dtype``): XLA:CPU widens a 16-bit dynamic-update-slice to
+        float32 over the whole buffer, so every decode step would copy every cache segment, while float32
+        slots are written in place and attention reads them without a copy (bf16 values stored exactly).
       min_prompt_bucket: smallest padded prompt length when ``prompt_buckets`` is None.
       cache_segment_len: KV cache slots per segment (``Transformer.init_cache``); attention skips
         segments holding no token yet, so a decode step reads ~the slots written so far. None = about an
@@ -268,7 +284,7 @@ class Generator:
             jnp.int32(p),
             max_len=max_len,
             segment_len=min(seg, max_len),
-            cache_dtype=self.cache_dtype,
+            cache_dtype=kv_cache_dtype(self.model, self.cache_dtype, self.mesh),
             mesh=self.mesh,
         )
         tokens, logps, thresholds, _, _, _ = InMesh(_decode, self.mesh)(

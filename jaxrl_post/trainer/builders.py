@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import logging
 import math
+import os
 from typing import Any
 
 import jax
@@ -93,7 +94,25 @@ def build_actor_and_tokenizer(cfg: Any, mesh: jax.sharding.Mesh | None):
         raise ValueError(
             f"config.model: tokenizer has {len(tokenizer)} tokens but the model vocabulary is {model.config.vocab_size}"
         )
+    attach_lora(cfg, model)
     return model, tokenizer
+
+
+def attach_lora(cfg: Any, model) -> None:
+    """Attach the actor's LoRA adapters when LoRA is on (`config_check.lora_enabled`): the PEFT adapter at
+    `model.lora_adapter_path` (its r, alpha, targets), else fresh ones (`model.lora_rank`, `lora_alpha`,
+    `target_modules`; A seeded by `trainer.seed`, B = 0). Raises what `models.lora.load_peft_adapter` raises."""
+    from jaxrl_post.models import lora
+    from jaxrl_post.trainer.config_check import lora_enabled
+
+    if not lora_enabled(cfg):
+        return
+    m = cfg.model
+    if m.lora_adapter_path:
+        lora.load_peft_adapter(model, os.path.expanduser(m.lora_adapter_path), rank=int(m.lora_rank))
+    else:
+        cfg_lora = lora.LoRAConfig(int(m.lora_rank), float(m.lora_alpha), m.target_modules)
+        lora.apply_lora(model, cfg_lora, seed=int(cfg.trainer.seed))
 
 
 def eos_and_pad(tokenizer) -> tuple[tuple[int, ...], int]:

@@ -120,12 +120,19 @@ def reference_pointer(*, model_path: str | None, random_init: bool = False, seed
 _LEAF_KEY = "__leaf__"
 
 
-def model_metadata(model_config: Any, tokenizer_source: str | None) -> dict:
+def model_metadata(
+    model_config: Any, tokenizer_source: str | None, lora: dict | None = None, base: dict | None = None
+) -> dict:
     """`host['model']` entry: the actor's `ModelConfig` fields (JSON) and where its tokenizer comes from,
-    so a checkpoint can be exported / evaluated without the run config (scripts/export_hf.py)."""
+    so a checkpoint can be exported / evaluated without the run config (scripts/export_hf.py). A LoRA
+    checkpoint (its actor params are the adapters only) adds `lora` (`LoRAConfig.to_dict()`) and `base`
+    (`reference_pointer`: how to rebuild the frozen base weights)."""
     import dataclasses
 
-    return {"config": json_safe(dataclasses.asdict(model_config)), "tokenizer": tokenizer_source}
+    out = {"config": json_safe(dataclasses.asdict(model_config)), "tokenizer": tokenizer_source}
+    if lora is not None:
+        out.update(lora=json_safe(lora), base=json_safe(base))
+    return out
 
 
 def model_config_from_metadata(meta: Mapping[str, Any]):

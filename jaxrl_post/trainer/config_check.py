@@ -402,6 +402,7 @@ def validate_config(cfg: Any, n_devices: int | None = None) -> None:
     )
     if not cfg.model.random_init:
         check("model.path", lambda v: isinstance(v, str) and v, "must name a model (dir, .gguf, alias)")
+    _check_lora(cfg, check, err, is_int, is_num)
     from jaxrl_post.distributed import config_errors
 
     errors += config_errors(cfg)  # trainer.distributed.*, the per-process prompt share
@@ -444,3 +445,34 @@ def _check_dapo(cfg: Any, check, err, is_int, is_num) -> None:
             f"must be an int in (0, data.max_response_length={lmax}] when reward_model.overlong_buffer.enable",
         )
         check("reward_model.overlong_buffer.penalty_factor", lambda v: is_num(v) and v >= 0, "must be >= 0")
+
+
+def lora_enabled(cfg: Any) -> bool:
+    """Whether the actor trains LoRA adapters: `model.lora_rank > 0` or a `model.lora_adapter_path` (as verl)."""
+    return int(cfg.model.lora_rank or 0) > 0 or bool(cfg.model.lora_adapter_path)
+
+
+def _check_lora(cfg: Any, check, err, is_int, is_num) -> None:
+    """model.lora_rank >= 0; with LoRA on: lora_alpha > 0, known target_modules, a readable PEFT adapter at
+    lora_adapter_path whose r equals lora_rank (unless 0)."""
+    if not check("model.lora_rank", lambda v: is_int(v) and v >= 0, "must be an int >= 0 (0 = LoRA off)"):
+        return
+    if not lora_enabled(cfg):
+        return
+    from jaxrl_post.models.lora import parse_target_modules, read_adapter_config
+
+    check("model.lora_alpha", lambda v: is_num(v) and v > 0, "must be > 0 (updates are scaled by alpha / rank)")
+    path = cfg.model.lora_adapter_path
+    if not path:
+        try:
+            parse_target_modules(cfg.model.target_modules)
+        except ValueError as e:
+            err("model.target_modules", str(e))
+        return
+    try:
+        r = int(read_adapter_config(os.path.expanduser(path))["r"])
+    except (OSError, ValueError, KeyError, NotImplementedError) as e:
+        err("model.lora_adapter_path", f"{type(e).__name__}: {e}")
+        return
+    if cfg.model.lora_rank and int(cfg.model.lora_rank) != r:
+        err("model.lora_rank", f"the adapter at model.lora_adapter_path has r={r}; set lora_rank={r} or 0")

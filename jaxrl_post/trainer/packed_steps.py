@@ -17,6 +17,9 @@ Micro-batches with no tokens (the packer fills micro-batches in order, so they a
 the loops over micro-batches are `lax.fori_loop`s with a traced trip count, so compute scales with the real
 tokens while every shape, hence every compile, stays fixed.
 
+A LoRA actor (`steps.split_lora_model`) passes its frozen base params as the trailing `frozen` argument of
+every fn, exactly as the padded steps do; gradients and optimizer state cover the adapters only.
+
 Source: verl `dp_actor` / `dp_critic` with `use_remove_padding` (unpad + varlen attention) and
 `use_dynamic_bsz`; MaxText packing (segment ids, per-segment positions).
 """
@@ -24,6 +27,7 @@ Source: verl `dp_actor` / `dp_critic` with `use_remove_padding` (unpad + varlen 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -31,8 +35,9 @@ import optax
 from flax import nnx
 
 from jaxrl_post import core_algos
+from jaxrl_post.models.lora import set_lora_enabled
 from jaxrl_post.trainer import losses
-from jaxrl_post.trainer.steps import ActorLossConfig, CriticLossConfig, _apply
+from jaxrl_post.trainer.steps import ActorLossConfig, CriticLossConfig, _apply, _merge
 
 PACK_KEYS = ("input_ids", "segment_ids", "positions", "slot_pos", "slot_tokens", "seq_slot", "seq_index")
 OPTIONAL_PACK_KEYS = ("slot_threshold",)  # rollout.sampling_mask_replay
@@ -105,16 +110,19 @@ def _micro(pack, i):
 # ------------------------------------------------------------------------------------------ forward
 
 
-def _make_forward(graphdef, rest, per_micro: Callable, n_out: int, on_trace):
-    """fn(params, batch) -> tuple of n_out `[M, R] float32` arrays: per_micro(model, mb) -> n_out `[S, R]`,
-    scattered back to the mini-batch rows (`seq_index`); rows never packed stay 0."""
+def _make_forward(graphdef, rest, per_micro: Callable, n_out: int, on_trace, adapters: bool = True):
+    """fn(params, batch, frozen=None) -> tuple of n_out `[M, R] float32` arrays: per_micro(model, mb) -> n_out
+    `[S, R]`, scattered back to the mini-batch rows (`seq_index`); rows never packed stay 0. `frozen`: a LoRA
+    model's base params; `adapters=False` runs it with its adapters off."""
 
-    def fn(params, batch):
+    def fn(params, batch, frozen=None):
         if on_trace is not None:
             on_trace()
         pack = {k: batch[k] for k in PACK_KEYS + OPTIONAL_PACK_KEYS if k in batch}
         m, r = batch["responses"].shape
-        model = nnx.merge(graphdef, params, rest)
+        model = _merge(graphdef, params, frozen, rest)
+        if not adapters:
+            set_lora_enabled(model, False)
         init = tuple(jnp.zeros((m + 1, r), jnp.float32) for _ in range(n_out))
 
         def body(i, outs):  # a while loop over the used micro-batches only (dynamic trip count)
@@ -134,12 +142,15 @@ def make_packed_log_prob_fn(
     *,
     temperature: float,
     with_entropy: bool,
+    adapters: bool = True,
     on_trace: Callable[[], None] | None = None,
 ) -> Callable:
-    """Pure `fn(params, batch) -> (log_probs [M, R] float32, entropy [M, R] | None)`; wrap with `jax.jit`.
+    """Pure `fn(params, batch, frozen=None) -> (log_probs [M, R] float32, entropy [M, R] | None)`; wrap with
+    `jax.jit`.
 
     batch: the `packing.pack_batch` arrays (spec with `seqs = M`) + `responses [M, R]` (for the shape).
     Response padding positions are 0 (the padded path returns the model's value there; both are masked).
+    `frozen` / `adapters`: as `steps.make_log_prob_fn` (a LoRA model's base params; adapters off = reference).
     """
     mode = "loss" if with_entropy else "none"
 
@@ -147,10 +158,10 @@ def make_packed_log_prob_fn(
         lp, ent = packed_log_probs(model, mb, temperature, mode)
         return (lp, ent) if with_entropy else (lp,)
 
-    inner = _make_forward(graphdef, rest, per_micro, 2 if with_entropy else 1, on_trace)
+    inner = _make_forward(graphdef, rest, per_micro, 2 if with_entropy else 1, on_trace, adapters)
 
-    def fn(params, batch):
-        outs = inner(params, batch)
+    def fn(params, batch, frozen=None):
+        outs = inner(params, batch, frozen)
         return (outs[0], outs[1]) if with_entropy else (outs[0], None)
 
     return fn
@@ -200,8 +211,9 @@ def make_packed_actor_update(
     *,
     on_trace: Callable[[], None] | None = None,
 ) -> Callable:
-    """Pure `fn(params, opt_state, batch) -> (params, opt_state, metrics)`: `steps.make_actor_update` on a
-    packed mini-batch (same loss, metrics and names).
+    """Pure `fn(params, opt_state, batch, frozen=None) -> (params, opt_state, metrics)`:
+    `steps.make_actor_update` on a packed mini-batch (same loss, metrics and names; `frozen`: a LoRA model's
+    base params, `params` then are its adapters).
 
     batch: the `packing.pack_batch` arrays of the mini-batch + `[M, R]` fields `response_mask` (loss mask),
     `advantages`, `old_log_probs` (unless on_policy), `ref_log_prob` (use_kl_loss), optional
@@ -210,15 +222,15 @@ def make_packed_actor_update(
     c = loss_cfg
     ent_mode = losses.entropy_mode(c.entropy_coeff)
 
-    def loss_fn(params, mb, mb_seqs, counts):
-        model = nnx.merge(graphdef, params, rest)
+    def loss_fn(params, mb, mb_seqs, counts, frozen=None):
+        model = _merge(graphdef, params, frozen, rest)
         log_prob, entropy = packed_log_probs(model, mb, c.temperature, ent_mode)
         return losses.actor_loss(c, log_prob, entropy, mb_seqs, counts)
 
-    def fn(params, opt_state, batch):
+    def fn(params, opt_state, batch, frozen=None):
         if on_trace is not None:
             on_trace()
-        loss, aux, grads = _accumulate_packed(loss_fn, params, batch, ACTOR_SEQ_KEYS)
+        loss, aux, grads = _accumulate_packed(partial(loss_fn, frozen=frozen), params, batch, ACTOR_SEQ_KEYS)
         params, opt_state, grad_norm, finite = _apply(tx, params, opt_state, grads, loss)
         aux = dict(aux, loss=loss, grad_norm=grad_norm, update_skipped=1.0 - finite.astype(jnp.float32))
         return params, opt_state, aux

@@ -36,9 +36,18 @@ class RolesMixin:
     # ------------------------------------------------------------------------------------ construction
     def _build_actor(self) -> None:
         """Actor: params (master weights in `model.param_dtype`), optimizer, jitted update and old-log-prob
-        fns; the rollout `Generator` on the actor itself or on a copy in `rollout.dtype` (`sync_weights`)."""
+        fns; the rollout `Generator` on the actor itself or on a copy in `rollout.dtype` (`sync_weights`).
+        With LoRA (`self.lora`) the trained params are the adapters; the frozen base weights (`actor_frozen`)
+        are an argument of every jitted actor fn (padded and packed), and the rollout runs with the adapters
+        (on the actor's own buffers) or on a copy holding the merged kernels."""
         cfg, a = self.config, self.config.actor
-        graphdef, params, rest = steps.split_model(self.actor_model)
+        if self.lora is not None:
+            graphdef, params, frozen, rest = steps.split_lora_model(self.actor_model)
+            self.actor_frozen = self._commit(frozen)
+            nnx.update(self.actor_model, self.actor_frozen)
+        else:
+            graphdef, params, rest = steps.split_model(self.actor_model)
+            self.actor_frozen = None
         self.actor_graphdef, self.actor_rest = graphdef, rest
         self.actor_params = self._commit(params)
         nnx.update(self.actor_model, self.actor_params)
@@ -73,17 +82,14 @@ class RolesMixin:
             self._log_prob_fn(self.old_log_prob_spec, int(cfg.rollout.log_prob_micro_batch_size), "old_log_prob")
         )
 
-    def _log_prob_fn(self, spec, micro: int, name: str):
-        """Old / reference log-prob fn (not jitted): packed when `spec`, else padded micro-batches."""
-        temperature = self.actor_loss_cfg.temperature
+    def _log_prob_fn(self, spec, micro: int, name: str, adapters: bool = True):
+        """Old / reference log-prob fn (not jitted): packed when `spec`, else padded micro-batches;
+        `adapters=False`: a LoRA actor with its adapters off (the reference)."""
+        kw = dict(temperature=self.actor_loss_cfg.temperature, with_entropy=False, adapters=adapters)
         g, r = self.actor_graphdef, self.actor_rest
         if spec is not None:
-            return packed_steps.make_packed_log_prob_fn(
-                g, r, temperature=temperature, with_entropy=False, on_trace=self._tracer(name)
-            )
-        return steps.make_log_prob_fn(
-            g, r, micro_batch_size=micro, temperature=temperature, with_entropy=False, on_trace=self._tracer(name)
-        )
+            return packed_steps.make_packed_log_prob_fn(g, r, **kw, on_trace=self._tracer(name))
+        return steps.make_log_prob_fn(g, r, micro_batch_size=micro, **kw, on_trace=self._tracer(name))
 
     def _pack_spec(self, role: str, n_seqs: int, micro: int) -> packing.PackSpec | None:
         """Static packing geometry of one pass (None when `model.use_remove_padding` is off); see
@@ -106,14 +112,16 @@ class RolesMixin:
         return packing.make_pack_spec(n_seqs, rows, p, r, row_len=row_len)
 
     def _build_reference(self) -> None:
-        """Reference: frozen copy of the initial actor params and its log-prob fn (only with a KL term)."""
+        """Reference (only with a KL term): a frozen copy of the initial actor params and its log-prob fn; with
+        LoRA no copy at all: the actor's own model with its adapters off (`ref_params` stays None)."""
         cfg = self.config
         self.ref_params = None
         if self.use_ref:
-            self.ref_params = builders.copy_tree(self.actor_params)
+            if self.lora is None:
+                self.ref_params = builders.copy_tree(self.actor_params)
             micro = int(cfg.ref.log_prob_micro_batch_size)
             self.ref_spec = self._pack_spec("ref", self.batch_size, micro)
-            self._ref_log_prob = jax.jit(self._log_prob_fn(self.ref_spec, micro, "ref"))
+            self._ref_log_prob = jax.jit(self._log_prob_fn(self.ref_spec, micro, "ref", adapters=self.lora is None))
 
     def _build_critic(self) -> None:
         """Critic (PPO only): value model initialised from the actor, optimizer, jitted update and value fns."""
@@ -244,17 +252,21 @@ class RolesMixin:
         rest = {k: v for k, v in mb.items() if k not in ("input_ids", "attention_mask", "position_ids")}
         return dict(rest, **packed)
 
-    def _forward(self, fn, params, batch: dict[str, np.ndarray], micro: int, spec: packing.PackSpec | None = None):
+    def _forward(
+        self, fn, params, batch: dict[str, np.ndarray], micro: int, spec: packing.PackSpec | None = None, frozen=None
+    ):
         """Run a jitted forward over the whole [B, ...] batch: packed with `spec`, else padded to a multiple
-        of `micro` rows (under the mesh, so activation constraints take effect)."""
+        of `micro` rows (under the mesh, so activation constraints take effect). `frozen`: a LoRA actor's base
+        params (the fn's trailing argument)."""
         from jaxrl_post.sharding import InMesh
 
         fn = InMesh(fn, self.mesh if self.n_devices > 1 else None)
+        extra = () if frozen is None else (frozen,)
         if spec is not None:
-            out = fn(params, self._put_packed(self._pack({k: batch[k] for k in _FWD_KEYS if k in batch}, spec)))
-            return jax.tree.map(to_numpy, out)
+            packed = self._put_packed(self._pack({k: batch[k] for k in _FWD_KEYS if k in batch}, spec))
+            return jax.tree.map(to_numpy, fn(params, packed, *extra))
         arrays, pad = builders.pad_rows({k: batch[k] for k in _FWD_KEYS if k in batch}, micro)
-        out = fn(params, self._put(arrays))
+        out = fn(params, self._put(arrays), *extra)
         out = jax.tree.map(lambda x: to_numpy(x)[: arrays["input_ids"].shape[0] - pad], out)
         return out
 
@@ -289,9 +301,12 @@ class RolesMixin:
 
     def _build_rollout(self) -> None:
         """The rollout model: the actor itself when `rollout.dtype` (None = `model.dtype`) equals both the
-        compute and the param dtype (one copy of the weights), else an abstract model with weights and
-        compute in `rollout.dtype`, filled by `sync_weights` (verl: the rollout engine's own weights)."""
+        compute and the param dtype (one copy of the weights; a LoRA actor samples with its adapters), else an
+        abstract model with weights and compute in `rollout.dtype`, filled by `sync_weights` (verl: the
+        rollout engine's own weights). A LoRA actor's copy has no adapters: it holds the merged kernels
+        `W + (alpha / r) A . B` (`models.lora.merged_state`)."""
         from jaxrl_post.models.hf_io import empty_model
+        from jaxrl_post.models.lora import merged_state
         from jaxrl_post.rollout import Generator
 
         cfg = self.config
@@ -302,8 +317,14 @@ class RolesMixin:
         if self.rollout_copy:
             self.rollout_model = empty_model(m.config, dtype=rdt, param_dtype=rdt)
             cast = lambda p: jax.tree.map(lambda x: x.astype(rdt), p)
-            self._cast_first = jax.jit(cast)
-            self._cast_donating = jax.jit(lambda p, old: cast(p), donate_argnums=(1,))
+            if self.lora is not None:  # fn(adapters, frozen base) -> merged params, shardings of the base
+                g, r = self.actor_graphdef, self.actor_rest
+                to_rollout = lambda p, f: cast(merged_state(nnx.merge(g, p, f, r)))
+                out = jax.tree.map(lambda x: x.sharding, self.actor_frozen) if self.n_devices > 1 else None
+            else:
+                to_rollout, out = (lambda p, f: cast(p)), None
+            self._cast_first = jax.jit(to_rollout, out_shardings=out)
+            self._cast_donating = jax.jit(lambda p, f, old: to_rollout(p, f), donate_argnums=(2,), out_shardings=out)
         else:
             self.rollout_model = m
         self.generator = Generator(self.rollout_model, mesh=self.mesh if self.n_devices > 1 else None)
@@ -312,14 +333,15 @@ class RolesMixin:
     def sync_weights(self) -> None:
         """The one place where actor and rollout meet, after every actor update and restore: the rollout
         model gets the current actor params -- shared buffers when dtypes agree, else cast to `rollout.dtype`
-        by one jitted program (shardings kept; the previous rollout copy is donated to it)."""
+        by one jitted program (shardings kept; the previous rollout copy is donated to it; LoRA: the adapters
+        merged into the frozen base kernels first)."""
         nnx.update(self.actor_model, self.actor_params)  # the actor module always holds the live params
         if not self.rollout_copy:
             return
         if self.rollout_params is None:
-            self.rollout_params = self._cast_first(self.actor_params)
+            self.rollout_params = self._cast_first(self.actor_params, self.actor_frozen)
         else:
-            self.rollout_params = self._cast_donating(self.actor_params, self.rollout_params)
+            self.rollout_params = self._cast_donating(self.actor_params, self.actor_frozen, self.rollout_params)
         nnx.update(self.rollout_model, self.rollout_params)
 
     def _next_seeds(self) -> tuple[int, int]:

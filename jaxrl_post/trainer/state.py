@@ -1,9 +1,10 @@
 """`RLTrainer`'s checkpointable state: `state_dict` / `load_state_dict`, checkpoint save / restore / resume.
 
 `CheckpointMixin` is mixed into `RLTrainer` (trainer.py). What is saved (see `state_dict`): actor/critic
-params and optimizer states, global step, update counters, RNG key, KL controller, data iterator
-position, non-finite skip counters; the reference params only as a pointer (they are the initial actor,
-rebuilt the same way). The on-disk format and the resume rules are in checkpoint.py.
+params and optimizer states (a LoRA actor's params are its adapters: the base is rebuilt from
+`model.path`), global step, update counters, RNG key, KL controller, data iterator position, non-finite
+skip counters; the reference params only as a pointer (they are the initial actor, rebuilt the same way;
+with LoRA, the actor with its adapters off). The on-disk format and the resume rules are in checkpoint.py.
 
 A run stopped by an error does not lose its completed steps where the state is provably that of the last
 completed step N (`save_on_error_in_step` / `save_on_error_in_validation`): a `RewardFunctionError` in
@@ -224,7 +225,16 @@ class CheckpointMixin:
                         seed=int(cfg.trainer.seed),
                     )
                 ),
-                "model": ckpt.model_metadata(self.actor_model.config, cfg.model.tokenizer_path or cfg.model.path),
+                "model": ckpt.model_metadata(
+                    self.actor_model.config,
+                    cfg.model.tokenizer_path or cfg.model.path,
+                    lora=None if self.lora is None else self.lora.to_dict(),
+                    base=ckpt.reference_pointer(
+                        model_path=None if cfg.model.random_init else cfg.model.path,
+                        random_init=bool(cfg.model.random_init),
+                        seed=int(cfg.trainer.seed),
+                    ),
+                ),
                 "total_training_steps": self.total_training_steps,
                 "config": config_to_dict(cfg),  # what a resume with another config is compared with
             },
@@ -278,6 +288,15 @@ class CheckpointMixin:
             return
         cur = ckpt.model_metadata(self.actor_model.config, None)["config"]
         bad = [k for k in _SHAPE_KEYS if k in saved and saved.get(k) != cur.get(k)]
+        saved_lora, cur_lora = host["model"].get("lora"), None if self.lora is None else self.lora.to_dict()
+        if saved_lora != cur_lora:  # the actor params are the adapters (LoRA) or all weights: not interchangeable
+            lora_keys = ("rank", "alpha", "target_modules")
+            show = lambda d: "off (full fine-tuning)" if d is None else ", ".join(f"{k}={d[k]}" for k in lora_keys)
+            raise ckpt.CheckpointError(
+                f"the checkpoint's LoRA does not match the config: checkpoint {show(saved_lora)}, config "
+                f"{show(cur_lora)} (checkpoint {path}); pass the run's model.lora_* keys or "
+                "--config.trainer.resume_mode=disable (the old run is moved aside)"
+            )
         if bad:
             what = "; ".join(f"{k}: checkpoint {saved.get(k)!r}, config {cur.get(k)!r}" for k in bad)
             raise ckpt.CheckpointError(

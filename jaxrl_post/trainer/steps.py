@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +33,7 @@ import optax
 from flax import nnx
 
 from jaxrl_post import core_algos
+from jaxrl_post.models.lora import set_lora_enabled
 from jaxrl_post.trainer import losses
 
 # ------------------------------------------------------------------------------------------ configs
@@ -122,6 +124,17 @@ def split_model(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
     return nnx.split(model, nnx.Param, ...)
 
 
+def split_lora_model(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State, nnx.State]:
+    """`(graphdef, adapters, frozen, rest)` of a model with LoRA: the trainable `nnx.LoRAParam` (A/B) state, the
+    frozen base `nnx.Param`s (passed to the jitted fns as their `frozen` argument, never closed over: a
+    closure would bake the weights into the executable as constants) and everything else."""
+    return nnx.split(model, nnx.LoRAParam, nnx.Param, ...)
+
+
+def _merge(graphdef: nnx.GraphDef, params, frozen, rest) -> nnx.Module:
+    return nnx.merge(graphdef, params, rest) if frozen is None else nnx.merge(graphdef, params, frozen, rest)
+
+
 def to_micro(x: jax.Array, n_micro: int) -> jax.Array:
     """`[M, ...] -> [n_micro, M // n_micro, ...]` with micro-batch k = rows k, k + n_micro, ...
 
@@ -187,21 +200,26 @@ def make_log_prob_fn(
     micro_batch_size: int,
     temperature: float,
     with_entropy: bool,
+    adapters: bool = True,
     on_trace: Callable[[], None] | None = None,
 ) -> Callable:
-    """Pure `fn(params, batch) -> (log_probs [B, R], entropy [B, R] | None)`; wrap with `jax.jit`.
+    """Pure `fn(params, batch, frozen=None) -> (log_probs [B, R], entropy [B, R] | None)`; wrap with `jax.jit`.
 
     `batch`: `input_ids`, `attention_mask`, `position_ids` `[B, T]`, `responses` `[B, R]`; B must be a
-    multiple of `micro_batch_size` (the trainer pads). `on_trace` is called each time the function is traced.
+    multiple of `micro_batch_size` (the trainer pads). `frozen`: the frozen base params of a LoRA model
+    (`split_lora_model`). `adapters=False` runs the model with its LoRA adapters off (the reference policy
+    of a LoRA actor: the base model, no second copy). `on_trace` is called each time the function is traced.
     """
 
-    def fn(params, batch):
+    def fn(params, batch, frozen=None):
         if on_trace is not None:
             on_trace()
         batch = {k: batch[k] for k in _FWD_KEYS if k in batch}
         b = batch["input_ids"].shape[0]
         n_micro = b // micro_batch_size
-        model = nnx.merge(graphdef, params, rest)
+        model = _merge(graphdef, params, frozen, rest)
+        if not adapters:
+            set_lora_enabled(model, False)
         micro = jax.tree.map(lambda x: to_micro(x, n_micro), batch)
 
         def one(mb):
@@ -236,7 +254,8 @@ def make_value_fn(
 
 
 def _accumulate(loss_fn: Callable, params, batch: dict[str, jax.Array], n_micro: int):
-    """Sum of `grad(loss_fn)(params, micro)` and of its aux metrics over `n_micro` micro-batches (lax.scan)."""
+    """Sum of `grad(loss_fn)(params, micro, counts)` and of its aux metrics over `n_micro` micro-batches
+    (lax.scan); gradients only w.r.t. `params` (a LoRA model's frozen base is bound into `loss_fn`)."""
     counts = core_algos.global_batch_info(batch["response_mask"])
     micro = jax.tree.map(lambda x: to_micro(x, n_micro), batch)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
@@ -284,7 +303,8 @@ def make_actor_update(
     n_micro: int,
     on_trace: Callable[[], None] | None = None,
 ) -> Callable:
-    """Pure `fn(params, opt_state, batch) -> (params, opt_state, metrics)`: one PPO/GRPO optimizer step.
+    """Pure `fn(params, opt_state, batch, frozen=None) -> (params, opt_state, metrics)`: one PPO/GRPO optimizer
+    step on `params` (all params, or a LoRA model's adapters with its frozen base as `frozen`).
 
     batch (mini-batch, M rows): `input_ids`, `attention_mask`, `position_ids` `[M, T]`; `responses`,
     `response_mask` (the loss mask) `[M, R]`; `advantages [M, R] float32`; `old_log_probs [M, R]` unless
@@ -299,16 +319,16 @@ def make_actor_update(
     c = loss_cfg
     ent_mode = losses.entropy_mode(c.entropy_coeff)
 
-    def loss_fn(params, mb, counts):
-        model = nnx.merge(graphdef, params, rest)
+    def loss_fn(params, mb, counts, frozen=None):
+        model = _merge(graphdef, params, frozen, rest)
         log_prob, entropy = response_log_probs(model, mb, c.temperature, ent_mode)
         return losses.actor_loss(c, log_prob, entropy, mb, counts)
 
-    def fn(params, opt_state, batch):
+    def fn(params, opt_state, batch, frozen=None):
         if on_trace is not None:
             on_trace()
         batch = {k: batch[k] for k in ACTOR_BATCH_KEYS if k in batch}
-        loss, aux, grads, _ = _accumulate(loss_fn, params, batch, n_micro)
+        loss, aux, grads, _ = _accumulate(partial(loss_fn, frozen=frozen), params, batch, n_micro)
         params, opt_state, grad_norm, finite = _apply(tx, params, opt_state, grads, loss)
         aux = dict(aux, loss=loss, grad_norm=grad_norm, update_skipped=1.0 - finite.astype(jnp.float32))
         return params, opt_state, aux

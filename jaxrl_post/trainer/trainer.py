@@ -46,6 +46,7 @@ import jax
 import numpy as np
 
 from jaxrl_post import core_algos, distributed
+from jaxrl_post.models.lora import lora_config_of
 from jaxrl_post.protocol import DataProto
 from jaxrl_post.trainer import builders, preflight, steps
 from jaxrl_post.trainer import metrics as metrics_lib
@@ -97,6 +98,7 @@ class RLTrainer(RolesMixin, RolloutMixin, UpdatesMixin, CheckpointMixin):
         # ---- devices, model, tokenizer
         self.mesh = builders.build_mesh(cfg)
         self.actor_model, self.tokenizer = builders.build_actor_and_tokenizer(cfg, self.mesh)
+        self.lora = lora_config_of(self.actor_model)  # None: full fine-tuning
         self.eos_token_ids, self.pad_token_id = builders.eos_and_pad(self.tokenizer)
         self.use_critic = critic_enabled(cfg)
         self.use_ref = kl_in_use(cfg)
@@ -197,17 +199,17 @@ class RLTrainer(RolesMixin, RolloutMixin, UpdatesMixin, CheckpointMixin):
             # -- old / reference log-probs, values
             if not self.on_policy:
                 with _timer("old_log_prob", timing):
+                    micro = int(cfg.rollout.log_prob_micro_batch_size)
                     b["old_log_probs"] = self._forward(
-                        self._old_log_prob,
-                        self.actor_params,
-                        b,
-                        int(cfg.rollout.log_prob_micro_batch_size),
-                        self.old_log_prob_spec,
+                        self._old_log_prob, self.actor_params, b, micro, self.old_log_prob_spec, self.actor_frozen
                     )[0]
             if self.use_ref:
                 with _timer("ref", timing):
+                    # LoRA: the actor's model with the adapters off (ref_params None)
+                    ref = self.actor_params if self.ref_params is None else self.ref_params
+                    micro = int(cfg.ref.log_prob_micro_batch_size)
                     b["ref_log_prob"] = self._forward(
-                        self._ref_log_prob, self.ref_params, b, int(cfg.ref.log_prob_micro_batch_size), self.ref_spec
+                        self._ref_log_prob, ref, b, micro, self.ref_spec, self.actor_frozen
                     )[0]
             if self.use_critic:
                 with _timer("values", timing):

@@ -40,9 +40,10 @@ class UpdatesMixin:
             mb = {k: b[k][idx] for k in keys}
             mb["response_mask"] = b["loss_mask"][idx]
             put = self._put(mb) if self.actor_spec is None else self._put_packed(self._pack(mb, self.actor_spec))
-            self.actor_params, self.actor_opt_state, m = self._actor_update(
-                self.actor_params, self.actor_opt_state, put
-            )
+            args = (self.actor_params, self.actor_opt_state, put)
+            if self.actor_frozen is not None:  # LoRA: the adapters are trained, the base is an argument
+                args += (self.actor_frozen,)
+            self.actor_params, self.actor_opt_state, m = self._actor_update(*args)
             out.append((m, self.actor_update_count))
             self.actor_update_count += 1
         # no host sync inside the loop (the next mini-batch is packed while the device runs this one)
