@@ -286,6 +286,12 @@ def get_base_config() -> mlc.ConfigDict:
     c.trainer.mesh.data = 1  # data-parallel axis (batch split, params replicated)
     c.trainer.mesh.fsdp = -1  # fully sharded data-parallel axis (batch and params split)
     c.trainer.mesh.tensor = 1  # tensor-parallel axis (heads / MLP width split)
+    c.trainer.distributed = (
+        mlc.ConfigDict()
+    )  # jax.distributed (multi-host); all None = auto-detect, see docs/multihost.md
+    c.trainer.distributed.coordinator_address = _opt_str()  # 'host:port' of process 0 (None = auto-detect)
+    c.trainer.distributed.num_processes = _opt_int()  # JAX processes in the run (None = auto-detect)
+    c.trainer.distributed.process_id = _opt_int()  # this process's index, 0..num_processes-1 (None = auto-detect)
     return c
 
 

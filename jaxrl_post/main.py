@@ -147,12 +147,18 @@ def main(argv) -> None:
     """Build the trainer and train, under `_STOP` (SIGINT/SIGTERM -> checkpoint, one line, exit 130/143)."""
     del argv
     from jaxrl_post.data.sources import MalformedRowError
+    from jaxrl_post.distributed import DistributedConfigError, initialize_from_config
     from jaxrl_post.trainer.checkpoint import CheckpointError
     from jaxrl_post.trainer.config_check import ConfigError
     from jaxrl_post.trainer.interrupt import GracefulStop, exit_now
     from jaxrl_post.trainer.trainer import RLTrainer, summarize
 
     stop = _STOP if _STOP is not None else GracefulStop()  # `run()` installs it; a bare one installs nothing
+    try:  # jax.distributed first (trainer.distributed.*; auto-detected on pods/SLURM), before any other JAX call
+        initialize_from_config(_CONFIG.value)
+    except DistributedConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     try:
         trainer = RLTrainer(_CONFIG.value)
     except (ConfigError, MalformedRowError, CheckpointError) as e:  # bad config, data or checkpoint to resume

@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -126,7 +125,8 @@ def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
 def shard_batch(tree, mesh: Mesh):
     """Place every array leaf with its leading (batch) dim over ('data', 'fsdp').
 
-    Host numpy leaves on multi-host runs are treated as this process's slice of the global batch.
+    Host leaves are the GLOBAL batch, the same on every process of a multi-process run (each process places
+    its own rows); process-local rows go through `distributed.global_from_local` instead.
     Raises ValueError when a leading dim does not divide the batch axes' size.
     """
     n = _axis_size(dict(mesh.shape), LOGICAL_AXIS_RULES["batch"])
@@ -135,8 +135,6 @@ def shard_batch(tree, mesh: Mesh):
         if not hasattr(x, "shape") or x.ndim == 0:
             return x
         sharding = batch_sharding(mesh, x.ndim)
-        if jax.process_count() > 1 and isinstance(x, np.ndarray):
-            return jax.make_array_from_process_local_data(sharding, x)
         if x.shape[0] % n:
             raise ValueError(
                 f"batch leaf {jax.tree_util.keystr(path)}: leading dim {x.shape[0]} is not divisible by data*fsdp={n}"
@@ -170,3 +168,38 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     if any(x.shape[d] % _axis_size(sizes, a) for d, a in enumerate(spec)):
         return x
     return jax.lax.with_sharding_constraint(x, spec)
+
+
+class InMesh:
+    """A jitted fn called -- and so traced -- with `mesh` as the ambient mesh (`jax.set_mesh`), so the model's
+    activation constraints (`constrain`) take effect inside it; other attributes (`lower`, `_cache_size`)
+    are the jitted fn's. `mesh=None` calls `fn` as it is."""
+
+    def __init__(self, fn, mesh: Mesh | None):
+        self._fn, self._mesh = fn, mesh
+
+    def __call__(self, *args, **kwargs):
+        if self._mesh is None:
+            return self._fn(*args, **kwargs)
+        with jax.set_mesh(self._mesh):
+            return self._fn(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._fn, name)
+
+
+def init_opt_state(tx, params, mesh: Mesh | None):
+    """`tx.init(params)` with every param-shaped optimizer leaf (Adam mu / nu, ...) sharded like its param and
+    the rest (step counts) replicated -- under FSDP a device holds 1/N of the optimizer state, as of the
+    params (`jax.jit(tx.init)` alone returns every leaf replicated)."""
+    if mesh is None:
+        return jax.jit(tx.init)(params)
+    import optax
+
+    replicated = NamedSharding(mesh, P())
+    abstract = jax.eval_shape(tx.init, params)
+    param_sh = jax.tree.map(lambda x: x.sharding, params)
+    shardings = optax.tree_map_params(
+        tx, lambda _, sh: sh, abstract, param_sh, transform_non_params=lambda _: replicated
+    )
+    return jax.jit(tx.init, out_shardings=shardings)(params)

@@ -10,8 +10,9 @@ starts. The grain part is a random-access `MapDataset`, so an iterator's state i
 (`{"next_index": k}`); `get_state()` / `set_state()` resume exactly. Shuffling reseeds every epoch
 (grain derives each epoch's permutation from `seed` and the epoch), and batches never straddle epochs.
 
-Multi-host: every process builds the same global batches (same rows, seed and state); the trainer
-places them on the mesh. No grain worker processes are used (prompt batches are tiny).
+Multi-host: every process walks the same global batches (same rows, seed and state: resuming restores the
+same position everywhere) but builds only its own rows of each (`shard(lo, hi)`, set by the trainer from the
+mesh); `uid`s stay global. No grain worker processes are used (prompt batches are tiny).
 
 Batch layout (verl's prompt batch):
   batch:      input_ids [B, P] int32 (left-padded with pad_token_id), attention_mask [B, P] int32,
@@ -252,6 +253,15 @@ class PromptDataLoader:
         self._dataset = ds.repeat(num_epochs).map_with_index(self._make_batch)
         self.num_epochs = num_epochs
         self._iter = None
+        self._share = slice(None)  # rows of each global batch this process builds (`shard`)
+
+    def shard(self, lo: int, hi: int) -> None:
+        """Build only rows [lo, hi) of every global batch from now on (this process's share; multi-host).
+
+        Raises ValueError for an empty or out-of-range share."""
+        if not 0 <= lo < hi <= self.batch_size:
+            raise ValueError(f"share [{lo}, {hi}) is not inside a batch of {self.batch_size} prompts")
+        self._share = slice(int(lo), int(hi))
 
     # --------------------------------------------------------------------------------------------
     @property
@@ -273,9 +283,10 @@ class PromptDataLoader:
         return self.batches_per_epoch
 
     def _make_batch(self, step: int, positions: np.ndarray) -> dict[str, Any]:
+        first = step * self.batch_size + (self._share.start or 0)
+        positions = positions[self._share]
         ids, mask = left_pad([self._ids[p] for p in positions], self.max_prompt_length, self.pad_token_id)
         rows = [self._rows[p] for p in positions]
-        first = step * self.batch_size
         return {
             "tensors": {"input_ids": ids, "attention_mask": mask, "position_ids": compute_position_ids(mask)},
             "non_tensors": {

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Sequence
 
 import jax
@@ -198,7 +199,9 @@ class Generator:
     def __call__(self, prompts: DataProto, params: SamplingParams, *, seed: int | None = None) -> DataProto:
         return self.generate(prompts, params, seed=seed)
 
-    def generate(self, prompts: DataProto, params: SamplingParams, *, seed: int | None = None) -> DataProto:
+    def generate(
+        self, prompts: DataProto, params: SamplingParams, *, seed: int | None = None, process_local: bool = False
+    ) -> DataProto:
         """Generate ``params.max_new_tokens`` tokens for each left-padded prompt.
 
         Args:
@@ -207,6 +210,9 @@ class Generator:
             Non-tensor data and meta_info are carried over.
           params: sampling parameters (R = ``max_new_tokens``).
           seed: overrides ``params.seed`` (e.g. seed + step in a training loop).
+          process_local: multi-process runs: ``prompts`` are this process's rows of the global batch
+            (``distributed.local_rows``; every process holds as many) and the result is this process's rows.
+            Otherwise every process passes the same global batch and gets the whole result.
         Returns:
           DataProto (numpy arrays) with ``prompts [B, P] int32``, ``responses [B, R] int32`` (pad after
           the first EOS), ``input_ids [B, P+R]``, ``attention_mask [B, P+R] int32`` (prompt mask ++
@@ -229,7 +235,8 @@ class Generator:
             raise ValueError("every prompt needs at least one real token")
         b, p = ids.shape
         r = params.max_new_tokens
-        b_pad = bucket_size(b, self.batch_buckets, multiple_of=self._batch_multiple())
+        nproc = jax.process_count() if (process_local and self.mesh is not None) else 1
+        b_pad = bucket_size(b * nproc, self.batch_buckets, multiple_of=math.lcm(self._batch_multiple(), nproc)) // nproc
         p_pad = bucket_size(p, self.prompt_buckets, minimum=self.min_prompt_bucket)
 
         pid = np.full((b_pad, p_pad), params.pad_token_id, np.int32)
@@ -247,7 +254,18 @@ class Generator:
 
         graphdef, state = nnx.split(self.model)
         arrays = (pid, pmask, row_done)
-        if self.mesh is not None:
+        if nproc > 1:
+            from jaxrl_post.distributed import global_from_local, local_rows
+
+            own = local_rows(self.mesh, b_pad * nproc)
+            if (own.start, own.stop) != (jax.process_index() * b_pad, (jax.process_index() + 1) * b_pad):
+                raise ValueError(
+                    f"process-local rollout needs each process to hold rows [i*{b_pad}, (i+1)*{b_pad}) of the "
+                    f"batch; process {jax.process_index()} holds {own} (a mesh axis other than the batch spans "
+                    "processes?)"
+                )
+            arrays = tuple(global_from_local(a, self.mesh) for a in arrays)
+        elif self.mesh is not None:
             from jaxrl_post.sharding import shard_batch
 
             arrays = shard_batch(arrays, self.mesh)
@@ -256,7 +274,9 @@ class Generator:
         pid_d, pmask_d, done_d = arrays
         max_len = p_pad + n_alloc
         seg = self.cache_segment_len or max(16, -(-max_len // 128) * 16)  # ~8 segments, multiple of 16
-        logits, cache = _prefill(
+        from jaxrl_post.sharding import InMesh
+
+        logits, cache = InMesh(_prefill, self.mesh)(
             graphdef,
             state,
             pid_d,
@@ -267,12 +287,13 @@ class Generator:
             cache_dtype=kv_cache_dtype(self.model, self.cache_dtype, self.mesh),
             mesh=self.mesh,
         )
-        tokens, logps, thresholds, _, _, _ = _decode(
+        tokens, logps, thresholds, _, _, _ = InMesh(_decode, self.mesh)(
             graphdef, state, cache, logits, done_d, key, params=static, num_steps=r, chunk=chunk, mesh=self.mesh
         )
-        tokens = np.asarray(jax.device_get(tokens))[:b, :r]
-        logps = np.asarray(jax.device_get(logps))[:b, :r]
-        thresholds = np.asarray(jax.device_get(thresholds))[:b, :r]
+        from jaxrl_post.distributed import local_part, to_host
+
+        host = local_part if nproc > 1 else to_host
+        tokens, logps, thresholds = (host(x)[:b, :r] for x in (tokens, logps, thresholds))
         return _assemble(prompts, ids, mask, tokens, logps, thresholds, params)
 
 

@@ -423,10 +423,25 @@ class Checkpointer:
         return res
 
     def restore_raw(self, item: str, step: int | None = None) -> Any:
-        """One item (e.g. `'actor.params'`) as saved, as nested dicts of arrays, without a target structure."""
+        """One item (e.g. `'actor.params'`) as saved, as nested dicts of arrays, without a target structure,
+        on one local device (any mesh or process count it was saved from)."""
         step = self._resolve_step(step)
         ocp = self._ocp
-        out = self._open().restore(step, args=ocp.args.Composite(**{item: ocp.args.StandardRestore()}))
+        target = None
+        try:  # the saved shapes, placed on one device: a checkpoint of another topology restores too
+            absl_log, level = logging.getLogger("absl"), logging.getLogger("absl").level
+            absl_log.setLevel(logging.ERROR)  # "Metadata file does not exist" (the step's, not the item's)
+            try:
+                md = ocp.StandardCheckpointer().metadata(os.path.join(self.step_path(step), item)).item_metadata
+            finally:
+                absl_log.setLevel(level)
+            one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+            leaf = lambda m: hasattr(m, "shape") and hasattr(m, "dtype")
+            sds = lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one) if leaf(m) else m
+            target = jax.tree.map(sds, getattr(md, "tree", md), is_leaf=leaf)
+        except Exception:  # pylint: disable=broad-except  (no metadata: let orbax use the saved shardings)
+            target = None
+        out = self._open().restore(step, args=ocp.args.Composite(**{item: ocp.args.StandardRestore(target)}))
         return _unwrap(out[item])
 
     def _resolve_step(self, step: int | None) -> int:

@@ -403,6 +403,9 @@ def validate_config(cfg: Any, n_devices: int | None = None) -> None:
     if not cfg.model.random_init:
         check("model.path", lambda v: isinstance(v, str) and v, "must name a model (dir, .gguf, alias)")
     _check_lora(cfg, check, err, is_int, is_num)
+    from jaxrl_post.distributed import config_errors
+
+    errors += config_errors(cfg)  # trainer.distributed.*, the per-process prompt share
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
 

@@ -231,6 +231,30 @@ def merge_reward_metrics(outputs: list[Any]) -> dict[str, float]:
     return out
 
 
+def score_everywhere(reward_fn, data, local: bool):
+    """`reward_fn.compute(data)`; with process-local rows a failure on any process is raised on every process
+    (the others would otherwise wait in the next gather forever). Raises RewardFunctionError."""
+    from jaxrl_post.rewards.manager import RewardFunctionError
+
+    if not local:
+        return reward_fn.compute(data)
+    from jaxrl_post.distributed import gather_rows
+
+    err = None
+    try:
+        res = reward_fn.compute(data)
+    except RewardFunctionError as e:
+        err = e
+    failed = gather_rows(np.asarray([err is not None]))
+    if err is not None:
+        raise err
+    if failed.any():
+        raise RewardFunctionError(
+            f"the reward function failed on process {int(np.argmax(failed))} (its message is in that process's log)"
+        )
+    return res
+
+
 class RolloutMixin:
     """One generation batch of `RLTrainer` (generate + reward) and the dynamic-sampling loop over them."""
 
@@ -241,22 +265,28 @@ class RolloutMixin:
         with `token_level_scores [B, R]`, and `reward_baselines [B]` for ReMax), `nt` its non-tensor batch.
         Raises RewardFunctionError (see `RewardManager.compute`).
         """
+        from jaxrl_post.distributed import gather_reward, gather_rows
+
         n = int(self.config.rollout.n)
+        local = bool(getattr(self, "process_local", False))  # multi-process: `prompts` are this process's share
         with timer("gen", timing):
             batch = prompts.repeat(n, interleave=True)
-            out = self.generator.generate(batch, self.sampling_params(validate=False, seed=seed))
+            out = self.generator.generate(batch, self.sampling_params(validate=False, seed=seed), process_local=local)
         b = {k: to_numpy(v) for k, v in out.batch.items()}
         if not self.config.rollout.sampling_mask_replay:  # the forwards score the full softmax
             b.pop("sampling_logit_threshold", None)
         with timer("reward", timing):
-            res = self.reward_fn.compute(out)
+            res = score_everywhere(self.reward_fn, out, local)  # this process's rows only
         b["token_level_scores"] = np.asarray(res.token_level_scores, np.float32)
         if self.config.algorithm.adv_estimator == "remax":
             with timer("gen_max", timing):
-                greedy = self.generator.generate(prompts, self.sampling_params(validate=True))
+                greedy = self.generator.generate(prompts, self.sampling_params(validate=True), process_local=local)
                 base = self.reward_fn.compute(greedy).token_level_scores.sum(-1)
                 b["reward_baselines"] = np.repeat(np.asarray(base, np.float32), n)
-        return b, dict(out.non_tensor_batch), res
+        nt = dict(out.non_tensor_batch)
+        if local:  # every process continues with the same global batch
+            b, nt, res = gather_rows(b), gather_rows(nt), gather_reward(res)
+        return b, nt, res
 
     def _collect_filtered_batch(
         self, prompts, seed: int, timing: dict[str, float], next_prompts: Callable[[], Any]

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxrl_post.sharding import init_opt_state
 from jaxrl_post.trainer import builders, packed_steps, packing, steps
 from jaxrl_post.trainer.config_check import dynamic_bsz
 
@@ -23,8 +24,10 @@ _FWD_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "sampli
 
 
 def to_numpy(x) -> np.ndarray:
-    """A (possibly sharded) device array as one host numpy array."""
-    return np.asarray(jax.device_get(x))
+    """A (possibly sharded, possibly multi-process) device array as one host numpy array (every process)."""
+    from jaxrl_post.distributed import to_host
+
+    return to_host(x)
 
 
 class RolesMixin:
@@ -57,7 +60,7 @@ class RolesMixin:
         )
         self.actor_tx = steps.make_optimizer(self.actor_optim_cfg)
         self.actor_lr = steps.make_lr_schedule(self.actor_optim_cfg)
-        self.actor_opt_state = self._commit(jax.jit(self.actor_tx.init)(self.actor_params))
+        self.actor_opt_state = self._commit(init_opt_state(self.actor_tx, self.actor_params, self._opt_mesh()))
         self.actor_loss_cfg = builders.actor_loss_config(cfg, self.on_policy)
         self.actor_spec = self._pack_spec("actor", self.actor_mini, int(a.ppo_micro_batch_size))
         self.old_log_prob_spec = self._pack_spec("rollout", self.batch_size, int(cfg.rollout.log_prob_micro_batch_size))
@@ -146,7 +149,7 @@ class RolesMixin:
             )
             self.critic_tx = steps.make_optimizer(self.critic_optim_cfg)
             self.critic_lr = steps.make_lr_schedule(self.critic_optim_cfg)
-            self.critic_opt_state = self._commit(jax.jit(self.critic_tx.init)(self.critic_params))
+            self.critic_opt_state = self._commit(init_opt_state(self.critic_tx, self.critic_params, self._opt_mesh()))
             loss_cfg = steps.CriticLossConfig(float(c.cliprange_value), c.loss_agg_mode)
             self.critic_spec = self._pack_spec("critic", self.critic_mini, int(c.ppo_micro_batch_size))
             self.values_spec = self._pack_spec("values", self.batch_size, int(c.forward_micro_batch_size))
@@ -207,10 +210,17 @@ class RolesMixin:
 
         return jax.tree.map(one, tree)
 
+    def _opt_mesh(self):
+        """The mesh optimizer states are sharded over like their params (None on one device)."""
+        return self.mesh if self.n_devices > 1 else None
+
     def _jit_update(self, fn, params, opt_state):
         """jit with donated params/opt state and their shardings pinned on the way out."""
+        from jaxrl_post.sharding import InMesh
+
         shard = lambda t: jax.tree.map(lambda x: x.sharding, t)
-        return jax.jit(fn, donate_argnums=(0, 1), out_shardings=(shard(params), shard(opt_state), None))
+        jitted = jax.jit(fn, donate_argnums=(0, 1), out_shardings=(shard(params), shard(opt_state), None))
+        return InMesh(jitted, self.mesh if self.n_devices > 1 else None)  # activation constraints take effect
 
     def _put(self, tree: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         if self.n_devices > 1:
@@ -246,7 +256,11 @@ class RolesMixin:
         self, fn, params, batch: dict[str, np.ndarray], micro: int, spec: packing.PackSpec | None = None, frozen=None
     ):
         """Run a jitted forward over the whole [B, ...] batch: packed with `spec`, else padded to a multiple
-        of `micro` rows. `frozen`: a LoRA actor's base params (the fn's trailing argument)."""
+        of `micro` rows (under the mesh, so activation constraints take effect). `frozen`: a LoRA actor's base
+        params (the fn's trailing argument)."""
+        from jaxrl_post.sharding import InMesh
+
+        fn = InMesh(fn, self.mesh if self.n_devices > 1 else None)
         extra = () if frozen is None else (frozen,)
         if spec is not None:
             packed = self._put_packed(self._pack({k: batch[k] for k in _FWD_KEYS if k in batch}, spec))

@@ -26,6 +26,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxrl_post.rewards.manager import RewardFunctionError
 from jaxrl_post.trainer import checkpoint as ckpt
@@ -123,7 +124,8 @@ class CheckpointMixin:
             if aside:
                 lines.append(f"{os.path.join(self.workdir, 'config.json')} of the previous start kept as {aside}")
         sync("config")
-        save_run_config(self.config, self.workdir)
+        if is_lead_process():
+            save_run_config(self.config, self.workdir)
         for line in lines:
             self._say(line)
 
@@ -204,7 +206,7 @@ class CheckpointMixin:
             "actor": {"params": self.actor_params, "opt_state": self.actor_opt_state},
             "critic": ({"params": self.critic_params, "opt_state": self.critic_opt_state} if self.use_critic else None),
             "ref": {"params": self.ref_params} if ref_saved else None,
-            "rng": jax.random.key_data(self.rng),
+            "rng": np.asarray(jax.random.key_data(self.rng)),  # host value: the same on every process
             "host": {
                 "global_steps": self.global_steps,
                 "actor_update_count": self.actor_update_count,

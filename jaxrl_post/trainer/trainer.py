@@ -45,12 +45,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxrl_post import core_algos
+from jaxrl_post import core_algos, distributed
 from jaxrl_post.models.lora import lora_config_of
 from jaxrl_post.protocol import DataProto
 from jaxrl_post.trainer import builders, preflight, steps
 from jaxrl_post.trainer import metrics as metrics_lib
-from jaxrl_post.trainer.config_check import critic_enabled, kl_in_use, validate_config
+from jaxrl_post.trainer.config_check import ConfigError, critic_enabled, kl_in_use, validate_config
 from jaxrl_post.trainer.dynamic_sampling import RolloutMixin
 from jaxrl_post.trainer.dynamic_sampling import timer as _timer
 from jaxrl_post.trainer.loggers import config_to_dict
@@ -108,6 +108,11 @@ class RLTrainer(RolesMixin, RolloutMixin, UpdatesMixin, CheckpointMixin):
         self.train_loader, self.val_loader, self.data_stats = builders.build_dataloaders(
             cfg, data_rows, self.tokenizer, self.pad_token_id
         )
+        # multi-process: each process loads only its share of every global prompt batch (distributed.py)
+        try:
+            self.process_local = distributed.shard_loader(self.train_loader, self.mesh, int(cfg.rollout.n))
+        except ValueError as e:  # shares that are not whole prompt groups, a tensor axis across processes
+            raise ConfigError(str(e)) from e
         self.reward_fn = builders.build_reward_manager(cfg, self.tokenizer, data_rows.custom_reward_fn)
         self.total_training_steps = int(
             cfg.trainer.total_training_steps or cfg.trainer.total_epochs * len(self.train_loader)
@@ -144,6 +149,8 @@ class RLTrainer(RolesMixin, RolloutMixin, UpdatesMixin, CheckpointMixin):
         self.peak_flops = metrics_lib.device_peak_flops(override=cfg.trainer.device_peak_flops)
         self._say = console_write or (lambda line: print(line, flush=True))
         os.makedirs(self.workdir, exist_ok=True)
+        if not distributed.is_main():  # process 0 alone prints, logs and writes metrics files
+            self._say, tracker = (lambda line: None), tracker or distributed.NullTracker()
         self.tracker = tracker or Tracking(
             self.workdir,
             cfg.trainer.logger,
@@ -319,7 +326,7 @@ class RLTrainer(RolesMixin, RolloutMixin, UpdatesMixin, CheckpointMixin):
             result["val_before"] = self.validate()
             self.tracker.log(result["val_before"], step=self.global_steps)
         bar = progress_bar(
-            bool(cfg.trainer.progress_bar),
+            bool(cfg.trainer.progress_bar) and distributed.is_main(),
             total=self.total_training_steps,
             initial=self.global_steps,
             desc="training",
