@@ -99,6 +99,30 @@ def bench_ours(model, ids, mask, pad, new_tokens, reps, decode_chunk, segment_le
     return min(times), compile_s
 
 
+def plain_hf_model(gguf_path: str, dtype):
+    """transformers model of the GGUF's weights, dequantized, as a plain (unquantized) model in ``dtype``.
+
+    transformers >= 5 keeps a GGUF checkpoint's packed Q4_1 weights and computes through dequantizing
+    kernels in float32; a user of transformers runs a plain safetensors checkpoint instead, so the baseline
+    copies the weights into a model built from the config (as ``../shared/peers/convert_gguf_to_hf.py`` does).
+    """
+    import torch
+    import transformers
+
+    q = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path), dtype=torch.float32
+    )
+    cfg = q.config
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config
+    plain = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    missing, unexpected = plain.load_state_dict(q.state_dict(), strict=False)
+    if unexpected or [m for m in missing if "lm_head" not in m]:
+        raise RuntimeError(f"HF baseline: missing {missing}, unexpected {unexpected}")
+    plain.tie_weights()
+    return plain.to(dtype).eval()
+
+
 def bench_hf(hf, ids, mask, pad, new_tokens, reps, threads):
     """Best wall time of transformers generate over the given torch thread counts -> (seconds, threads)."""
     import torch
@@ -165,7 +189,6 @@ def main():
     args = ap.parse_args()
 
     import torch
-    import transformers
 
     from jaxrl_post.models import load_pretrained, resolve_model_path
     from jaxrl_post.rollout import kv_cache_dtype
@@ -175,9 +198,7 @@ def main():
     n_params = model.config.num_params()
     hf = None
     if not args.skip_hf:
-        hf = transformers.AutoModelForCausalLM.from_pretrained(
-            os.path.dirname(path), gguf_file=os.path.basename(path), torch_dtype=getattr(torch, args.dtype)
-        ).eval()
+        hf = plain_hf_model(path, getattr(torch, args.dtype))
     peak = matmul_peak_flops(dtype=jnp.dtype(args.dtype))
     results = []
     for batch in [int(b) for b in args.batches.split(",")]:
@@ -210,7 +231,7 @@ def main():
         results.append(row)
         print(json.dumps(row), flush=True)
     summary = dict(
-        model=f"SmolLM2-135M-Instruct (GGUF Q4_1 dequantized, {args.dtype})",
+        model=f"SmolLM2-135M-Instruct (GGUF Q4_1 dequantized, {args.dtype}; HF: a plain model of the same weights)",
         dtype=args.dtype,
         params=n_params,
         matmul_peak_gflops=round(peak / 1e9, 1),
