@@ -27,6 +27,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -170,10 +171,24 @@ def _start_script(tmp, n_devices, jobs, dist=None):
     return subprocess.Popen(cmd, cwd=REPO, env=_env(n_devices, cache), **pipe)
 
 
-def _wait(procs) -> list[str]:
-    outs = [p.communicate(timeout=900) for p in procs]
+def _wait(procs, timeout: float = 900.0) -> list[str]:
+    """Wait for all (draining their pipes); a process that fails, or the timeout, kills the others, which
+    would otherwise wait for their peer in a collective forever."""
+    deadline, outs = time.monotonic() + timeout, [None] * len(procs)
+    while any(o is None for o in outs):
+        for i, p in enumerate(procs):
+            if outs[i] is None:
+                try:  # a timed-out communicate keeps what it read; calling it again loses nothing
+                    outs[i] = p.communicate(timeout=0.5)
+                except subprocess.TimeoutExpired:
+                    pass
+        failed = any(o is not None and p.returncode != 0 for p, o in zip(procs, outs))
+        if failed or time.monotonic() > deadline:
+            for p in procs:
+                p.kill()
+            outs = [o if o is not None else p.communicate() for p, o in zip(procs, outs)]
     for p, (_, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-4000:]
+        assert p.returncode == 0, f"exit {p.returncode} (negative: killed, a peer failed or timeout)\n{err[-4000:]}"
     return [o for o, _ in outs]
 
 
