@@ -11,6 +11,8 @@ Conventions of the host loop (trainer/):
 - **Rewards are scored on local rows**, then the rollout is gathered with the ONE helper, `gather_rows`
   (`multihost_utils.process_allgather`), so that every process holds the same global host batch (the
   advantages, mini-batch shuffles and metrics are then computed identically everywhere).
+- **Validation is process-local too** (`trainer/validation_loop.py`): each process generates and scores its
+  block of rows of every held-out batch; the per-row results are gathered once (`gather_rows`).
 - **Host numpy given to `sharding.shard_batch` is the global batch** (the same on every process); each
   process places its own slice (`jax.device_put` of a host value onto a global sharding).
 - **Device outputs come back with `to_host`**, which gathers a global array onto every process.

@@ -233,16 +233,19 @@ def merge_reward_metrics(outputs: list[Any]) -> dict[str, float]:
 
 def score_everywhere(reward_fn, data, local: bool):
     """`reward_fn.compute(data)`; with process-local rows a failure on any process is raised on every process
-    (the others would otherwise wait in the next gather forever). Raises RewardFunctionError."""
+    (the others would otherwise wait in the next gather forever). A process-local `data` of no rows (a
+    validation batch whose real rows all sit on other processes) is not scored: None, after the check.
+    Raises RewardFunctionError."""
     from jaxrl_post.rewards.manager import RewardFunctionError
 
     if not local:
         return reward_fn.compute(data)
     from jaxrl_post.distributed import gather_rows
 
-    err = None
+    err = res = None
     try:
-        res = reward_fn.compute(data)
+        if data is None or len(data):
+            res = reward_fn.compute(data)
     except RewardFunctionError as e:
         err = e
     failed = gather_rows(np.asarray([err is not None]))

@@ -261,7 +261,8 @@ class RLTrainer(RolesMixin, RolloutMixin, UpdatesMixin, CheckpointMixin):
         `val-core/{data_source}/reward/mean@{n}`, best@k / maj@k / pass@k when n > 1; `acc` becomes the core
         variable when the reward function reports it), `val-aux/{data_source}/response_length/mean`,
         `val-aux/{data_source}/num_samples`, `timing_s/testing`. Shows a progress bar (prompts done) when
-        `trainer.progress_bar`.
+        `trainer.progress_bar` (process 0). Multi-process: each process generates and scores only its rows
+        of every held-out batch; the results are gathered once, so every process returns the same metrics.
 
         Raises:
           ValueError: `data.val_files` is set but every prompt in it also occurs in the training data (the
@@ -275,7 +276,10 @@ class RLTrainer(RolesMixin, RolloutMixin, UpdatesMixin, CheckpointMixin):
                 )
             return {}
         sampling_params = self.sampling_params(validate=True, seed=int(self.config.trainer.seed))
-        return run_validation(self.config, self.val_loader, self.generator, self.reward_fn, sampling_params)
+        local = bool(getattr(self, "process_local", False))  # multi-process: each process scores its rows
+        return run_validation(
+            self.config, self.val_loader, self.generator, self.reward_fn, sampling_params, process_local=local
+        )
 
     # ------------------------------------------------------------------------------------ loop
     def fit(self, max_steps: int | None = None, *, stop=None) -> dict[str, Any]:

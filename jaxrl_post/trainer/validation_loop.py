@@ -1,6 +1,12 @@
 """The validation loop behind `RLTrainer.validate`: generate on the held-out set, score, aggregate.
 
 Host-side orchestration (generation and reward calls); the metrics themselves are validation.py's.
+
+Multi-process runs split validation like a training step: every process builds the same global batch
+(cheap host copies of the loader's token ids), keeps its contiguous block of rows, generates only those
+(`Generator.generate(process_local=True)`) and scores only its real rows; the per-row results of all
+batches are gathered once at the end (`distributed.gather_rows`), so the metrics are computed from the same
+rows, in the same order, as on one process.
 """
 
 from __future__ import annotations
@@ -8,65 +14,74 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import jax
 import numpy as np
 
+from jaxrl_post import distributed
+from jaxrl_post.trainer.dynamic_sampling import score_everywhere
 from jaxrl_post.trainer.progress import progress_bar
 from jaxrl_post.trainer.validation import extract_answer, process_validation_metrics
 
 
 def run_validation(
-    config: Any, val_loader: Any, generator: Any, reward_fn: Any, sampling_params: Any
+    config: Any, val_loader: Any, generator: Any, reward_fn: Any, sampling_params: Any, *, process_local: bool = False
 ) -> dict[str, float]:
     """Generate on every batch of `val_loader` (each prompt `rollout.val_kwargs.n` times, padded to a fixed
     shape), score with `reward_fn` and return the validation metrics described in `RLTrainer.validate`.
 
     Args:
       config: the job ConfigDict (`rollout.val_kwargs.n`, `trainer.progress_bar`).
-      val_loader: the validation `DataLoader` (not None).
+      val_loader: the validation `DataLoader` (not None); it yields the same global batches on every process.
       generator: the rollout `Generator`; sampling_params: its `SamplingParams` for validation.
       reward_fn: the `RewardManager`.
+      process_local: multi-process runs (every process calls this): each process generates and scores only
+        its block of rows of every batch, and the results are gathered once (every process returns the
+        same metrics). False: this process does everything.
 
     Raises:
-      RewardFunctionError: see `RewardManager.compute`.
+      RewardFunctionError: see `RewardManager.compute` (with `process_local`, a failure on any process is
+        raised on every process).
     """
     t0 = time.perf_counter()
     n = int(config.rollout.val_kwargs.n)
-    sources, scores, lengths, uids, preds = [], [], [], [], []
-    extras: dict[str, list[np.ndarray]] = {}
-    bs = val_loader.batch_size
+    nproc = jax.process_count() if process_local else 1
+    # Fixed generate shape (one compile for every batch): a full batch of bs x n rows, rounded up to a
+    # multiple of the process count so that every process holds an equal block. A short last batch is padded
+    # with copies of its first rows (`pad_to_divisor`); padding rows are at the end, are generated (the shape
+    # needs them) but never scored or counted: each process keeps only its rows below the real row count.
+    rows = -(-val_loader.batch_size * n // nproc) * nproc
+    pid = jax.process_index() if process_local else 0
+    own = slice(pid * rows // nproc, (pid + 1) * rows // nproc)
+    mine: list[dict[str, Any]] = []  # per batch: this process's scored (real) rows
+    show = bool(config.trainer.progress_bar) and distributed.is_main()
     # mininterval=0: batches are few and slow, so draw every one (a fast, compiled batch would else skip "16/16")
     bar_kw = dict(total=val_loader.num_prompts, desc="validation", unit="prompt", leave=False, mininterval=0)
-    with progress_bar(bool(config.trainer.progress_bar), **bar_kw) as bar:
-        for i, batch in enumerate(iter(val_loader)):
+    with progress_bar(show, **bar_kw) as bar:
+        for batch in iter(val_loader):
             if n > 1:
                 batch = batch.repeat(n, interleave=True)
-            batch, pad = batch.pad_to_divisor(bs * n)  # fixed generate shape: one compile for every batch
-            out = generator.generate(batch, sampling_params)
-            out = out.unpad(pad) if pad else out
-            res = reward_fn.compute(out)
-            if n > 1:  # extracted final answers, for majority voting (maj@k)
-                texts, _ = reward_fn.decode_responses(out)
-                nt = out.non_tensor_batch
-                infos = nt["extra_info"] if "extra_info" in nt else [None] * len(texts)
-                preds += [
-                    extract_answer(str(d), t, e if isinstance(e, dict) else None)
-                    for d, t, e in zip(nt["data_source"], texts, infos)
-                ]
-            scores.append(np.asarray(res.scores, np.float64))
-            lengths.append(np.asarray(out.batch["response_mask"]).sum(-1))
-            sources.append(np.asarray(out.non_tensor_batch["data_source"]))
-            uids.append(np.asarray([f"{i}/{u}" for u in out.non_tensor_batch["uid"]]))
-            for k, v in res.extra_infos.items():
-                if np.asarray(v).dtype.kind == "f":
-                    extras.setdefault(k, []).append(np.asarray(v, np.float64))
-            bar.update(len(res.scores) // n)
-    scores, lengths = np.concatenate(scores), np.concatenate(lengths)
-    sources, uids = np.concatenate(sources), np.concatenate(uids)
+            real = len(batch)
+            batch, _ = batch.pad_to_divisor(rows)
+            if process_local:
+                out = generator.generate(batch[own], sampling_params, process_local=True)
+            else:
+                out = generator.generate(batch, sampling_params)
+            out = out[: max(0, min(real, own.stop) - own.start)] if process_local else out[:real]
+            res = score_everywhere(reward_fn, out, process_local)  # None: no real rows here
+            mine.append(_rows_of(out, res, reward_fn, n))
+            bar.update(real // n)
+    # THE gather of validation: every process's list of per-batch results (process order = row order)
+    parts = distributed.gather_rows(_obj(mine)) if process_local else [mine]
+    per_batch = [_merge([p[i] for p in parts]) for i in range(len(mine))]
+    scores = np.concatenate([b["scores"] for b in per_batch])
+    lengths = np.concatenate([b["lengths"] for b in per_batch])
+    sources = np.concatenate([b["sources"] for b in per_batch])
+    uids = np.concatenate([np.asarray([f"{i}/{u}" for u in b["uids"]]) for i, b in enumerate(per_batch)])
+    preds = [p for b in per_batch for p in b["preds"]]
     infos = {"reward": scores}
-    for k, v in extras.items():
-        v = np.concatenate(v)
-        if k != "reward" and v.size == scores.size:  # keys reported by every batch
-            infos[k] = v
+    for k in sorted({k for b in per_batch for k in b["extras"]}):
+        if k != "reward" and all(k in b["extras"] for b in per_batch):  # keys reported by every batch
+            infos[k] = np.concatenate([b["extras"][k] for b in per_batch])
     out_m = process_validation_metrics(sources, uids, infos, preds if n > 1 else None)
     for ds in np.unique(sources):
         sel = sources == ds
@@ -74,3 +89,54 @@ def run_validation(
         out_m[f"val-aux/{ds}/num_samples"] = float(sel.sum())
     out_m["timing_s/testing"] = time.perf_counter() - t0
     return out_m
+
+
+def _rows_of(out, res, reward_fn, n: int) -> dict[str, Any]:
+    """Host values of one batch's scored rows (`out`: this process's real rows; `res`: their RewardOutput
+    or None when there are none): scores/lengths `[b]`, sources/uids `[b]` object, preds (n > 1), extras
+    (float keys only, `[b]` float64 with NaN where a row did not report the key)."""
+    nt = out.non_tensor_batch
+    if res is None:
+        empty = np.zeros((0,), np.float64)
+        return dict(scores=empty, lengths=empty, sources=np.zeros((0,), object), uids=[], preds=[], extras={})
+    preds = []
+    if n > 1:  # extracted final answers, for majority voting (maj@k)
+        texts, _ = reward_fn.decode_responses(out)
+        infos = nt["extra_info"] if "extra_info" in nt else [None] * len(texts)
+        preds = [
+            extract_answer(str(d), t, e if isinstance(e, dict) else None)
+            for d, t, e in zip(nt["data_source"], texts, infos)
+        ]
+    extras = {k: np.asarray(v, np.float64) for k, v in res.extra_infos.items() if np.asarray(v).dtype.kind == "f"}
+    return dict(
+        scores=np.asarray(res.scores, np.float64),
+        lengths=np.asarray(out.batch["response_mask"]).sum(-1),
+        sources=np.asarray(nt["data_source"]),
+        uids=list(nt["uid"]),
+        preds=preds,
+        extras=extras,
+        objects={k for k, v in res.extra_infos.items() if np.asarray(v).dtype.kind != "f"},
+    )
+
+
+def _merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One batch's rows from the processes' parts (process order). An extra key is a float key of the batch
+    when some process's rows report it and none reports it as non-numbers (as one `RewardManager.compute`
+    over the whole batch would decide); rows of a process without the key get NaN, as rows without it do."""
+    parts = [p for p in parts if len(p["scores"])]
+    keys = {k for p in parts for k in p["extras"]} - {k for p in parts for k in p.get("objects", ())}
+    nan = lambda p: np.full(len(p["scores"]), np.nan)
+    return dict(
+        scores=np.concatenate([p["scores"] for p in parts]),
+        lengths=np.concatenate([p["lengths"] for p in parts]),
+        sources=np.concatenate([p["sources"] for p in parts]),
+        uids=[u for p in parts for u in p["uids"]],
+        preds=[x for p in parts for x in p["preds"]],
+        extras={k: np.concatenate([p["extras"].get(k, nan(p)) for p in parts]) for k in keys},
+    )
+
+
+def _obj(x: Any) -> np.ndarray:
+    out = np.empty((1,), object)
+    out[0] = x
+    return out
