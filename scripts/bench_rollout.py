@@ -197,16 +197,21 @@ def main():
     model, tok = load_pretrained("smollm2-135m-instruct", dtype=args.dtype)
     _, path = resolve_model_path("smollm2-135m-instruct")
     n_params = model.config.num_params()
-    hf = None
-    if not args.skip_hf:
-        hf = plain_hf_model(path, getattr(torch, args.dtype))
     peak = matmul_peak_flops(dtype=jnp.dtype(args.dtype))
-    results = []
-    for batch in [int(b) for b in args.batches.split(",")]:
-        ids, mask, pad, mean_len = make_prompts(tok, batch)
-        ours_s, compile_s = bench_ours(
+    batches = [int(b) for b in args.batches.split(",")]
+    # All of ours first, then transformers: with transformers loaded and run first in the same process
+    # (torch's thread pool up), our b32 bf16 rollout measured 303 tok/s, against 430 without it.
+    ours = {}
+    for batch in batches:
+        ids, mask, pad, _ = make_prompts(tok, batch)
+        ours[batch] = bench_ours(
             model, ids, mask, pad, args.new_tokens, args.reps, args.decode_chunk, args.cache_segment_len
         )
+    hf = None if args.skip_hf else plain_hf_model(path, getattr(torch, args.dtype))
+    results = []
+    for batch in batches:
+        ids, mask, pad, mean_len = make_prompts(tok, batch)
+        ours_s, compile_s = ours[batch]
         hf_s, hf_threads = (
             bench_hf(hf, ids, mask, pad, args.new_tokens, args.hf_reps, [int(t) for t in args.hf_threads.split(",")])
             if hf is not None
