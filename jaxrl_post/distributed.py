@@ -12,7 +12,7 @@ Conventions of the host loop (trainer/):
   (`multihost_utils.process_allgather`), so that every process holds the same global host batch (the
   advantages, mini-batch shuffles and metrics are then computed identically everywhere).
 - **Validation is process-local too** (`trainer/validation_loop.py`): each process generates and scores its
-  block of rows of every held-out batch; the per-row results are gathered once (`gather_rows`).
+  block of rows of every held-out batch; the per-row results are gathered once (`gather_objects`).
 - **Host numpy given to `sharding.shard_batch` is the global batch** (the same on every process); each
   process places its own slice (`jax.device_put` of a host value onto a global sharding).
 - **Device outputs come back with `to_host`**, which gathers a global array onto every process.
@@ -286,9 +286,8 @@ def gather_reward(res):
         rows["fs"] = res.function_scores
     g = gather_rows(rows)
     # per-process python values (extra keys may differ between processes: a key no row of a process returned)
-    parts = _gather_objects(
-        _one({"extra": res.extra_infos, "errors": res.errors, "metrics": res.metrics, "n": len(res.scores)})
-    )
+    mine = {"extra": res.extra_infos, "errors": res.errors, "metrics": res.metrics, "n": len(res.scores)}
+    parts = gather_objects(mine)
     extra: dict[str, np.ndarray] = {}
     for k in sorted({k for p in parts for k in p["extra"]}):
         vals = [np.asarray(p["extra"][k]) if k in p["extra"] else np.full((p["n"],), np.nan, np.float32) for p in parts]
@@ -312,6 +311,16 @@ def gather_reward(res):
         errors=[e for p in parts for e in p["errors"]][:8],
         function_scores=g.get("fs"),
     )
+
+
+def gather_objects(x: Any) -> list[Any]:
+    """Every process's Python value `x` (picklable), in process order; `[x]` on one process. Every process
+    must call it (like `gather_rows`, of which it is the one-object-per-process case)."""
+    import jax
+
+    if jax.process_count() == 1:
+        return [x]
+    return list(_gather_objects(_one(x)))
 
 
 def _one(x) -> np.ndarray:

@@ -5,7 +5,7 @@ Host-side orchestration (generation and reward calls); the metrics themselves ar
 Multi-process runs split validation like a training step: every process builds the same global batch
 (cheap host copies of the loader's token ids), keeps its contiguous block of rows, generates only those
 (`Generator.generate(process_local=True)`) and scores only its real rows; the per-row results of all
-batches are gathered once at the end (`distributed.gather_rows`), so the metrics are computed from the same
+batches are gathered once at the end (`distributed.gather_objects`), so the metrics are computed from the same
 rows, in the same order, as on one process.
 """
 
@@ -71,7 +71,7 @@ def run_validation(
             mine.append(_rows_of(out, res, reward_fn, n))
             bar.update(real // n)
     # THE gather of validation: every process's list of per-batch results (process order = row order)
-    parts = distributed.gather_rows(_obj(mine)) if process_local else [mine]
+    parts = distributed.gather_objects(mine) if process_local else [mine]
     per_batch = [_merge([p[i] for p in parts]) for i in range(len(mine))]
     scores = np.concatenate([b["scores"] for b in per_batch])
     lengths = np.concatenate([b["lengths"] for b in per_batch])
@@ -134,9 +134,3 @@ def _merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
         preds=[x for p in parts for x in p["preds"]],
         extras={k: np.concatenate([p["extras"].get(k, nan(p)) for p in parts]) for k in keys},
     )
-
-
-def _obj(x: Any) -> np.ndarray:
-    out = np.empty((1,), object)
-    out[0] = x
-    return out
