@@ -364,9 +364,10 @@ def test_remat_same_loss_and_grads():
     (v0, g0), (v1, g1) = nnx.jit(grad_fn)(models[False]), nnx.jit(grad_fn)(models[True])
     np.testing.assert_allclose(v1, v0, rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), g1, g0)
-    # remat really is in the backward program; a named policy traces (checked without compiling)
-    assert "remat" in str(jax.make_jaxpr(lambda m: grad_fn(m))(models[True]))
-    assert "remat" not in str(jax.make_jaxpr(lambda m: grad_fn(m))(models[False]))
+    # remat really is in the backward program (beyond the attention core's own checkpoint, which every training
+    # forward has: one per layer); a named policy traces (checked without compiling)
+    n_remat = {r: str(jax.make_jaxpr(lambda m: grad_fn(m))(models[r])).count("remat") for r in (False, True)}
+    assert n_remat[True] > n_remat[False] == cfg.num_layers
     nnx.eval_shape(grad_fn, models["dots_with_no_batch_dims_saveable"])
 
 

@@ -74,14 +74,20 @@ def packed_log_probs(model, mb, temperature: float, entropy: str):
     """log pi of the response tokens `[S, R] float32` (+ entropy `[S, R]` or None) of one packed micro-batch.
 
     entropy: a `losses.token_log_probs` mode. Padding / empty entries are 0. The LM head and the float32
-    log-softmax run on the `Q` response slots only (not on prompt or padding positions).
+    log-softmax run on the used response slots only, in chunks and without a `[Q, V]` logits array
+    (`Transformer.token_stats_from_hidden`); with sampling-mask replay (`slot_threshold`), on all `Q` slots
+    through the full logits.
     """
     h = _hidden_at_slots(model, mb)
-    logits = model.logits_from_hidden(h[None])  # [1, Q, V] float32
     th = mb.get("slot_threshold")
-    th = None if th is None else th[None]
-    lp, ent = losses.token_log_probs(logits, mb["slot_tokens"][None], temperature, entropy, th)
-    seq = lambda x: to_seq(x[0], mb["seq_slot"])
+    if th is None:  # fused chunked head over the used slots only (a prefix: the packer fills slots in order)
+        n_used = jnp.sum((mb["seq_slot"] >= 0).astype(jnp.int32))
+        lp, ent = model.token_stats_from_hidden(h, mb["slot_tokens"], n_used, temperature, entropy)
+    else:  # sampling-mask replay needs the full logits
+        logits = model.logits_from_hidden(h[None])  # [1, Q, V] float32
+        lp, ent = losses.token_log_probs(logits, mb["slot_tokens"][None], temperature, entropy, th[None])
+        lp, ent = lp[0], None if ent is None else ent[0]
+    seq = lambda x: to_seq(x, mb["seq_slot"])
     return seq(lp), None if ent is None else seq(ent)
 
 
