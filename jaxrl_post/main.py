@@ -182,6 +182,9 @@ def run(argv=None) -> None:
     from jaxrl_post.trainer.interrupt import GracefulStop
 
     argv = list(sys.argv if argv is None else argv)
+    from jaxrl_post.xla_flags import set_default_xla_flags
+
+    set_default_xla_flags()  # before JAX creates its backend (XLA reads XLA_FLAGS once)
     if not has_config_flag(argv):
         print(f"{USAGE}\nerror: --{_CONFIG_FLAG} is required", file=sys.stderr)
         sys.exit(2)

@@ -20,23 +20,6 @@ from jaxrl_post.sharding import init_opt_state
 from jaxrl_post.trainer import builders, packed_steps, packing, steps
 from jaxrl_post.trainer.config_check import dynamic_bsz
 
-# XLA:CPU's default concurrency-optimized scheduler runs independent ops of a program side by side and keeps
-# their buffers alive together: on the SmolLM2 GRPO update (30 layers, 2 packed micro-batches) it made the
-# preallocated temp 7.3 -> 9.2 GB and the step ~15% slower (41 vs 47 s) than the default list scheduler.
-CPU_COMPILER_OPTIONS = {"xla_cpu_enable_concurrency_optimized_scheduler": False}
-
-
-def compiler_options() -> dict[str, bool] | None:
-    """XLA compile options of the trainer's forward / update programs: `CPU_COMPILER_OPTIONS` when the
-    default backend is the CPU, else None (accelerators keep their defaults)."""
-    return dict(CPU_COMPILER_OPTIONS) if jax.default_backend() == "cpu" else None
-
-
-def jit(fn, **kw):
-    """`jax.jit` with `compiler_options()`."""
-    return jax.jit(fn, compiler_options=compiler_options(), **kw)
-
-
 _FWD_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "sampling_logit_threshold")
 
 
@@ -95,7 +78,7 @@ class RolesMixin:
                 on_trace=self._tracer("update_actor"),
             )
         self._actor_update = self._jit_update(update, self.actor_params, self.actor_opt_state)
-        self._old_log_prob = jit(
+        self._old_log_prob = jax.jit(
             self._log_prob_fn(self.old_log_prob_spec, int(cfg.rollout.log_prob_micro_batch_size), "old_log_prob")
         )
 
@@ -138,7 +121,7 @@ class RolesMixin:
                 self.ref_params = builders.copy_tree(self.actor_params)
             micro = int(cfg.ref.log_prob_micro_batch_size)
             self.ref_spec = self._pack_spec("ref", self.batch_size, micro)
-            self._ref_log_prob = jit(self._log_prob_fn(self.ref_spec, micro, "ref", adapters=self.lora is None))
+            self._ref_log_prob = jax.jit(self._log_prob_fn(self.ref_spec, micro, "ref", adapters=self.lora is None))
 
     def _build_critic(self) -> None:
         """Critic (PPO only): value model initialised from the actor, optimizer, jitted update and value fns."""
@@ -188,7 +171,7 @@ class RolesMixin:
                     cg, cr, micro_batch_size=int(c.forward_micro_batch_size), on_trace=self._tracer("values")
                 )
             self._critic_update = self._jit_update(update, self.critic_params, self.critic_opt_state)
-            self._values = jit(values)
+            self._values = jax.jit(values)
 
     def _build_advantage(self) -> None:
         """Jitted KL-in-reward + advantage estimator (`algorithm.*`)."""
@@ -236,7 +219,7 @@ class RolesMixin:
         from jaxrl_post.sharding import InMesh
 
         shard = lambda t: jax.tree.map(lambda x: x.sharding, t)
-        jitted = jit(fn, donate_argnums=(0, 1), out_shardings=(shard(params), shard(opt_state), None))
+        jitted = jax.jit(fn, donate_argnums=(0, 1), out_shardings=(shard(params), shard(opt_state), None))
         return InMesh(jitted, self.mesh if self.n_devices > 1 else None)  # activation constraints take effect
 
     def _put(self, tree: dict[str, np.ndarray]) -> dict[str, jax.Array]:
