@@ -1,21 +1,19 @@
 """scripts/bench_grpo_step.py's parsing and arithmetic on hand-written inputs (no trainer run)."""
 
-import importlib.util
 import json
 import os
 from types import SimpleNamespace
 
 import pytest
 
+from tests.script_loader import load_script
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "scripts", "bench_grpo_step.py")
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("bench_grpo_step", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench_grpo_step")
 
 
 def _step(step, total, update, tokens, p_len, r_len, **extra):

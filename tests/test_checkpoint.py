@@ -18,6 +18,7 @@ from flax import nnx
 
 from jaxrl_post.trainer import checkpoint as ckpt
 from jaxrl_post.trainer.checkpoint import Checkpointer, CheckpointError
+from tests.script_loader import load_script
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -334,20 +335,10 @@ def test_model_metadata_roundtrips_every_preset():
         assert meta["tokenizer"] == "tok"
 
 
-def _script(name):
-    import importlib.util
-
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", f"{name}.py")
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_script_checkpoint_errors_say_what_to_pass(tmp_path, capsys):
     """export_hf / evaluate on a directory without checkpoints: the message names --checkpoint (the flag the
     user passed, not trainer.resume_from_path) and what to pass; evaluate fails before building a model."""
-    rc = _script("export_hf").main(["--checkpoint", str(tmp_path), "--out", str(tmp_path / "hf")])
+    rc = load_script("export_hf").main(["--checkpoint", str(tmp_path), "--out", str(tmp_path / "hf")])
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith(f"error: --checkpoint={tmp_path}: no complete global_step_<N> checkpoint in ")
     assert "e.g. --checkpoint=runs/grpo" in err and "resume_from_path" not in err
@@ -356,7 +347,7 @@ def test_script_checkpoint_errors_say_what_to_pass(tmp_path, capsys):
     from configs import grpo
 
     with pytest.raises(CheckpointError, match=r"--checkpoint=\S*nope does not exist; pass a run directory"):
-        _script("evaluate").evaluate(grpo.get_config("tiny"), str(tmp_path / "nope"), workdir=str(tmp_path / "e"))
+        load_script("evaluate").evaluate(grpo.get_config("tiny"), str(tmp_path / "nope"), workdir=str(tmp_path / "e"))
     assert not (tmp_path / "e").exists()  # nothing built
 
 

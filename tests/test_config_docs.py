@@ -2,11 +2,12 @@
 meaning, verl-named keys map to existing keys, and the parser reads inline, multi-line, block and helper
 comments."""
 
-import importlib.util
 import os
 import sys
 
 import pytest
+
+from tests.script_loader import load_script
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
@@ -14,10 +15,7 @@ if REPO not in sys.path:
 
 from configs import base
 
-_spec = importlib.util.spec_from_file_location("gen_config_docs", os.path.join(REPO, "scripts", "gen_config_docs.py"))
-gen = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = gen  # dataclasses look their module up while the file runs
-_spec.loader.exec_module(gen)
+gen = load_script("gen_config_docs")
 
 
 def _leaves(cfg, prefix=""):

@@ -1,6 +1,5 @@
 """scripts/plot_metrics.py on a synthetic metrics.jsonl."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -9,15 +8,14 @@ import sys
 import numpy as np
 import pytest
 
+from tests.script_loader import load_script
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "scripts", "plot_metrics.py")
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("plot_metrics", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("plot_metrics")
 
 
 def _write_run(workdir, with_kl=True):

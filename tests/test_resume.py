@@ -6,7 +6,6 @@ Every test builds its trainer with the same tiny shapes, so a module-wide persis
 cache (also handed to the subprocesses) makes every trainer after the first cheap to start.
 """
 
-import importlib.util
 import json
 import os
 import shutil
@@ -19,6 +18,8 @@ import time
 import jax
 import numpy as np
 import pytest
+
+from tests.script_loader import load_script
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
@@ -326,15 +327,8 @@ def test_reward_errors_and_timeouts_are_counted_and_the_step_completes(jax_cache
     assert t.global_steps == 1 and "actor/pg_loss" in m
 
 
-def _script(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "scripts", f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_evaluate_checkpoint_and_sampled_validation(straight_run, tmp_path):
-    evaluate = _script("evaluate").evaluate
+    evaluate = load_script("evaluate").evaluate
     a = straight_run
     # greedy n=1 on the step-4 checkpoint == the run's own validation at step 4
     m = evaluate(_cfg(tmp_path / "x"), a["workdir"], workdir=str(tmp_path / "e1"))
@@ -374,7 +368,7 @@ def test_export_hf_loads_in_transformers(straight_run, tmp_path):
 
     from jaxrl_post.models import init_model
 
-    export_hf = _script("export_hf")
+    export_hf = load_script("export_hf")
     said = []
     out = export_hf.export(straight_run["workdir"], str(tmp_path / "hf"), say=said.append)
     names = sorted(os.listdir(out))

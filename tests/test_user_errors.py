@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from tests.script_loader import load_script
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
@@ -157,14 +159,11 @@ def test_failed_start_leaves_no_empty_workdir(tmp_path):
 
 
 def test_evaluate_removes_its_temporary_workdir(tmp_path, monkeypatch):
-    import importlib.util
     import tempfile
 
     from jaxrl_post.trainer.checkpoint import CheckpointError
 
-    spec = importlib.util.spec_from_file_location("evaluate", os.path.join(REPO, "scripts", "evaluate.py"))
-    evaluate = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(evaluate)
+    evaluate = load_script("evaluate")
     temp = tmp_path / "temp"
     temp.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(temp))

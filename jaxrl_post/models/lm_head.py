@@ -43,7 +43,7 @@ def _n_chunks(n_valid, chunk):
     return (jnp.asarray(n_valid, jnp.int32) + chunk - 1) // chunk
 
 
-def _forward(h, w, labels, n_valid, temperature, w_layout, softcap, chunk):
+def _forward(h, w, labels, n_valid, temperature, w_layout, softcap, chunk, with_ent):
     q = h.shape[0]
     q_pad = -(-q // chunk) * chunk
     hp, lab = _pad(h, q_pad), _pad(jnp.asarray(labels, jnp.int32), q_pad)
@@ -55,7 +55,7 @@ def _forward(h, w, labels, n_valid, temperature, w_layout, softcap, chunk):
         _, z = _logits(hc, w, w_layout, softcap, temperature)
         lse = jax.nn.logsumexp(z, axis=-1)
         lp = jnp.take_along_axis(z, jax.lax.dynamic_slice_in_dim(lab, lo, chunk)[:, None], axis=-1)[:, 0] - lse
-        ent = lse - jnp.sum(jnp.exp(z - lse[:, None]) * z, axis=-1)
+        ent = lse - jnp.sum(jnp.exp(z - lse[:, None]) * z, axis=-1) if with_ent else jnp.zeros_like(lse)
         put = lambda b, x: jax.lax.dynamic_update_slice_in_dim(b, x, lo, 0)
         return put(lp_b, lp), put(ent_b, ent), put(lse_b, lse)
 
@@ -66,17 +66,17 @@ def _forward(h, w, labels, n_valid, temperature, w_layout, softcap, chunk):
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _head_stats(h, w, labels, n_valid, temperature, w_layout, softcap, chunk, ent_grad):
-    lp, ent, _ = _forward(h, w, labels, n_valid, temperature, w_layout, softcap, chunk)
+def _head_stats(h, w, labels, n_valid, temperature, w_layout, softcap, chunk, ent_mode):
+    lp, ent, _ = _forward(h, w, labels, n_valid, temperature, w_layout, softcap, chunk, ent_mode != "none")
     return lp, ent
 
 
-def _head_stats_fwd(h, w, labels, n_valid, temperature, w_layout, softcap, chunk, ent_grad):
-    lp, ent, lse = _forward(h, w, labels, n_valid, temperature, w_layout, softcap, chunk)
+def _head_stats_fwd(h, w, labels, n_valid, temperature, w_layout, softcap, chunk, ent_mode):
+    lp, ent, lse = _forward(h, w, labels, n_valid, temperature, w_layout, softcap, chunk, ent_mode != "none")
     return (lp, ent), (h, w, labels, n_valid, temperature, lse, ent)
 
 
-def _head_stats_bwd(w_layout, softcap, chunk, ent_grad, res, g):
+def _head_stats_bwd(w_layout, softcap, chunk, ent_mode, res, g):
     h, w, labels, n_valid, temperature, lse, ent = res
     g_lp, g_ent = g
     q, cd = h.shape[0], h.dtype
@@ -95,7 +95,7 @@ def _head_stats_bwd(w_layout, softcap, chunk, ent_grad, res, g):
         p = jnp.exp(z - lse_c)
         onehot = jnp.arange(z.shape[-1])[None, :] == sl(lab)[:, None]
         gz = sl(g_lp)[:, None] * (onehot.astype(_F32) - p)
-        if ent_grad:
+        if ent_mode == "loss":
             gz = gz - sl(g_ent)[:, None] * p * (z - lse_c + sl(ent)[:, None])
         gz = gz / temperature
         if softcap is not None:
@@ -148,7 +148,7 @@ def head_token_stats(
     if int(chunk) < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
     chunk = min(int(chunk), h.shape[0])
-    lp, ent = _head_stats(h, w, labels, n_valid, temperature, w_layout, softcap, chunk, entropy == "loss")
+    lp, ent = _head_stats(h, w, labels, n_valid, temperature, w_layout, softcap, chunk, entropy)
     if entropy == "none":
         return lp, None
     return lp, ent if entropy == "loss" else jax.lax.stop_gradient(ent)
