@@ -19,6 +19,7 @@ from jaxrl_post.core_algos import logprobs_from_logits
 from jaxrl_post.models import ModelConfig, init_model, load_hf_dir
 from jaxrl_post.protocol import DataProto
 from jaxrl_post.rollout import TRACE_COUNTS, Generator, SamplingParams, bucket_size, generate_sequences
+from jaxrl_post.rollout.generate import compaction_sizes
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -307,6 +308,43 @@ def test_bucket_size():
         bucket_size(200, (64, 128))
 
 
+def test_compaction_sizes():
+    assert compaction_sizes(64) == (64, 32, 16, 8)
+    assert compaction_sizes(64, min_rows=20) == (64, 32)
+    assert compaction_sizes(48, groups=4, min_rows=2) == (48, 24, 12)  # 12 rows = 3 per shard: odd, stop
+    assert compaction_sizes(16, groups=4, min_rows=1) == (16, 8, 4)  # never below one row per shard
+    assert compaction_sizes(8, min_rows=8) == (8,) and compaction_sizes(8, min_rows=64) == (8,)
+
+
+def test_compacting_finished_rows_changes_no_sample():
+    """Decode at 16 -> 8 -> 4 -> 2 rows as rows finish gives exactly the tokens, thresholds and log-probs of
+    the uncompacted decode (per-row keys: a row draws the same numbers wherever it sits), and the smaller
+    sizes really ran (rows of very different lengths: some end at once, some run to the limit)."""
+    model = _tiny(seed=4, vocab_size=64)
+    ids, mask = _left_padded_prompts([10, 3, 7, 1, 9, 5, 8, 2, 6, 4, 10, 7, 3, 9, 1, 5], 10, 64, seed=3)
+    dp = DataProto.from_dict({"input_ids": ids, "attention_mask": mask})
+    params = SamplingParams(max_new_tokens=40, temperature=1.0, top_p=0.95, eos_token_ids=(4, 5, 6, 7, 8), seed=1)
+    plain = Generator(model, compact_min_rows=None, decode_chunk=4)
+    compact = Generator(model, compact_min_rows=2, decode_chunk=4)
+    a, b = plain(dp, params).batch, compact(dp, params).batch
+    lengths = a["response_mask"].sum(1)
+    assert lengths.min() <= 2 and lengths.max() == 40 and (lengths == 40).sum() == 3, lengths
+    assert plain.last_decode_stats == {"sizes": (16,), "stage_end_step": [40]}
+    assert compact.last_decode_stats["sizes"] == (16, 8, 4, 2)
+    # each size's loop ends at the first chunk boundary (4 steps) where <= the next size of rows are unfinished
+    unfinished = [np.sum((lengths > t) | a["truncated"]) for t in range(41)]
+    ends, t = [], 0
+    for nxt in (8, 4, 2, 0):
+        while t < 40 and unfinished[t] > nxt:
+            t += 4
+        ends.append(t)
+    assert ends[0] < ends[1] < ends[2] == 40, ends  # the 8- and 4-row loops ran steps (3 rows run to the end)
+    assert compact.last_decode_stats["stage_end_step"] == ends
+    for k in ("responses", "response_mask", "truncated", "sampling_logit_threshold", "position_ids"):
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    np.testing.assert_allclose(a["rollout_log_probs"], b["rollout_log_probs"], atol=1e-6)
+
+
 def test_compile_once_across_prompt_lengths_and_batch_sizes():
     # a model structure no other test uses, so the jit cache starts empty for it
     model = _tiny(seed=1, vocab_size=200, intermediate_size=96)
@@ -364,6 +402,18 @@ _SHARDED_SCRIPT = textwrap.dedent("""
         for k in ("responses", "response_mask", "input_ids", "attention_mask", "position_ids", "truncated"):
             np.testing.assert_array_equal(a[k], b[k], err_msg=k)
         np.testing.assert_allclose(a["rollout_log_probs"], b["rollout_log_probs"], atol=1e-5)
+    # compaction shard by shard (4 batch shards of 4 rows -> 2 -> 1) == the unsharded uncompacted decode
+    ids = np.tile(ids, (3, 1))[:16]; mask = np.tile(mask, (3, 1))[:16]
+    dp = DataProto.from_dict({"input_ids": ids, "attention_mask": mask})
+    params = SamplingParams(max_new_tokens=24, temperature=1.0, seed=5, eos_token_ids=tuple(range(4, 40)))
+    a = Generator(model, compact_min_rows=None).generate(dp, params).batch
+    gen = Generator(sharded, mesh=mesh, compact_min_rows=4, decode_chunk=2)
+    b = gen.generate(dp, params).batch
+    assert gen.last_decode_stats["sizes"] == (16, 8, 4), gen.last_decode_stats
+    assert gen.last_decode_stats["stage_end_step"][0] < 24, (gen.last_decode_stats, a["response_mask"].sum(1))
+    for k in ("responses", "response_mask", "truncated"):
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    np.testing.assert_allclose(a["rollout_log_probs"], b["rollout_log_probs"], atol=1e-5)
     print("SHARDED_OK")
 """)
 

@@ -1,7 +1,11 @@
 """Batched generation: one jitted prefill writing the KV cache, then a jitted decode loop.
 
 Decode = ``lax.while_loop`` over ``lax.scan`` chunks of single-token steps; the loop stops after the
-chunk in which every row has produced an EOS, or at ``max_new_tokens``. Rows share cache slot indices
+chunk in which every row has produced an EOS, or at ``max_new_tokens``. Finished rows are compacted
+away: once at most half of the rows are unfinished the loop goes on at half the batch (cache, logits
+and row ids gathered; ``compaction_sizes``), so an RL batch whose longest response is 4x the mean does
+not pay for every row until the longest ends. Each row samples with its own key (its row id), so the
+tokens do not depend on where it sits. Rows share cache slot indices
 but keep their own positions (the decoder counts each row's valid cache slots), so a left-padded batch
 continues every row from its own prompt length.
 
@@ -91,55 +95,105 @@ def _prefill(graphdef, state, input_ids, attention_mask, prompt_len, *, max_len,
     return _constrain_batch(logits, mesh), _constrain_cache(cache.replace(index=prompt_len), mesh)
 
 
+def compaction_sizes(batch: int, groups: int = 1, min_rows: int = 8) -> tuple[int, ...]:
+    """Batch sizes the decode loop runs at: ``batch``, then halved while every one of the ``groups`` equal
+    row groups (the batch shards) halves evenly and the size stays >= ``min_rows`` (and >= ``groups``).
+
+    ``compaction_sizes(64) == (64, 32, 16, 8)``; ``min_rows >= batch`` -> ``(batch,)`` (no compaction).
+    """
+    sizes = [batch]
+    while sizes[-1] % (2 * groups) == 0 and sizes[-1] // 2 >= max(min_rows, groups):
+        sizes.append(sizes[-1] // 2)
+    return tuple(sizes)
+
+
+def _compact(tree, done, size: int, groups: int):
+    """Keep ``size`` rows, the unfinished ones first, of every array in ``tree`` (leading axis = batch).
+
+    Rows move only within their group (``groups`` equal blocks of the batch = its shards), so a sharded
+    batch is compacted shard by shard without moving data between devices. Stable: rows keep their order.
+    """
+    keep = size // groups
+    order = jnp.argsort(done.reshape(groups, -1), axis=1, stable=True)[:, :keep]  # unfinished (False) first
+
+    def take(x):
+        xg = x.reshape(groups, -1, *x.shape[1:])
+        return jax.vmap(lambda a, i: jnp.take(a, i, axis=0))(xg, order).reshape(size, *x.shape[1:])
+
+    return jax.tree.map(take, tree)
+
+
 @functools.partial(
     jax.jit,
-    static_argnames=("graphdef", "params", "num_steps", "chunk", "mesh"),
+    static_argnames=("graphdef", "params", "num_steps", "chunk", "sizes", "groups", "mesh"),
     donate_argnames=("cache", "logits"),
 )
-def _decode(graphdef, state, cache, logits, row_done, key, *, params, num_steps, chunk, mesh):
+def _decode(graphdef, state, cache, logits, row_done, key, *, params, num_steps, chunk, sizes, groups, mesh):
     """Sample ``num_steps`` tokens (rounded up to whole chunks, early exit when all rows are done).
 
     cache: KVCache after prefill (donated); logits [B, V] float32 of the first response token (donated);
     row_done [B] bool (True for batch-bucket filler rows); key: base key of this call.
+    Compaction: the loop runs at batch ``sizes[0] = B`` until at most ``sizes[1]`` rows (per group of
+    ``groups``) are unfinished, then keeps those rows (plus finished ones to fill; ``_compact``) and goes
+    on at ``sizes[1]``, and so on, so rows that are done stop costing compute. Row ``b`` samples with
+    ``fold_in(fold_in(key, t), b)`` wherever it sits, so the tokens do not depend on ``sizes``.
     Returns tokens [B, n] int32 (pad after a row's first EOS), log_probs [B, n] float32 (0 there),
-    sampling thresholds [B, n] float32 (`sample_tokens`; -inf there), steps_run int32 scalar (n =
-    num_steps rounded up to a multiple of chunk), final cache, final logits.
+    sampling thresholds [B, n] float32 (`sample_tokens`; -inf there), stage_end [len(sizes)] int32 (steps
+    run when each size's loop ended; n = num_steps rounded up to a multiple of chunk), the cache and
+    logits at the end of the first (full-batch) stage.
     """
     TRACE_COUNTS["decode"] += 1
     model = nnx.merge(graphdef, state)
     batch = logits.shape[0]
     n_alloc = -(-num_steps // chunk) * chunk
     pad = jnp.int32(params.pad_token_id)
-    ones = jnp.ones((batch, 1), jnp.int32)
 
     def step(carry, _):
-        cache, logits, done, t, tokens, logps, thresholds = carry
-        tok, lp, th = sample_tokens(logits, jax.random.fold_in(key, t), params)
+        (cache, logits, done, rows), t, outs = carry
+        tok, lp, th = sample_tokens(logits, jax.random.fold_in(key, t), params, row_ids=rows)
         tok = jnp.where(done, pad, tok)
         lp = jnp.where(done, 0.0, lp)
-        tokens = jax.lax.dynamic_update_slice(tokens, tok[:, None], (0, t))
-        logps = jax.lax.dynamic_update_slice(logps, lp[:, None], (0, t))
-        thresholds = jax.lax.dynamic_update_slice(thresholds, th[:, None], (0, t))
+        th = jnp.where(done, -jnp.inf, th)
+        outs = tuple(o.at[rows, t].set(x) for o, x in zip(outs, (tok, lp, th), strict=True))
         done = done | is_eos(tok, params.eos_token_ids)
-        new_logits, cache = model(tok[:, None], ones, cache=cache)
+        new_logits, cache = model(tok[:, None], jnp.ones((tok.shape[0], 1), jnp.int32), cache=cache)
         new_logits = _constrain_batch(new_logits[:, 0], mesh)
-        return (_constrain_cache(cache, mesh), new_logits, done, t + 1, tokens, logps, thresholds), None
-
-    def cond(carry):
-        done, t = carry[2], carry[3]
-        return (t < num_steps) & ~jnp.all(done)
+        return ((_constrain_cache(cache, mesh), new_logits, done, rows), t + 1, outs), None
 
     def body(carry):
         return jax.lax.scan(step, carry, None, length=chunk)[0]
 
-    tokens = _constrain_batch(jnp.full((batch, n_alloc), pad, jnp.int32), mesh)
-    logps = _constrain_batch(jnp.zeros((batch, n_alloc), jnp.float32), mesh)
-    thresholds = _constrain_batch(jnp.full((batch, n_alloc), -jnp.inf, jnp.float32), mesh)
-    init = (cache, logits, row_done, jnp.int32(0), tokens, logps, thresholds)
-    out = jax.lax.while_loop(cond, body, init)
-    # The final cache/logits are returned (and dropped by the caller) so the donated input buffers alias
-    # these outputs: XLA then updates the cache in place instead of copying it into the loop.
-    return out[4], out[5], out[6], out[3], out[0], out[1]
+    def run_until(carry, max_unfinished):
+        def cond(carry):
+            done, t = carry[0][2], carry[1]
+            unfinished = jnp.sum(~done.reshape(groups, -1), axis=1)
+            return (t < num_steps) & (jnp.max(unfinished) > max_unfinished)
+
+        return jax.lax.while_loop(cond, body, carry)
+
+    outs = (
+        _constrain_batch(jnp.full((batch, n_alloc), pad, jnp.int32), mesh),
+        _constrain_batch(jnp.zeros((batch, n_alloc), jnp.float32), mesh),
+        _constrain_batch(jnp.full((batch, n_alloc), -jnp.inf, jnp.float32), mesh),
+    )
+    rows = _constrain_batch(jnp.arange(batch, dtype=jnp.int32), mesh)
+    state_ = (cache, logits, row_done, rows)
+    t, stage_end = jnp.int32(0), []
+    for i, size in enumerate(sizes):
+        if i:
+            cache, logits, done, rows = state_
+            rows_state = _compact((cache.k, cache.v, cache.mask, logits, done, rows), done, size, groups)
+            k, v, mask, logits, done, rows = rows_state
+            cache = _constrain_cache(cache.replace(k=k, v=v, mask=mask), mesh)
+            state_ = (cache, _constrain_batch(logits, mesh), _constrain_batch(done, mesh), _constrain_batch(rows, mesh))
+        nxt = sizes[i + 1] // groups if i + 1 < len(sizes) else 0
+        state_, t, outs = run_until((state_, t, outs), nxt)
+        if i == 0:
+            first = state_
+        stage_end.append(t)
+    # The cache/logits at the end of the full-batch stage are returned (and dropped by the caller) so the
+    # donated input buffers alias them: XLA then updates the cache in place instead of copying it.
+    return outs[0], outs[1], outs[2], jnp.stack(stage_end), first[0], first[1]
 
 
 def _left_padded(mask: np.ndarray) -> bool:
@@ -179,6 +233,10 @@ class Generator:
       cache_segment_len: KV cache slots per segment (``Transformer.init_cache``); attention skips
         segments holding no token yet, so a decode step reads ~the slots written so far. None = about an
         eighth of the cache, a multiple of 16.
+      compact_min_rows: decode compacts finished rows away: once at most half of the rows (per batch
+        shard) are unfinished, it keeps those and goes on at half the batch, down to this many rows
+        (``compaction_sizes``; each size is one more decode body in the compiled program). None or >=
+        the batch: no compaction. Samples do not depend on it (per-row keys).
     """
 
     model: nnx.Module
@@ -189,6 +247,8 @@ class Generator:
     cache_dtype: str | None = None
     min_prompt_bucket: int = 16
     cache_segment_len: int | None = None
+    compact_min_rows: int | None = 8
+    last_decode_stats: dict | None = dataclasses.field(default=None, init=False, repr=False)
 
     def _batch_multiple(self) -> int:
         if self.mesh is None:
@@ -287,12 +347,26 @@ class Generator:
             cache_dtype=kv_cache_dtype(self.model, self.cache_dtype, self.mesh),
             mesh=self.mesh,
         )
-        tokens, logps, thresholds, _, _, _ = InMesh(_decode, self.mesh)(
-            graphdef, state, cache, logits, done_d, key, params=static, num_steps=r, chunk=chunk, mesh=self.mesh
+        groups = self._batch_multiple() if self.mesh is not None else 1
+        sizes = compaction_sizes(b_pad * nproc, groups, self.compact_min_rows or b_pad * nproc)
+        tokens, logps, thresholds, stage_end, _, _ = InMesh(_decode, self.mesh)(
+            graphdef,
+            state,
+            cache,
+            logits,
+            done_d,
+            key,
+            params=static,
+            num_steps=r,
+            chunk=chunk,
+            sizes=sizes,
+            groups=groups,
+            mesh=self.mesh,
         )
         from jaxrl_post.distributed import local_part, to_host
 
         host = local_part if nproc > 1 else to_host
+        self.last_decode_stats = {"sizes": sizes, "stage_end_step": [int(x) for x in to_host(stage_end)]}
         tokens, logps, thresholds = (host(x)[:b, :r] for x in (tokens, logps, thresholds))
         return _assemble(prompts, ids, mask, tokens, logps, thresholds, params)
 

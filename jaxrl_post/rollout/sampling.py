@@ -221,9 +221,9 @@ _CDF_BLOCK = 256
 _BISECT_STEPS = 32
 
 
-def _row_uniforms(key: jax.Array, batch: int) -> jax.Array:
-    """One U[0, 1) per row from ``fold_in(key, row)`` -> ``[B] float32`` (independent of the batch size)."""
-    keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(batch, dtype=jnp.uint32))
+def _row_uniforms(key: jax.Array, row_ids: jax.Array) -> jax.Array:
+    """One U[0, 1) per row from ``fold_in(key, row_id)`` -> ``[B] float32`` (independent of the batch layout)."""
+    keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(row_ids.astype(jnp.uint32))
     return jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)
 
 
@@ -307,13 +307,17 @@ def _top_p_mask_bisect(probs: jax.Array, p: float) -> jax.Array:
     return bits >= hi
 
 
-def sample_tokens(logits: jax.Array, key: jax.Array, params: SamplingParams) -> tuple[jax.Array, jax.Array, jax.Array]:
+def sample_tokens(
+    logits: jax.Array, key: jax.Array, params: SamplingParams, row_ids: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Draw one token per row; return it, its log-prob and the sampling threshold.
 
     Args:
       logits: ``[B, V]`` float logits of the next token.
-      key: a ``jax.random`` key for this step; row ``b`` draws its uniform from ``fold_in(key, b)``.
+      key: a ``jax.random`` key for this step; row ``b`` draws its uniform from ``fold_in(key, row_ids[b])``.
       params: static sampling parameters.
+      row_ids: ``[B]`` int32 ids of the rows (default ``arange(B)``), so a row draws the same numbers
+        wherever it sits in the batch (the decode loop compacts finished rows away).
     Returns:
       ``tokens [B] int32`` drawn from ``softmax(filter_logits(logits, params))`` (argmax when greedy);
       ``log_probs [B] float32 = log_softmax(logits / temperature)[token]`` (temperature 1 when
@@ -340,7 +344,7 @@ def sample_tokens(logits: jax.Array, key: jax.Array, params: SamplingParams) -> 
     scaled = logits / jnp.float32(params.temperature)
     log_norm = jax.nn.logsumexp(scaled, axis=-1, keepdims=True)
     x_max = jnp.max(scaled, axis=-1, keepdims=True)
-    u = _row_uniforms(key, batch)
+    u = _row_uniforms(key, jnp.arange(batch, dtype=jnp.int32) if row_ids is None else row_ids)
     use_top_k = 0 < params.top_k < vocab
     tau = jnp.full((batch, 1), -jnp.inf, jnp.float32)
 
