@@ -18,8 +18,14 @@ from flax import nnx
 from jaxrl_post.core_algos import logprobs_from_logits
 from jaxrl_post.models import ModelConfig, init_model, load_hf_dir
 from jaxrl_post.protocol import DataProto
-from jaxrl_post.rollout import TRACE_COUNTS, Generator, SamplingParams, bucket_size, generate_sequences
-from jaxrl_post.rollout.generate import compaction_sizes
+from jaxrl_post.rollout import (
+    TRACE_COUNTS,
+    Generator,
+    SamplingParams,
+    bucket_size,
+    compaction_sizes,
+    generate_sequences,
+)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SLIDING, FULL = "sliding_attention", "full_attention"

@@ -1,6 +1,7 @@
 """Rollout: jitted prefill + decode loop with a KV cache, and the sampling processors."""
 
-from jaxrl_post.rollout.generate import TRACE_COUNTS, Generator, bucket_size, generate_sequences, kv_cache_dtype
+from jaxrl_post.rollout.decode import TRACE_COUNTS, compaction_sizes
+from jaxrl_post.rollout.generate import Generator, bucket_size, generate_sequences, kv_cache_dtype
 from jaxrl_post.rollout.sampling import (
     SamplingParams,
     apply_min_p,
@@ -16,6 +17,7 @@ __all__ = [
     "Generator",
     "TRACE_COUNTS",
     "bucket_size",
+    "compaction_sizes",
     "generate_sequences",
     "kv_cache_dtype",
     "SamplingParams",

@@ -5,9 +5,9 @@ chunk in which every row has produced an EOS, or at ``max_new_tokens``. Finished
 away: once at most half of the rows are unfinished the loop goes on at half the batch (cache, logits
 and row ids gathered; ``compaction_sizes``), so an RL batch whose longest response is 4x the mean does
 not pay for every row until the longest ends. Each row samples with its own key (its row id), so the
-tokens do not depend on where it sits. Rows share cache slot indices
-but keep their own positions (the decoder counts each row's valid cache slots), so a left-padded batch
-continues every row from its own prompt length.
+tokens do not depend on where it sits. Rows share cache slot indices but keep their own positions (the
+decoder counts each row's valid cache slots), so a left-padded batch continues every row from its own
+prompt length. The jitted programs live in ``jaxrl_post.rollout.decode``.
 
 KV cache: per layer, split into segments of ``cache_segment_len`` slots (``Transformer.init_cache``);
 attention skips (``lax.cond``) every segment that holds no visible key yet, so a decode step reads about
@@ -18,7 +18,7 @@ Compile once: prompt length P and batch size B are padded up to buckets (default
 batch a multiple of the data-parallel size), and the jitted functions are module-level with the model's
 ``GraphDef``, the bucketed cache length and the (seed-free) ``SamplingParams`` as static arguments, so
 every ``Generator`` / ``generate_sequences`` call with the same model structure and buckets reuses one
-compiled prefill and one compiled decode. ``TRACE_COUNTS`` counts traces (tests assert on it).
+compiled prefill and one compiled decode (one decode body per compaction size inside it).
 
 Sharded: pass a ``Mesh`` (axes ``('data', 'fsdp', 'tensor')``); the batch goes over ``('data',
 'fsdp')``, the cache per ``sharding.cache_shardings``, and params stay where the caller put them
@@ -28,7 +28,6 @@ Sharded: pass a ``Mesh`` (axes ``('data', 'fsdp', 'tensor')``); the batch goes o
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Sequence
 
@@ -38,9 +37,8 @@ import numpy as np
 from flax import nnx
 
 from jaxrl_post.protocol import DataProto
-from jaxrl_post.rollout.sampling import SamplingParams, get_response_mask, is_eos, sample_tokens
-
-TRACE_COUNTS = {"prefill": 0, "decode": 0}
+from jaxrl_post.rollout.decode import _decode, _prefill, compaction_sizes
+from jaxrl_post.rollout.sampling import SamplingParams, get_response_mask, is_eos
 
 
 def _next_pow2(n: int) -> int:
@@ -61,139 +59,6 @@ def bucket_size(n: int, buckets: Sequence[int] | None, *, minimum: int = 1, mult
             raise ValueError(f"size {n} exceeds the largest configured bucket {max(buckets)}")
         size = fits[0]
     return -(-size // multiple_of) * multiple_of
-
-
-def _constrain_cache(cache, mesh):
-    if mesh is None:
-        return cache
-    from jaxrl_post.sharding import cache_shardings
-
-    sh = cache_shardings(cache, mesh)
-    k, v, mask = jax.lax.with_sharding_constraint((cache.k, cache.v, cache.mask), (sh.k, sh.v, sh.mask))
-    return cache.replace(k=k, v=v, mask=mask)  # index untouched (a static 0 stays static)
-
-
-def _constrain_batch(x, mesh):
-    if mesh is None:
-        return x
-    from jaxrl_post.sharding import batch_sharding
-
-    return jax.lax.with_sharding_constraint(x, batch_sharding(mesh, x.ndim))
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_len", "segment_len", "cache_dtype", "mesh"))
-def _prefill(graphdef, state, input_ids, attention_mask, prompt_len, *, max_len, segment_len, cache_dtype, mesh):
-    """Prompts [B, P_pad] (left-padded to width prompt_len, then filler columns with mask 0) ->
-    (next-token logits [B, V] float32 at column prompt_len - 1, cache with S = max_len slots and
-    index = prompt_len, so decoding overwrites the filler slots)."""
-    TRACE_COUNTS["prefill"] += 1
-    model = nnx.merge(graphdef, state)
-    cache = model.init_cache(input_ids.shape[0], max_len, dtype=cache_dtype, segment_len=segment_len)
-    h, cache = model.hidden_states(input_ids, attention_mask, cache=_constrain_cache(cache, mesh))
-    h_last = jax.lax.dynamic_slice_in_dim(h, prompt_len - 1, 1, axis=1)
-    logits = model.logits_from_hidden(h_last)[:, 0]
-    return _constrain_batch(logits, mesh), _constrain_cache(cache.replace(index=prompt_len), mesh)
-
-
-def compaction_sizes(batch: int, groups: int = 1, min_rows: int = 8) -> tuple[int, ...]:
-    """Batch sizes the decode loop runs at: ``batch``, then halved while every one of the ``groups`` equal
-    row groups (the batch shards) halves evenly and the size stays >= ``min_rows`` (and >= ``groups``).
-
-    ``compaction_sizes(64) == (64, 32, 16, 8)``; ``min_rows >= batch`` -> ``(batch,)`` (no compaction).
-    """
-    sizes = [batch]
-    while sizes[-1] % (2 * groups) == 0 and sizes[-1] // 2 >= max(min_rows, groups):
-        sizes.append(sizes[-1] // 2)
-    return tuple(sizes)
-
-
-def _compact(tree, done, size: int, groups: int):
-    """Keep ``size`` rows, the unfinished ones first, of every array in ``tree`` (leading axis = batch).
-
-    Rows move only within their group (``groups`` equal blocks of the batch = its shards), so a sharded
-    batch is compacted shard by shard without moving data between devices. Stable: rows keep their order.
-    """
-    keep = size // groups
-    order = jnp.argsort(done.reshape(groups, -1), axis=1, stable=True)[:, :keep]  # unfinished (False) first
-
-    def take(x):
-        xg = x.reshape(groups, -1, *x.shape[1:])
-        return jax.vmap(lambda a, i: jnp.take(a, i, axis=0))(xg, order).reshape(size, *x.shape[1:])
-
-    return jax.tree.map(take, tree)
-
-
-@functools.partial(
-    jax.jit,
-    static_argnames=("graphdef", "params", "num_steps", "chunk", "sizes", "groups", "mesh"),
-    donate_argnames=("cache", "logits"),
-)
-def _decode(graphdef, state, cache, logits, row_done, key, *, params, num_steps, chunk, sizes, groups, mesh):
-    """Sample ``num_steps`` tokens (rounded up to whole chunks, early exit when all rows are done).
-
-    cache: KVCache after prefill (donated); logits [B, V] float32 of the first response token (donated);
-    row_done [B] bool (True for batch-bucket filler rows); key: base key of this call.
-    Compaction: the loop runs at batch ``sizes[0] = B`` until at most ``sizes[1]`` rows (per group of
-    ``groups``) are unfinished, then keeps those rows (plus finished ones to fill; ``_compact``) and goes
-    on at ``sizes[1]``, and so on, so rows that are done stop costing compute. Row ``b`` samples with
-    ``fold_in(fold_in(key, t), b)`` wherever it sits, so the tokens do not depend on ``sizes``.
-    Returns tokens [B, n] int32 (pad after a row's first EOS), log_probs [B, n] float32 (0 there),
-    sampling thresholds [B, n] float32 (`sample_tokens`; -inf there), stage_end [len(sizes)] int32 (steps
-    run when each size's loop ended; n = num_steps rounded up to a multiple of chunk), the cache and
-    logits at the end of the first (full-batch) stage.
-    """
-    TRACE_COUNTS["decode"] += 1
-    model = nnx.merge(graphdef, state)
-    batch = logits.shape[0]
-    n_alloc = -(-num_steps // chunk) * chunk
-    pad = jnp.int32(params.pad_token_id)
-
-    def step(carry, _):
-        (cache, logits, done, rows), t, outs = carry
-        tok, lp, th = sample_tokens(logits, jax.random.fold_in(key, t), params, row_ids=rows)
-        tok = jnp.where(done, pad, tok)
-        lp = jnp.where(done, 0.0, lp)
-        th = jnp.where(done, -jnp.inf, th)
-        outs = tuple(o.at[rows, t].set(x) for o, x in zip(outs, (tok, lp, th), strict=True))
-        done = done | is_eos(tok, params.eos_token_ids)
-        new_logits, cache = model(tok[:, None], jnp.ones((tok.shape[0], 1), jnp.int32), cache=cache)
-        new_logits = _constrain_batch(new_logits[:, 0], mesh)
-        return ((_constrain_cache(cache, mesh), new_logits, done, rows), t + 1, outs), None
-
-    def body(carry):
-        return jax.lax.scan(step, carry, None, length=chunk)[0]
-
-    def run_until(carry, max_unfinished):
-        def cond(carry):
-            done, t = carry[0][2], carry[1]
-            unfinished = jnp.sum(~done.reshape(groups, -1), axis=1)
-            return (t < num_steps) & (jnp.max(unfinished) > max_unfinished)
-
-        return jax.lax.while_loop(cond, body, carry)
-
-    outs = (
-        _constrain_batch(jnp.full((batch, n_alloc), pad, jnp.int32), mesh),
-        _constrain_batch(jnp.zeros((batch, n_alloc), jnp.float32), mesh),
-        _constrain_batch(jnp.full((batch, n_alloc), -jnp.inf, jnp.float32), mesh),
-    )
-    rows = _constrain_batch(jnp.arange(batch, dtype=jnp.int32), mesh)
-    state_ = (cache, logits, row_done, rows)
-    t, stage_end = jnp.int32(0), []
-    for i, size in enumerate(sizes):
-        if i:
-            cache, logits, done, rows = state_
-            rows_state = _compact((cache.k, cache.v, cache.mask, logits, done, rows), done, size, groups)
-            k, v, mask, logits, done, rows = rows_state
-            cache = _constrain_cache(cache.replace(k=k, v=v, mask=mask), mesh)
-            state_ = (cache, _constrain_batch(logits, mesh), _constrain_batch(done, mesh), _constrain_batch(rows, mesh))
-        nxt = sizes[i + 1] // groups if i + 1 < len(sizes) else 0
-        state_, t, outs = run_until((state_, t, outs), nxt)
-        if i == 0:
-            first = state_
-        stage_end.append(t)
-    # The cache/logits at the end of the full-batch stage are returned (and dropped by the caller) so the
-    # donated input buffers alias them: XLA then updates the cache in place instead of copying it.
-    return outs[0], outs[1], outs[2], jnp.stack(stage_end), first[0], first[1]
 
 
 def _left_padded(mask: np.ndarray) -> bool:
