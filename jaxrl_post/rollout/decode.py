@@ -110,7 +110,6 @@ def _decode(graphdef, state, cache, logits, row_done, key, *, params, num_steps,
         tok, lp, th = sample_tokens(logits, jax.random.fold_in(key, t), params, row_ids=rows)
         tok = jnp.where(done, pad, tok)
         lp = jnp.where(done, 0.0, lp)
-        th = jnp.where(done, -jnp.inf, th)
         outs = tuple(o.at[rows, t].set(x) for o, x in zip(outs, (tok, lp, th), strict=True))
         done = done | is_eos(tok, params.eos_token_ids)
         new_logits, cache = model(tok[:, None], jnp.ones((tok.shape[0], 1), jnp.int32), cache=cache)
@@ -134,20 +133,20 @@ def _decode(graphdef, state, cache, logits, row_done, key, *, params, num_steps,
         _constrain_batch(jnp.full((batch, n_alloc), -jnp.inf, jnp.float32), mesh),
     )
     rows = _constrain_batch(jnp.arange(batch, dtype=jnp.int32), mesh)
-    state_ = (cache, logits, row_done, rows)
-    t, stage_end = jnp.int32(0), []
+    carry, stage_end = ((cache, logits, row_done, rows), jnp.int32(0), outs), []
     for i, size in enumerate(sizes):
         if i:
-            cache, logits, done, rows = state_
-            rows_state = _compact((cache.k, cache.v, cache.mask, logits, done, rows), done, size, groups)
-            k, v, mask, logits, done, rows = rows_state
+            (cache, logits, done, rows), t, outs = carry
+            k, v, mask, logits, done, rows = _compact(
+                (cache.k, cache.v, cache.mask, logits, done, rows), done, size, groups
+            )
             cache = _constrain_cache(cache.replace(k=k, v=v, mask=mask), mesh)
-            state_ = (cache, _constrain_batch(logits, mesh), _constrain_batch(done, mesh), _constrain_batch(rows, mesh))
-        nxt = sizes[i + 1] // groups if i + 1 < len(sizes) else 0
-        state_, t, outs = run_until((state_, t, outs), nxt)
+            carry = ((cache, *(_constrain_batch(x, mesh) for x in (logits, done, rows))), t, outs)
+        carry = run_until(carry, sizes[i + 1] // groups if i + 1 < len(sizes) else 0)
         if i == 0:
-            first = state_
-        stage_end.append(t)
+            first_cache, first_logits = carry[0][:2]
+        stage_end.append(carry[1])
     # The cache/logits at the end of the full-batch stage are returned (and dropped by the caller) so the
     # donated input buffers alias them: XLA then updates the cache in place instead of copying it.
-    return outs[0], outs[1], outs[2], jnp.stack(stage_end), first[0], first[1]
+    outs = carry[2]
+    return outs[0], outs[1], outs[2], jnp.stack(stage_end), first_cache, first_logits
