@@ -182,9 +182,11 @@ def run(argv=None) -> None:
     from jaxrl_post.trainer.interrupt import GracefulStop
 
     argv = list(sys.argv if argv is None else argv)
+    from jaxrl_post.host_malloc import release_freed_host_memory
     from jaxrl_post.xla_flags import set_default_xla_flags
 
     set_default_xla_flags()  # before JAX creates its backend (XLA reads XLA_FLAGS once)
+    release_freed_host_memory()  # glibc: return freed buffers to the OS (before the big allocations)
     if not has_config_flag(argv):
         print(f"{USAGE}\nerror: --{_CONFIG_FLAG} is required", file=sys.stderr)
         sys.exit(2)

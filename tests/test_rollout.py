@@ -26,6 +26,7 @@ from jaxrl_post.rollout import (
     compaction_sizes,
     generate_sequences,
 )
+from jaxrl_post.rollout import generate as gen_mod
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -351,6 +352,36 @@ def test_compacting_finished_rows_changes_no_sample():
     np.testing.assert_allclose(a["rollout_log_probs"], b["rollout_log_probs"], atol=1e-6)
 
 
+def test_n_samples_per_prompt_share_one_prefill():
+    """`generate(prompts, n=3)` == generating from `prompts.repeat(3, interleave=True)` (same tokens, masks,
+    thresholds, non-tensor data; log-probs to float32 rounding: the prefill ran at another batch size), with
+    the prefill traced for 3 prompts (its input is the unique prompts, its cache rows are then copied)."""
+    model = _tiny(seed=6, vocab_size=96)
+    ids, mask = _left_padded_prompts([6, 2, 9], 9, 96, seed=5)
+    dp = DataProto.from_dict({"input_ids": ids, "attention_mask": mask}, {"uid": np.array(["a", "b", "c"])})
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, top_p=0.9, eos_token_ids=(4, 5, 6), seed=2)
+    gen = Generator(model, decode_chunk=4, compact_min_rows=2)
+    a = gen.generate(dp.repeat(3, interleave=True), params)
+    shapes = []
+    real_prefill = gen_mod._prefill
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(
+            gen_mod,
+            "_prefill",
+            lambda g, s, i, *args, **kw: shapes.append(i.shape) or real_prefill(g, s, i, *args, **kw),
+        )
+        b = gen.generate(dp, params, n=3)
+    assert shapes == [(4, 16)], shapes  # 3 prompts (bucket 4), not 9 rows
+    assert len(b) == 9 and list(b.non_tensor_batch["uid"]) == list(a.non_tensor_batch["uid"])
+    for k in ("prompts", "responses", "input_ids", "attention_mask", "position_ids", "response_mask", "truncated"):
+        np.testing.assert_array_equal(a.batch[k], b.batch[k], err_msg=k)
+    np.testing.assert_allclose(a.batch["sampling_logit_threshold"], b.batch["sampling_logit_threshold"], atol=1e-5)
+    np.testing.assert_allclose(a.batch["rollout_log_probs"], b.batch["rollout_log_probs"], atol=1e-5)
+    assert len({tuple(r) for r in b.batch["responses"][:3]}) > 1  # the samples of one prompt differ
+    with pytest.raises(ValueError, match="n \\(responses per prompt\\) must be >= 1"):
+        gen.generate(dp, params, n=0)
+
+
 def test_compile_once_across_prompt_lengths_and_batch_sizes():
     # a model structure no other test uses, so the jit cache starts empty for it
     model = _tiny(seed=1, vocab_size=200, intermediate_size=96)
@@ -418,6 +449,13 @@ _SHARDED_SCRIPT = textwrap.dedent("""
     assert gen.last_decode_stats["sizes"] == (16, 8, 4), gen.last_decode_stats
     assert gen.last_decode_stats["stage_end_step"][0] < 24, (gen.last_decode_stats, a["response_mask"].sum(1))
     for k in ("responses", "response_mask", "truncated"):
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    np.testing.assert_allclose(a["rollout_log_probs"], b["rollout_log_probs"], atol=1e-5)
+    # n samples per prompt from one prefill (6 prompts -> 8 padded, cache rows copied to 16) == repeated batch
+    dp = DataProto.from_dict({"input_ids": ids[:6], "attention_mask": mask[:6]})
+    a = Generator(model).generate(dp.repeat(2, interleave=True), params).batch
+    b = Generator(sharded, mesh=mesh, compact_min_rows=4).generate(dp, params, n=2).batch
+    for k in ("responses", "response_mask", "input_ids", "truncated"):
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
     np.testing.assert_allclose(a["rollout_log_probs"], b["rollout_log_probs"], atol=1e-5)
     print("SHARDED_OK")

@@ -38,17 +38,24 @@ def _constrain_batch(x, mesh):
     return jax.lax.with_sharding_constraint(x, batch_sharding(mesh, x.ndim))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_len", "segment_len", "cache_dtype", "mesh"))
-def _prefill(graphdef, state, input_ids, attention_mask, prompt_len, *, max_len, segment_len, cache_dtype, mesh):
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_len", "segment_len", "cache_dtype", "mesh", "repeat"))
+def _prefill(
+    graphdef, state, input_ids, attention_mask, prompt_len, *, max_len, segment_len, cache_dtype, mesh, repeat=1
+):
     """Prompts [B, P_pad] (left-padded to width prompt_len, then filler columns with mask 0) ->
-    (next-token logits [B, V] float32 at column prompt_len - 1, cache with S = max_len slots and
-    index = prompt_len, so decoding overwrites the filler slots)."""
+    (next-token logits [B * repeat, V] float32 at column prompt_len - 1, cache of B * repeat rows with
+    S = max_len slots and index = prompt_len, so decoding overwrites the filler slots). ``repeat`` > 1: each
+    prompt's logits and cache rows are copied ``repeat`` times, interleaved (its samples share the prefill)."""
     TRACE_COUNTS["prefill"] += 1
     model = nnx.merge(graphdef, state)
     cache = model.init_cache(input_ids.shape[0], max_len, dtype=cache_dtype, segment_len=segment_len)
     h, cache = model.hidden_states(input_ids, attention_mask, cache=_constrain_cache(cache, mesh))
     h_last = jax.lax.dynamic_slice_in_dim(h, prompt_len - 1, 1, axis=1)
     logits = model.logits_from_hidden(h_last)[:, 0]
+    if repeat > 1:
+        rep = lambda x: jnp.repeat(x, repeat, axis=0)
+        k, v, mask, logits = jax.tree.map(rep, (cache.k, cache.v, cache.mask, logits))
+        cache = cache.replace(k=k, v=v, mask=mask)
     return _constrain_batch(logits, mesh), _constrain_cache(cache.replace(index=prompt_len), mesh)
 
 

@@ -125,9 +125,15 @@ class Generator:
         return self.generate(prompts, params, seed=seed)
 
     def generate(
-        self, prompts: DataProto, params: SamplingParams, *, seed: int | None = None, process_local: bool = False
+        self,
+        prompts: DataProto,
+        params: SamplingParams,
+        *,
+        seed: int | None = None,
+        process_local: bool = False,
+        n: int = 1,
     ) -> DataProto:
-        """Generate ``params.max_new_tokens`` tokens for each left-padded prompt.
+        """Generate ``n`` responses of ``params.max_new_tokens`` tokens for each left-padded prompt.
 
         Args:
           prompts: DataProto with ``input_ids [B, P]`` int and ``attention_mask [B, P]`` (left-padded,
@@ -138,6 +144,11 @@ class Generator:
           process_local: multi-process runs: ``prompts`` are this process's rows of the global batch
             (``distributed.local_rows``; every process holds as many) and the result is this process's rows.
             Otherwise every process passes the same global batch and gets the whole result.
+          n: responses per prompt (verl ``rollout.n``, vLLM ``SamplingParams.n``). The result has ``B * n``
+            rows in ``prompts.repeat(n, interleave=True)`` order (row ``i * n + j`` = sample j of prompt i) and
+            equals generating from that repeated batch, but each prompt is prefilled once and its n rows
+            decode from copies of its KV cache (vLLM's prefix caching of the shared prompt): the prefill
+            costs 1/n. Below, B counts output rows.
         Returns:
           DataProto (numpy arrays) with ``prompts [B, P] int32``, ``responses [B, R] int32`` (pad after
           the first EOS), ``input_ids [B, P+R]``, ``attention_mask [B, P+R] int32`` (prompt mask ++
@@ -148,8 +159,12 @@ class Generator:
           ``sampling_logit_threshold [B, R] float32`` (smallest kept tempered logit of each step, -inf
           where nothing was truncated or masked), ``truncated [B] bool`` (no EOS within R).
         Raises:
-          ValueError: prompts are not left-padded, a row has no real token, or a size exceeds the buckets.
+          ValueError: prompts are not left-padded, a row has no real token, a size exceeds the buckets, or
+            ``n < 1``.
         """
+        if int(n) < 1:
+            raise ValueError(f"n (responses per prompt) must be >= 1, got {n}")
+        n = int(n)
         ids = np.asarray(jax.device_get(prompts.batch["input_ids"])).astype(np.int32)
         mask = np.asarray(jax.device_get(prompts.batch["attention_mask"])).astype(np.int32)
         if ids.ndim != 2 or ids.shape != mask.shape:
@@ -170,7 +185,7 @@ class Generator:
         # response token goes to slot p, so decoding overwrites them (attention never reads unused slots).
         pid[:b, :p], pmask[:b, :p] = ids, mask
         pid[b:], pmask[b:] = pid[0], pmask[0]  # filler rows: copies of row 0, marked done
-        row_done = np.arange(b_pad) >= b
+        row_done = np.repeat(np.arange(b_pad) >= b, n)  # decode rows: prompt i's samples are rows i*n..i*n+n-1
 
         chunk = max(1, min(self.decode_chunk, r))
         n_alloc = -(-r // chunk) * chunk
@@ -211,9 +226,10 @@ class Generator:
             segment_len=min(seg, max_len),
             cache_dtype=kv_cache_dtype(self.model, self.cache_dtype, self.mesh),
             mesh=self.mesh,
+            repeat=n,
         )
         groups = self._batch_multiple() if self.mesh is not None else 1
-        sizes = compaction_sizes(b_pad * nproc, groups, self.compact_min_rows or b_pad * nproc)
+        sizes = compaction_sizes(b_pad * n * nproc, groups, self.compact_min_rows or b_pad * nproc)
         tokens, logps, thresholds, stage_end, _, _ = InMesh(_decode, self.mesh)(
             graphdef,
             state,
@@ -232,7 +248,9 @@ class Generator:
 
         host = local_part if nproc > 1 else to_host
         self.last_decode_stats = {"sizes": sizes, "stage_end_step": [int(x) for x in to_host(stage_end)]}
-        tokens, logps, thresholds = (host(x)[:b, :r] for x in (tokens, logps, thresholds))
+        tokens, logps, thresholds = (host(x)[: b * n, :r] for x in (tokens, logps, thresholds))
+        if n > 1:
+            prompts, ids, mask = prompts.repeat(n, interleave=True), np.repeat(ids, n, 0), np.repeat(mask, n, 0)
         return _assemble(prompts, ids, mask, tokens, logps, thresholds, params)
 
 

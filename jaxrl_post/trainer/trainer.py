@@ -2,7 +2,7 @@
 
 Per training step (`train_step`):
 
-    prompts -> repeat(rollout.n, interleave) -> generate (rollout.Generator)        timing_s/gen
+    prompts -> generate rollout.n each, interleaved, one prefill per prompt           timing_s/gen
     -> reward (RewardManager; score on the last valid response token)               timing_s/reward
        [DAPO overlong shaping (reward_model.overlong_buffer) inside the RewardManager; DAPO dynamic sampling
        (algorithm.filter_groups, dynamic_sampling.py): drop groups whose metric does not vary, generate and
