@@ -378,8 +378,13 @@ def test_n_samples_per_prompt_share_one_prefill():
     np.testing.assert_allclose(a.batch["sampling_logit_threshold"], b.batch["sampling_logit_threshold"], atol=1e-5)
     np.testing.assert_allclose(a.batch["rollout_log_probs"], b.batch["rollout_log_probs"], atol=1e-5)
     assert len({tuple(r) for r in b.batch["responses"][:3]}) > 1  # the samples of one prompt differ
-    with pytest.raises(ValueError, match="n \\(responses per prompt\\) must be >= 1"):
-        gen.generate(dp, params, n=0)
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match="n \\(responses per prompt\\) must be an integer >= 1"):
+            gen.generate(dp, params, n=bad)
+    plain = Generator(model, decode_chunk=4, compact_min_rows=None)  # no compaction means none with n > 1 too
+    c = plain.generate(dp, params, n=3)
+    assert plain.last_decode_stats["sizes"] == (12,), plain.last_decode_stats
+    np.testing.assert_array_equal(a.batch["responses"], c.batch["responses"])
 
 
 def test_compile_once_across_prompt_lengths_and_batch_sizes():

@@ -148,7 +148,8 @@ class Generator:
             rows in ``prompts.repeat(n, interleave=True)`` order (row ``i * n + j`` = sample j of prompt i) and
             equals generating from that repeated batch, but each prompt is prefilled once and its n rows
             decode from copies of its KV cache (vLLM's prefix caching of the shared prompt): the prefill
-            costs 1/n. Below, B counts output rows.
+            costs 1/n. ``batch_buckets`` pad the prompt count; the decode runs at that size times n.
+            Below, B counts output rows.
         Returns:
           DataProto (numpy arrays) with ``prompts [B, P] int32``, ``responses [B, R] int32`` (pad after
           the first EOS), ``input_ids [B, P+R]``, ``attention_mask [B, P+R] int32`` (prompt mask ++
@@ -162,8 +163,8 @@ class Generator:
           ValueError: prompts are not left-padded, a row has no real token, a size exceeds the buckets, or
             ``n < 1``.
         """
-        if int(n) < 1:
-            raise ValueError(f"n (responses per prompt) must be >= 1, got {n}")
+        if isinstance(n, bool) or not float(n).is_integer() or int(n) < 1:
+            raise ValueError(f"n (responses per prompt) must be an integer >= 1, got {n!r}")
         n = int(n)
         ids = np.asarray(jax.device_get(prompts.batch["input_ids"])).astype(np.int32)
         mask = np.asarray(jax.device_get(prompts.batch["attention_mask"])).astype(np.int32)
@@ -229,7 +230,7 @@ class Generator:
             repeat=n,
         )
         groups = self._batch_multiple() if self.mesh is not None else 1
-        sizes = compaction_sizes(b_pad * n * nproc, groups, self.compact_min_rows or b_pad * nproc)
+        sizes = compaction_sizes(b_pad * n * nproc, groups, self.compact_min_rows or b_pad * n * nproc)
         tokens, logps, thresholds, stage_end, _, _ = InMesh(_decode, self.mesh)(
             graphdef,
             state,
