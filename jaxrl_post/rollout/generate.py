@@ -161,7 +161,7 @@ class Generator:
           where nothing was truncated or masked), ``truncated [B] bool`` (no EOS within R).
         Raises:
           ValueError: prompts are not left-padded, a row has no real token, a size exceeds the buckets, or
-            ``n < 1``.
+            ``n`` is not an integer >= 1.
         """
         if isinstance(n, bool) or not float(n).is_integer() or int(n) < 1:
             raise ValueError(f"n (responses per prompt) must be an integer >= 1, got {n!r}")

@@ -273,8 +273,8 @@ class RolloutMixin:
         n = int(self.config.rollout.n)
         local = bool(getattr(self, "process_local", False))  # multi-process: `prompts` are this process's share
         with timer("gen", timing):
-            params = self.sampling_params(validate=False, seed=seed)  # n rows per prompt, interleaved; one prefill
-            out = self.generator.generate(prompts, params, process_local=local, n=n)
+            params = self.sampling_params(validate=False, seed=seed)
+            out = self.generator.generate(prompts, params, process_local=local, n=n)  # interleaved; one prefill each
         b = {k: to_numpy(v) for k, v in out.batch.items()}
         if not self.config.rollout.sampling_mask_replay:  # the forwards score the full softmax
             b.pop("sampling_logit_threshold", None)
