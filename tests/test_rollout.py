@@ -235,7 +235,7 @@ def test_bf16_rollout_keeps_a_float32_kv_cache_on_cpu(monkeypatch):
     used, prefill = [], gen_mod._prefill
     monkeypatch.setattr(gen_mod, "_prefill", lambda *a, **kw: used.append(kw["cache_dtype"]) or prefill(*a, **kw))
     _, _, dp = _prompts(2)
-    outs = [Generator(model, cache_dtype=c)(dp, SAMPLED) for c in (None, "bfloat16")]
+    outs = [Generator(model, cache_dtype=c, cache_segment_len=8)(dp, SAMPLED) for c in (None, "bfloat16")]  # 3 segments
     assert used == ["float32", "bfloat16"]
     (f32, bf16) = (o.batch for o in outs)
     np.testing.assert_array_equal(f32["responses"], bf16["responses"])
@@ -331,8 +331,8 @@ def test_compacting_finished_rows_changes_no_sample():
     ids, mask = _left_padded_prompts([10, 3, 7, 1, 9, 5, 8, 2, 6, 4, 10, 7, 3, 9, 1, 5], 10, 64, seed=3)
     dp = DataProto.from_dict({"input_ids": ids, "attention_mask": mask})
     params = SamplingParams(max_new_tokens=40, temperature=1.0, top_p=0.95, eos_token_ids=(4, 5, 6, 7, 8), seed=1)
-    plain = Generator(model, compact_min_rows=None, decode_chunk=4)
-    compact = Generator(model, compact_min_rows=2, decode_chunk=4)
+    plain = Generator(model, compact_min_rows=None, decode_chunk=4, cache_segment_len=16)  # 4 cache segments
+    compact = Generator(model, compact_min_rows=2, decode_chunk=4, cache_segment_len=16)
     a, b = plain(dp, params).batch, compact(dp, params).batch
     lengths = a["response_mask"].sum(1)
     assert lengths.min() <= 2 and lengths.max() == 40 and (lengths == 40).sum() == 3, lengths
@@ -387,6 +387,33 @@ def test_n_samples_per_prompt_share_one_prefill():
     np.testing.assert_array_equal(a.batch["responses"], c.batch["responses"])
 
 
+def test_default_cache_segments_are_long(monkeypatch):
+    """Default segment length: an eighth of the cache (a multiple of 16), never under 128 slots, so short
+    caches (the default GRPO run: 112 slots) have one segment (each segment adds compile time and a slot
+    write per step and layer). The prefill is intercepted: nothing compiles."""
+
+    class Seen(Exception):
+        pass
+
+    def spy(*a, max_len, segment_len, **kw):
+        raise Seen(max_len, segment_len)
+
+    monkeypatch.setattr(gen_mod, "_prefill", spy)
+    ids, mask = _left_padded_prompts([10, 4], 10, 64, seed=0)
+    dp = DataProto.from_dict({"input_ids": ids, "attention_mask": mask})
+    for new, seg, want in [
+        (96, None, (112, 112)),
+        (1008, None, (1024, 128)),
+        (2032, None, (2048, 256)),
+        (96, 8, (112, 8)),
+    ]:
+        with pytest.raises(Seen) as e:
+            Generator(_tiny(seed=0, vocab_size=64), cache_segment_len=seg).generate(
+                dp, SamplingParams(max_new_tokens=new, temperature=1.0)
+            )
+        assert e.value.args == want, (new, seg, e.value.args)
+
+
 def test_compile_once_across_prompt_lengths_and_batch_sizes():
     # a model structure no other test uses, so the jit cache starts empty for it
     model = _tiny(seed=1, vocab_size=200, intermediate_size=96)
@@ -439,8 +466,8 @@ _SHARDED_SCRIPT = textwrap.dedent("""
     for params in (SamplingParams(max_new_tokens=20, do_sample=False, eos_token_ids=(4,)),
                    SamplingParams(max_new_tokens=20, temperature=0.8, top_k=40, top_p=0.95, seed=3,
                                   eos_token_ids=(4, 9))):
-        a = Generator(model).generate(dp, params).batch
-        b = Generator(sharded, mesh=mesh).generate(dp, params).batch
+        a = Generator(model, cache_segment_len=8).generate(dp, params).batch  # 4 segments
+        b = Generator(sharded, mesh=mesh, cache_segment_len=8).generate(dp, params).batch
         for k in ("responses", "response_mask", "input_ids", "attention_mask", "position_ids", "truncated"):
             np.testing.assert_array_equal(a[k], b[k], err_msg=k)
         np.testing.assert_allclose(a["rollout_log_probs"], b["rollout_log_probs"], atol=1e-5)

@@ -11,7 +11,8 @@ prompt length. The jitted programs live in ``jaxrl_post.rollout.decode``.
 
 KV cache: per layer, split into segments of ``cache_segment_len`` slots (``Transformer.init_cache``);
 attention skips (``lax.cond``) every segment that holds no visible key yet, so a decode step reads about
-the slots written so far rather than the whole cache. The prompt bucket's filler columns sit after the
+the slots written so far rather than the whole cache (long caches only: by default a segment holds
+at least ``MIN_CACHE_SEGMENT`` slots). The prompt bucket's filler columns sit after the
 prompt (masked out), and the first response token is written right after the real prompt, over them.
 
 Compile once: prompt length P and batch size B are padded up to buckets (default: powers of two, the
@@ -39,6 +40,8 @@ from flax import nnx
 from jaxrl_post.protocol import DataProto
 from jaxrl_post.rollout.decode import _decode, _prefill, compaction_sizes
 from jaxrl_post.rollout.sampling import SamplingParams, get_response_mask, is_eos
+
+MIN_CACHE_SEGMENT = 128  # default KV cache segment length is never shorter (see Generator.cache_segment_len)
 
 
 def _next_pow2(n: int) -> int:
@@ -96,8 +99,11 @@ class Generator:
         slots are written in place and attention reads them without a copy (bf16 values stored exactly).
       min_prompt_bucket: smallest padded prompt length when ``prompt_buckets`` is None.
       cache_segment_len: KV cache slots per segment (``Transformer.init_cache``); attention skips
-        segments holding no token yet, so a decode step reads ~the slots written so far. None = about an
-        eighth of the cache, a multiple of 16.
+        segments holding no token yet, so a decode step reads ~the slots written so far. None: an eighth
+        of the cache (a multiple of 16) but at least ``MIN_CACHE_SEGMENT`` slots, so caches of up to 128
+        slots have one segment. Each segment costs compile time and a masked slot write per decode step
+        and layer, which outweigh the skipped reads on short caches (SmolLM2, cache of 112 slots, 3
+        compaction stages: first call 53 s with 16-slot segments, 19 s with one, same decode speed).
       compact_min_rows: decode compacts finished rows away: once at most half of the rows (per batch
         shard) are unfinished, it keeps those and goes on at half the batch, down to this many rows
         (``compaction_sizes``; each size is one more decode body in the compiled program). None or >=
@@ -214,7 +220,7 @@ class Generator:
             arrays = tuple(jnp.asarray(a) for a in arrays)
         pid_d, pmask_d, done_d = arrays
         max_len = p_pad + n_alloc
-        seg = self.cache_segment_len or max(16, -(-max_len // 128) * 16)  # ~8 segments, multiple of 16
+        seg = self.cache_segment_len or max(MIN_CACHE_SEGMENT, -(-max_len // 128) * 16)
         from jaxrl_post.sharding import InMesh
 
         logits, cache = InMesh(_prefill, self.mesh)(
