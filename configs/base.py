@@ -67,9 +67,10 @@ def get_base_config() -> mlc.ConfigDict:
     c.model.use_remove_padding = True  # train/score on packed real tokens (trainer/packing.py)
     # Packed row length in max-length sequences (max_prompt_length + max_response_length tokens each): longer
     # rows pack tighter (responses longer than half of max_response_length fill one-sequence rows badly) but
-    # attention over a row costs row_len^2 (masked across sequences, not skipped). 1 measured 5-7% faster
-    # updates than 2 on SmolLM2 (scripts/bench_update.py, bench_grpo_step.py; README "GRPO step speed").
-    c.model.seqs_per_packed_row = 1  # packed rows of this many max-length sequences (ours; 1 = rows of P + R)
+    # attention over a row costs row_len^2 (masked across sequences, not skipped). On SmolLM2, 1 was 5-7% faster
+    # with responses of 40-128 tokens (P + R = 184) but slower in the default run (P + R = 104, short answers:
+    # a sequence over half a row takes the whole row); see README "GRPO step speed".
+    c.model.seqs_per_packed_row = 2  # packed rows of this many max-length sequences (ours; 1 = rows of P + R)
     # LoRA (verl's keys): adapters on the decoder projections; only they (and their AdamW moments) are trained
     # and checkpointed, the reference policy is the same model with the adapters off, the rollout runs with
     # them (a rollout.dtype copy gets merged kernels). Export writes merged weights and a PEFT adapter.

@@ -76,7 +76,7 @@ def main(argv=None):
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--entropy-coeff", type=float, default=0.0)
     ap.add_argument("--variants", default="padded,packed", help="comma-separated subset of padded,packed")
-    ap.add_argument("--seqs-per-row", type=int, default=1, help="model.seqs_per_packed_row (row_len = k (P + R))")
+    ap.add_argument("--seqs-per-row", type=int, default=2, help="model.seqs_per_packed_row (row_len = k (P + R))")
     ap.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "bench_update.json"))
     args = ap.parse_args(argv)
 
