@@ -401,6 +401,7 @@ def test_default_cache_segments_are_long(monkeypatch):
     monkeypatch.setattr(gen_mod, "_prefill", spy)
     ids, mask = _left_padded_prompts([10, 4], 10, 64, seed=0)
     dp = DataProto.from_dict({"input_ids": ids, "attention_mask": mask})
+    model = _tiny(seed=0, vocab_size=64)
     for new, seg, want in [
         (96, None, (112, 112)),
         (1008, None, (1024, 128)),
@@ -408,9 +409,7 @@ def test_default_cache_segments_are_long(monkeypatch):
         (96, 8, (112, 8)),
     ]:
         with pytest.raises(Seen) as e:
-            Generator(_tiny(seed=0, vocab_size=64), cache_segment_len=seg).generate(
-                dp, SamplingParams(max_new_tokens=new, temperature=1.0)
-            )
+            Generator(model, cache_segment_len=seg).generate(dp, SamplingParams(max_new_tokens=new, temperature=1.0))
         assert e.value.args == want, (new, seg, e.value.args)
 
 
