@@ -33,7 +33,12 @@ import numpy as np
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOL = 1e-5
+TOL = 1e-5  # metrics
+# Parameters after two AdamW steps at the tiny configs' lr 1e-3: Adam scales each entry's step to about lr,
+# so an entry whose gradient is within roundoff of zero moves by a visibly different fraction of lr when
+# the gradient is summed in another order (2 processes vs 1, 8 devices vs 1). Seen: < 1e-5 on AVX-512
+# machines, 1.5e-5 on an AVX2-only AMD EPYC. A dropped or doubled gradient reduction moves params by ~lr.
+PARAM_TOL = 5e-5
 # metrics that measure time or throughput differ between runs by nature
 _NOT_COMPARED = ("timing_s/", "timing_per_token_ms/", "perf/")
 VAL_SIZE, VAL_BATCH = 17, 16  # 17 held-out prompts: batches of 16 and 1 (+ 15 padding rows)
@@ -305,7 +310,7 @@ def test_two_processes_equal_one_process(runs, algo):
     assert len(two["history"]) == 2 and any(k.startswith("val-core/") for k in two["history"][1])
     for ref in (one8, one1):
         assert _metric_diff(two["history"], ref["history"]) <= TOL
-        assert _param_diff(two["params"], ref["params"]) <= TOL
+        assert _param_diff(two["params"], ref["params"]) <= PARAM_TOL
     assert _param_diff(one8["params"], one1["params"]) > 0  # really different programs, not one cached result
 
 
@@ -344,8 +349,8 @@ def test_resume_on_one_process_with_another_mesh(runs):
     # the continued run (step 2, validation included) equals the straight runs
     assert len(res["history"]) == 1
     assert _metric_diff(cli2["history"][:1] + res["history"], cli2["history"]) <= TOL
-    assert _param_diff(res["params"], cli2["params"]) <= TOL
-    assert _param_diff(res["params"], grpo8["params"]) <= TOL
+    assert _param_diff(res["params"], cli2["params"]) <= PARAM_TOL
+    assert _param_diff(res["params"], grpo8["params"]) <= PARAM_TOL
 
 
 def test_fsdp_shards_params_and_optimizer_state_and_constraints_apply(runs):
