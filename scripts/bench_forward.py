@@ -52,6 +52,27 @@ def matmul_peak(n: int = 2048, steps: int = 5, dtype=jnp.float32) -> float:
     return 2 * n**3 / _time(dot, a, b, steps=steps)
 
 
+_ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
+
+
+def machine_info() -> dict:
+    """The CPU this benchmark ran on: model name, core count and the matmul-relevant ISA flags of
+    /proc/cpuinfo (Linux; empty elsewhere). Results from different machines are not comparable: a CPU with
+    AMX or AVX512-BF16 runs bfloat16 matmuls several times faster than float32, an AVX2-only one slower."""
+    model, flags = "", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, val = line.partition(":")
+                if key.strip() == "model name" and not model:
+                    model = val.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(val.split())
+    except OSError:
+        pass
+    return dict(cpu=model, cpu_count=os.cpu_count(), isa=[f for f in _ISA_FLAGS if f in flags])
+
+
 def flops_per_token(cfg, seq: int) -> float:
     d, k, h, L = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_layers
     per_layer = d * k * (2 * h + 2 * cfg.num_kv_heads) + 3 * d * cfg.intermediate_size
@@ -146,6 +167,7 @@ def main(argv=None):
         platform=jax.devices()[0].platform,
         device_count=jax.device_count(),
         matmul_peak_gflops=peak / 1e9,
+        machine=machine_info(),
         flops_per_token_fwd=f_tok,
         results=rows,
     )

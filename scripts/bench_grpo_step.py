@@ -210,6 +210,9 @@ def run_once(args, workdir: str, env: dict) -> dict:
     m["compile_s_step1"], m["recompiles_after_step1"] = compile_stats(lines)
     m.update(matmul_peak_gflops=peak / 1e9, rss_tree_gb=rss / 1e9, maxrss_gb=usage.ru_maxrss * 1024 / 1e9)
     m.update(wall_s=wall, load_avg_start=load0, load_avg_end=os.getloadavg()[0], argv=argv[1:])
+    from bench_forward import machine_info
+
+    m["machine"] = machine_info()
     return m
 
 

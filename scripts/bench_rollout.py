@@ -190,6 +190,7 @@ def main():
     args = ap.parse_args()
 
     import torch
+    from bench_forward import machine_info
 
     from jaxrl_post.models import load_pretrained, resolve_model_path
     from jaxrl_post.rollout import kv_cache_dtype
@@ -243,7 +244,7 @@ def main():
         matmul_peak_gflops=round(peak / 1e9, 1),
         jax=jax.__version__,
         torch=torch.__version__,
-        cpu_count=os.cpu_count(),
+        machine=machine_info(),
         load_avg_1m_at_end=round(os.getloadavg()[0], 2),
         results=results,
     )

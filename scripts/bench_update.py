@@ -35,7 +35,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(_HERE))
 sys.path.insert(0, _HERE)
 
-from bench_forward import matmul_peak  # noqa: E402
+from bench_forward import machine_info, matmul_peak  # noqa: E402
 
 from jaxrl_post.models import PRESETS, init_model, load_pretrained  # noqa: E402
 from jaxrl_post.trainer import metrics as metrics_lib  # noqa: E402
@@ -173,6 +173,7 @@ def main(argv=None):
         packed_micro_batches_used=f"{used_micro}/{spec.n_micro}",
         pack_host_s=round(pack_s, 4),
         matmul_peak_gflops=round(peak / 1e9, 1),
+        machine=machine_info(),
         speedup_median=round(speedup, 2),
         load_start_end=(rows[0]["loads"][0][0], rows[-1]["loads"][-1][1]),
         results=rows,
