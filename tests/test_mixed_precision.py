@@ -117,3 +117,56 @@ def test_sampling_mask_replay_old_log_probs_equal_rollout_log_probs(tmp_path, pa
         assert np.max(b["rollout_log_probs"][mask] - full[mask]) > 0.05
     finally:
         trainer.close()
+
+
+_X86_AVX2 = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx avx2 fma f16c\n\nprocessor\t: 1\n"
+_X86_AMX = "flags\t\t: fpu avx2 avx512f avx512_bf16 avx512_fp16 amx_bf16 amx_tile\n"
+_ARM_BF16 = "processor\t: 0\nFeatures\t: fp asimd evtstrm aes crc32 bf16 i8mm\n"
+
+
+@pytest.mark.parametrize(
+    "text, dtype, want",
+    [
+        (_X86_AVX2, "bfloat16", False),
+        (_X86_AVX2, "float16", False),  # f16c converts, it does not multiply
+        (_X86_AMX, "bfloat16", True),
+        (_X86_AMX, "float16", True),
+        ("flags\t\t: avx2 avx512f avx512_bf16\n", "bfloat16", True),
+        (_ARM_BF16, "bfloat16", True),
+        (_ARM_BF16, "float16", False),
+        (_X86_AVX2, "float32", None),  # not a 16-bit dtype
+        ("processor\t: 0\n", "bfloat16", None),  # no flags line: unknown
+        (None, "bfloat16", None),  # no /proc/cpuinfo (macOS): unknown
+    ],
+)
+def test_cpu_has_native_16bit_matmul_reads_the_cpu_flags(tmp_path, text, dtype, want):
+    from jaxrl_post.rollout import cpu_has_native_16bit_matmul
+
+    path = tmp_path / "cpuinfo"
+    if text is not None:
+        path.write_text(text)
+    assert cpu_has_native_16bit_matmul(jnp.dtype(dtype), str(path)) is want
+
+
+def test_generator_warns_of_a_16bit_rollout_on_a_cpu_without_16bit_matmuls(tmp_path, monkeypatch, caplog):
+    """A bf16 rollout on an AVX2-only CPU runs no faster than float32 (README, mixed precision): say so once,
+    when the Generator is built; nothing for float32 or on a CPU with AMX."""
+    from types import SimpleNamespace
+
+    from jaxrl_post.rollout import Generator, generate
+
+    probe = generate.cpu_has_native_16bit_matmul
+    for name, text in (("avx2", _X86_AVX2), ("amx", _X86_AMX)):
+        (tmp_path / name).write_text(text)
+
+    def built(cpu, dtype):
+        monkeypatch.setattr(generate, "cpu_has_native_16bit_matmul", lambda d: probe(d, str(tmp_path / cpu)))
+        caplog.clear()
+        with caplog.at_level("WARNING", logger=generate.__name__):
+            Generator(SimpleNamespace(dtype=jnp.dtype(dtype)))
+        return [r.getMessage() for r in caplog.records]
+
+    (msg,) = built("avx2", "bfloat16")
+    assert "without native bfloat16 matmuls" in msg and "rollout.dtype=float32" in msg
+    assert built("avx2", "float32") == []
+    assert built("amx", "bfloat16") == []

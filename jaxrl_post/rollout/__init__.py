@@ -1,7 +1,13 @@
 """Rollout: jitted prefill + decode loop with a KV cache, and the sampling processors."""
 
 from jaxrl_post.rollout.decode import TRACE_COUNTS, compaction_sizes
-from jaxrl_post.rollout.generate import Generator, bucket_size, generate_sequences, kv_cache_dtype
+from jaxrl_post.rollout.generate import (
+    Generator,
+    bucket_size,
+    cpu_has_native_16bit_matmul,
+    generate_sequences,
+    kv_cache_dtype,
+)
 from jaxrl_post.rollout.sampling import (
     SamplingParams,
     apply_min_p,
@@ -20,6 +26,7 @@ __all__ = [
     "compaction_sizes",
     "generate_sequences",
     "kv_cache_dtype",
+    "cpu_has_native_16bit_matmul",
     "SamplingParams",
     "apply_min_p",
     "apply_temperature",
