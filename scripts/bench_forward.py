@@ -52,24 +52,21 @@ def matmul_peak(n: int = 2048, steps: int = 5, dtype=jnp.float32) -> float:
     return 2 * n**3 / _time(dot, a, b, steps=steps)
 
 
-_ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
+_ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile", "bf16")
 
 
 def machine_info() -> dict:
     """The CPU this benchmark ran on: model name, core count and the matmul-relevant ISA flags of
     /proc/cpuinfo (Linux; empty elsewhere). Results from different machines are not comparable: a CPU with
     AMX or AVX512-BF16 runs bfloat16 matmuls several times faster than float32, an AVX2-only one slower."""
-    model, flags = "", set()
+    from jaxrl_post.rollout.generate import cpu_flags
+
+    flags = cpu_flags() or set()
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, val = line.partition(":")
-                if key.strip() == "model name" and not model:
-                    model = val.strip()
-                elif key.strip() == "flags" and not flags:
-                    flags = set(val.split())
+            model = next((ln.partition(":")[2].strip() for ln in f if ln.startswith("model name")), "")
     except OSError:
-        pass
+        model = ""
     return dict(cpu=model, cpu_count=os.cpu_count(), isa=[f for f in _ISA_FLAGS if f in flags])
 
 

@@ -48,6 +48,20 @@ log = logging.getLogger(__name__)
 _NATIVE_16BIT = {"bfloat16": ("amx_bf16", "avx512_bf16", "bf16"), "float16": ("amx_fp16", "avx512_fp16", "fphp")}
 
 
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str] | None:
+    """The instruction-set flags of the first CPU in ``cpuinfo`` (x86 ``flags``, Arm ``Features``), or None
+    when there is no readable file or no such line (e.g. macOS)."""
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                key, _, val = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    return set(val.split())
+    except OSError:
+        pass
+    return None
+
+
 def cpu_has_native_16bit_matmul(dtype, cpuinfo: str = "/proc/cpuinfo") -> bool | None:
     """Whether this CPU multiplies ``dtype`` (bfloat16 / float16) natively: True when ``cpuinfo`` lists
     AMX, AVX512-BF16/FP16 or Arm's BF16/FP16 instructions, False when it lists none of them, None when
@@ -56,18 +70,9 @@ def cpu_has_native_16bit_matmul(dtype, cpuinfo: str = "/proc/cpuinfo") -> bool |
     2048^2 matmul ran at 75-89 GFLOP/s against 119-137 for float32, and a SmolLM2 bf16 rollout (batch 32) at
     0.76-1.08x the float32 one in three back-to-back pairs (on a CPU with AMX: 338-384 against 178-205
     GFLOP/s, the bf16 rollout 1.3-1.5x faster)."""
-    flags = _NATIVE_16BIT.get(jnp.dtype(dtype).name)
-    if flags is None:
-        return None
-    try:
-        with open(cpuinfo) as f:
-            lines = [ln.partition(":") for ln in f if ln.partition(":")[0].strip() in ("flags", "Features")]
-    except OSError:
-        return None
-    if not lines:
-        return None
-    listed = set(lines[0][2].split())
-    return any(fl in listed for fl in flags)
+    wanted = _NATIVE_16BIT.get(jnp.dtype(dtype).name)
+    listed = cpu_flags(cpuinfo) if wanted else None
+    return None if listed is None else any(fl in listed for fl in wanted)
 
 
 def _next_pow2(n: int) -> int:
