@@ -42,13 +42,26 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxrl_post.trainer.checkpoint_layout import (  # noqa: F401  (re-exported: ckpt.find_resume_checkpoint, ...)
+    CHECKPOINT_SUBDIR,
+    RESUME_MODES,
+    STEP_PREFIX,
+    CheckpointError,
+    checkpoint_dir,
+    find_resume_checkpoint,
+    json_safe,
+    list_complete_steps,
+    model_config_from_metadata,
+    model_metadata,
+    parse_step_dir,
+    reference_pointer,
+    step_dir_name,
+)
+
 log = logging.getLogger(__name__)
 
-CHECKPOINT_SUBDIR = "checkpoints"
-STEP_PREFIX = "global_step"
 HOST_ITEM = "host"
 FORMAT_VERSION = 1
-RESUME_MODES = ("auto", "disable", "resume_path")
 
 
 class _DropOrbaxInfo(logging.Filter):
@@ -71,20 +84,6 @@ def _quiet_orbax_info() -> None:
         absl_logger.addFilter(_DropOrbaxInfo())
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be written or read (message names the path and the last good step)."""
-
-
-def checkpoint_dir(workdir: str | os.PathLike) -> str:
-    """`<workdir>/checkpoints`: where a run's step directories live."""
-    return os.path.join(os.fspath(workdir), CHECKPOINT_SUBDIR)
-
-
-def step_dir_name(step: int) -> str:
-    """`global_step_<step>` (the directory name of one checkpoint)."""
-    return f"{STEP_PREFIX}_{int(step)}"
-
-
 def abstract_like(tree: Any) -> Any:
     """`jax.ShapeDtypeStruct` (with `.sharding` when the leaf has one) for every array leaf of `tree`.
 
@@ -103,62 +102,7 @@ def abstract_like(tree: Any) -> Any:
     return jax.tree.map(one, tree)
 
 
-def reference_pointer(*, model_path: str | None, random_init: bool = False, seed: int | None = None) -> dict:
-    """`host['reference']` entry for a reference policy that equals the initial actor (not saved).
-
-    On restore the trainer rebuilds the reference the same way it built it the first time (load
-    `model_path`, or random init with `seed`) instead of reading a copy from the checkpoint.
-    """
-    return {
-        "source": "initial_actor",
-        "model_path": model_path,
-        "random_init": bool(random_init),
-        "seed": None if seed is None else int(seed),
-    }
-
-
 _LEAF_KEY = "__leaf__"
-
-
-def model_metadata(
-    model_config: Any, tokenizer_source: str | None, lora: dict | None = None, base: dict | None = None
-) -> dict:
-    """`host['model']` entry: the actor's `ModelConfig` fields (JSON) and where its tokenizer comes from,
-    so a checkpoint can be exported / evaluated without the run config (scripts/export_hf.py). A LoRA
-    checkpoint (its actor params are the adapters only) adds `lora` (`LoRAConfig.to_dict()`) and `base`
-    (`reference_pointer`: how to rebuild the frozen base weights)."""
-    import dataclasses
-
-    out = {"config": json_safe(dataclasses.asdict(model_config)), "tokenizer": tokenizer_source}
-    if lora is not None:
-        out.update(lora=json_safe(lora), base=json_safe(base))
-    return out
-
-
-def model_config_from_metadata(meta: Mapping[str, Any]):
-    """Inverse of `model_metadata` -> `jaxrl_post.models.ModelConfig` (lists back to tuples)."""
-    import dataclasses
-
-    from jaxrl_post.models import ModelConfig
-
-    def freeze(x):
-        return tuple(freeze(v) for v in x) if isinstance(x, list) else x
-
-    names = {f.name for f in dataclasses.fields(ModelConfig)}
-    return ModelConfig(**{k: freeze(v) for k, v in meta["config"].items() if k in names})
-
-
-def json_safe(x: Any) -> Any:
-    """Tuples -> lists, numpy scalars -> Python scalars, other objects -> str (recursively)."""
-    if isinstance(x, Mapping):
-        return {str(k): json_safe(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [json_safe(v) for v in x]
-    if isinstance(x, np.generic):
-        return x.item()
-    if x is None or isinstance(x, (bool, int, float, str)):
-        return x
-    return str(x)
 
 
 def _wrap(tree: Any) -> Any:
@@ -455,93 +399,6 @@ class Checkpointer:
                 f"no complete checkpoint for step {step} in {self.directory} (complete steps: {steps})"
             )
         return int(step)
-
-
-def list_complete_steps(directory: str | os.PathLike) -> list[int]:
-    """Finalized `global_step_<N>` directories under `directory` (ascending), without opening a manager.
-
-    A directory counts when its name is exactly `global_step_<int>` (orbax's in-progress directories
-    carry a `.orbax-checkpoint-tmp` suffix) and it holds orbax's `_CHECKPOINT_METADATA`.
-    """
-    directory = os.fspath(directory)
-    if not os.path.isdir(directory):
-        return []
-    out = []
-    prefix = STEP_PREFIX + "_"
-    for name in os.listdir(directory):
-        if not name.startswith(prefix):
-            continue
-        tail = name[len(prefix) :]
-        if tail.isdigit() and os.path.exists(os.path.join(directory, name, "_CHECKPOINT_METADATA")):
-            out.append(int(tail))
-    return sorted(out)
-
-
-def parse_step_dir(path: str | os.PathLike) -> tuple[str, int | None]:
-    """`.../checkpoints/global_step_7` -> (`.../checkpoints`, 7); `.../checkpoints` -> (same, None)."""
-    path = os.path.abspath(os.fspath(path)).rstrip(os.sep)
-    name = os.path.basename(path)
-    prefix = STEP_PREFIX + "_"
-    if name.startswith(prefix) and name[len(prefix) :].isdigit():
-        return os.path.dirname(path), int(name[len(prefix) :])
-    return path, None
-
-
-def find_resume_checkpoint(
-    mode: str,
-    workdir: str | os.PathLike,
-    resume_from_path: str | None = None,
-    *,
-    what: str = "trainer.resume_from_path",
-) -> tuple[str, int] | None:
-    """Which checkpoint a run resumes from (verl `trainer.resume_mode`).
-
-    Args:
-      mode: 'disable' (start fresh: None); 'auto' (latest complete step in `checkpoint_dir(workdir)`, or
-        None when there is none); 'resume_path' (`resume_from_path`: a `global_step_<N>` directory, or a
-        checkpoints directory / working directory whose latest complete step is used).
-      what: how error messages name `resume_from_path` (scripts pass `'--checkpoint'`).
-
-    Returns:
-      `(checkpoint root directory, step)` or None.
-
-    Raises:
-      ValueError: unknown mode, or 'resume_path' without a path.
-      CheckpointError: 'resume_path' points at nothing complete (e.g. an unfinished `.orbax-checkpoint-tmp`
-        directory or a step that was never committed); the message names `what` and what to pass instead.
-    """
-    if mode not in RESUME_MODES:
-        raise ValueError(f"trainer.resume_mode must be one of {RESUME_MODES}, got {mode!r}")
-    if mode == "disable":
-        return None
-    if mode == "auto":
-        root = checkpoint_dir(workdir)
-        steps = list_complete_steps(root)
-        return (root, steps[-1]) if steps else None
-    if not resume_from_path:
-        raise ValueError(f"trainer.resume_mode='resume_path' needs {what}")
-    path = os.fspath(resume_from_path)
-    hint = (
-        f"pass a run directory (trainer.default_local_dir, e.g. {what}=runs/grpo), its checkpoints/ directory, "
-        f"or one checkpoints/{STEP_PREFIX}_<N> directory"
-    )
-    if not os.path.exists(path):
-        raise CheckpointError(f"{what}={path} does not exist; {hint}")
-    root, step = parse_step_dir(path)
-    if step is None:
-        for cand in (root, checkpoint_dir(root)):
-            steps = list_complete_steps(cand)
-            if steps:
-                return cand, steps[-1]
-        raise CheckpointError(
-            f"{what}={path}: no complete {STEP_PREFIX}_<N> checkpoint in {root} or {checkpoint_dir(root)} "
-            f"(a run writes them every trainer.save_freq steps and when stopped with Ctrl-C); {hint}"
-        )
-    if step not in list_complete_steps(root):
-        raise CheckpointError(
-            f"{what}={path} is not a complete checkpoint (complete steps in {root}: {list_complete_steps(root)})"
-        )
-    return root, step
 
 
 def _check_json(host: Mapping[str, Any]) -> None:

@@ -1,0 +1,175 @@
+"""What a run's checkpoints are called, which one a run resumes from, and the host-JSON model entries.
+
+No orbax here: `<workdir>/checkpoints/global_step_<N>/` directories (verl's names), which of them are
+complete (orbax writes `_CHECKPOINT_METADATA` only into a finalized step), the resume modes (verl
+`trainer.resume_mode`), and the JSON entries that describe the model (`host['model']`, `host['reference']`)
+so a checkpoint can be exported without its run config. `trainer.checkpoint` re-exports every public name.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+CHECKPOINT_SUBDIR = "checkpoints"
+STEP_PREFIX = "global_step"
+RESUME_MODES = ("auto", "disable", "resume_path")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read (message names the path and the last good step)."""
+
+
+def checkpoint_dir(workdir: str | os.PathLike) -> str:
+    """`<workdir>/checkpoints`: where a run's step directories live."""
+    return os.path.join(os.fspath(workdir), CHECKPOINT_SUBDIR)
+
+
+def step_dir_name(step: int) -> str:
+    """`global_step_<step>` (the directory name of one checkpoint)."""
+    return f"{STEP_PREFIX}_{int(step)}"
+
+
+def list_complete_steps(directory: str | os.PathLike) -> list[int]:
+    """Finalized `global_step_<N>` directories under `directory` (ascending), without opening a manager.
+
+    A directory counts when its name is exactly `global_step_<int>` (orbax's in-progress directories
+    carry a `.orbax-checkpoint-tmp` suffix) and it holds orbax's `_CHECKPOINT_METADATA`.
+    """
+    directory = os.fspath(directory)
+    if not os.path.isdir(directory):
+        return []
+    out = []
+    prefix = STEP_PREFIX + "_"
+    for name in os.listdir(directory):
+        if not name.startswith(prefix):
+            continue
+        tail = name[len(prefix) :]
+        if tail.isdigit() and os.path.exists(os.path.join(directory, name, "_CHECKPOINT_METADATA")):
+            out.append(int(tail))
+    return sorted(out)
+
+
+def parse_step_dir(path: str | os.PathLike) -> tuple[str, int | None]:
+    """`.../checkpoints/global_step_7` -> (`.../checkpoints`, 7); `.../checkpoints` -> (same, None)."""
+    path = os.path.abspath(os.fspath(path)).rstrip(os.sep)
+    name = os.path.basename(path)
+    prefix = STEP_PREFIX + "_"
+    if name.startswith(prefix) and name[len(prefix) :].isdigit():
+        return os.path.dirname(path), int(name[len(prefix) :])
+    return path, None
+
+
+def find_resume_checkpoint(
+    mode: str,
+    workdir: str | os.PathLike,
+    resume_from_path: str | None = None,
+    *,
+    what: str = "trainer.resume_from_path",
+) -> tuple[str, int] | None:
+    """Which checkpoint a run resumes from (verl `trainer.resume_mode`).
+
+    Args:
+      mode: 'disable' (start fresh: None); 'auto' (latest complete step in `checkpoint_dir(workdir)`, or
+        None when there is none); 'resume_path' (`resume_from_path`: a `global_step_<N>` directory, or a
+        checkpoints directory / working directory whose latest complete step is used).
+      what: how error messages name `resume_from_path` (scripts pass `'--checkpoint'`).
+
+    Returns:
+      `(checkpoint root directory, step)` or None.
+
+    Raises:
+      ValueError: unknown mode, or 'resume_path' without a path.
+      CheckpointError: 'resume_path' points at nothing complete (e.g. an unfinished `.orbax-checkpoint-tmp`
+        directory or a step that was never committed); the message names `what` and what to pass instead.
+    """
+    if mode not in RESUME_MODES:
+        raise ValueError(f"trainer.resume_mode must be one of {RESUME_MODES}, got {mode!r}")
+    if mode == "disable":
+        return None
+    if mode == "auto":
+        root = checkpoint_dir(workdir)
+        steps = list_complete_steps(root)
+        return (root, steps[-1]) if steps else None
+    if not resume_from_path:
+        raise ValueError(f"trainer.resume_mode='resume_path' needs {what}")
+    path = os.fspath(resume_from_path)
+    hint = (
+        f"pass a run directory (trainer.default_local_dir, e.g. {what}=runs/grpo), its checkpoints/ directory, "
+        f"or one checkpoints/{STEP_PREFIX}_<N> directory"
+    )
+    if not os.path.exists(path):
+        raise CheckpointError(f"{what}={path} does not exist; {hint}")
+    root, step = parse_step_dir(path)
+    if step is None:
+        for cand in (root, checkpoint_dir(root)):
+            steps = list_complete_steps(cand)
+            if steps:
+                return cand, steps[-1]
+        raise CheckpointError(
+            f"{what}={path}: no complete {STEP_PREFIX}_<N> checkpoint in {root} or {checkpoint_dir(root)} "
+            f"(a run writes them every trainer.save_freq steps and when stopped with Ctrl-C); {hint}"
+        )
+    if step not in list_complete_steps(root):
+        raise CheckpointError(
+            f"{what}={path} is not a complete checkpoint (complete steps in {root}: {list_complete_steps(root)})"
+        )
+    return root, step
+
+
+def reference_pointer(*, model_path: str | None, random_init: bool = False, seed: int | None = None) -> dict:
+    """`host['reference']` entry for a reference policy that equals the initial actor (not saved).
+
+    On restore the trainer rebuilds the reference the same way it built it the first time (load
+    `model_path`, or random init with `seed`) instead of reading a copy from the checkpoint.
+    """
+    return {
+        "source": "initial_actor",
+        "model_path": model_path,
+        "random_init": bool(random_init),
+        "seed": None if seed is None else int(seed),
+    }
+
+
+def model_metadata(
+    model_config: Any, tokenizer_source: str | None, lora: dict | None = None, base: dict | None = None
+) -> dict:
+    """`host['model']` entry: the actor's `ModelConfig` fields (JSON) and where its tokenizer comes from,
+    so a checkpoint can be exported / evaluated without the run config (scripts/export_hf.py). A LoRA
+    checkpoint (its actor params are the adapters only) adds `lora` (`LoRAConfig.to_dict()`) and `base`
+    (`reference_pointer`: how to rebuild the frozen base weights)."""
+    import dataclasses
+
+    out = {"config": json_safe(dataclasses.asdict(model_config)), "tokenizer": tokenizer_source}
+    if lora is not None:
+        out.update(lora=json_safe(lora), base=json_safe(base))
+    return out
+
+
+def model_config_from_metadata(meta: Mapping[str, Any]):
+    """Inverse of `model_metadata` -> `jaxrl_post.models.ModelConfig` (lists back to tuples)."""
+    import dataclasses
+
+    from jaxrl_post.models import ModelConfig
+
+    def freeze(x):
+        return tuple(freeze(v) for v in x) if isinstance(x, list) else x
+
+    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    return ModelConfig(**{k: freeze(v) for k, v in meta["config"].items() if k in names})
+
+
+def json_safe(x: Any) -> Any:
+    """Tuples -> lists, numpy scalars -> Python scalars, other objects -> str (recursively)."""
+    if isinstance(x, Mapping):
+        return {str(k): json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_safe(v) for v in x]
+    if isinstance(x, np.generic):
+        return x.item()
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    return str(x)
