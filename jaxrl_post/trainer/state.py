@@ -4,7 +4,8 @@
 params and optimizer states (a LoRA actor's params are its adapters: the base is rebuilt from
 `model.path`), global step, update counters, RNG key, KL controller, data iterator position, non-finite
 skip counters; the reference params only as a pointer (they are the initial actor, rebuilt the same way;
-with LoRA, the actor with its adapters off). The on-disk format and the resume rules are in checkpoint.py.
+with LoRA, the actor with its adapters off). The on-disk format is in checkpoint.py, the step directories and
+resume rules in checkpoint_layout.py.
 
 A run stopped by an error does not lose its completed steps where the state is provably that of the last
 completed step N (`save_on_error_in_step` / `save_on_error_in_validation`): a `RewardFunctionError` in
