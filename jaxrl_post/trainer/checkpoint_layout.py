@@ -33,6 +33,12 @@ def step_dir_name(step: int) -> str:
     return f"{STEP_PREFIX}_{int(step)}"
 
 
+def _step_of(name: str) -> int | None:
+    """`global_step_7` -> 7; any other name (e.g. orbax's `global_step_7.orbax-checkpoint-tmp`) -> None."""
+    head, _, tail = name.rpartition("_")
+    return int(tail) if head == STEP_PREFIX and tail.isdigit() else None
+
+
 def list_complete_steps(directory: str | os.PathLike) -> list[int]:
     """Finalized `global_step_<N>` directories under `directory` (ascending), without opening a manager.
 
@@ -42,25 +48,15 @@ def list_complete_steps(directory: str | os.PathLike) -> list[int]:
     directory = os.fspath(directory)
     if not os.path.isdir(directory):
         return []
-    out = []
-    prefix = STEP_PREFIX + "_"
-    for name in os.listdir(directory):
-        if not name.startswith(prefix):
-            continue
-        tail = name[len(prefix) :]
-        if tail.isdigit() and os.path.exists(os.path.join(directory, name, "_CHECKPOINT_METADATA")):
-            out.append(int(tail))
-    return sorted(out)
+    complete = lambda name: os.path.exists(os.path.join(directory, name, "_CHECKPOINT_METADATA"))
+    return sorted(_step_of(n) for n in os.listdir(directory) if _step_of(n) is not None and complete(n))
 
 
 def parse_step_dir(path: str | os.PathLike) -> tuple[str, int | None]:
     """`.../checkpoints/global_step_7` -> (`.../checkpoints`, 7); `.../checkpoints` -> (same, None)."""
     path = os.path.abspath(os.fspath(path)).rstrip(os.sep)
-    name = os.path.basename(path)
-    prefix = STEP_PREFIX + "_"
-    if name.startswith(prefix) and name[len(prefix) :].isdigit():
-        return os.path.dirname(path), int(name[len(prefix) :])
-    return path, None
+    step = _step_of(os.path.basename(path))
+    return (path, None) if step is None else (os.path.dirname(path), step)
 
 
 def find_resume_checkpoint(
