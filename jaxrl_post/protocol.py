@@ -37,6 +37,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl_post.protocol_arrays import (
+    Array,
+    as_batch_array,
+    as_non_tensor_array,
+    concat,
+    deep_equal,
+    describe,
+    is_jax,
+    normalize_index,
+    take,
+)
+
 __all__ = [
     "DataProto",
     "DataProtoItem",
@@ -45,119 +57,6 @@ __all__ = [
     "pad_dataproto_to_divisor",
     "unpad_dataproto",
 ]
-
-Array = jax.Array | np.ndarray
-
-
-# ----------------------------------------------------------------------------- array helpers
-
-
-def _is_jax(x: Any) -> bool:
-    return isinstance(x, jax.Array)
-
-
-def _to_object_array(values: Sequence[Any]) -> np.ndarray:
-    """A list/tuple of B arbitrary Python objects -> 1-D ``object`` array of length B.
-
-    ``np.array(list_of_lists, dtype=object)`` would build a 2-D array when the inner lists have equal
-    lengths; filling element by element always gives shape ``[B]``.
-    """
-    out = np.empty(len(values), dtype=object)
-    for i, v in enumerate(values):
-        out[i] = v
-    return out
-
-
-def _as_batch_array(key: str, value: Any) -> Array:
-    if _is_jax(value):
-        return value
-    arr = value if isinstance(value, np.ndarray) else np.asarray(value)
-    if arr.dtype.kind in "OUS":
-        raise TypeError(f"batch key {key!r} has dtype {arr.dtype}; put non-numeric data in non_tensor_batch instead")
-    return arr
-
-
-def _as_non_tensor_array(key: str, value: Any) -> np.ndarray:
-    if isinstance(value, np.ndarray):
-        return value
-    if _is_jax(value):
-        return np.asarray(value)
-    if isinstance(value, (list, tuple)):
-        return _to_object_array(value)
-    raise TypeError(f"non_tensor_batch key {key!r} must be a numpy array, list or tuple, got {type(value).__name__}")
-
-
-def _take(x: Array, idx: slice | np.ndarray) -> Array:
-    """Rows ``idx`` of ``x`` (leading dim), keeping numpy/jax type. ``idx`` is a slice or int64 array."""
-    if isinstance(idx, slice) or not _is_jax(x):
-        return x[idx]
-    return x[jnp.asarray(idx)]
-
-
-def _concat(arrays: Sequence[Array]) -> Array:
-    if any(_is_jax(a) for a in arrays):
-        return jnp.concatenate([jnp.asarray(a) for a in arrays], axis=0)
-    return np.concatenate(arrays, axis=0)
-
-
-def _normalize_index(idx: Any, n: int) -> np.ndarray:
-    """An index array/list (int or bool) -> validated non-negative int64 numpy array."""
-    arr = np.asarray(idx)
-    if arr.dtype == bool:
-        if arr.shape != (n,):
-            raise IndexError(f"boolean mask has shape {arr.shape}, expected ({n},)")
-        return np.flatnonzero(arr)
-    if arr.size == 0:
-        arr = arr.astype(np.int64)
-    if not np.issubdtype(arr.dtype, np.integer):
-        raise IndexError(f"index array must have an integer or bool dtype, got {arr.dtype}")
-    if arr.ndim != 1:
-        raise IndexError(f"index array must be 1-D, got shape {arr.shape}")
-    if arr.size and (arr.max() >= n or arr.min() < -n):
-        bad = int(arr[(arr >= n) | (arr < -n)][0])
-        raise IndexError(f"index {bad} is out of bounds for DataProto of length {n}")
-    return np.where(arr < 0, arr + n, arr).astype(np.int64)
-
-
-def _deep_equal(a: Any, b: Any) -> bool:
-    """Structural equality for arrays (numpy/jax/object), dicts, lists and scalars; NaN == NaN."""
-    if a is b:
-        return True
-    if isinstance(a, (np.ndarray, jax.Array)) or isinstance(b, (np.ndarray, jax.Array)):
-        if not isinstance(a, (np.ndarray, jax.Array)) or not isinstance(b, (np.ndarray, jax.Array)):
-            return False
-        if a.shape != b.shape:
-            return False
-        if _is_jax(a) and _is_jax(b):
-            if a.dtype != b.dtype:
-                return False
-            return bool(jnp.array_equal(a, b, equal_nan=jnp.issubdtype(a.dtype, jnp.inexact)))
-        a, b = np.asarray(a), np.asarray(b)
-        if a.dtype == object or b.dtype == object:
-            return all(_deep_equal(x, y) for x, y in zip(a.ravel(), b.ravel()))
-        if a.dtype != b.dtype:
-            return False
-        return bool(np.array_equal(a, b, equal_nan=np.issubdtype(a.dtype, np.inexact)))
-    if isinstance(a, dict) or isinstance(b, dict):
-        if not (isinstance(a, dict) and isinstance(b, dict)) or a.keys() != b.keys():
-            return False
-        return all(_deep_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
-        if type(a) is not type(b) or len(a) != len(b):
-            return False
-        return all(_deep_equal(x, y) for x, y in zip(a, b))
-    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
-        return True  # both NaN
-    try:
-        return bool(a == b)
-    except Exception:
-        return False
-
-
-def _describe(x: Any) -> str:
-    kind = "jax" if _is_jax(x) else "np"
-    return f"{kind}.{x.dtype}{list(x.shape)}"
-
 
 # ----------------------------------------------------------------------------- containers
 
@@ -203,8 +102,8 @@ class DataProto:
             self.meta_info = {}
         if not isinstance(self.meta_info, dict):
             raise TypeError(f"meta_info must be a dict, got {type(self.meta_info).__name__}")
-        self.batch = {k: _as_batch_array(k, v) for k, v in self.batch.items()}
-        self.non_tensor_batch = {k: _as_non_tensor_array(k, v) for k, v in self.non_tensor_batch.items()}
+        self.batch = {k: as_batch_array(k, v) for k, v in self.batch.items()}
+        self.non_tensor_batch = {k: as_non_tensor_array(k, v) for k, v in self.non_tensor_batch.items()}
         self.check_consistency()
 
     # ------------------------------------------------------------------ construction
@@ -225,7 +124,7 @@ class DataProto:
         lists, tuples, and object/string numpy arrays -> ``non_tensor_batch``."""
         tensors, non_tensors = {}, {}
         for k, v in data.items():
-            if _is_jax(v) or (isinstance(v, np.ndarray) and v.dtype.kind in "biufc"):
+            if is_jax(v) or (isinstance(v, np.ndarray) and v.dtype.kind in "biufc"):
                 tensors[k] = v
             else:
                 non_tensors[k] = v
@@ -261,8 +160,8 @@ class DataProto:
             yield self[i]
 
     def __repr__(self) -> str:
-        b = ", ".join(f"{k}: {_describe(v)}" for k, v in self.batch.items())
-        nt = ", ".join(f"{k}: {_describe(v)}" for k, v in self.non_tensor_batch.items())
+        b = ", ".join(f"{k}: {describe(v)}" for k, v in self.batch.items())
+        nt = ", ".join(f"{k}: {describe(v)}" for k, v in self.non_tensor_batch.items())
         return (
             f"DataProto(len={len(self)}, batch={{{b}}}, non_tensor_batch={{{nt}}}, "
             f"meta_info_keys={list(self.meta_info)})"
@@ -270,7 +169,7 @@ class DataProto:
 
     def _rows(self, idx: slice | np.ndarray) -> DataProto:
         return DataProto(
-            {k: _take(v, idx) for k, v in self.batch.items()},
+            {k: take(v, idx) for k, v in self.batch.items()},
             {k: v[idx] for k, v in self.non_tensor_batch.items()},
             dict(self.meta_info),
         )
@@ -297,7 +196,7 @@ class DataProto:
         if isinstance(item, slice):
             return self._rows(item)
         if isinstance(item, (list, tuple, np.ndarray, jax.Array)):
-            return self._rows(_normalize_index(item, n))
+            return self._rows(normalize_index(item, n))
         raise TypeError(f"DataProto indices must be int, slice or 1-D index array, not {type(item).__name__}")
 
     # ------------------------------------------------------------------ key operations
@@ -325,7 +224,7 @@ class DataProto:
         non_tensor = self._pick(self.non_tensor_batch, non_tensor_batch_keys, "non_tensor_batch")
         meta = self._pick(self.meta_info, meta_info_keys, "meta_info")
         if deepcopy:
-            batch = {k: v if _is_jax(v) else v.copy() for k, v in batch.items()}
+            batch = {k: v if is_jax(v) else v.copy() for k, v in batch.items()}
             non_tensor = {k: copy.deepcopy(v) for k, v in non_tensor.items()}
             meta = copy.deepcopy(meta)
         return DataProto(batch, non_tensor, meta)
@@ -375,7 +274,7 @@ class DataProto:
             ("meta_info", self.meta_info, other.meta_info),
         ):
             for k, v in theirs.items():
-                if k in mine and not _deep_equal(mine[k], v):
+                if k in mine and not deep_equal(mine[k], v):
                     raise ValueError(f"union: {where} key {k!r} exists in both with different values")
         self.batch.update(other.batch)
         self.non_tensor_batch.update(other.non_tensor_batch)
@@ -423,7 +322,7 @@ class DataProto:
                             f"concat: {where} key {k!r} has trailing shape {a[k].shape[1:]} in item 0 "
                             f"but {b[k].shape[1:]} in item {i}"
                         )
-        batch = {k: _concat([d.batch[k] for d in data]) for k in first.batch}
+        batch = {k: concat([d.batch[k] for d in data]) for k in first.batch}
         non_tensor = {k: np.concatenate([d.non_tensor_batch[k] for d in data]) for k in first.non_tensor_batch}
         meta: dict[str, Any] = {}
         metrics: list[dict] = []
@@ -431,7 +330,7 @@ class DataProto:
             for k, v in d.meta_info.items():
                 if k == "metrics" and isinstance(v, dict):
                     metrics.append(v)
-                elif k in meta and not _deep_equal(meta[k], v):
+                elif k in meta and not deep_equal(meta[k], v):
                     raise ValueError(f"concat: meta_info key {k!r} differs between items")
                 else:
                     meta.setdefault(k, v)
@@ -456,8 +355,8 @@ class DataProto:
     def reorder(self, indices: Any) -> None:
         """Reorder rows in place, ``row i <- old row indices[i]`` (verl ``reorder``; usually a
         permutation, e.g. from sequence-length balancing). Raises IndexError on bad indices."""
-        idx = _normalize_index(indices, len(self))
-        self.batch = {k: _take(v, idx) for k, v in self.batch.items()}
+        idx = normalize_index(indices, len(self))
+        self.batch = {k: take(v, idx) for k, v in self.batch.items()}
         self.non_tensor_batch = {k: v[idx] for k, v in self.non_tensor_batch.items()}
 
     def pad_to_divisor(self, size_divisor: int) -> tuple[DataProto, int]:
@@ -492,7 +391,7 @@ class DataProto:
         """Pickle with numpy arrays only (jax arrays are fetched to host; ``jax_keys`` records them)."""
         return {
             "batch": jax.device_get(self.batch),
-            "jax_keys": [k for k, v in self.batch.items() if _is_jax(v)],
+            "jax_keys": [k for k, v in self.batch.items() if is_jax(v)],
             "non_tensor_batch": self.non_tensor_batch,
             "meta_info": self.meta_info,
         }
