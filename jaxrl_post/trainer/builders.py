@@ -99,11 +99,11 @@ def build_actor_and_tokenizer(cfg: Any, mesh: jax.sharding.Mesh | None):
 
 
 def attach_lora(cfg: Any, model) -> None:
-    """Attach the actor's LoRA adapters when LoRA is on (`config_check.lora_enabled`): the PEFT adapter at
+    """Attach the actor's LoRA adapters when LoRA is on (`config_features.lora_enabled`): the PEFT adapter at
     `model.lora_adapter_path` (its r, alpha, targets), else fresh ones (`model.lora_rank`, `lora_alpha`,
     `target_modules`; A seeded by `trainer.seed`, B = 0). Raises what `models.lora.load_peft_adapter` raises."""
     from jaxrl_post.models import lora
-    from jaxrl_post.trainer.config_check import lora_enabled
+    from jaxrl_post.trainer.config_features import lora_enabled
 
     if not lora_enabled(cfg):
         return

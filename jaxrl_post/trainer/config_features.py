@@ -1,0 +1,74 @@
+"""Config checks of the optional features, called by `config_check.validate_config` with its `check` / `err`
+helpers: DAPO (`algorithm.filter_groups.*`, `reward_model.overlong_buffer.*`) and LoRA (`model.lora_*`)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+# filter_groups metrics every reward function has (the rest are extra keys of a reward function's dict results)
+FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
+
+
+def check_dapo(cfg: Any, check, err, is_int, is_num) -> None:
+    """`algorithm.filter_groups.*` and `reward_model.overlong_buffer.*` (DAPO)."""
+    fg, ob = cfg.algorithm.filter_groups, cfg.reward_model.overlong_buffer
+    check("algorithm.filter_groups.enable", lambda v: isinstance(v, bool), "must be a bool")
+    check("algorithm.filter_groups.max_num_gen_batches", is_int, "must be an int (<= 0 = no limit)")
+    check("reward_model.overlong_buffer.enable", lambda v: isinstance(v, bool), "must be a bool")
+    check("reward_model.overlong_buffer.log", lambda v: isinstance(v, bool), "must be a bool")
+    if fg.enable is True:
+        if is_int(cfg.rollout.n) and cfg.rollout.n < 2:
+            err("rollout.n", "algorithm.filter_groups compares the responses of a group: needs rollout.n >= 2")
+        metric = fg.metric
+        known = FILTER_METRICS + (("overlong_reward", "overlong") if ob.enable is True and ob.log is True else ())
+        if not isinstance(metric, str) or not metric:
+            err("algorithm.filter_groups.metric", f"must name a per-response value, e.g. one of {list(known)}")
+        elif not cfg.custom_reward_function.path and metric not in known:
+            # the built-in reward functions return plain scores: no other names exist
+            err("algorithm.filter_groups.metric", f"unknown metric; valid with the built-in rewards: {list(known)}")
+        elif metric == "seq_final_reward" and cfg.algorithm.use_kl_in_reward:
+            err(
+                "algorithm.filter_groups.metric",
+                "seq_final_reward with algorithm.use_kl_in_reward is not supported (the KL penalty is computed after "
+                "filtering); use seq_reward",
+            )
+    if ob.enable is True:
+        lmax = cfg.data.max_response_length
+        check(
+            "reward_model.overlong_buffer.len",
+            lambda v: is_int(v) and 0 < v <= lmax,
+            f"must be an int in (0, data.max_response_length={lmax}] when reward_model.overlong_buffer.enable",
+        )
+        check("reward_model.overlong_buffer.penalty_factor", lambda v: is_num(v) and v >= 0, "must be >= 0")
+
+
+def lora_enabled(cfg: Any) -> bool:
+    """Whether the actor trains LoRA adapters: `model.lora_rank > 0` or a `model.lora_adapter_path` (as verl)."""
+    return int(cfg.model.lora_rank or 0) > 0 or bool(cfg.model.lora_adapter_path)
+
+
+def check_lora(cfg: Any, check, err, is_int, is_num) -> None:
+    """model.lora_rank >= 0; with LoRA on: lora_alpha > 0, known target_modules, a readable PEFT adapter at
+    lora_adapter_path whose r equals lora_rank (unless 0)."""
+    if not check("model.lora_rank", lambda v: is_int(v) and v >= 0, "must be an int >= 0 (0 = LoRA off)"):
+        return
+    if not lora_enabled(cfg):
+        return
+    from jaxrl_post.models.lora import parse_target_modules, read_adapter_config
+
+    check("model.lora_alpha", lambda v: is_num(v) and v > 0, "must be > 0 (updates are scaled by alpha / rank)")
+    path = cfg.model.lora_adapter_path
+    if not path:
+        try:
+            parse_target_modules(cfg.model.target_modules)
+        except ValueError as e:
+            err("model.target_modules", str(e))
+        return
+    try:
+        r = int(read_adapter_config(os.path.expanduser(path))["r"])
+    except (OSError, ValueError, KeyError, NotImplementedError) as e:
+        err("model.lora_adapter_path", f"{type(e).__name__}: {e}")
+        return
+    if cfg.model.lora_rank and int(cfg.model.lora_rank) != r:
+        err("model.lora_rank", f"the adapter at model.lora_adapter_path has r={r}; set lora_rank={r} or 0")
