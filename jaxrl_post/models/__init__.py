@@ -9,12 +9,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrl_post.models.config import PRESETS, ModelConfig, get_preset
+from jaxrl_post.models.config import ModelConfig
 from jaxrl_post.models.critic import CriticModel
 from jaxrl_post.models.decoder import Transformer
 from jaxrl_post.models.hf_io import load_hf_dir, save_pretrained
 from jaxrl_post.models.kv_cache import KVCache
 from jaxrl_post.models.lora import LoRAConfig, apply_lora, load_peft_adapter, save_peft_adapter
+from jaxrl_post.models.presets import PRESETS, get_preset
 
 __all__ = [
     "ModelConfig",

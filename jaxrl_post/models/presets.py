@@ -1,0 +1,154 @@
+"""Model presets: `ModelConfig`s of released checkpoints (values from their config.json files), by name."""
+
+from __future__ import annotations
+
+from jaxrl_post.models.config import FULL, SLIDING, ModelConfig
+
+
+def _llama(**kw) -> ModelConfig:
+    return ModelConfig(family="llama", **kw)
+
+
+# Values from the released checkpoints' config.json files.
+smollm2_135m = _llama(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_layers=30,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    max_position_embeddings=8192,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=2,
+)
+
+llama3_2_1b = _llama(
+    vocab_size=128256,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_layers=16,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=64,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    rope_scaling={
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    max_position_embeddings=131072,
+    bos_token_id=128000,
+    eos_token_id=128001,
+)
+
+qwen2_5_0_5b = ModelConfig(
+    family="qwen2",
+    vocab_size=151936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_layers=24,
+    num_heads=14,
+    num_kv_heads=2,
+    head_dim=64,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    qkv_bias=True,
+    max_position_embeddings=32768,
+    bos_token_id=151643,
+    eos_token_id=151643,
+)
+
+qwen3_0_6b = ModelConfig(
+    family="qwen3",
+    vocab_size=151936,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_layers=28,
+    num_heads=16,
+    num_kv_heads=8,
+    head_dim=128,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    qk_norm=True,
+    max_position_embeddings=40960,
+    bos_token_id=151643,
+    eos_token_id=151645,
+)
+
+_GEMMA = dict(
+    norm_offset=1.0,
+    embed_scale=True,
+    post_norms=True,
+    hidden_act="gelu_pytorch_tanh",
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-6,
+    bos_token_id=2,
+    eos_token_id=1,
+    pad_token_id=0,
+)
+
+gemma2_2b = ModelConfig(
+    family="gemma2",
+    vocab_size=256000,
+    hidden_size=2304,
+    intermediate_size=9216,
+    num_layers=26,
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=256,
+    rope_theta=10000.0,
+    query_pre_attn_scalar=256,
+    attn_logit_softcap=50.0,
+    final_logit_softcap=30.0,
+    sliding_window=4096,
+    layer_types=tuple(SLIDING if i % 2 == 0 else FULL for i in range(26)),
+    max_position_embeddings=8192,
+    **_GEMMA,
+)
+
+gemma3_1b = ModelConfig(
+    family="gemma3",
+    vocab_size=262144,
+    hidden_size=1152,
+    intermediate_size=6912,
+    num_layers=26,
+    num_heads=4,
+    num_kv_heads=1,
+    head_dim=256,
+    rope_theta=1000000.0,
+    rope_local_base_freq=10000.0,
+    qk_norm=True,
+    query_pre_attn_scalar=256,
+    sliding_window=512,
+    layer_types=tuple(SLIDING if (i + 1) % 6 else FULL for i in range(26)),
+    max_position_embeddings=32768,
+    **_GEMMA,
+)
+
+PRESETS: dict[str, ModelConfig] = {
+    "smollm2_135m": smollm2_135m,
+    "llama3_2_1b": llama3_2_1b,
+    "qwen2_5_0_5b": qwen2_5_0_5b,
+    "qwen3_0_6b": qwen3_0_6b,
+    "gemma2_2b": gemma2_2b,
+    "gemma3_1b": gemma3_1b,
+}
+
+
+def get_preset(name: str) -> ModelConfig:
+    """Look up a preset by name (raises KeyError listing the valid names)."""
+    key = name.replace("-", "_").replace(".", "_").lower()
+    if key not in PRESETS:
+        raise KeyError(f"unknown model preset {name!r}; valid: {sorted(PRESETS)}")
+    return PRESETS[key]
