@@ -30,6 +30,7 @@ from collections.abc import Callable
 from functools import partial
 
 import jax
+import jax.extend.core as jax_core
 import jax.numpy as jnp
 import optax
 from flax import nnx
@@ -197,14 +198,20 @@ def _accumulate_packed(loss_fn: Callable, params, batch, seq_keys):
         mb_seqs = {k: gather_seq(v, mb["seq_index"]) for k, v in seqs.items()}
         return grad_fn(params, mb, mb_seqs, counts)
 
-    def body(i, carry):
-        grads, loss, aux = carry
-        (l, a), g = grads_of(_micro(pack, i))
-        return jax.tree.map(jnp.add, grads, g), loss + l, jax.tree.map(jnp.add, aux, a)
+    def grads_at(i):
+        (loss, aux), grads = grads_of(_micro(pack, i))
+        return grads, loss, aux
 
-    (_, aux_shapes), _ = jax.eval_shape(lambda: grads_of(_micro(pack, 0)))
-    zeros = lambda t: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), t)
-    init = (jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32), zeros(aux_shapes))
+    # Trace forward + backward once: the jaxpr gives the carry's shapes and is the loop body (tracing the
+    # body again for the shapes, e.g. with `jax.eval_shape`, doubled the update's trace time).
+    closed, shapes = jax.make_jaxpr(grads_at, return_shape=True)(jnp.int32(0))
+    run, treedef = jax_core.jaxpr_as_fun(closed), jax.tree.structure(shapes)
+
+    def body(i, carry):
+        out = jax.tree.unflatten(treedef, run(jnp.asarray(i, jnp.int32)))
+        return jax.tree.map(jnp.add, carry, out)
+
+    init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
     grads, loss, aux = jax.lax.fori_loop(0, _n_used(pack), body, init)
     return loss, aux, grads
 
