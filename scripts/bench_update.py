@@ -48,14 +48,17 @@ def loadavg() -> float:
     return round(os.getloadavg()[0], 2)
 
 
-def make_batch(m: int, p: int, r: int, vocab: int, seed: int = 0) -> dict[str, np.ndarray]:
-    """GRPO-like mini-batch: prompts of 45-52 real tokens (left-padded to p), responses of 40..r tokens."""
+def make_batch(m: int, p: int, r: int, vocab: int, seed: int = 0, n: int = 1) -> dict[str, np.ndarray]:
+    """GRPO-like mini-batch: prompts of 45-52 real tokens (left-padded to p), responses of 40..r tokens; each
+    prompt repeated `n` times (the `rollout.n` samples of a prompt)."""
     rng = np.random.default_rng(seed)
-    p_len = rng.integers(45, min(52, p) + 1, m)
+    p_len = np.repeat(rng.integers(45, min(52, p) + 1, -(-m // n)), n)[:m]
     r_len = rng.integers(min(40, r), r + 1, m)
     am = np.concatenate([np.arange(p)[None] >= p - p_len[:, None], np.arange(r)[None] < r_len[:, None]], 1)
     am = am.astype(np.int32)
-    ids = (rng.integers(3, vocab, (m, p + r)) * am).astype(np.int32)
+    ids = rng.integers(3, vocab, (m, p + r))
+    ids[:, :p] = np.repeat(ids[::n, :p], n, 0)[:m]
+    ids = (ids * am).astype(np.int32)
     rmask = am[:, p:].copy()
     return dict(
         input_ids=ids,
@@ -77,7 +80,12 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--entropy-coeff", type=float, default=0.0)
-    ap.add_argument("--variants", default="padded,packed", help="comma-separated subset of padded,packed")
+    ap.add_argument(
+        "--variants",
+        default="padded,packed",
+        help="comma-separated subset of padded,packed,shared (packed, shared prompts)",
+    )
+    ap.add_argument("--n", type=int, default=8, help="samples per prompt (rollout.n): sequences sharing a prompt")
     ap.add_argument("--seqs-per-row", type=int, default=2, help="model.seqs_per_packed_row (row_len = k (P + R))")
     ap.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "bench_update.json"))
     args = ap.parse_args(argv)
@@ -90,7 +98,7 @@ def main(argv=None):
         model, source = init_model(PRESETS["smollm2_135m"], dtype=args.dtype), "random smollm2_135m"
     cfg = model.config
     m, p, r = args.batch, args.prompt_len, args.response_len
-    batch = make_batch(m, p, r, cfg.vocab_size)
+    batch = make_batch(m, p, r, cfg.vocab_size, n=args.n)
     rows, row_len = packing.micro_geometry(
         micro_batch_size=args.micro,
         use_dynamic_bsz=False,
@@ -106,6 +114,10 @@ def main(argv=None):
         {k: batch[k] for k in ("response_mask", "advantages", "responses")}, **packing.pack_batch(batch, spec)
     )
     pack_s = time.perf_counter() - t
+    shared_np = dict(
+        {k: batch[k] for k in ("response_mask", "advantages", "responses")},
+        **packing.pack_batch(batch, packing.make_pack_spec(m, rows, p, r, row_len=row_len, share_prompts=True)),
+    )
     real = batch["attention_mask"].sum(1)
     n_real, n_padded = int(real.sum()), m * (p + r)
     used_micro = int(np.sum(np.any(packed_np["segment_ids"] != 0, axis=(1, 2))))
@@ -118,9 +130,15 @@ def main(argv=None):
             steps.make_actor_update(graphdef, rest, tx, loss_cfg, n_micro=m // args.micro), donate_argnums=(0, 1)
         ),
         "packed": jax.jit(packed_steps.make_packed_actor_update(graphdef, rest, tx, loss_cfg), donate_argnums=(0, 1)),
+        "shared": jax.jit(packed_steps.make_packed_actor_update(graphdef, rest, tx, loss_cfg), donate_argnums=(0, 1)),
     }
     fns = {k: v for k, v in fns.items() if k in args.variants.split(",")}
-    inputs = {"padded": {k: jnp.asarray(v) for k, v in batch.items()}, "packed": jax.tree.map(jnp.asarray, packed_np)}
+    inputs = {
+        "padded": {k: jnp.asarray(v) for k, v in batch.items()},
+        "packed": jax.tree.map(jnp.asarray, packed_np),
+        "shared": jax.tree.map(jnp.asarray, shared_np),
+    }
+    computed = {"padded": n_padded, "packed": n_real, "shared": packing.packed_token_count(shared_np)}
     # One params / optimizer-state chain shared by both variants (the cost does not depend on the values):
     # halves the resident AdamW state on a memory-tight machine.
     res = {name: dict(times=[], loads=[]) for name in fns}
@@ -166,6 +184,7 @@ def main(argv=None):
                 compile_s=v["compile_s"],
                 trace_s=v["trace_s"],
                 first_call_s=v["first_call_s"],
+                tokens_computed=computed[name],
                 loads=v["loads"],
             )
         )

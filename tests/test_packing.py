@@ -1,6 +1,8 @@
 """Sequence packing: the host packer (hand cases), the decoder on packed rows (segment ids) vs each sequence
 alone, and the packed actor / critic / log-prob steps vs the padded ones (loss, gradients, metrics)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,13 +11,14 @@ import pytest
 from flax import nnx
 
 from jaxrl_post.models import CriticModel, ModelConfig, init_model
-from jaxrl_post.trainer import packed_steps, steps
+from jaxrl_post.trainer import packed_steps, packing, steps
 from jaxrl_post.trainer.packing import (
     PackSpec,
     make_pack_spec,
     micro_geometry,
     pack_batch,
     plan_packing,
+    plan_shared_packing,
     unpack_seq,
 )
 
@@ -383,3 +386,112 @@ def test_tiny_ppo_step_same_metrics_packed_and_padded(tmp_path):
     for k in ("actor/grad_norm", "critic/grad_norm"):
         np.testing.assert_allclose(mp[k], mu[k], rtol=2e-5, err_msg=k)
     _close(pp, pu, tol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------- shared prompts
+def _grpo_batch(n_prompts=2, n=4, p=6, r=5, vocab=53, seed=0, r_lens=None):
+    """GRPO-shaped: each prompt repeated n times (interleaved, as `rollout.n`), responses of their own."""
+    b = _batch(m=n_prompts * n, p=p, r=r, vocab=vocab, seed=seed, r_lens=r_lens)
+    src = np.repeat(np.arange(n_prompts), n)
+    for k in ("input_ids", "attention_mask", "position_ids"):
+        b[k][:, :p] = b[k][src * n, :p]
+    am = b["attention_mask"]
+    b["position_ids"] = np.maximum(np.cumsum(am, 1) - 1, 0).astype(np.int32)
+    b["input_ids"] = b["input_ids"] * am
+    b["responses"] = b["input_ids"][:, p:].copy()
+    return b
+
+
+def test_shared_prompt_packing_hand_case(monkeypatch):
+    # 2 prompts of 3 tokens x 2 samples, responses of 2, 1, 3, 2 tokens; rows of 9, one micro-batch of 2 rows
+    b = _batch(m=4, p=3, r=3, seed=5, p_lens=[3, 3, 3, 3], r_lens=[2, 1, 3, 2])
+    b["input_ids"][1, :3] = b["input_ids"][0, :3]
+    b["input_ids"][3, :3] = b["input_ids"][2, :3]
+    b["responses"] = b["input_ids"][:, 3:].copy()
+    spec = dataclasses.replace(_spec(1, 2, 9, seqs=4, slots=12, r=3), share_prompts=True)
+    pk = pack_batch(b, spec)
+    # group 1 (3 + 3 + 2 = 8 tokens) goes first: row 0 = its prompt, response 2, response 3 (longest first)
+    assert pk["input_ids"][0, 0].tolist() == b["input_ids"][2, :3].tolist() + b["input_ids"][2, 3:6].tolist() + (
+        b["input_ids"][3, 3:5].tolist() + [0]
+    )
+    one = 1 << 16
+    assert pk["segment_ids"][0, 0].tolist() == [one] * 3 + [one | 1] * 3 + [one | 2] * 2 + [0]
+    assert pk["positions"][0, 0].tolist() == [0, 1, 2, 3, 4, 5, 3, 4, 0]
+    # group 0 (3 + 2 + 1 = 6 tokens) does not fit row 0's last token: row 1
+    assert pk["segment_ids"][0, 1].tolist() == [one] * 3 + [one | 1] * 2 + [one | 2] + [0] * 3
+    assert np.count_nonzero(pk["segment_ids"]) == 14  # 20 real tokens, 6 of them repeated prompt tokens
+    # the first response token of every sequence is predicted by its prompt's last token
+    flat = pk["input_ids"].reshape(1, -1)
+    for s in range(4):
+        i = pk["seq_index"][0, s]
+        n_r = int(b["attention_mask"][i, 3:].sum())
+        q = pk["seq_slot"][0, s, :n_r]
+        np.testing.assert_array_equal(pk["slot_tokens"][0, q], b["responses"][i, :n_r])
+        assert flat[0, pk["slot_pos"][0, q[0]]] == b["input_ids"][i, 2]
+        np.testing.assert_array_equal(flat[0, pk["slot_pos"][0, q[1:]] + 1], b["responses"][i, 1:n_r])
+    # sharing off, or prompts that differ: one copy per sequence, plain segment ids
+    plain = pack_batch(b, _spec(1, 3, 9, seqs=4, slots=12, r=3))  # 20 tokens need a third row of 9
+    assert np.count_nonzero(plain["segment_ids"]) == 20 and plain["segment_ids"].max() < one
+    # a shared plan that does not fit falls back to the plain one (which always fits a make_pack_spec spec)
+    with pytest.raises(ValueError, match="does not fit"):
+        plan_shared_packing(np.full(4, 3), np.array([2, 1, 3, 2]), np.array([0, 0, 1, 1]), _spec(1, 1, 9, slots=12))
+    roomy = make_pack_spec(4, rows=1, prompt_length=3, response_length=3, row_len=6, share_prompts=True)
+    monkeypatch.setattr(packing, "plan_shared_packing", lambda *a: (_ for _ in ()).throw(ValueError("no fit")))
+    for k, v in pack_batch(b, roomy).items():
+        np.testing.assert_array_equal(v, pack_batch(b, dataclasses.replace(roomy, share_prompts=False))[k])
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_shared_prompt_forward_matches_each_sequence_alone(family):
+    # gemma2: a sliding window of 3 over positions (a response is not next to its prompt in the row)
+    model = _model(family)
+    p, r = 6, 5
+    b = _grpo_batch(n_prompts=2, n=3, p=p, r=r, seed=6, r_lens=[5, 1, 3, 5, 2, 4])
+    spec = make_pack_spec(6, rows=2, prompt_length=p, response_length=r, row_len=22, share_prompts=True)
+    pk = pack_batch(b, spec)
+    assert np.count_nonzero(pk["segment_ids"]) < b["attention_mask"].sum()  # prompts were shared
+    n = spec.n_micro
+    fwd = jax.jit(lambda i, s, q: model(i, s != 0, positions=q, segment_ids=s))
+    logits = fwd(*(pk[k].reshape(n * 2, -1) for k in ("input_ids", "segment_ids", "positions")))
+    logits = np.asarray(logits).reshape(n, -1, logits.shape[-1])
+    single = jax.jit(lambda i, a, q: model(i, a, positions=q))
+    for i in range(6):
+        alone = np.asarray(single(*(b[k][i : i + 1] for k in ("input_ids", "attention_mask", "position_ids"))))
+        n_r = int(b["attention_mask"][i, p:].sum())
+        (k,), (s,) = np.nonzero(pk["seq_index"] == i)
+        got = logits[k, pk["slot_pos"][k, pk["seq_slot"][k, s, :n_r]]]  # logits predicting each response token
+        np.testing.assert_allclose(got, alone[0, p - 1 : p - 1 + n_r], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_shared_prompt_actor_update_log_probs_and_critic_equal_padded(mode):
+    model = _model("llama", seed=1, num_layers=1)
+    graphdef, params, rest = steps.split_model(model)
+    b = dict(_rollout(), **_grpo_batch(seed=7))  # 2 prompts x 4, 8 rows
+    b["response_mask"] = b["attention_mask"][:, 6:].copy()
+    tx = optax.sgd(1.0)
+    cfg = steps.ActorLossConfig(loss_agg_mode=mode, entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1)
+    want = jax.jit(steps.make_actor_update(graphdef, rest, tx, cfg, n_micro=4))(params, tx.init(params), b)
+    pk = _packed(b, rows=2, share_prompts=True)
+    assert np.count_nonzero(pk["segment_ids"]) < b["attention_mask"].sum()
+    got = jax.jit(packed_steps.make_packed_actor_update(graphdef, rest, tx, cfg))(params, tx.init(params), pk)
+    _close(got[0], want[0])
+    for k in want[2]:
+        np.testing.assert_allclose(got[2][k], want[2][k], atol=1e-5, rtol=1e-5, err_msg=k)
+    assert float(want[2]["grad_norm"]) > 0.1
+    if mode != "token-mean":
+        return
+    mask = b["attention_mask"][:, 6:].astype(bool)
+    lp0, _ = jax.jit(steps.make_log_prob_fn(graphdef, rest, micro_batch_size=4, temperature=1.0, with_entropy=False))(
+        params, b
+    )
+    lp1, _ = jax.jit(packed_steps.make_packed_log_prob_fn(graphdef, rest, temperature=1.0, with_entropy=False))(
+        params, pk
+    )
+    np.testing.assert_allclose(np.asarray(lp1)[mask], np.asarray(lp0)[mask], atol=1e-5, rtol=1e-5)
+    critic = CriticModel.from_actor(model, nnx.Rngs(1))
+    cg, cp, cr = steps.split_model(critic)
+    cp["value_head"][...] = jnp.asarray(np.random.RandomState(0).randn(32, 1).astype(np.float32) * 0.3)
+    v_pad = jax.jit(steps.make_value_fn(cg, cr, micro_batch_size=4))(cp, b)
+    v_pk = jax.jit(packed_steps.make_packed_value_fn(cg, cr))(cp, pk)
+    np.testing.assert_allclose(np.asarray(v_pk)[mask], np.asarray(v_pad)[mask], atol=1e-5, rtol=1e-5)

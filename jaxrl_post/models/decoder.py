@@ -29,6 +29,16 @@ from jaxrl_post.models.lm_head import head_token_stats
 _NEG = float(np.finfo(np.float32).min)
 
 
+def segment_mask(segment_ids: jax.Array) -> jax.Array:
+    """Packed rows' attention mask `[B, T, T] bool` (query, key) from segment ids `[B, T] int32`: a key is
+    visible from its own segment, and a shared prompt from its responses. Ids are `chunk << 16 | sub`
+    (`trainer/packing.py`, `SUB_BITS`): sub 0 = a chunk's prompt, visible from the whole chunk; sub j >= 1 =
+    a response, visible from itself. Plain ids 1, 2, ... (< 2^16) are chunk 0 with distinct subs: each
+    segment sees only itself (MaxText-style; 0 = padding, hidden by the attention mask)."""
+    q, k = segment_ids[:, :, None], segment_ids[:, None, :]
+    return (q == k) | (((k & 0xFFFF) == 0) & ((q >> 16) == (k >> 16)))
+
+
 class MLP(nnx.Module):
     """Gated MLP: down(act(x @ gate) * (x @ up)); SwiGLU (silu) or GeGLU (tanh gelu)."""
 
@@ -78,7 +88,8 @@ class Attention(nnx.Module):
         index: slot of x[:, 0] (int32 scalar or Python int); kv: optional (k segments [B, N, K, S_j],
         v segments [B, N, S_j, K]) of this layer's cache to write the new keys/values into;
         segment_ids: optional [B, T] int32 (packed rows, no cache): a key is visible only from its own
-        segment (the sliding window counts slots, = positions inside a contiguous segment).
+        segment or, as a shared prompt, from its responses (`segment_mask`); the sliding window then counts
+        positions (= slots inside a contiguous segment).
         Returns (y [B, T, D], kv updated or None)."""
         b, t, _ = x.shape
         n, g = self.num_kv_heads, self.num_heads // self.num_kv_heads
@@ -97,12 +108,13 @@ class Attention(nnx.Module):
         s = kv_mask.shape[1]
         q_slot = index + jnp.arange(t)[:, None]  # [T, 1]
         kv_slot = jnp.arange(s)[None, :]  # [1, S]
-        allowed = kv_slot <= q_slot
-        if self.window is not None:  # HF: key is visible iff q_slot - window < kv_slot
-            allowed &= kv_slot > q_slot - self.window
-        allowed = allowed[None] & kv_mask[:, None, :]  # [B, T, S]
-        if segment_ids is not None:  # packed rows (MaxText-style): attend within the own segment only
-            allowed &= segment_ids[:, :, None] == segment_ids[:, None, :]
+        allowed = (kv_slot <= q_slot)[None] & kv_mask[:, None, :]  # [B, T, S]
+        if self.window is not None and segment_ids is None:  # HF: key is visible iff q_slot - window < kv_slot
+            allowed &= (kv_slot > q_slot - self.window)[None]
+        if segment_ids is not None:
+            allowed &= segment_mask(segment_ids)
+            if self.window is not None:  # a packed sequence's distance is its positions' (shared prompts)
+                allowed &= positions[:, None, :] > positions[:, :, None] - self.window
 
         def attend(q, k_segs, v_segs, allowed):
             # Query heads of one kv head are folded into the row dim: [B, N, G*T, K] (head h = n * G + g).

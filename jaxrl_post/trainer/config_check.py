@@ -255,6 +255,7 @@ def validate_config(cfg: Any, n_devices: int | None = None) -> None:
     # ---- packing / dynamic batch size (verl: use_remove_padding, use_dynamic_bsz, *_max_token_len_per_gpu)
     check("model.use_remove_padding", lambda v: isinstance(v, bool), "must be a bool")
     check("model.seqs_per_packed_row", pos_int, "must be a positive int")
+    check("model.pack_shared_prompts", lambda v: isinstance(v, bool), "must be a bool")
     row_len = None
     try:
         row_len = int(cfg.data.max_prompt_length) + int(cfg.data.max_response_length)

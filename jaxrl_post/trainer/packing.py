@@ -16,6 +16,16 @@ Capacity guarantee (`make_pack_spec` defaults): with `row_len >= P + R`, `slots 
 `seqs >= rows` and `n_micro = ceil(M / rows)`, every mini-batch fits: a micro-batch that refuses a
 sequence already holds >= `rows` sequences (each sequence fits alone in a fresh row and in R slots).
 
+Shared prompts (`PackSpec.share_prompts`, config `model.pack_shared_prompts`): sequences whose real prompt
+tokens (and positions) are equal, e.g. the `rollout.n` samples of one GRPO prompt, share one copy of the prompt
+per row: a row *chunk* holds the prompt once, then responses of it, each attending to the prompt and to
+itself. Segment ids then encode `chunk << SUB_BITS | sub` (sub 0 = the prompt, j = the chunk's j-th
+response; see `Transformer.hidden_states`). The forward and backward are the same function of the
+parameters as with one prompt copy per sequence (each response sees the same prompt keys and values; the
+prompt's gradient is the sum over its responses), so losses and gradients agree to float roundoff, on
+fewer tokens: in a GRPO batch of 8 samples per prompt the prompt tokens are computed once per row instead of
+8 times. (Prefix sharing as in "Prefix Grouper", Liu et al. 2025; verl packs one copy per sequence.)
+
 Source: MaxText-style packing (segment ids + per-segment positions); verl `use_remove_padding` (unpad)
 and `use_dynamic_bsz` (token-budget micro-batches, `rearrange_micro_batches`).
 """
@@ -26,6 +36,9 @@ import dataclasses
 
 import numpy as np
 
+# Shared-prompt segment ids: `chunk << SUB_BITS | sub` (sub 0 = the chunk's prompt, j >= 1 = its j-th response)
+SUB_BITS = 16
+
 
 @dataclasses.dataclass(frozen=True)
 class PackSpec:
@@ -33,7 +46,8 @@ class PackSpec:
 
     n_micro: micro-batches (an upper bound: empty ones are skipped); rows: rows per micro-batch;
     row_len: tokens per row; seqs: sequence slots per micro-batch; slots: response-token slots per
-    micro-batch; response_length: R.
+    micro-batch; response_length: R; share_prompts: one prompt copy per row chunk for sequences with equal
+    prompts (see the module docstring; the shapes do not change).
     """
 
     n_micro: int
@@ -42,6 +56,7 @@ class PackSpec:
     seqs: int
     slots: int
     response_length: int
+    share_prompts: bool = False
 
 
 def make_pack_spec(
@@ -52,6 +67,7 @@ def make_pack_spec(
     *,
     row_len: int | None = None,
     n_micro: int | None = None,
+    share_prompts: bool = False,
 ) -> PackSpec:
     """A `PackSpec` that always fits `n_seqs` sequences of `prompt_length + response_length` tokens.
 
@@ -60,7 +76,9 @@ def make_pack_spec(
     micro-batch size), `slots = rows * k * R` (the LM-head positions of that padded micro-batch, so the packed
     LM head never costs more per micro-batch; a micro-batch is also closed when its responses fill the
     slots), `seqs = n_seqs`. Guarantee: a full row holds >= k sequences, so a micro-batch that refuses a
-    sequence holds >= rows * k of them.
+    sequence holds >= rows * k of them. `share_prompts`: see `PackSpec`; then `slots = rows * row_len` (a
+    micro-batch of shared prompts is mostly response tokens, so the padded micro-batch's slot count would
+    close it half empty); a shared plan that does not fit falls back to one prompt copy per sequence.
     Raises ValueError when `rows < 1` or `row_len < T` (a sequence could not fit).
     """
     t = int(prompt_length) + int(response_length)
@@ -76,8 +94,9 @@ def make_pack_spec(
         rows=int(rows),
         row_len=row_len,
         seqs=int(n_seqs),
-        slots=per_micro * int(response_length),
+        slots=int(rows) * row_len if share_prompts else per_micro * int(response_length),
         response_length=int(response_length),
+        share_prompts=bool(share_prompts),
     )
 
 
@@ -174,6 +193,64 @@ def plan_packing(seq_lens: np.ndarray, resp_lens: np.ndarray, spec: PackSpec) ->
     return place
 
 
+def prompt_groups(ids: np.ndarray, positions: np.ndarray | None, p_len: np.ndarray, p: int) -> np.ndarray:
+    """`[M] int64` group of each sequence: equal for sequences whose real prompt tokens (the last `p_len[i]`
+    of the first `p` columns) and their positions are equal; groups are numbered by first appearance."""
+    groups, seen = np.zeros(len(p_len), np.int64), {}
+    for i, n in enumerate(p_len):
+        lo = p - int(n)
+        key = ids[i, lo:p].tobytes() + (b"" if positions is None else positions[i, lo:p].tobytes())
+        groups[i] = seen.setdefault(key, len(seen))
+    return groups
+
+
+def plan_shared_packing(p_len: np.ndarray, r_len: np.ndarray, groups: np.ndarray, spec: PackSpec) -> np.ndarray:
+    """First-fit-decreasing placement with one prompt copy per row chunk: `[M, 7] int64` rows (micro, row,
+    prompt offset, response offset, seq slot, first slot, sub), sub = 1 for the response that opens a chunk
+    (and writes its prompt), 2, 3, ... for the responses that join it.
+
+    Groups go largest first (prompt + all responses), their responses longest first. A response joins its
+    group's chunk when that chunk ends its row and the row and micro-batch have room (cost: its response
+    tokens); otherwise it opens a chunk (prompt + response) in the first row with room, as `plan_packing`.
+    Raises ValueError when the mini-batch does not fit the spec (`pack_batch` then uses `plan_packing`).
+    """
+    p_len, r_len = np.asarray(p_len, np.int64), np.asarray(r_len, np.int64)
+    n_rows = spec.n_micro * spec.rows
+    row_used = np.zeros(n_rows, np.int64)
+    row_micro = np.arange(n_rows) // spec.rows
+    row_last = np.full(n_rows, -1, np.int64)  # group of the chunk that ends each row
+    row_chunk_start = np.zeros(n_rows, np.int64)  # prompt offset of that chunk
+    row_chunk_subs = np.zeros(n_rows, np.int64)  # responses in that chunk
+    slots_used = np.zeros(spec.n_micro, np.int64)
+    seqs_used = np.zeros(spec.n_micro, np.int64)
+    place = np.zeros((len(p_len), 7), np.int64)
+    total = {g: int(p_len[groups == g][0] + r_len[groups == g].sum()) for g in np.unique(groups)}
+    order = sorted(range(len(p_len)), key=lambda j: (-total[int(groups[j])], int(groups[j]), -r_len[j], j))
+    for i in order:
+        g, n_p, r = int(groups[i]), int(p_len[i]), int(r_len[i])
+        micro_ok = (slots_used + r <= spec.slots) & (seqs_used < spec.seqs)
+        join = (row_last == g) & (row_used + r <= spec.row_len) & micro_ok[row_micro]
+        if join.any():
+            row = int(np.argmax(join))
+            row_chunk_subs[row] += 1
+            prompt_off, resp_off = row_chunk_start[row], row_used[row]
+        else:
+            fits = (row_used > 0) & (row_used + n_p + r <= spec.row_len) & micro_ok[row_micro]
+            if not fits.any():
+                fits = (row_used == 0) & micro_ok[row_micro] & (n_p + r <= spec.row_len)
+                if not fits.any():
+                    raise ValueError(f"mini-batch of {len(p_len)} sequences does not fit {spec} with shared prompts")
+            row = int(np.argmax(fits))
+            prompt_off, resp_off = row_used[row], row_used[row] + n_p
+            row_last[row], row_chunk_start[row], row_chunk_subs[row] = g, prompt_off, 1
+        k = row_micro[row]
+        place[i] = (k, row % spec.rows, prompt_off, resp_off, seqs_used[k], slots_used[k], row_chunk_subs[row])
+        row_used[row] = resp_off + r
+        slots_used[k] += r
+        seqs_used[k] += 1
+    return place
+
+
 def pack_batch(batch: dict[str, np.ndarray], spec: PackSpec) -> dict[str, np.ndarray]:
     """Pack a mini-batch for the packed forward / update steps (`trainer/packed_steps.py`).
 
@@ -182,11 +259,15 @@ def pack_batch(batch: dict[str, np.ndarray], spec: PackSpec) -> dict[str, np.nda
         optional `position_ids [M, T]` (default: 0, 1, ... over the real tokens), `responses [M, R]`.
         Per-sequence fields (advantages, old log-probs, ...) stay `[M, R]`: the steps gather them on device
         with `seq_index`.
-      spec: the static geometry (`make_pack_spec`).
+      spec: the static geometry (`make_pack_spec`); `spec.share_prompts`: one prompt copy per row chunk for
+        sequences with equal prompts (`plan_shared_packing`; falls back to `plan_packing` when it does not
+        fit).
     Returns numpy arrays (n = n_micro, S = spec.seqs, Q = spec.slots, L = row_len):
-      `input_ids`, `segment_ids`, `positions` `[n, rows, L] int32` (segment 0 = padding);
+      `input_ids`, `segment_ids`, `positions` `[n, rows, L] int32` (segment 0 = padding; with shared prompts
+      `chunk << SUB_BITS | sub`, chunk >= 1, see the module docstring);
       `slot_pos [n, Q] int32`: flat index (row * L + col) of the hidden state that predicts each slot's token
-      (the token before it); `slot_tokens [n, Q] int32`: that response token;
+      (the token before it; a shared prompt's last token for every response's first token);
+      `slot_tokens [n, Q] int32`: that response token;
       `seq_slot [n, S, R] int32`: the slot of response token r of sequence slot s, -1 where there is none
       (response padding, empty sequence slot); `seq_index [n, S] int32`: the mini-batch row held by each
       sequence slot, -1 = empty; with `sampling_logit_threshold [M, R]` in `batch`, also `slot_threshold
@@ -196,8 +277,22 @@ def pack_batch(batch: dict[str, np.ndarray], spec: PackSpec) -> dict[str, np.nda
     ids = np.asarray(batch["input_ids"])
     m, t = ids.shape
     r_max = spec.response_length
+    p = t - r_max
     p_len, r_len = _lengths(batch["attention_mask"], r_max)
-    place = plan_packing(p_len + r_len, r_len, spec)
+    pos_ids = batch.get("position_ids")
+    pos_ids = None if pos_ids is None else np.asarray(pos_ids)
+    place = None
+    if spec.share_prompts:
+        groups = prompt_groups(ids, pos_ids, p_len, p)
+        if len(np.unique(groups)) < m:  # some prompt is shared
+            try:
+                place = plan_shared_packing(p_len, r_len, groups, spec)
+            except ValueError:
+                place = None
+    if place is None:  # one prompt copy per sequence: (micro, row, offset, seq slot, first slot) -> shared layout
+        flat = plan_packing(p_len + r_len, r_len, spec)
+        place = np.stack([flat[:, 0], flat[:, 1], flat[:, 2], flat[:, 2] + p_len, flat[:, 3], flat[:, 4]], 1)
+        place = np.concatenate([place, np.zeros((m, 1), np.int64)], 1)  # sub 0: own segment, prompt included
     n, rows, L, S, Q = spec.n_micro, spec.rows, spec.row_len, spec.seqs, spec.slots
     out = {
         "input_ids": np.zeros((n, rows, L), np.int32),
@@ -208,26 +303,28 @@ def pack_batch(batch: dict[str, np.ndarray], spec: PackSpec) -> dict[str, np.nda
         "seq_slot": np.full((n, S, r_max), -1, np.int32),
         "seq_index": np.full((n, S), -1, np.int32),
     }
-    pos_ids = batch.get("position_ids")
     responses = np.asarray(batch["responses"])
     thresholds = batch.get("sampling_logit_threshold")
     if thresholds is not None:  # rollout.sampling_mask_replay: each slot's sampling threshold
         out["slot_threshold"] = np.full((n, Q), -np.inf, np.float32)
-    n_segs = np.zeros((n, rows), np.int32)
-    p = t - r_max
-    for i in range(m):
-        k, row, off, s, q = (int(v) for v in place[i])
-        lo, hi = p - int(p_len[i]), p + int(r_len[i])  # real tokens: [lo, hi)
-        length = hi - lo
-        n_segs[k, row] += 1
-        out["input_ids"][k, row, off : off + length] = ids[i, lo:hi]
-        out["segment_ids"][k, row, off : off + length] = n_segs[k, row]
-        out["positions"][k, row, off : off + length] = (
-            np.arange(length) if pos_ids is None else np.asarray(pos_ids)[i, lo:hi]
-        )
-        rl = int(r_len[i])
-        first = row * L + off + int(p_len[i]) - 1  # hidden state predicting response token 0
-        out["slot_pos"][k, q : q + rl] = first + np.arange(rl)
+    n_chunks = np.zeros((n, rows), np.int32)
+    for i in np.lexsort((place[:, 3], place[:, 1], place[:, 0])):  # row order: a chunk's opener first
+        k, row, p_off, r_off, s, q, sub = (int(v) for v in place[i])
+        pl, rl = int(p_len[i]), int(r_len[i])
+        pos = np.arange(pl + rl) if pos_ids is None else pos_ids[i, p - pl : p + rl]
+        if sub <= 1:  # the sequence writes its prompt: a new segment (sub 0) or chunk (sub 1)
+            n_chunks[k, row] += 1
+            code = n_chunks[k, row] if sub == 0 else n_chunks[k, row] << SUB_BITS
+            out["input_ids"][k, row, p_off : p_off + pl] = ids[i, p - pl : p]
+            out["segment_ids"][k, row, p_off : p_off + pl] = code
+            out["positions"][k, row, p_off : p_off + pl] = pos[:pl]
+        chunk_code = n_chunks[k, row] if sub == 0 else (n_chunks[k, row] << SUB_BITS) | sub
+        out["input_ids"][k, row, r_off : r_off + rl] = ids[i, p : p + rl]
+        out["segment_ids"][k, row, r_off : r_off + rl] = chunk_code
+        out["positions"][k, row, r_off : r_off + rl] = pos[pl:]
+        # hidden state predicting response token 0: the prompt's last token; then the response's own tokens
+        first = row * L + np.concatenate([[p_off + pl - 1], r_off + np.arange(rl - 1)]) if rl else np.zeros(0, int)
+        out["slot_pos"][k, q : q + rl] = first
         out["slot_tokens"][k, q : q + rl] = responses[i, :rl]
         out["seq_slot"][k, s, :rl] = q + np.arange(rl)
         out["seq_index"][k, s] = i

@@ -109,7 +109,8 @@ class RolesMixin:
             dp=dp,
             n_seqs=n_seqs,
         )
-        return packing.make_pack_spec(n_seqs, rows, p, r, row_len=row_len)
+        share = bool(cfg.model.pack_shared_prompts)
+        return packing.make_pack_spec(n_seqs, rows, p, r, row_len=row_len, share_prompts=share)
 
     def _build_reference(self) -> None:
         """Reference (only with a KL term): a frozen copy of the initial actor params and its log-prob fn; with
