@@ -4,10 +4,12 @@
         [--batch 64] [--micro 16] [--rounds 3] [--dtype float32] [--entropy-coeff 0] [--out /tmp/bench_update.json]
 
 The mini-batch is GRPO-shaped: prompts of 45-52 real tokens left-padded to `--prompt-len` (the benchmark's
-max_prompt_length 56, or 128), responses of 40-128 real tokens (uniform) right-padded to `--response-len`,
+max_prompt_length 56, or 128), each repeated `--n` times (the samples of a prompt; default 8), responses of
+40-128 real tokens (uniform) right-padded to `--response-len`,
 random token ids (the cost does not depend on them), one on-policy update (ratio 1, no KL), as the
 trainer's `update` boundary with `model.use_remove_padding` True (packed: `packed_steps`) and False (padded:
-`steps.make_actor_update`, micro-batches of `--micro` responses). The packed micro-batch has the padded
+`steps.make_actor_update`, micro-batches of `--micro` responses); `shared`: packed with
+`model.pack_shared_prompts` (one prompt copy per row chunk). The packed micro-batch has the padded
 one's token budget (`--micro` rows of prompt-len + response-len tokens), so both bound memory alike.
 
 Both functions are compiled ahead of time first (`jit(...).lower(...).compile()`: compile_s = trace and
