@@ -27,16 +27,19 @@ from jaxrl_post.models.linear import Linear
 from jaxrl_post.models.lm_head import head_token_stats
 
 _NEG = float(np.finfo(np.float32).min)
+# Packed segment ids `chunk << SEGMENT_SUB_BITS | sub` (`segment_mask`; written by `trainer/packing.py`)
+SEGMENT_SUB_BITS = 16
 
 
 def segment_mask(segment_ids: jax.Array) -> jax.Array:
     """Packed rows' attention mask `[B, T, T] bool` (query, key) from segment ids `[B, T] int32`: a key is
-    visible from its own segment, and a shared prompt from its responses. Ids are `chunk << 16 | sub`
-    (`trainer/packing.py`, `SUB_BITS`): sub 0 = a chunk's prompt, visible from the whole chunk; sub j >= 1 =
-    a response, visible from itself. Plain ids 1, 2, ... (< 2^16) are chunk 0 with distinct subs: each
-    segment sees only itself (MaxText-style; 0 = padding, hidden by the attention mask)."""
+    visible from its own segment, and a shared prompt from its responses. Ids are `chunk << SEGMENT_SUB_BITS
+    | sub` (`trainer/packing.py`): sub 0 = a chunk's prompt, visible from the whole chunk; sub j >= 1 = a
+    response, visible from itself. Plain ids 1, 2, ... (< 2^SEGMENT_SUB_BITS) are chunk 0 with distinct
+    subs: each segment sees only itself (MaxText-style; 0 = padding, hidden by the attention mask)."""
     q, k = segment_ids[:, :, None], segment_ids[:, None, :]
-    return (q == k) | (((k & 0xFFFF) == 0) & ((q >> 16) == (k >> 16)))
+    prompt_key = (k & ((1 << SEGMENT_SUB_BITS) - 1)) == 0
+    return (q == k) | (prompt_key & ((q >> SEGMENT_SUB_BITS) == (k >> SEGMENT_SUB_BITS)))
 
 
 class MLP(nnx.Module):

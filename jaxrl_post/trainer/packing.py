@@ -36,8 +36,8 @@ import dataclasses
 
 import numpy as np
 
-# Shared-prompt segment ids: `chunk << SUB_BITS | sub` (sub 0 = the chunk's prompt, j >= 1 = its j-th response)
-SUB_BITS = 16
+# Shared-prompt segment ids: `chunk << SUB_BITS | sub` (sub 0 = the chunk prompt, j >= 1 = its j-th response)
+from jaxrl_post.models.decoder import SEGMENT_SUB_BITS as SUB_BITS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -314,13 +314,13 @@ def pack_batch(batch: dict[str, np.ndarray], spec: PackSpec) -> dict[str, np.nda
         pos = np.arange(pl + rl) if pos_ids is None else pos_ids[i, p - pl : p + rl]
         if sub <= 1:  # the sequence writes its prompt: a new segment (sub 0) or chunk (sub 1)
             n_chunks[k, row] += 1
-            code = n_chunks[k, row] if sub == 0 else n_chunks[k, row] << SUB_BITS
+        base = n_chunks[k, row] << (SUB_BITS if sub else 0)  # plain segments: ids 1, 2, ... (sub 0)
+        if sub <= 1:
             out["input_ids"][k, row, p_off : p_off + pl] = ids[i, p - pl : p]
-            out["segment_ids"][k, row, p_off : p_off + pl] = code
+            out["segment_ids"][k, row, p_off : p_off + pl] = base
             out["positions"][k, row, p_off : p_off + pl] = pos[:pl]
-        chunk_code = n_chunks[k, row] if sub == 0 else (n_chunks[k, row] << SUB_BITS) | sub
         out["input_ids"][k, row, r_off : r_off + rl] = ids[i, p : p + rl]
-        out["segment_ids"][k, row, r_off : r_off + rl] = chunk_code
+        out["segment_ids"][k, row, r_off : r_off + rl] = base | sub
         out["positions"][k, row, r_off : r_off + rl] = pos[pl:]
         # hidden state predicting response token 0: the prompt's last token; then the response's own tokens
         first = row * L + np.concatenate([[p_off + pl - 1], r_off + np.arange(rl - 1)]) if rl else np.zeros(0, int)
