@@ -1,11 +1,12 @@
 """Benchmark: one actor update (optimizer step on a 64-response mini-batch), packed vs padded, alternating.
 
     python scripts/bench_update.py [--model smollm2-135m-instruct] [--prompt-len 56] [--response-len 128]
-        [--batch 64] [--micro 16] [--rounds 3] [--dtype float32] [--entropy-coeff 0] [--out /tmp/bench_update.json]
+        [--batch 64] [--micro 16] [--rounds 3] [--dtype float32] [--entropy-coeff 0] [--response-range 40-128]
+        [--variants padded,packed,shared] [--n 8] [--seqs-per-row 2] [--out /tmp/bench_update.json]
 
 The mini-batch is GRPO-shaped: prompts of 45-52 real tokens left-padded to `--prompt-len` (the benchmark's
 max_prompt_length 56, or 128), each repeated `--n` times (the samples of a prompt; default 8), responses of
-40-128 real tokens (uniform) right-padded to `--response-len`,
+40-128 real tokens (uniform; `--response-range`) right-padded to `--response-len`,
 random token ids (the cost does not depend on them), one on-policy update (ratio 1, no KL), as the
 trainer's `update` boundary with `model.use_remove_padding` True (packed: `packed_steps`) and False (padded:
 `steps.make_actor_update`, micro-batches of `--micro` responses); `shared`: packed with
@@ -50,12 +51,15 @@ def loadavg() -> float:
     return round(os.getloadavg()[0], 2)
 
 
-def make_batch(m: int, p: int, r: int, vocab: int, seed: int = 0, n: int = 1) -> dict[str, np.ndarray]:
-    """GRPO-like mini-batch: prompts of 45-52 real tokens (left-padded to p), responses of 40..r tokens; each
-    prompt repeated `n` times (the `rollout.n` samples of a prompt)."""
+def make_batch(
+    m: int, p: int, r: int, vocab: int, seed: int = 0, n: int = 1, r_min: int = 40, r_max: int | None = None
+) -> dict[str, np.ndarray]:
+    """GRPO-like mini-batch: prompts of 45-52 real tokens (left-padded to p), responses of r_min..r_max tokens
+    (default r) right-padded to r; each prompt repeated `n` times (the `rollout.n` samples of a prompt)."""
     rng = np.random.default_rng(seed)
+    r_max = r if r_max is None else min(r_max, r)
     p_len = np.repeat(rng.integers(45, min(52, p) + 1, -(-m // n)), n)[:m]
-    r_len = rng.integers(min(40, r), r + 1, m)
+    r_len = rng.integers(min(r_min, r_max), r_max + 1, m)
     am = np.concatenate([np.arange(p)[None] >= p - p_len[:, None], np.arange(r)[None] < r_len[:, None]], 1)
     am = am.astype(np.int32)
     ids = rng.integers(3, vocab, (m, p + r))
@@ -89,6 +93,12 @@ def main(argv=None):
     )
     ap.add_argument("--n", type=int, default=8, help="samples per prompt (rollout.n): sequences sharing a prompt")
     ap.add_argument("--seqs-per-row", type=int, default=2, help="model.seqs_per_packed_row (row_len = k (P + R))")
+    ap.add_argument(
+        "--response-range",
+        default=None,
+        help="MIN-MAX real response tokens (uniform; default 40-response_len), e.g. 10-30 for the default run's"
+        " short answers",
+    )
     ap.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "bench_update.json"))
     args = ap.parse_args(argv)
 
@@ -100,7 +110,8 @@ def main(argv=None):
         model, source = init_model(PRESETS["smollm2_135m"], dtype=args.dtype), "random smollm2_135m"
     cfg = model.config
     m, p, r = args.batch, args.prompt_len, args.response_len
-    batch = make_batch(m, p, r, cfg.vocab_size, n=args.n)
+    r_min, r_max = (int(v) for v in args.response_range.split("-")) if args.response_range else (40, r)
+    batch = make_batch(m, p, r, cfg.vocab_size, n=args.n, r_min=r_min, r_max=r_max)
     rows, row_len = packing.micro_geometry(
         micro_batch_size=args.micro,
         use_dynamic_bsz=False,
@@ -197,6 +208,8 @@ def main(argv=None):
         batch=m,
         prompt_len=p,
         response_len=r,
+        response_real_range=(r_min, r_max),
+        n=args.n,
         micro=args.micro,
         packed_rows=f"{spec.rows} x {spec.row_len}",
         entropy_coeff=args.entropy_coeff,

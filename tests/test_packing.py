@@ -372,6 +372,7 @@ def test_tiny_ppo_step_same_metrics_packed_and_padded(tmp_path):
         c.trainer.save_freq = -1
         trainer = RLTrainer(c)
         assert (trainer.actor_spec is not None) == packed
+        assert not packed or trainer.actor_spec.share_prompts  # the default, rollout.n = 4: shared prompts
         try:
             m = trainer.train_step(next(trainer.train_loader))
             results[packed] = (m, jax.tree.map(np.asarray, trainer.actor_params), trainer.compile_counts())
@@ -389,6 +390,24 @@ def test_tiny_ppo_step_same_metrics_packed_and_padded(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------- shared prompts
+@pytest.mark.parametrize("n, key, shared", [(8, True, True), (1, True, False), (8, False, False)])
+def test_pack_spec_shares_prompts_only_with_several_samples(n, key, shared):
+    """`model.pack_shared_prompts` (default on) takes effect only with `rollout.n > 1`: with one sample per prompt
+    nothing repeats and the shared layout's slot count (rows * row_len) would only cost LM-head work."""
+    from types import SimpleNamespace
+
+    from configs import grpo
+    from jaxrl_post.trainer.roles import RolesMixin
+
+    c = grpo.get_config()
+    assert c.model.pack_shared_prompts  # the default
+    c.rollout.n, c.model.pack_shared_prompts = n, key
+    fake = SimpleNamespace(config=c, response_length=48, mesh=SimpleNamespace(shape={"data": 1, "fsdp": 1}))
+    spec = RolesMixin._pack_spec(fake, "actor", 32, 4)
+    assert spec.share_prompts == shared
+    assert spec.slots == (2 * 208 if shared else 2 * 2 * 48)  # rows x row_len, or rows x k x R
+
+
 def _grpo_batch(n_prompts=2, n=4, p=6, r=5, vocab=53, seed=0, r_lens=None):
     """GRPO-shaped: each prompt repeated n times (interleaved, as `rollout.n`), responses of their own."""
     b = _batch(m=n_prompts * n, p=p, r=r, vocab=vocab, seed=seed, r_lens=r_lens)

@@ -93,7 +93,8 @@ class RolesMixin:
 
     def _pack_spec(self, role: str, n_seqs: int, micro: int) -> packing.PackSpec | None:
         """Static packing geometry of one pass (None when `model.use_remove_padding` is off); see
-        `packing.micro_geometry` for how `*.use_dynamic_bsz` / `*_max_token_len_per_gpu` map to rows."""
+        `packing.micro_geometry` for how `*.use_dynamic_bsz` / `*_max_token_len_per_gpu` map to rows. Shared
+        prompts (`model.pack_shared_prompts`) only when `rollout.n > 1`."""
         cfg = self.config
         if not cfg.model.use_remove_padding:
             return None
@@ -109,7 +110,7 @@ class RolesMixin:
             dp=dp,
             n_seqs=n_seqs,
         )
-        share = bool(cfg.model.pack_shared_prompts)
+        share = bool(cfg.model.pack_shared_prompts) and int(cfg.rollout.n) > 1  # only samples of a prompt repeat it
         return packing.make_pack_spec(n_seqs, rows, p, r, row_len=row_len, share_prompts=share)
 
     def _build_reference(self) -> None:
