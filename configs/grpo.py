@@ -1,7 +1,7 @@
 """GRPO (verl's `algorithm.adv_estimator=grpo`, no critic) configs.
 
 Variants (`--config=configs/grpo.py:VARIANT`):
-  (default)  SmolLM2-135M-Instruct on a reasoning-gym task, about 15 min on a 2-core CPU.
+  (default)  SmolLM2-135M-Instruct on a reasoning-gym task, 11-12 min on a 2-core CPU (README "Results").
   gsm8k      GSM8K (raw jsonl, verl's prompt suffix) from `<repo>/../shared/data/gsm8k` (or data.*_files).
   lora       the default run with LoRA (rank 16, alpha 32, all linear projections; higher lr): only the adapters
              and their AdamW moments are trained and checkpointed, the reference is the base model.
@@ -22,7 +22,7 @@ TINY_REWARD = os.path.join(_REPO, "configs", "tiny_reward.py")
 
 
 def _default(c):
-    # Sized for a 2-core CPU (~15 min): 4 prompts x 8 samples = 32 responses of <= 48 tokens per step, one
+    # Sized for a 2-core CPU (11-12 min): 4 prompts x 8 samples = 32 responses of <= 48 tokens per step, one
     # on-policy optimizer step per training step, greedy accuracy on 200 held-out problems before/after.
     c.trainer.experiment_name = "grpo_smollm2_rg"
     c.trainer.default_local_dir = "runs/grpo"
