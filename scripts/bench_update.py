@@ -52,14 +52,14 @@ def loadavg() -> float:
 
 
 def make_batch(
-    m: int, p: int, r: int, vocab: int, seed: int = 0, n: int = 1, r_min: int = 40, r_max: int | None = None
+    m: int, p: int, r: int, vocab: int, r_range: tuple[int, int], seed: int = 0, n: int = 1
 ) -> dict[str, np.ndarray]:
-    """GRPO-like mini-batch: prompts of 45-52 real tokens (left-padded to p), responses of r_min..r_max tokens
-    (default r) right-padded to r; each prompt repeated `n` times (the `rollout.n` samples of a prompt)."""
+    """GRPO-like mini-batch: prompts of 45-52 real tokens (left-padded to p), responses of `r_range` (min, max;
+    1 <= min <= max <= r) real tokens right-padded to r; each prompt repeated `n` times (the `rollout.n`
+    samples of a prompt)."""
     rng = np.random.default_rng(seed)
-    r_max = r if r_max is None else min(r_max, r)
     p_len = np.repeat(rng.integers(45, min(52, p) + 1, -(-m // n)), n)[:m]
-    r_len = rng.integers(min(r_min, r_max), r_max + 1, m)
+    r_len = rng.integers(r_range[0], r_range[1] + 1, m)
     am = np.concatenate([np.arange(p)[None] >= p - p_len[:, None], np.arange(r)[None] < r_len[:, None]], 1)
     am = am.astype(np.int32)
     ids = rng.integers(3, vocab, (m, p + r))
@@ -101,6 +101,13 @@ def main(argv=None):
     )
     ap.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "bench_update.json"))
     args = ap.parse_args(argv)
+    r = args.response_len
+    try:  # checked before the model loads
+        r_range = tuple(int(v) for v in args.response_range.split("-")) if args.response_range else (min(40, r), r)
+        if len(r_range) != 2 or not 1 <= r_range[0] <= r_range[1] <= r:
+            raise ValueError
+    except ValueError:
+        ap.error(f"--response-range {args.response_range!r}: want MIN-MAX with 1 <= MIN <= MAX <= --response-len {r}")
 
     try:
         model, _ = load_pretrained(args.model, dtype=args.dtype)
@@ -109,9 +116,8 @@ def main(argv=None):
         print(f"load_pretrained({args.model!r}) failed ({type(e).__name__}: {e}); random smollm2_135m preset")
         model, source = init_model(PRESETS["smollm2_135m"], dtype=args.dtype), "random smollm2_135m"
     cfg = model.config
-    m, p, r = args.batch, args.prompt_len, args.response_len
-    r_min, r_max = (int(v) for v in args.response_range.split("-")) if args.response_range else (40, r)
-    batch = make_batch(m, p, r, cfg.vocab_size, n=args.n, r_min=r_min, r_max=r_max)
+    m, p = args.batch, args.prompt_len
+    batch = make_batch(m, p, r, cfg.vocab_size, r_range, n=args.n)
     rows, row_len = packing.micro_geometry(
         micro_batch_size=args.micro,
         use_dynamic_bsz=False,
@@ -208,7 +214,7 @@ def main(argv=None):
         batch=m,
         prompt_len=p,
         response_len=r,
-        response_real_range=(r_min, r_max),
+        response_real_range=r_range,
         n=args.n,
         micro=args.micro,
         packed_rows=f"{spec.rows} x {spec.row_len}",
