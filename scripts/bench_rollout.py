@@ -96,7 +96,7 @@ def bench_ours(model, ids, mask, pad, new_tokens, reps, decode_chunk, segment_le
         t = time.perf_counter()
         out = gen(dp, params, seed=r + 1)
         times.append(time.perf_counter() - t)
-    assert out.batch["response_mask"].sum() == ids.shape[0] * new_tokens
+    assert out.batch["response_attention_mask"].sum() == ids.shape[0] * new_tokens
     return min(times), compile_s
 
 

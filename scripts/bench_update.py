@@ -71,7 +71,7 @@ def make_batch(
         attention_mask=am,
         position_ids=np.maximum(np.cumsum(am, 1) - 1, 0).astype(np.int32),
         responses=ids[:, p:].copy(),
-        response_mask=rmask,
+        loss_mask=rmask,
         advantages=(rng.normal(size=(m, 1)) * rmask).astype(np.float32),
     )
 
@@ -129,12 +129,10 @@ def main(argv=None):
     )
     spec = packing.make_pack_spec(m, rows, p, r, row_len=row_len)
     t = time.perf_counter()
-    packed_np = dict(
-        {k: batch[k] for k in ("response_mask", "advantages", "responses")}, **packing.pack_batch(batch, spec)
-    )
+    packed_np = dict({k: batch[k] for k in ("loss_mask", "advantages", "responses")}, **packing.pack_batch(batch, spec))
     pack_s = time.perf_counter() - t
     shared_np = dict(
-        {k: batch[k] for k in ("response_mask", "advantages", "responses")},
+        {k: batch[k] for k in ("loss_mask", "advantages", "responses")},
         **packing.pack_batch(batch, packing.make_pack_spec(m, rows, p, r, row_len=row_len, share_prompts=True)),
     )
     real = batch["attention_mask"].sum(1)

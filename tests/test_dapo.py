@@ -350,7 +350,7 @@ def test_dapo_tiny_end_to_end(dapo_run):
         assert b["responses"].shape == (16, 12) and b["advantages"].shape == (16, 12)
         prompts = b["input_ids"][:, :-12].reshape(4, 4, -1)
         assert (prompts == prompts[:, :1]).all() and len({p.tobytes() for p in prompts[:, 0]}) == 4  # 4 groups
-        mask = b["response_mask"].astype(bool)
+        mask = b["response_attention_mask"].astype(bool)
         acc = np.array([any(ch.isdigit() for ch in _text(r[m])) for r, m in zip(b["responses"], mask)], float)
         assert all(len(set(g)) == 2 for g in acc.reshape(4, 4)), acc  # no all-right / all-wrong group
         pen = np.clip((8 - mask.sum(-1)) / 4, -1.0, 0.0)

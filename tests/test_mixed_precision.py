@@ -34,7 +34,7 @@ def test_update_below_bf16_resolution_changes_only_f32_master_weights():
         attention_mask=np.ones((b, p + r), np.int32),
         position_ids=np.tile(np.arange(p + r, dtype=np.int32), (b, 1)),
         responses=ids[:, p:],
-        response_mask=np.ones((b, r), np.int32),
+        loss_mask=np.ones((b, r), np.int32),
         advantages=rng.normal(size=(b, r)).astype(np.float32),
     )
     lr = 2e-6  # bf16 has 8 significant bits: the step is below half an ulp for |w| > ~5e-4
@@ -106,7 +106,7 @@ def test_sampling_mask_replay_old_log_probs_equal_rollout_log_probs(tmp_path, pa
     trainer = RLTrainer(c, console_write=lambda s: None)
     try:
         b, _, _ = trainer._generate_and_score(next(trainer.train_loader), 5, {})
-        mask = b["response_mask"].astype(bool)
+        mask = b["response_attention_mask"].astype(bool)
         assert np.isfinite(b["sampling_logit_threshold"][mask]).all()
         fwd = lambda batch: trainer._forward(
             trainer._old_log_prob, trainer.actor_params, batch, 8, trainer.old_log_prob_spec

@@ -227,7 +227,7 @@ def _rollout(m=8, p=6, r=5, vocab=53, seed=0):
     rm = b["attention_mask"][:, p:].copy()
     rm[1] = 0  # a sequence with no loss tokens (e.g. a dropped truncated response)
     b.update(
-        response_mask=rm,
+        loss_mask=rm,
         advantages=rng.normal(size=(m, r)).astype(np.float32),
         old_log_probs=(rng.normal(size=(m, r)) * 0.3 - 3.9).astype(np.float32),
         ref_log_prob=(rng.normal(size=(m, r)) * 0.3 - 3.9).astype(np.float32),
@@ -287,7 +287,7 @@ def test_packed_actor_update_equals_padded(mode, entropy_coeff):
     logits = model(b["input_ids"], b["attention_mask"], positions=b["position_ids"])[:, 5:-1] / 0.7
     logp = jax.nn.log_softmax(logits, -1)
     ent = -jnp.sum(jnp.exp(logp) * logp, -1)
-    mask = jnp.asarray(b["response_mask"], jnp.float32)
+    mask = jnp.asarray(b["loss_mask"], jnp.float32)
     n_seq = jnp.sum(mask.sum(-1) > 0)
     expected = {
         "token-mean": jnp.sum(ent * mask) / mask.sum(),
@@ -343,7 +343,7 @@ def test_packed_update_compiles_once_and_runs_only_used_micro_batches():
             b = _rollout(seed=seed)
             b["attention_mask"][:, :5] = 0
             b["attention_mask"][:, 7:] = 0
-            b["response_mask"] = b["attention_mask"][:, 6:].copy()
+            b["loss_mask"] = b["attention_mask"][:, 6:].copy()
             pk = _packed(b, rows=2)
             assert not np.any(pk["segment_ids"][1:])
         out = fn(params, tx.init(params), pk)
@@ -487,7 +487,7 @@ def test_shared_prompt_actor_update_log_probs_and_critic_equal_padded(mode):
     model = _model("llama", seed=1, num_layers=1)
     graphdef, params, rest = steps.split_model(model)
     b = dict(_rollout(), **_grpo_batch(seed=7))  # 2 prompts x 4, 8 rows
-    b["response_mask"] = b["attention_mask"][:, 6:].copy()
+    b["loss_mask"] = b["attention_mask"][:, 6:].copy()
     tx = optax.sgd(1.0)
     cfg = steps.ActorLossConfig(loss_agg_mode=mode, entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1)
     want = jax.jit(steps.make_actor_update(graphdef, rest, tx, cfg, n_micro=4))(params, tx.init(params), b)

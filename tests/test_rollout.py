@@ -180,13 +180,13 @@ def test_rollout_log_probs_equal_training_path(tiny_model, params):
     ids, mask, dp = _prompts(2)
     out = generate_sequences(tiny_model, dp, params)
     b = out.batch
-    rm = b["response_mask"].astype(bool)
+    rm = b["response_attention_mask"].astype(bool)
     ref = _full_forward_logprobs(tiny_model, out, params.temperature if not params.greedy else 1.0)
     np.testing.assert_allclose(np.where(rm, b["rollout_log_probs"], 0), np.where(rm, ref, 0), atol=1e-5)
     # output layout
     np.testing.assert_array_equal(b["prompts"], ids)
     np.testing.assert_array_equal(b["input_ids"], np.concatenate([ids, b["responses"]], 1))
-    np.testing.assert_array_equal(b["attention_mask"], np.concatenate([mask, b["response_mask"]], 1))
+    np.testing.assert_array_equal(b["attention_mask"], np.concatenate([mask, b["response_attention_mask"]], 1))
     pos = np.maximum(np.cumsum(b["attention_mask"], 1) - 1, 0)
     valid = b["attention_mask"].astype(bool)
     np.testing.assert_array_equal(b["position_ids"][valid], pos[valid])
@@ -208,7 +208,7 @@ def test_truncated_rollout_log_probs_equal_replayed_training_path(tiny_model):
     _, _, dp = _prompts(3)
     out = generate_sequences(tiny_model, dp, params)
     b = out.batch
-    rm = b["response_mask"].astype(bool)
+    rm = b["response_attention_mask"].astype(bool)
     p = b["prompts"].shape[1]
     logits = tiny_model(jnp.asarray(b["input_ids"]), jnp.asarray(b["attention_mask"]))[:, p - 1 : -1]
     th = b["sampling_logit_threshold"]
@@ -240,7 +240,7 @@ def test_bf16_rollout_keeps_a_float32_kv_cache_on_cpu(monkeypatch):
     (f32, bf16) = (o.batch for o in outs)
     np.testing.assert_array_equal(f32["responses"], bf16["responses"])
     np.testing.assert_array_equal(f32["rollout_log_probs"], bf16["rollout_log_probs"])
-    rm = f32["response_mask"].astype(bool)
+    rm = f32["response_attention_mask"].astype(bool)
     ref = _full_forward_logprobs(model, outs[0], SAMPLED.temperature)
     # bf16 forward: different op shapes (one cached token vs the full sequence) round differently
     np.testing.assert_allclose(np.where(rm, f32["rollout_log_probs"], 0), np.where(rm, ref, 0), atol=0.05)
@@ -270,20 +270,20 @@ def test_eos_handling(tiny_model):
         hits = np.flatnonzero(free[r] == eos)
         if hits.size == 0:
             np.testing.assert_array_equal(out["responses"][r], free[r])
-            assert out["response_mask"][r].all() and out["truncated"][r]
+            assert out["response_attention_mask"][r].all() and out["truncated"][r]
         else:
             k = hits[0]
             np.testing.assert_array_equal(out["responses"][r, : k + 1], free[r, : k + 1])
             assert np.all(out["responses"][r, k + 1 :] == eos)  # pad == EOS
-            np.testing.assert_array_equal(out["response_mask"][r], np.arange(16) <= k)
+            np.testing.assert_array_equal(out["response_attention_mask"][r], np.arange(16) <= k)
             assert not out["truncated"][r]
-    assert out["response_mask"][1].sum() == 1
+    assert out["response_attention_mask"][1].sum() == 1
     # several EOS ids, pad distinct; every row's first token is an EOS -> early exit after one chunk
     eos2 = tuple(int(t) for t in free[:, 0])
     out2 = generate_sequences(
         tiny_model, dp, SamplingParams(max_new_tokens=16, do_sample=False, eos_token_ids=eos2, pad_token_id=0)
     ).batch
-    np.testing.assert_array_equal(out2["response_mask"].sum(1), [1, 1, 1, 1])
+    np.testing.assert_array_equal(out2["response_attention_mask"].sum(1), [1, 1, 1, 1])
     np.testing.assert_array_equal(out2["responses"][:, 0], free[:, 0])
     assert np.all(out2["responses"][:, 1:] == 0) and not out2["truncated"].any()
 
@@ -334,7 +334,7 @@ def test_compacting_finished_rows_changes_no_sample():
     plain = Generator(model, compact_min_rows=None, decode_chunk=4, cache_segment_len=16)  # 4 cache segments
     compact = Generator(model, compact_min_rows=2, decode_chunk=4, cache_segment_len=16)
     a, b = plain(dp, params).batch, compact(dp, params).batch
-    lengths = a["response_mask"].sum(1)
+    lengths = a["response_attention_mask"].sum(1)
     assert lengths.min() <= 2 and lengths.max() == 40 and (lengths == 40).sum() == 3, lengths
     assert plain.last_decode_stats == {"sizes": (16,), "stage_end_step": [40]}
     assert compact.last_decode_stats["sizes"] == (16, 8, 4, 2)
@@ -347,7 +347,7 @@ def test_compacting_finished_rows_changes_no_sample():
         ends.append(t)
     assert ends[0] < ends[1] < ends[2] == 40, ends  # the 8- and 4-row loops ran steps (3 rows run to the end)
     assert compact.last_decode_stats["stage_end_step"] == ends
-    for k in ("responses", "response_mask", "truncated", "sampling_logit_threshold", "position_ids"):
+    for k in ("responses", "response_attention_mask", "truncated", "sampling_logit_threshold", "position_ids"):
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
     np.testing.assert_allclose(a["rollout_log_probs"], b["rollout_log_probs"], atol=1e-6)
 
@@ -373,7 +373,15 @@ def test_n_samples_per_prompt_share_one_prefill():
         b = gen.generate(dp, params, n=3)
     assert shapes == [(4, 16)], shapes  # 3 prompts (bucket 4), not 9 rows
     assert len(b) == 9 and list(b.non_tensor_batch["uid"]) == list(a.non_tensor_batch["uid"])
-    for k in ("prompts", "responses", "input_ids", "attention_mask", "position_ids", "response_mask", "truncated"):
+    for k in (
+        "prompts",
+        "responses",
+        "input_ids",
+        "attention_mask",
+        "position_ids",
+        "response_attention_mask",
+        "truncated",
+    ):
         np.testing.assert_array_equal(a.batch[k], b.batch[k], err_msg=k)
     np.testing.assert_allclose(a.batch["sampling_logit_threshold"], b.batch["sampling_logit_threshold"], atol=1e-5)
     np.testing.assert_allclose(a.batch["rollout_log_probs"], b.batch["rollout_log_probs"], atol=1e-5)
@@ -467,7 +475,7 @@ _SHARDED_SCRIPT = textwrap.dedent("""
                                   eos_token_ids=(4, 9))):
         a = Generator(model, cache_segment_len=8).generate(dp, params).batch  # 4 segments
         b = Generator(sharded, mesh=mesh, cache_segment_len=8).generate(dp, params).batch
-        for k in ("responses", "response_mask", "input_ids", "attention_mask", "position_ids", "truncated"):
+        for k in ("responses", "response_attention_mask", "input_ids", "attention_mask", "position_ids", "truncated"):
             np.testing.assert_array_equal(a[k], b[k], err_msg=k)
         np.testing.assert_allclose(a["rollout_log_probs"], b["rollout_log_probs"], atol=1e-5)
     # compaction shard by shard (4 batch shards of 4 rows -> 2 -> 1) == the unsharded uncompacted decode
@@ -478,15 +486,15 @@ _SHARDED_SCRIPT = textwrap.dedent("""
     gen = Generator(sharded, mesh=mesh, compact_min_rows=4, decode_chunk=2)
     b = gen.generate(dp, params).batch
     assert gen.last_decode_stats["sizes"] == (16, 8, 4), gen.last_decode_stats
-    assert gen.last_decode_stats["stage_end_step"][0] < 24, (gen.last_decode_stats, a["response_mask"].sum(1))
-    for k in ("responses", "response_mask", "truncated"):
+    assert gen.last_decode_stats["stage_end_step"][0] < 24, (gen.last_decode_stats, a["response_attention_mask"].sum(1))
+    for k in ("responses", "response_attention_mask", "truncated"):
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
     np.testing.assert_allclose(a["rollout_log_probs"], b["rollout_log_probs"], atol=1e-5)
     # n samples per prompt from one prefill (6 prompts -> 8 padded, cache rows copied to 16) == repeated batch
     dp = DataProto.from_dict({"input_ids": ids[:6], "attention_mask": mask[:6]})
     a = Generator(model).generate(dp.repeat(2, interleave=True), params).batch
     b = Generator(sharded, mesh=mesh, compact_min_rows=4).generate(dp, params, n=2).batch
-    for k in ("responses", "response_mask", "input_ids", "truncated"):
+    for k in ("responses", "response_attention_mask", "input_ids", "truncated"):
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
     np.testing.assert_allclose(a["rollout_log_probs"], b["rollout_log_probs"], atol=1e-5)
     print("SHARDED_OK")
@@ -555,5 +563,5 @@ def test_smollm2_greedy_matches_transformers():
     np.testing.assert_array_equal(ours, ref)
     # log-probs of the greedy path equal the training path on the real model too
     lp = _full_forward_logprobs(model, out, 1.0)
-    rm = out.batch["response_mask"].astype(bool)
+    rm = out.batch["response_attention_mask"].astype(bool)
     np.testing.assert_allclose(out.batch["rollout_log_probs"][rm], lp[rm], atol=1e-4)

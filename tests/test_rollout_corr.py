@@ -495,12 +495,12 @@ def test_policy_loss_weights_multiply_per_token_losses():
     b, r = 4, 5
     mask = (rng.random((b, r)) < 0.8).astype(np.int32)
     mb = dict(
-        response_mask=jnp.asarray(mask),
+        loss_mask=jnp.asarray(mask),
         advantages=jnp.asarray(rng.normal(size=(b, r)), jnp.float32),
         old_log_probs=jnp.asarray(rng.normal(size=(b, r)) * 0.1 - 2, jnp.float32),
     )
     lp = mb["old_log_probs"] + jnp.asarray(rng.normal(size=(b, r)) * 0.3, jnp.float32)
-    counts = core_algos.global_batch_info(mb["response_mask"])
+    counts = core_algos.global_batch_info(mb["loss_mask"])
     cfg = steps.ActorLossConfig()
     base, m0 = losses.actor_loss(cfg, lp, jnp.zeros((b, r)), mb, counts)
     doubled, m1 = losses.actor_loss(
@@ -530,20 +530,19 @@ def test_trainer_applies_rollout_correction_to_a_bf16_rollout(tmp_path):
     try:
         assert trainer.rollout_copy and trainer.use_rollout_corr and not trainer.on_policy
         b, _, _ = trainer._generate_and_score(next(trainer.train_loader), 3, {})
-        b["loss_mask"] = b["response_mask"].astype(np.int32)
         b["old_log_probs"] = trainer._forward(
             trainer._old_log_prob, trainer.actor_params, b, 8, trainer.old_log_prob_spec
         )[0]
-        before = b["loss_mask"].copy()
-        m = trainer._rollout_correction(b)
+        before = b["loss_mask"].astype(np.int32)
+        kept, m = trainer._rollout_correction(b, before.copy())
         log_ratio = b["old_log_probs"] - b["rollout_log_probs"]  # bf16 sampler vs f32 training: |.| ~1e-3
         valid = before.astype(bool)
         lo, hi = np.log(0.999), np.log(1.001)  # verl's token_k1 keeps tokens with -log_ratio in [log lo, log hi]
         keep = (-log_ratio >= lo) & (-log_ratio <= hi)
         clear = valid & (np.abs(-log_ratio - lo) > 1e-6) & (np.abs(-log_ratio - hi) > 1e-6)
         assert 0.02 < m["rollout_corr/rollout_rs_masked_fraction"] < 0.98
-        np.testing.assert_array_equal(b["loss_mask"].astype(bool)[clear], keep[clear])
-        assert not b["loss_mask"][~valid].any()
+        np.testing.assert_array_equal(kept.astype(bool)[clear], keep[clear])
+        assert not kept[~valid].any()
         w = b["rollout_is_weights"]
         np.testing.assert_allclose(w[valid], np.minimum(np.exp(log_ratio[valid]), 1.0005), rtol=1e-5)
         for k in ("rollout_corr/rollout_is_mean", "rollout_corr/kl", "training/rollout_probs_diff_max"):

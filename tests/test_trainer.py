@@ -189,7 +189,7 @@ def _rollout_batch(b=8, p=5, r=6, vocab=64, seed=0):
         attention_mask=mask,
         position_ids=pos,
         responses=ids[:, p:],
-        response_mask=resp_mask,
+        loss_mask=resp_mask,
         advantages=rng.normal(size=(b, r)).astype(np.float32),
         old_log_probs=(rng.normal(size=(b, r)) * 0.3 - 4.2).astype(np.float32),
         ref_log_prob=(rng.normal(size=(b, r)) * 0.3 - 4.2).astype(np.float32),
@@ -242,7 +242,7 @@ def test_micro_batch_accumulation_equals_full_batch(mode):
         logp_all = jax.nn.log_softmax(logits, -1)
         logp = jnp.take_along_axis(logp_all, batch["responses"][..., None], -1)[..., 0]
         ent = -jnp.sum(jnp.exp(logp_all) * logp_all, -1)
-        mask = batch["response_mask"].astype(jnp.float32)
+        mask = batch["loss_mask"].astype(jnp.float32)
         ratio = jnp.exp(logp - batch["old_log_probs"])
         adv = batch["advantages"]
         pg = jnp.maximum(-adv * ratio, -adv * jnp.clip(ratio, 0.8, 1.28))
@@ -293,7 +293,7 @@ def test_critic_micro_batch_accumulation_and_on_policy_ratio():
     b = {k: v for k, v in _rollout_batch().items() if k != "old_log_probs"}
     _, _, m = fn(p2, tx.init(p2), b)
     assert float(m["ppo_kl"]) == 0.0 and float(m["pg_clipfrac"]) == 0.0
-    mask = b["response_mask"]
+    mask = b["loss_mask"]
     np.testing.assert_allclose(m["pg_loss"], -(b["advantages"] * mask).sum() / mask.sum(), rtol=1e-5)
 
 

@@ -1,8 +1,9 @@
 """RewardManager: decoded responses -> rule scores -> token-level scores (verl's NaiveRewardManager).
 
-For each row: decode the valid response tokens (response_mask), call
+For each row: decode the response tokens that exist (`response_attention_mask`), call
 `compute_score(data_source, solution_str, ground_truth, extra_info)`, and put the score on the row's
-last valid response token. Calls run in a process pool with a per-call timeout (`pool.py`), or in
+last trained token (`loss_mask`: the model's last token; the last existing token when there is no
+`loss_mask`). Calls run in a process pool with a per-call timeout (`pool.py`), or in
 process on a helper thread with the same timeout when `num_workers=0` (`inprocess.py`). A call that
 raises, times out, kills its worker or returns something that is not a number / a dict with a numeric
 'score' scores 0.0 and is counted. When more than `max_error_fraction` of a batch's calls fail, the
@@ -153,27 +154,36 @@ class RewardManager:
     # ----------------------------------------------------------------------------------------------
     @staticmethod
     def response_mask(data) -> np.ndarray:
-        """[B, R] bool: the valid response tokens (`response_mask`, else the response part of
-        `attention_mask`). Raises KeyError / ValueError when neither is there or the shapes differ."""
+        """[B, R] bool: the response tokens that exist (`response_attention_mask`, else verl's `response_mask`,
+        else the response part of `attention_mask`). Raises KeyError / ValueError when none is there or the
+        shapes differ."""
         responses = np.asarray(data.batch["responses"])
-        if "response_mask" in data.batch:
-            mask = np.asarray(data.batch["response_mask"]).astype(bool)
-        elif "attention_mask" in data.batch:
-            mask = np.asarray(data.batch["attention_mask"])[:, -responses.shape[1] :].astype(bool)
+        for key in ("response_attention_mask", "response_mask"):
+            if key in data.batch:
+                mask = np.asarray(data.batch[key]).astype(bool)
+                break
         else:
-            raise KeyError("batch needs 'response_mask' (or 'attention_mask') to know the valid response tokens")
+            if "attention_mask" not in data.batch:
+                raise KeyError(
+                    "batch needs 'response_attention_mask' (or 'response_mask' / 'attention_mask') to know the "
+                    "response tokens"
+                )
+            key, mask = "attention_mask", np.asarray(data.batch["attention_mask"])[:, -responses.shape[1] :] != 0
         if mask.shape != responses.shape:
-            raise ValueError(f"response_mask shape {mask.shape} != responses shape {responses.shape}")
+            raise ValueError(f"{key} shape {mask.shape} != responses shape {responses.shape}")
         return mask
 
     def decode_responses(self, data) -> tuple[list[str], np.ndarray]:
-        """Decoded valid response tokens per row and the [B] int index of each row's last valid token
-        (-1 when a row has no valid response token)."""
+        """Decoded response tokens per row (all that exist, tool/observation tokens included) and the [B] int
+        index of each row's last trained token (`loss_mask`; the last existing one without it; -1 when a row
+        has none): the token the outcome score is placed on."""
         responses = np.asarray(data.batch["responses"])
         mask = self.response_mask(data)
         token_lists = [responses[i][mask[i]].tolist() for i in range(responses.shape[0])]
         texts = self.tokenizer.batch_decode(token_lists, skip_special_tokens=self.skip_special_tokens)
         R = responses.shape[1]
+        if "loss_mask" in data.batch:
+            mask = np.asarray(data.batch["loss_mask"]).astype(bool) & mask
         last = np.where(mask.any(axis=1), R - 1 - np.argmax(mask[:, ::-1], axis=1), -1)
         return list(texts), last
 
@@ -187,7 +197,8 @@ class RewardManager:
         raise KeyError("non_tensor_batch needs 'ground_truth' or 'reward_model' (with 'ground_truth')")
 
     def compute(self, data) -> RewardOutput:
-        """Score `data` (a DataProto with batch 'responses' [B, R] and 'response_mask' [B, R], and
+        """Score `data` (a DataProto with batch 'responses' [B, R], 'response_attention_mask' [B, R] (or
+        verl's 'response_mask'), optional 'loss_mask' [B, R], and
         non_tensor 'data_source', 'ground_truth' (or 'reward_model'), optional 'extra_info').
 
         Raises:

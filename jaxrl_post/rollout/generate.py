@@ -203,10 +203,13 @@ class Generator:
         Returns:
           DataProto (numpy arrays) with ``prompts [B, P] int32``, ``responses [B, R] int32`` (pad after
           the first EOS), ``input_ids [B, P+R]``, ``attention_mask [B, P+R] int32`` (prompt mask ++
-          response_mask), ``position_ids [B, P+R] int32`` (response positions continue from the last
-          prompt position, verl style), ``response_mask [B, R] int32``, ``rollout_log_probs [B, R]
-          float32`` (= ``logprobs_from_logits(logits, responses, temperature)`` of the training path, or
-          the truncated distribution's with ``params.truncated_log_probs``; 0 where masked),
+          response_attention_mask), ``position_ids [B, P+R] int32`` (response positions continue from the
+          last prompt position, verl style), ``response_attention_mask [B, R] int32`` (the response tokens
+          that exist: up to and including the first EOS), ``loss_mask [B, R] int32`` (the tokens to train:
+          the model's own tokens; single-turn, every existing token, so equal to
+          ``response_attention_mask``), ``rollout_log_probs [B, R] float32`` (=
+          ``logprobs_from_logits(logits, responses, temperature)`` of the training path, or the truncated
+          distribution's with ``params.truncated_log_probs``; 0 where masked),
           ``sampling_logit_threshold [B, R] float32`` (smallest kept tempered logit of each step, -inf
           where nothing was truncated or masked), ``truncated [B] bool`` (no EOS within R).
         Raises:
@@ -308,11 +311,11 @@ class Generator:
 def _assemble(prompts: DataProto, ids, mask, tokens, logps, thresholds, params: SamplingParams) -> DataProto:
     """Host-side output assembly (numpy, cheap): masks, positions, concatenation."""
     r = tokens.shape[1]
-    response_mask = np.asarray(get_response_mask(tokens, params.eos_token_ids)).astype(np.int32)
-    tokens = np.where(response_mask.astype(bool), tokens, params.pad_token_id).astype(np.int32)
-    logps = np.where(response_mask.astype(bool), logps, 0.0).astype(np.float32)
-    thresholds = np.where(response_mask.astype(bool), thresholds, -np.inf).astype(np.float32)
-    truncated = ~np.any(np.asarray(is_eos(tokens, params.eos_token_ids)) & response_mask.astype(bool), axis=1)
+    exists = np.asarray(get_response_mask(tokens, params.eos_token_ids)).astype(np.int32)
+    tokens = np.where(exists.astype(bool), tokens, params.pad_token_id).astype(np.int32)
+    logps = np.where(exists.astype(bool), logps, 0.0).astype(np.float32)
+    thresholds = np.where(exists.astype(bool), thresholds, -np.inf).astype(np.float32)
+    truncated = ~np.any(np.asarray(is_eos(tokens, params.eos_token_ids)) & exists.astype(bool), axis=1)
     if "position_ids" in prompts.batch:
         ppos = np.asarray(jax.device_get(prompts.batch["position_ids"])).astype(np.int32)
     else:
@@ -322,9 +325,10 @@ def _assemble(prompts: DataProto, ids, mask, tokens, logps, thresholds, params: 
         "prompts": ids,
         "responses": tokens,
         "input_ids": np.concatenate([ids, tokens], axis=1),
-        "attention_mask": np.concatenate([mask, response_mask], axis=1),
+        "attention_mask": np.concatenate([mask, exists], axis=1),
         "position_ids": np.concatenate([ppos, rpos], axis=1),
-        "response_mask": response_mask,
+        "response_attention_mask": exists,
+        "loss_mask": exists.copy(),  # single-turn: the model wrote every existing token
         "rollout_log_probs": logps,
         "sampling_logit_threshold": thresholds,
         "truncated": truncated,

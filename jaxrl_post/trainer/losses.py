@@ -47,7 +47,7 @@ def entropy_mode(entropy_coeff: float) -> str:
 def actor_loss(c, log_prob, entropy, mb, counts):
     """(loss [] float32, metrics) of one micro-batch: policy loss [+ kl_loss_coef * KL] - entropy_coeff * H.
 
-    c: `steps.ActorLossConfig`; log_prob, entropy: `[b, R] float32` (current policy); mb: `response_mask`
+    c: `steps.ActorLossConfig`; log_prob, entropy: `[b, R] float32` (current policy); mb: `loss_mask`
     (loss mask), `advantages`, `old_log_probs` (unless c.on_policy), `ref_log_prob` (use_kl_loss), optional
     `rollout_log_probs` and `rollout_is_weights`, all `[b, R]`; counts: `core_algos.global_batch_info` of
     the whole mini-batch.
@@ -61,7 +61,7 @@ def actor_loss(c, log_prob, entropy, mb, counts):
         clip_ratio_c=c.clip_ratio_c,
         loss_agg_mode=c.loss_agg_mode,
     )
-    mask = mb["response_mask"]
+    mask = mb["loss_mask"]
     old = jax.lax.stop_gradient(log_prob) if c.on_policy else mb["old_log_probs"]
     pg_kw["rollout_is_weights"] = mb.get("rollout_is_weights")  # algorithm.rollout_correction.rollout_is
     pg_loss, pg_m = core_algos.compute_policy_loss(old, log_prob, mb["advantages"], mask, **pg_kw, **counts)
@@ -92,9 +92,9 @@ def actor_loss(c, log_prob, entropy, mb, counts):
 def critic_loss(c, vpreds, mb, counts):
     """(vf_loss [] float32, metrics) of one micro-batch: clipped value loss (c: `steps.CriticLossConfig`).
 
-    vpreds: `[b, R] float32`; mb: `response_mask`, `values` (rollout-time), `returns` `[b, R]`.
+    vpreds: `[b, R] float32`; mb: `loss_mask`, `values` (rollout-time), `returns` `[b, R]`.
     """
-    mask = mb["response_mask"]
+    mask = mb["loss_mask"]
     vf_loss, clipfrac = core_algos.compute_value_loss(
         vpreds, mb["returns"], mb["values"], mask, c.cliprange_value, c.loss_agg_mode, **counts
     )

@@ -93,7 +93,9 @@ def compute_data_metrics(
 
     Args:
       batch: numpy-convertible arrays: `token_level_scores [B,R]`, `token_level_rewards [B,R]`,
-        `advantages [B,R]`, `returns [B,R]`, `response_mask [B,R]`, `attention_mask [B,P+R]`,
+        `advantages [B,R]`, `returns [B,R]`, `loss_mask [B,R]` (the model's tokens: advantage, return and
+        value statistics), `response_attention_mask [B,R]` (the tokens that exist: lengths; defaults to
+        `loss_mask`), `attention_mask [B,P+R]`,
         `responses [B,R]`; `values [B,R]` when `use_critic`.
       use_critic: add `critic/values/*` and `critic/vf_explained_var`.
       max_prompt_length/max_response_length: for the `clip_ratio` metrics (default: the padded widths).
@@ -105,22 +107,23 @@ def compute_data_metrics(
       `response_length/{mean,max,min,clip_ratio}`, `prompt_length/{mean,max,min,clip_ratio}`.
     """
     g = lambda k: np.asarray(batch[k])
-    response_mask = g("response_mask").astype(np.float64)
-    r = response_mask.shape[-1]
+    loss_mask = g("loss_mask").astype(np.float64)
+    exists = g("response_attention_mask" if "response_attention_mask" in batch else "loss_mask")
+    r = loss_mask.shape[-1]
     attention_mask = g("attention_mask")
     prompt_mask = attention_mask[:, : attention_mask.shape[-1] - r]
     out: dict[str, float] = {}
     _stats("critic/score", g("token_level_scores").astype(np.float64).sum(-1), out)
     _stats("critic/rewards", g("token_level_rewards").astype(np.float64).sum(-1), out)
-    _stats("critic/advantages", _masked(g("advantages"), response_mask), out)
-    _stats("critic/returns", _masked(g("returns"), response_mask), out)
+    _stats("critic/advantages", _masked(g("advantages"), loss_mask), out)
+    _stats("critic/returns", _masked(g("returns"), loss_mask), out)
     if use_critic:
-        values = _masked(g("values"), response_mask)
-        returns = _masked(g("returns"), response_mask)
+        values = _masked(g("values"), loss_mask)
+        returns = _masked(g("returns"), loss_mask)
         _stats("critic/values", values, out)
         var_r = np.var(returns) if returns.size else 0.0
         out["critic/vf_explained_var"] = float(1.0 - np.var(returns - values) / (var_r + 1e-5))
-    resp_len = response_mask.sum(-1)
+    resp_len = exists.astype(np.float64).sum(-1)
     max_r = max_response_length or r
     _stats("response_length", resp_len, out)
     out["response_length/clip_ratio"] = float(np.mean(resp_len >= max_r))

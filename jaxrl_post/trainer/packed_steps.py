@@ -43,14 +43,14 @@ from jaxrl_post.trainer.steps import ActorLossConfig, CriticLossConfig, _apply, 
 PACK_KEYS = ("input_ids", "segment_ids", "positions", "slot_pos", "slot_tokens", "seq_slot", "seq_index")
 OPTIONAL_PACK_KEYS = ("slot_threshold",)  # rollout.sampling_mask_replay
 ACTOR_SEQ_KEYS = (
-    "response_mask",
+    "loss_mask",
     "advantages",
     "old_log_probs",
     "ref_log_prob",
     "rollout_log_probs",
     "rollout_is_weights",
 )
-CRITIC_SEQ_KEYS = ("response_mask", "values", "returns")
+CRITIC_SEQ_KEYS = ("loss_mask", "values", "returns")
 
 
 def _hidden_at_slots(backbone, mb) -> jax.Array:
@@ -191,7 +191,7 @@ def _accumulate_packed(loss_fn: Callable, params, batch, seq_keys):
     micro-batches cost nothing and every shape stays static (no `lax.cond`: on XLA:CPU its branches each
     keep their own gradient buffers)."""
     pack, seqs = _split(batch, seq_keys)
-    counts = core_algos.global_batch_info(seqs["response_mask"])
+    counts = core_algos.global_batch_info(seqs["loss_mask"])
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def grads_of(mb):
@@ -228,7 +228,7 @@ def make_packed_actor_update(
     `steps.make_actor_update` on a packed mini-batch (same loss, metrics and names; `frozen`: a LoRA model's
     base params, `params` then are its adapters).
 
-    batch: the `packing.pack_batch` arrays of the mini-batch + `[M, R]` fields `response_mask` (loss mask),
+    batch: the `packing.pack_batch` arrays of the mini-batch + `[M, R]` fields `loss_mask`,
     `advantages`, `old_log_probs` (unless on_policy), `ref_log_prob` (use_kl_loss), optional
     `rollout_log_probs`. With `entropy_coeff == 0` the entropy is a metric only (no backward graph).
     """
@@ -260,7 +260,7 @@ def make_packed_critic_update(
     on_trace: Callable[[], None] | None = None,
 ) -> Callable:
     """Pure `fn(params, opt_state, batch) -> (params, opt_state, metrics)`: `steps.make_critic_update` on a
-    packed mini-batch. batch: `packing.pack_batch` arrays + `[M, R]` `response_mask`, `values`, `returns`."""
+    packed mini-batch. batch: `packing.pack_batch` arrays + `[M, R]` `loss_mask`, `values`, `returns`."""
     c = loss_cfg
 
     def loss_fn(params, mb, mb_seqs, counts):

@@ -180,11 +180,11 @@ def response_values(critic: nnx.Module, batch: dict[str, jax.Array]) -> jax.Arra
 _FWD_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "sampling_logit_threshold")
 
 
-def compute_loss_mask(response_mask, truncated, drop_truncated: bool):
-    """Loss mask `[B, R] int32`: the response mask, with every token of truncated responses (no EOS within
-    R, `truncated [B] bool`) removed when `drop_truncated` -- they leave numerator and denominator of
-    every `loss_agg_mode`."""
-    mask = jnp.asarray(response_mask).astype(jnp.int32)
+def compute_loss_mask(loss_mask, truncated, drop_truncated: bool):
+    """The tokens the update trains, `[B, R] int32`: the rollout's `loss_mask` (the model's own tokens), with
+    every token of truncated responses (no EOS within R, `truncated [B] bool`) removed when `drop_truncated`
+    -- they leave numerator and denominator of every `loss_agg_mode`."""
+    mask = jnp.asarray(loss_mask).astype(jnp.int32)
     if not drop_truncated:
         return mask
     return mask * (~jnp.asarray(truncated, bool))[:, None].astype(jnp.int32)
@@ -256,7 +256,7 @@ def make_value_fn(
 def _accumulate(loss_fn: Callable, params, batch: dict[str, jax.Array], n_micro: int):
     """Sum of `grad(loss_fn)(params, micro, counts)` and of its aux metrics over `n_micro` micro-batches
     (lax.scan); gradients only w.r.t. `params` (a LoRA model's frozen base is bound into `loss_fn`)."""
-    counts = core_algos.global_batch_info(batch["response_mask"])
+    counts = core_algos.global_batch_info(batch["loss_mask"])
     micro = jax.tree.map(lambda x: to_micro(x, n_micro), batch)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     zero_grads = jax.tree.map(jnp.zeros_like, params)
@@ -284,7 +284,7 @@ ACTOR_BATCH_KEYS = (
     "attention_mask",
     "position_ids",
     "responses",
-    "response_mask",
+    "loss_mask",
     "advantages",
     "old_log_probs",
     "ref_log_prob",
@@ -307,7 +307,7 @@ def make_actor_update(
     step on `params` (all params, or a LoRA model's adapters with its frozen base as `frozen`).
 
     batch (mini-batch, M rows): `input_ids`, `attention_mask`, `position_ids` `[M, T]`; `responses`,
-    `response_mask` (the loss mask) `[M, R]`; `advantages [M, R] float32`; `old_log_probs [M, R]` unless
+    `loss_mask` (the tokens to train) `[M, R]`; `advantages [M, R] float32`; `old_log_probs [M, R]` unless
     `loss_cfg.on_policy`; `ref_log_prob [M, R]` when `use_kl_loss`; optional `rollout_log_probs [M, R]`
     (only for the `training/rollout_probs_diff_*` diagnostics).
 
@@ -336,7 +336,7 @@ def make_actor_update(
     return fn
 
 
-CRITIC_BATCH_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask", "values", "returns")
+CRITIC_BATCH_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "loss_mask", "values", "returns")
 
 
 def make_critic_update(
@@ -350,7 +350,7 @@ def make_critic_update(
 ) -> Callable:
     """Pure `fn(params, opt_state, batch) -> (params, opt_state, metrics)`: one clipped value-loss step.
 
-    batch: `input_ids`, `attention_mask`, `position_ids` `[M, T]`; `responses`, `response_mask`,
+    batch: `input_ids`, `attention_mask`, `position_ids` `[M, T]`; `responses`, `loss_mask`,
     `values` (rollout-time critic values), `returns` `[M, R]`. Metrics: vf_loss, vf_clipfrac, vpred_mean,
     grad_norm, update_skipped (verl `critic/*`).
     """
@@ -385,29 +385,30 @@ def make_advantage_fn(
     kl_penalty: str,
     on_trace: Callable[[], None] | None = None,
 ) -> Callable:
-    """Pure `fn(scores, response_mask, index, kl_coef, old_log_probs, ref_log_prob, values, baselines)
+    """Pure `fn(scores, loss_mask, index, kl_coef, old_log_probs, ref_log_prob, values, baselines)
     -> (token_level_rewards, current_kl, advantages, returns)`; wrap with `jax.jit` (one small program
     instead of dozens of eagerly dispatched ops per step).
 
-    scores `[B, R] float32` (token-level scores), response_mask `[B, R]`, index `[B] int32` group ids
+    scores `[B, R] float32` (token-level scores), loss_mask `[B, R]` (the model's own tokens: advantages,
+    returns and the KL penalty live only there; verl's agent-loop `response_mask`), index `[B] int32` group ids
     (prompt uid), kl_coef `[] float32` (traced: an adaptive controller does not recompile),
     old/ref log-probs `[B, R]` (used only with `use_kl_in_reward`), values `[B, R]` (gae) or None,
     baselines `[B]` (remax) or None. KL only on response tokens (verl `apply_kl_penalty`).
     """
 
-    def fn(scores, response_mask, index, kl_coef, old_log_probs, ref_log_prob, values, baselines):
+    def fn(scores, loss_mask, index, kl_coef, old_log_probs, ref_log_prob, values, baselines):
         if on_trace is not None:
             on_trace()
         if use_kl_in_reward:
             rewards, kl = core_algos.apply_kl_penalty(
-                scores, old_log_probs, ref_log_prob, response_mask, kl_coef, kl_penalty
+                scores, old_log_probs, ref_log_prob, loss_mask, kl_coef, kl_penalty
             )
         else:
             rewards, kl = jnp.asarray(scores, jnp.float32), jnp.zeros((), jnp.float32)
         adv, ret = core_algos.compute_advantage(
             adv_estimator,
             token_level_rewards=rewards,
-            response_mask=response_mask,
+            response_mask=loss_mask,
             index=index,
             values=values,
             reward_baselines=baselines,

@@ -190,9 +190,9 @@ class RLTrainer(RolesMixin, RolloutMixin, UpdatesMixin, CheckpointMixin):
             metrics.update(reward_metrics)
             baselines = b.get("reward_baselines")
 
-            b["loss_mask"] = _np(
-                steps.compute_loss_mask(b["response_mask"], b["truncated"], bool(cfg.actor.drop_truncated))
-            )
+            # b["loss_mask"]: the model's own tokens (rollout); train_mask: the tokens the updates train (minus
+            # dropped truncated responses and rejected tokens; advantages keep the rollout's loss_mask)
+            train_mask = _np(steps.compute_loss_mask(b["loss_mask"], b["truncated"], bool(cfg.actor.drop_truncated)))
             if cfg.actor.drop_truncated:
                 metrics["actor/num_dropped_truncated"] = float(np.sum(b["truncated"]))
 
@@ -218,14 +218,15 @@ class RLTrainer(RolesMixin, RolloutMixin, UpdatesMixin, CheckpointMixin):
                     )
 
             if self.use_rollout_corr:  # IS weights / rejection mask from log(pi_old / pi_rollout), whole batch
-                metrics.update(self._rollout_correction(b))
+                train_mask, corr_metrics = self._rollout_correction(b, train_mask)
+                metrics.update(corr_metrics)
 
             # -- KL in reward, advantages
             with _timer("adv", timing):
                 _, index = np.unique(np.asarray(nt["uid"]), return_inverse=True)
                 rewards, current_kl, adv, ret = self._advantage(
                     b["token_level_scores"],
-                    b["response_mask"],
+                    b["loss_mask"],
                     index.astype(np.int32).reshape(-1),
                     np.float32(self.kl_ctrl.value),
                     b.get("old_log_probs"),
@@ -243,10 +244,10 @@ class RLTrainer(RolesMixin, RolloutMixin, UpdatesMixin, CheckpointMixin):
             rng = np.random.default_rng(shuffle_seed)
             if self.use_critic:
                 with _timer("update_critic", timing):
-                    metrics.update(self._update_critic(b, rng))
+                    metrics.update(self._update_critic(b, train_mask, rng))
             if self.global_steps >= int(cfg.trainer.critic_warmup):
                 with _timer("update_actor", timing):
-                    metrics.update(self._update_actor(b, rng))
+                    metrics.update(self._update_actor(b, train_mask, rng))
                 self.sync_weights()
 
         self.global_steps += 1

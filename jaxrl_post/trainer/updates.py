@@ -29,7 +29,8 @@ def minibatches(n_rows: int, mini: int, epochs: int, shuffle: bool, rng: np.rand
 class UpdatesMixin:
     """Actor/critic update loops and per-step metrics of `RLTrainer` (see the module docstring)."""
 
-    def _update_actor(self, b: dict[str, np.ndarray], rng) -> dict[str, float]:
+    def _update_actor(self, b: dict[str, np.ndarray], train_mask: np.ndarray, rng) -> dict[str, float]:
+        """Actor updates over shuffled mini-batches of `b`, training the tokens of `train_mask [B, R]`."""
         a = self.config.actor
         keys = ["input_ids", "attention_mask", "position_ids", "responses", "advantages", "rollout_log_probs"]
         keys += [k for k in ("sampling_logit_threshold", "rollout_is_weights") if k in b]
@@ -38,7 +39,7 @@ class UpdatesMixin:
         out = []
         for idx in minibatches(self.batch_size, self.actor_mini, int(a.ppo_epochs), bool(a.shuffle), rng):
             mb = {k: b[k][idx] for k in keys}
-            mb["response_mask"] = b["loss_mask"][idx]
+            mb["loss_mask"] = train_mask[idx]
             put = self._put(mb) if self.actor_spec is None else self._put_packed(self._pack(mb, self.actor_spec))
             args = (self.actor_params, self.actor_opt_state, put)
             if self.actor_frozen is not None:  # LoRA: the adapters are trained, the base is an argument
@@ -58,38 +59,39 @@ class UpdatesMixin:
             res["actor/kl_coef"] = float(a.kl_loss_coef)
         return res
 
-    def _rollout_correction(self, b: dict[str, np.ndarray]) -> dict[str, float]:
+    def _rollout_correction(self, b: dict[str, np.ndarray], train_mask: np.ndarray) -> tuple[np.ndarray, dict]:
         """verl's rollout correction on the whole batch (`rollout_corr.compute_rollout_correction_and_rejection_mask`):
         `b["rollout_is_weights"] [B, R]` (IS on) multiplies the per-token policy loss after clipping; rejected
-        tokens leave `b["loss_mask"]` (actor and critic losses, every `loss_agg_mode` normaliser); advantages
-        keep the response mask. Returns the `rollout_corr/*` and `training/rollout_probs_diff_*` metrics."""
+        tokens leave `train_mask` (actor and critic losses, every `loss_agg_mode` normaliser); advantages
+        keep the rollout's `loss_mask`. Returns `(train_mask [B, R] int32, metrics)`: the `rollout_corr/*` and
+        `training/rollout_probs_diff_*` metrics."""
         from jaxrl_post.rollout_corr import compute_rollout_correction_and_rejection_mask
 
         rc = self.config.algorithm.rollout_correction
-        if not np.any(b["loss_mask"]):
-            return {}
+        if not np.any(train_mask):
+            return train_mask, {}
         weights, mask, metrics = compute_rollout_correction_and_rejection_mask(
             b["old_log_probs"],
             b["rollout_log_probs"],
-            b["loss_mask"],
+            train_mask,
             rollout_is=rc.rollout_is,
             rollout_is_threshold=rc.rollout_is_threshold,
             rollout_is_batch_normalize=bool(rc.rollout_is_batch_normalize),
             rollout_rs=rc.rollout_rs,
             rollout_rs_threshold=rc.rollout_rs_threshold,
         )
-        b["loss_mask"] = np.asarray(mask).astype(np.int32)
         if weights is not None:
             b["rollout_is_weights"] = np.asarray(weights, np.float32)
-        return {k: float(v) for k, v in jax.device_get(metrics).items()}
+        return np.asarray(mask).astype(np.int32), {k: float(v) for k, v in jax.device_get(metrics).items()}
 
-    def _update_critic(self, b: dict[str, np.ndarray], rng) -> dict[str, float]:
+    def _update_critic(self, b: dict[str, np.ndarray], train_mask: np.ndarray, rng) -> dict[str, float]:
+        """Critic updates over shuffled mini-batches of `b`, fitting values on the tokens of `train_mask`."""
         c = self.config.critic
         keys = ["input_ids", "attention_mask", "position_ids", "responses", "values", "returns"]
         out = []
         for idx in minibatches(self.batch_size, self.critic_mini, int(c.ppo_epochs), bool(c.shuffle), rng):
             mb = {k: b[k][idx] for k in keys}
-            mb["response_mask"] = b["loss_mask"][idx]
+            mb["loss_mask"] = train_mask[idx]
             put = self._put(mb) if self.critic_spec is None else self._put_packed(self._pack(mb, self.critic_spec))
             self.critic_params, self.critic_opt_state, m = self._critic_update(
                 self.critic_params, self.critic_opt_state, put
@@ -111,7 +113,7 @@ class UpdatesMixin:
             max_response_length=self.response_length,
         )
         n_prompt_tok = int(b["attention_mask"][:, : -self.response_length].sum())
-        n_resp_tok = int(b["response_mask"].sum())
+        n_resp_tok = int(b["response_attention_mask"].sum())
         m.update(metrics_lib.compute_timing_metrics(timing, n_prompt_tok, n_resp_tok))
         m.update(metrics_lib.compute_throughput_metrics(n_prompt_tok + n_resp_tok, timing["step"], self.n_devices))
         if "update_actor" in timing:

@@ -110,7 +110,7 @@ def _rows_of(out, res, reward_fn, n: int) -> dict[str, Any]:
     extras = {k: np.asarray(v, np.float64) for k, v in res.extra_infos.items() if np.asarray(v).dtype.kind == "f"}
     return dict(
         scores=np.asarray(res.scores, np.float64),
-        lengths=np.asarray(out.batch["response_mask"]).sum(-1),
+        lengths=np.asarray(out.batch["response_attention_mask"]).sum(-1),
         sources=np.asarray(nt["data_source"]),
         uids=list(nt["uid"]),
         preds=preds,
