@@ -69,14 +69,14 @@ def get_base_config() -> mlc.ConfigDict:
     # rows pack tighter (responses longer than half of max_response_length fill one-sequence rows badly) but
     # attention over a row costs row_len^2 (masked across sequences, not skipped). On SmolLM2, 1 was 5-7% faster
     # with responses of 40-128 tokens (P + R = 184) but slower in the default run (P + R = 104, short answers:
-    # a sequence over half a row takes the whole row); see README "GRPO step speed".
+    # a sequence over half a row takes the whole row); see docs/performance.md.
     c.model.seqs_per_packed_row = 2  # packed rows of this many max-length sequences (ours; 1 = rows of P + R)
     # Sequences with equal prompts (the rollout.n samples of a prompt) share one copy of the prompt per packed
     # row chunk: their responses attend to it, so the prompt is computed once per chunk, not once per sample.
     # Same losses and gradients (float roundoff, tested). Takes effect only with rollout.n > 1 (with n = 1 no
     # prompt repeats and the shared layout's larger LM-head slot count would only cost). An actor update on
     # SmolLM2 (32 x (P 56 + R <= 48), 8 samples per prompt) took 9.9 s shared vs 15.7 s with the default run's
-    # 10-30-token answers, 16.7 vs 19.3 s with 40-48-token ones (scripts/bench_update.py, README).
+    # 10-30-token answers, 16.7 vs 19.3 s with 40-48-token ones (scripts/bench_update.py, docs/performance.md).
     c.model.pack_shared_prompts = True  # one prompt copy per packed row chunk when rollout.n > 1 (ours; packed only)
     # LoRA (verl's keys): adapters on the decoder projections; only they (and their AdamW moments) are trained
     # and checkpointed, the reference policy is the same model with the adapters off, the rollout runs with

@@ -1,7 +1,7 @@
 """GRPO (verl's `algorithm.adv_estimator=grpo`, no critic) configs.
 
 Variants (`--config=configs/grpo.py:VARIANT`):
-  (default)  SmolLM2-135M-Instruct on a reasoning-gym task, 11-12 min on a 2-core CPU (README "Results").
+  (default)  SmolLM2-135M-Instruct on a reasoning-gym task, 11-12 min on a 2-core CPU (docs/results.md).
   gsm8k      GSM8K (raw jsonl, verl's prompt suffix) from `<repo>/../shared/data/gsm8k` (or data.*_files).
   lora       the default run with LoRA (rank 16, alpha 32, all linear projections; higher lr): only the adapters
              and their AdamW moments are trained and checkpointed, the reference is the base model.
@@ -34,7 +34,7 @@ def _default(c):
     c.rollout.n = 8
     c.rollout.temperature = 1.0
     # Small packed micro-batches (2 rows of 2 x 104 tokens here): on a CPU their activations stay in cache, so
-    # the update ran 1.15x faster than at 8 (scripts/bench_update.py, README "GRPO step speed") and needs less
+    # the update ran 1.15x faster than at 8 (scripts/bench_update.py, docs/performance.md) and needs less
     # memory; on an accelerator raise these (or use actor.use_dynamic_bsz with a token budget).
     c.rollout.log_prob_micro_batch_size = 4
     c.ref.log_prob_micro_batch_size = 4

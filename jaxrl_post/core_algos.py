@@ -332,7 +332,8 @@ def compute_policy_loss(
       log_prob: ``[B, R] float32`` log-probs of the current policy (differentiated).
       advantages: ``[B, R] float32``. response_mask: ``[B, R]`` 0/1.
       loss_mode: ``vanilla`` | ``gspo`` | ``gpg`` | ``cispo``.
-      clip_ratio_low / clip_ratio_high: eps_low / eps_high (clip-higher). clip_ratio_c: dual-clip bound (> 1),
+      clip_ratio_low: eps_low (clip-higher).
+      clip_ratio_high: eps_high (clip-higher). clip_ratio_c: dual-clip bound (> 1),
         applied only where the advantage is negative (vanilla).
       loss_agg_mode: static, see :func:`agg_loss`; ``agg_kwargs``: ``global_batch_tokens``,
         ``global_batch_size``, ``loss_scale_factor`` forwarded to :func:`agg_loss`.

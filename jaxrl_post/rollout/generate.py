@@ -122,7 +122,8 @@ class Generator:
         Its current parameters are read at every call (``nnx.split``), so in-place updates are seen.
       mesh: optional ``Mesh`` with axes ('data','fsdp','tensor'); the batch is sharded over
         ('data','fsdp'). Params must already be placed on this mesh.
-      prompt_buckets / batch_buckets: allowed padded sizes (None = powers of two; prompt >= 16).
+      prompt_buckets: allowed padded prompt lengths (None = powers of two, >= 16).
+      batch_buckets: allowed padded batch sizes (None = powers of two).
       decode_chunk: decode steps per ``lax.scan`` chunk (the early-exit check runs between chunks).
       cache_dtype: KV cache dtype. None (default): the model's compute dtype, except float32 for a
         16-bit compute dtype on CPU (``kv_cache_dtype``): XLA:CPU widens a 16-bit dynamic-update-slice to
