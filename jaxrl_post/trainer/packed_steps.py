@@ -36,21 +36,15 @@ import optax
 from flax import nnx
 
 from jaxrl_post import core_algos
+from jaxrl_post.batch_keys import ACTOR_RESPONSE_KEYS, CRITIC_RESPONSE_KEYS
 from jaxrl_post.models.lora import set_lora_enabled
 from jaxrl_post.trainer import losses
 from jaxrl_post.trainer.steps import ActorLossConfig, CriticLossConfig, _apply, _merge
 
 PACK_KEYS = ("input_ids", "segment_ids", "positions", "slot_pos", "slot_tokens", "seq_slot", "seq_index")
 OPTIONAL_PACK_KEYS = ("slot_threshold",)  # rollout.sampling_mask_replay
-ACTOR_SEQ_KEYS = (
-    "loss_mask",
-    "advantages",
-    "old_log_probs",
-    "ref_log_prob",
-    "rollout_log_probs",
-    "rollout_is_weights",
-)
-CRITIC_SEQ_KEYS = ("loss_mask", "values", "returns")
+ACTOR_SEQ_KEYS = ACTOR_RESPONSE_KEYS
+CRITIC_SEQ_KEYS = CRITIC_RESPONSE_KEYS
 
 
 def _hidden_at_slots(backbone, mb) -> jax.Array:

@@ -16,11 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxrl_post.batch_keys import FORWARD_KEYS, TOKEN_KEYS
 from jaxrl_post.sharding import init_opt_state
 from jaxrl_post.trainer import builders, packed_steps, packing, steps
 from jaxrl_post.trainer.config_check import dynamic_bsz
-
-_FWD_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "sampling_logit_threshold")
 
 
 def to_numpy(x) -> np.ndarray:
@@ -251,7 +250,7 @@ class RolesMixin:
     def _pack(self, mb: dict[str, np.ndarray], spec: packing.PackSpec) -> dict[str, np.ndarray]:
         """`[M, ...]` host mini-batch -> the packed step's input: packing plan + the `[M, R]` fields."""
         packed = packing.pack_batch(mb, spec)
-        rest = {k: v for k, v in mb.items() if k not in ("input_ids", "attention_mask", "position_ids")}
+        rest = {k: v for k, v in mb.items() if k not in TOKEN_KEYS}
         return dict(rest, **packed)
 
     def _forward(
@@ -265,9 +264,9 @@ class RolesMixin:
         fn = InMesh(fn, self.mesh if self.n_devices > 1 else None)
         extra = () if frozen is None else (frozen,)
         if spec is not None:
-            packed = self._put_packed(self._pack({k: batch[k] for k in _FWD_KEYS if k in batch}, spec))
+            packed = self._put_packed(self._pack({k: batch[k] for k in FORWARD_KEYS if k in batch}, spec))
             return jax.tree.map(to_numpy, fn(params, packed, *extra))
-        arrays, pad = builders.pad_rows({k: batch[k] for k in _FWD_KEYS if k in batch}, micro)
+        arrays, pad = builders.pad_rows({k: batch[k] for k in FORWARD_KEYS if k in batch}, micro)
         out = fn(params, self._put(arrays), *extra)
         out = jax.tree.map(lambda x: to_numpy(x)[: arrays["input_ids"].shape[0] - pad], out)
         return out

@@ -33,6 +33,7 @@ import optax
 from flax import nnx
 
 from jaxrl_post import core_algos
+from jaxrl_post.batch_keys import ACTOR_UPDATE_KEYS, CRITIC_UPDATE_KEYS, FORWARD_KEYS
 from jaxrl_post.models.lora import set_lora_enabled
 from jaxrl_post.trainer import losses
 
@@ -177,9 +178,6 @@ def response_values(critic: nnx.Module, batch: dict[str, jax.Array]) -> jax.Arra
     return values[:, t - r - 1 : t - 1].astype(jnp.float32)
 
 
-_FWD_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "sampling_logit_threshold")
-
-
 def compute_loss_mask(loss_mask, truncated, drop_truncated: bool):
     """The tokens the update trains, `[B, R] int32`: the rollout's `loss_mask` (the model's own tokens), with
     every token of truncated responses (no EOS within R, `truncated [B] bool`) removed when `drop_truncated`
@@ -214,7 +212,7 @@ def make_log_prob_fn(
     def fn(params, batch, frozen=None):
         if on_trace is not None:
             on_trace()
-        batch = {k: batch[k] for k in _FWD_KEYS if k in batch}
+        batch = {k: batch[k] for k in FORWARD_KEYS if k in batch}
         b = batch["input_ids"].shape[0]
         n_micro = b // micro_batch_size
         model = _merge(graphdef, params, frozen, rest)
@@ -241,7 +239,7 @@ def make_value_fn(
     def fn(params, batch):
         if on_trace is not None:
             on_trace()
-        batch = {k: batch[k] for k in _FWD_KEYS if k in batch}
+        batch = {k: batch[k] for k in FORWARD_KEYS if k in batch}
         n_micro = batch["input_ids"].shape[0] // micro_batch_size
         critic = nnx.merge(graphdef, params, rest)
         micro = jax.tree.map(lambda x: to_micro(x, n_micro), batch)
@@ -279,21 +277,6 @@ def _apply(tx: optax.GradientTransformation, params, opt_state, grads, loss):
     return apply_if_finite(tx, params, opt_state, grads, loss)
 
 
-ACTOR_BATCH_KEYS = (
-    "input_ids",
-    "attention_mask",
-    "position_ids",
-    "responses",
-    "loss_mask",
-    "advantages",
-    "old_log_probs",
-    "ref_log_prob",
-    "rollout_log_probs",
-    "sampling_logit_threshold",
-    "rollout_is_weights",
-)
-
-
 def make_actor_update(
     graphdef: nnx.GraphDef,
     rest: nnx.State,
@@ -327,16 +310,13 @@ def make_actor_update(
     def fn(params, opt_state, batch, frozen=None):
         if on_trace is not None:
             on_trace()
-        batch = {k: batch[k] for k in ACTOR_BATCH_KEYS if k in batch}
+        batch = {k: batch[k] for k in ACTOR_UPDATE_KEYS if k in batch}
         loss, aux, grads, _ = _accumulate(partial(loss_fn, frozen=frozen), params, batch, n_micro)
         params, opt_state, grad_norm, finite = _apply(tx, params, opt_state, grads, loss)
         aux = dict(aux, loss=loss, grad_norm=grad_norm, update_skipped=1.0 - finite.astype(jnp.float32))
         return params, opt_state, aux
 
     return fn
-
-
-CRITIC_BATCH_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "loss_mask", "values", "returns")
 
 
 def make_critic_update(
@@ -363,7 +343,7 @@ def make_critic_update(
     def fn(params, opt_state, batch):
         if on_trace is not None:
             on_trace()
-        batch = {k: batch[k] for k in CRITIC_BATCH_KEYS if k in batch}
+        batch = {k: batch[k] for k in CRITIC_UPDATE_KEYS if k in batch}
         loss, aux, grads, _ = _accumulate(loss_fn, params, batch, n_micro)
         params, opt_state, grad_norm, finite = _apply(tx, params, opt_state, grads, loss)
         aux = dict(aux, grad_norm=grad_norm, update_skipped=1.0 - finite.astype(jnp.float32))

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import jax
 import numpy as np
 
+from jaxrl_post.batch_keys import ACTOR_UPDATE_KEYS, CRITIC_UPDATE_KEYS
 from jaxrl_post.protocol import DataProto
 from jaxrl_post.trainer import metrics as metrics_lib
 
@@ -32,10 +33,9 @@ class UpdatesMixin:
     def _update_actor(self, b: dict[str, np.ndarray], train_mask: np.ndarray, rng) -> dict[str, float]:
         """Actor updates over shuffled mini-batches of `b`, training the tokens of `train_mask [B, R]`."""
         a = self.config.actor
-        keys = ["input_ids", "attention_mask", "position_ids", "responses", "advantages", "rollout_log_probs"]
-        keys += [k for k in ("sampling_logit_threshold", "rollout_is_weights") if k in b]
-        keys += [] if self.on_policy else ["old_log_probs"]
-        keys += ["ref_log_prob"] if a.use_kl_loss else []
+        skip = {"loss_mask"} | ({"old_log_probs"} if self.on_policy else set())
+        skip |= set() if a.use_kl_loss else {"ref_log_prob"}  # KL in reward only: the update does not need it
+        keys = [k for k in ACTOR_UPDATE_KEYS if k in b and k not in skip]
         out = []
         for idx in minibatches(self.batch_size, self.actor_mini, int(a.ppo_epochs), bool(a.shuffle), rng):
             mb = {k: b[k][idx] for k in keys}
@@ -87,7 +87,7 @@ class UpdatesMixin:
     def _update_critic(self, b: dict[str, np.ndarray], train_mask: np.ndarray, rng) -> dict[str, float]:
         """Critic updates over shuffled mini-batches of `b`, fitting values on the tokens of `train_mask`."""
         c = self.config.critic
-        keys = ["input_ids", "attention_mask", "position_ids", "responses", "values", "returns"]
+        keys = [k for k in CRITIC_UPDATE_KEYS if k != "loss_mask"]
         out = []
         for idx in minibatches(self.batch_size, self.critic_mini, int(c.ppo_epochs), bool(c.shuffle), rng):
             mb = {k: b[k][idx] for k in keys}
