@@ -301,7 +301,7 @@ def validate_config(cfg: Any, n_devices: int | None = None) -> None:
         err("actor.policy_loss.loss_mode", f"unknown policy loss; valid: {POLICY_LOSS_REGISTRY.names()}")
     for key, value in cfg.actor.policy_loss.items():
         if key != "loss_mode" and not is_num(value):
-            err(f"actor.policy_loss.{key}", f"{value!r}: must be a number (a policy-loss hyper-parameter)")
+            err(f"actor.policy_loss.{key}", "must be a number (a policy-loss hyper-parameter)")
     for key in ("clip_cov_ratio", "kl_cov_ratio"):
         check(f"actor.policy_loss.{key}", lambda v: is_num(v) and 0 < v <= 1, "must be in (0, 1]")
     for key in ("tau_pos", "tau_neg"):
