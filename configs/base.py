@@ -153,7 +153,14 @@ def get_base_config() -> mlc.ConfigDict:
         "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
     )
     c.actor.policy_loss = mlc.ConfigDict()
-    c.actor.policy_loss.loss_mode = "vanilla"  # core_algos.POLICY_LOSSES key (vanilla, gspo, clip_cov, ...)
+    c.actor.policy_loss.loss_mode = "vanilla"  # a registered policy loss (docs/algorithms.md)
+    c.actor.policy_loss.clip_cov_ratio = 0.0002  # clip_cov: fraction of tokens whose gradient is cut
+    c.actor.policy_loss.clip_cov_lb = 1.0  # clip_cov: lower bound of the covariance of candidate tokens
+    c.actor.policy_loss.clip_cov_ub = 5.0  # clip_cov: upper bound of the covariance of candidate tokens
+    c.actor.policy_loss.kl_cov_ratio = 0.0002  # kl_cov: fraction of tokens given the KL penalty
+    c.actor.policy_loss.ppo_kl_coef = 0.1  # kl_cov: coefficient of the |log ratio| penalty
+    c.actor.policy_loss.tau_pos = 1.0  # sapo: gate temperature where A > 0 (verl: actor.tau_pos)
+    c.actor.policy_loss.tau_neg = 1.05  # sapo: gate temperature where A <= 0 (verl: actor.tau_neg)
     c.actor.entropy_coeff = 0.0  # loss -= entropy_coeff * entropy
     c.actor.use_kl_loss = False  # add kl_loss_coef * KL(actor || ref) to the loss (GRPO style)
     c.actor.kl_loss_coef = 0.001  # weight of the KL loss
@@ -211,7 +218,7 @@ def get_base_config() -> mlc.ConfigDict:
 
     # ---------------------------------------------------------------- algorithm
     c.algorithm = mlc.ConfigDict()
-    c.algorithm.adv_estimator = "grpo"  # core_algos.ADV_ESTIMATORS key (gae, grpo, rloo, reinforce_plus_plus, ...)
+    c.algorithm.adv_estimator = "grpo"  # a registered advantage estimator (docs/algorithms.md)
     c.algorithm.gamma = 1.0  # GAE discount
     c.algorithm.lam = 1.0  # GAE lambda
     c.algorithm.norm_adv_by_std_in_grpo = True  # GRPO: divide by group std (False = Dr.GRPO)
@@ -311,6 +318,8 @@ _VERL_KEYS_TEXT = """
     data.max_response_length data.filter_overlong_prompts data.truncation data.shuffle data.seed
     actor.ppo_mini_batch_size actor.ppo_micro_batch_size actor.ppo_epochs actor.shuffle actor.clip_ratio
     actor.clip_ratio_low actor.clip_ratio_high actor.clip_ratio_c actor.loss_agg_mode actor.policy_loss.loss_mode
+    actor.policy_loss.clip_cov_ratio actor.policy_loss.clip_cov_lb actor.policy_loss.clip_cov_ub
+    actor.policy_loss.kl_cov_ratio actor.policy_loss.ppo_kl_coef
     actor.entropy_coeff actor.use_kl_loss actor.kl_loss_coef actor.kl_loss_type actor.grad_clip
     actor.optim.lr actor.optim.lr_warmup_steps actor.optim.lr_warmup_steps_ratio actor.optim.warmup_style
     actor.optim.min_lr_ratio actor.optim.weight_decay actor.optim.betas

@@ -1,7 +1,9 @@
 """Advantage estimators: verl's ``compute_*_advantage`` functions and ``compute_advantage``, as JAX arrays.
 
-Each estimator returns ``(advantages [B, R] float32, returns [B, R] float32)``, 0 outside the response
-mask. Group ids (``index``) are ``[B]`` integers in any order (verl's ``uid``); host-side callers may also
+Each estimator registers with ``@register_adv_est(name, needs=...)`` (:mod:`jaxrl_post.registry`), declaring
+the inputs it consumes; :func:`compute_advantage` passes exactly those, so a new estimator is one decorated
+function here plus its test. Each returns ``(advantages [B, R] float32, returns [B, R] float32)``, 0 outside
+the response mask. Group ids (``index``) are ``[B]`` integers in any order (verl's ``uid``); host-side callers may also
 pass a numpy array of strings/objects (mapped with ``np.unique``; not possible under jit). Conventions
 (static strings/bools, float32 math, masks) as in :mod:`jaxrl_post.core_algos`, which re-exports all of
 this. Source: verl ``verl/trainer/ppo/core_algos.py``.
@@ -9,7 +11,6 @@ this. Source: verl ``verl/trainer/ppo/core_algos.py``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -17,6 +18,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_post.functional import _F32, _f32, _nonzero, masked_sum, masked_whiten
+from jaxrl_post.registry import (
+    ADV_ESTIMATOR_INPUTS,
+    ADV_ESTIMATORS,  # noqa: F401  (re-exported: name -> estimator, filled by the decorators below)
+    adv_estimator_needs,
+    get_adv_estimator_fn,
+    register_adv_est,
+)
+
+get_adv_estimator = get_adv_estimator_fn
 
 # ----------------------------------------------------------------------------------------------------------
 # Group statistics (segment ops over arbitrary-order group ids)
@@ -122,6 +132,7 @@ def compute_gae_raw(
     return jax.lax.stop_gradient(adv), jax.lax.stop_gradient(ret)
 
 
+@register_adv_est("gae", needs=("values", "gamma", "lam"))
 def compute_gae_advantage_return(
     token_level_rewards: jax.Array,
     values: jax.Array,
@@ -139,6 +150,7 @@ def compute_gae_advantage_return(
     return jnp.where(valid, masked_whiten(adv, response_mask), 0.0), ret
 
 
+@register_adv_est("grpo", needs=("index", "epsilon", "norm_adv_by_std_in_grpo"))
 def compute_grpo_outcome_advantage(
     token_level_rewards: jax.Array,
     response_mask: jax.Array,
@@ -169,6 +181,7 @@ def compute_grpo_outcome_advantage(
     return out, out
 
 
+@register_adv_est("grpo_passk", needs=("index", "epsilon", "norm_adv_by_std_in_grpo"))
 def compute_grpo_passk_outcome_advantage(
     token_level_rewards: jax.Array,
     response_mask: jax.Array,
@@ -199,6 +212,7 @@ def compute_grpo_passk_outcome_advantage(
     return out, out
 
 
+@register_adv_est("rloo", needs=("index", "epsilon"))
 def compute_rloo_outcome_advantage(
     token_level_rewards: jax.Array,
     response_mask: jax.Array,
@@ -220,6 +234,7 @@ def compute_rloo_outcome_advantage(
     return out, out
 
 
+@register_adv_est("reinforce_plus_plus", needs=("gamma",))
 def compute_reinforce_plus_plus_outcome_advantage(
     token_level_rewards: jax.Array,
     response_mask: jax.Array,
@@ -246,6 +261,7 @@ def compute_reinforce_plus_plus_outcome_advantage(
     return jnp.where(valid, masked_whiten(ret, response_mask), 0.0), ret
 
 
+@register_adv_est("reinforce_plus_plus_baseline", needs=("index", "epsilon"))
 def compute_reinforce_plus_plus_baseline_outcome_advantage(
     token_level_rewards: jax.Array,
     response_mask: jax.Array,
@@ -266,6 +282,7 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(
     return out, out
 
 
+@register_adv_est("remax", needs=("reward_baselines",))
 def compute_remax_outcome_advantage(
     token_level_rewards: jax.Array,
     reward_baselines: jax.Array,
@@ -285,6 +302,7 @@ def compute_remax_outcome_advantage(
     return jax.lax.stop_gradient(adv), jax.lax.stop_gradient(jnp.where(valid, ret, 0.0))
 
 
+@register_adv_est("opo", needs=("index", "epsilon"))
 def compute_opo_outcome_advantage(
     token_level_rewards: jax.Array,
     response_mask: jax.Array,
@@ -308,6 +326,7 @@ def compute_opo_outcome_advantage(
     return out, out
 
 
+@register_adv_est("gpg", needs=("index", "epsilon"))
 def compute_gpg_outcome_advantage(
     token_level_rewards: jax.Array,
     response_mask: jax.Array,
@@ -330,29 +349,6 @@ def compute_gpg_outcome_advantage(
     return out, out
 
 
-ADV_ESTIMATORS: dict[str, Callable[..., tuple[jax.Array, jax.Array]]] = {
-    "gae": compute_gae_advantage_return,
-    "grpo": compute_grpo_outcome_advantage,
-    "reinforce_plus_plus": compute_reinforce_plus_plus_outcome_advantage,
-    "reinforce_plus_plus_baseline": compute_reinforce_plus_plus_baseline_outcome_advantage,
-    "remax": compute_remax_outcome_advantage,
-    "rloo": compute_rloo_outcome_advantage,
-    "opo": compute_opo_outcome_advantage,
-    "gpg": compute_gpg_outcome_advantage,
-    "grpo_passk": compute_grpo_passk_outcome_advantage,
-}
-
-
-def get_adv_estimator(name: str) -> Callable[..., tuple[jax.Array, jax.Array]]:
-    """Look up ``algorithm.adv_estimator``. Raises ValueError listing the valid names.
-
-    Source: verl ``get_adv_estimator_fn``.
-    """
-    if name not in ADV_ESTIMATORS:
-        raise ValueError(f"Unknown adv_estimator {name!r}; valid names: {sorted(ADV_ESTIMATORS)}")
-    return ADV_ESTIMATORS[name]
-
-
 def compute_advantage(
     adv_estimator: str,
     *,
@@ -366,24 +362,28 @@ def compute_advantage(
     epsilon: float = 1e-6,
     norm_adv_by_std_in_grpo: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
-    """Call estimator ``adv_estimator`` (static) with the arguments it takes, as verl's ``compute_advantage``.
+    """Call estimator ``adv_estimator`` (static) with what it declared in ``register_adv_est(needs=...)``.
 
-    ``gae`` needs ``values``; ``remax`` needs ``reward_baselines``; group estimators need ``index``.
-    Returns ``(advantages, returns)`` ``[B, R] float32``. Raises ValueError on an unknown name or a missing input.
+    Args: ``token_level_rewards`` ``[B, R] float32``; ``response_mask`` ``[B, R]``; ``index`` ``[B]`` group
+    ids; ``values`` ``[B, R] float32``; ``reward_baselines`` ``[B] float32``; the hyper-parameters as in
+    ``algorithm.*``. Inputs and hyper-parameters the estimator did not declare are not passed.
+    Returns ``(advantages, returns)`` ``[B, R] float32``.
+    Raises ValueError on an unknown name, or when a declared input is None (naming estimator and input).
+    Source: verl ``compute_advantage`` (``ray_trainer.py``).
     """
-    fn = get_adv_estimator(adv_estimator)
-
-    def need(x, what):
-        if x is None:
-            raise ValueError(f"adv_estimator {adv_estimator!r} needs {what}")
-        return x
-
-    if adv_estimator == "gae":
-        return fn(token_level_rewards, need(values, "values"), response_mask, gamma, lam)
-    if adv_estimator == "reinforce_plus_plus":
-        return fn(token_level_rewards, response_mask, gamma)
-    if adv_estimator == "remax":
-        return fn(token_level_rewards, need(reward_baselines, "reward_baselines"), response_mask)
-    if adv_estimator in ("grpo", "grpo_passk"):
-        return fn(token_level_rewards, response_mask, need(index, "index"), epsilon, norm_adv_by_std_in_grpo)
-    return fn(token_level_rewards, response_mask, need(index, "index"), epsilon)
+    fn = get_adv_estimator_fn(adv_estimator)
+    given = dict(
+        index=index,
+        values=values,
+        reward_baselines=reward_baselines,
+        gamma=gamma,
+        lam=lam,
+        epsilon=epsilon,
+        norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
+    )
+    kwargs = {}
+    for need in adv_estimator_needs(adv_estimator):
+        if given[need] is None:
+            raise ValueError(f"adv_estimator {adv_estimator!r} needs {need} ({ADV_ESTIMATOR_INPUTS.get(need, need)})")
+        kwargs[need] = given[need]
+    return fn(token_level_rewards=token_level_rewards, response_mask=response_mask, **kwargs)

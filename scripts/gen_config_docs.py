@@ -1,7 +1,8 @@
-"""Generates `docs/config.md` (every config key: default, verl name, meaning) from `configs/base.py`.
+"""Generates `docs/config.md` (every config key: default, verl name, meaning) from `configs/base.py`, and
+the tables of registered advantage estimators and policy losses in `docs/algorithms.md`.
 
-    python scripts/gen_config_docs.py           # (re)write docs/config.md
-    python scripts/gen_config_docs.py --check   # exit 1 if docs/config.md is stale
+    python scripts/gen_config_docs.py           # (re)write docs/config.md and the tables of docs/algorithms.md
+    python scripts/gen_config_docs.py --check   # exit 1 if either is stale
 
 Where each piece comes from:
 - keys and defaults: the ConfigDict that `configs.base.get_base_config()` returns;
@@ -11,7 +12,11 @@ Where each piece comes from:
   (no blank line in between). Keys assigned inside a helper (`c.actor.optim = _optim(...)`) take the
   comments of the helper's statements (`o.lr = lr  # ...`);
 - sections: the `# ---------- name` header comments in `get_base_config`;
-- the verl column: `configs.base.verl_key` (keys listed in `configs.base.VERL_KEYS`).
+- the verl column: `configs.base.verl_key` (keys listed in `configs.base.VERL_KEYS`);
+- valid names of `algorithm.adv_estimator` / `actor.policy_loss.loss_mode`, and the algorithms tables: the
+  registries of `jaxrl_post.registry` (built-in entries only: functions defined in `jaxrl_post`), with what
+  each entry declared and the first line of its docstring. The tables replace the text between the
+  `<!-- registry:begin -->` / `<!-- registry:end -->` markers of docs/algorithms.md.
 
 Every key must have a comment: the script names the keys without one and exits 1. Output is deterministic.
 """
@@ -32,6 +37,8 @@ from typing import Any
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE_PY = os.path.join(REPO, "configs", "base.py")
 DOC_PATH = os.path.join(REPO, "docs", "config.md")
+ALGO_PATH = os.path.join(REPO, "docs", "algorithms.md")
+ALGO_BEGIN, ALGO_END = "<!-- registry:begin -->", "<!-- registry:end -->"
 REGENERATE = "python scripts/gen_config_docs.py"
 ROOT_FUNCTION = "get_base_config"
 _SECTION = re.compile(r"^-{3,}\s*(.*)$")
@@ -182,6 +189,9 @@ def collect(base_py: str = BASE_PY) -> tuple[list[KeyDoc], str]:
         default = _fmt(value) if value is not None else f"None ({getattr(typ, '__name__', typ)})"
         meaning = (inner or stmt).meaning if stmt else ""
         order = (stmt.line if stmt else 10**9, inner.line if inner else 0)
+        names = registry_names().get(key)
+        if names:
+            meaning = _join(meaning, "Valid: " + ", ".join(f"`{n}`" for n in names))
         rows.append(KeyDoc(key, default, meaning, stmt.section if stmt else "", verl_key(key), order))
     # groups (`c.model.arch = mlc.ConfigDict()  # ...`) with a comment get a row of their own
     for s in stmts[ROOT_FUNCTION]:
@@ -189,6 +199,75 @@ def collect(base_py: str = BASE_PY) -> tuple[list[KeyDoc], str]:
             rows.append(KeyDoc(s.path + ".*", "", s.meaning, s.section, None, (s.line, -1)))
     rows.sort(key=lambda r: (r.order, r.key))
     return rows, ast.get_docstring(ast.parse(source)) or ""
+
+
+def _registries():
+    """{config key: Registry} of jaxrl_post.registry (imports jaxrl_post from this checkout)."""
+    if REPO not in sys.path:
+        sys.path.insert(0, REPO)
+    from jaxrl_post import registry
+
+    return {r.config_key: r for r in (registry.ADV_ESTIMATOR_REGISTRY, registry.POLICY_LOSS_REGISTRY)}
+
+
+def _builtin(reg) -> list[str]:
+    """Names whose function is defined in jaxrl_post (not one a test or a user script registered)."""
+    return [n for n in reg.names() if reg.fns[n].__module__.startswith("jaxrl_post.")]
+
+
+def registry_names() -> dict[str, list[str]]:
+    """{config key: sorted built-in registered names} for the keys that select a registry entry."""
+    return {key: _builtin(reg) for key, reg in _registries().items()}
+
+
+def _summary(fn) -> str:
+    """First paragraph of ``fn``'s docstring, reST code spans and roles turned into markdown."""
+    doc = (getattr(fn, "__doc__", None) or "").strip().split("\n\n")[0]
+    doc = re.sub(r":\w+:`", "`", " ".join(doc.split()).replace("``", "`"))
+    return _cell(doc)
+
+
+def render_algorithm_tables() -> str:
+    """The markdown tables of registered estimators and losses (what goes between the markers)."""
+    regs = _registries()
+    est, loss = regs["algorithm.adv_estimator"], regs["actor.policy_loss.loss_mode"]
+    out = [
+        ALGO_BEGIN,
+        f"<!-- Generated from jaxrl_post/registry.py by `{REGENERATE}`; do not edit by hand. -->",
+        "",
+        "### Advantage estimators (`algorithm.adv_estimator`)",
+        "",
+        "| Name | Function | Needs | Summary |",
+        "|---|---|---|---|",
+    ]
+    for n in _builtin(est):
+        fn, needs = est.fns[n], est.specs[n].needs
+        out.append(
+            f"| `{n}` | `{fn.__module__}.{fn.__name__}` | {', '.join(f'`{x}`' for x in needs)} | {_summary(fn)} |"
+        )
+    out += [
+        "",
+        "### Policy losses (`actor.policy_loss.loss_mode`)",
+        "",
+        "| Name | Function | Fixed aggregation | Hyper-parameters | Summary |",
+        "|---|---|---|---|---|",
+    ]
+    for n in _builtin(loss):
+        fn, spec = loss.fns[n], loss.specs[n]
+        agg = f"`{spec.loss_agg_mode}`" if spec.loss_agg_mode else "`actor.loss_agg_mode`"
+        params = ", ".join(f"`actor.policy_loss.{p}`" for p in spec.params)
+        out.append(f"| `{n}` | `{fn.__module__}.{fn.__name__}` | {agg} | {params} | {_summary(fn)} |")
+    return "\n".join(out + [ALGO_END])
+
+
+def render_algorithms(current: str) -> str:
+    """``current`` (the text of docs/algorithms.md) with its marked tables regenerated.
+
+    Raises ValueError when the markers are missing."""
+    begin, end = current.find(ALGO_BEGIN), current.find(ALGO_END)
+    if begin < 0 or end < begin:
+        raise ValueError(f"{os.path.relpath(ALGO_PATH, REPO)}: missing the {ALGO_BEGIN} / {ALGO_END} markers")
+    return current[:begin] + render_algorithm_tables() + current[end + len(ALGO_END) :]
 
 
 def missing_meanings(rows: list[KeyDoc]) -> list[str]:
@@ -230,28 +309,34 @@ def render(base_py: str = BASE_PY) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Writes docs/config.md, or with `--check` reports whether it is up to date."""
+    """Writes docs/config.md and the tables of docs/algorithms.md, or with `--check` reports whether they are
+    up to date."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check", action="store_true", help="exit 1 if docs/config.md differs from a fresh render")
+    ap.add_argument("--check", action="store_true", help="exit 1 if a generated doc differs from a fresh render")
     args = ap.parse_args(argv)
     try:
-        text = render()
-    except ValueError as e:
+        with open(ALGO_PATH, encoding="utf-8") as f:
+            algo_current = f.read()
+        outputs = {DOC_PATH: render(), ALGO_PATH: render_algorithms(algo_current)}
+    except (OSError, ValueError) as e:
         print(e, file=sys.stderr)
         return 1
-    if args.check:
+    stale = []
+    for path, text in outputs.items():
         current = ""
-        if os.path.exists(DOC_PATH):
-            with open(DOC_PATH, encoding="utf-8") as f:
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
                 current = f.read()
-        if current != text:
-            print(f"docs/config.md is stale; regenerate it with: {REGENERATE}", file=sys.stderr)
-            return 1
-        return 0
-    os.makedirs(os.path.dirname(DOC_PATH), exist_ok=True)
-    with open(DOC_PATH, "w", encoding="utf-8") as f:
-        f.write(text)
-    print(f"wrote {os.path.relpath(DOC_PATH, REPO)}")
+        if current == text:
+            continue
+        stale.append(os.path.relpath(path, REPO))
+        if not args.check:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text)
+            print(f"wrote {os.path.relpath(path, REPO)}")
+    if args.check and stale:
+        print(f"{', '.join(stale)} stale; regenerate with: {REGENERATE}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -707,7 +707,10 @@ def test_cispo_and_gpg_losses_value_and_gradient():
 
 
 def test_policy_loss_registry():
-    assert set(ca.POLICY_LOSSES) == {"vanilla", "gspo", "gpg", "cispo"}
+    assert set(ca.POLICY_LOSSES) == {
+        *("vanilla", "gspo", "gpg", "cispo"),
+        *("clip_cov", "kl_cov", "geo_mean", "sapo", "dppo_tv", "dppo_kl"),  # issue 32: verl's other losses
+    }
     assert ca.get_policy_loss_fn("cispo") is ca.compute_policy_loss_cispo
     with pytest.raises(ValueError, match="vanilla"):
         ca.get_policy_loss_fn("ppo")

@@ -377,9 +377,24 @@ def optim_config(opt: Any, *, grad_clip: float, total_training_steps: int, updat
 
 
 def actor_loss_config(cfg: Any, on_policy: bool) -> steps.ActorLossConfig:
+    """`actor.*` -> ActorLossConfig. Logs one line when the policy loss fixes its own aggregation
+    (`register_policy_loss(loss_agg_mode=...)`, e.g. GSPO) and `actor.loss_agg_mode` differs: the configured
+    mode then only aggregates the entropy and KL losses."""
+    from jaxrl_post.registry import policy_loss_spec
+
     a = cfg.actor
     low = a.clip_ratio if a.clip_ratio_low is None else a.clip_ratio_low
     high = a.clip_ratio if a.clip_ratio_high is None else a.clip_ratio_high
+    fixed = policy_loss_spec(a.policy_loss.loss_mode).loss_agg_mode
+    if fixed is not None and fixed != a.loss_agg_mode:
+        log.warning(
+            "actor.policy_loss.loss_mode=%s aggregates its loss %r (as verl), not actor.loss_agg_mode=%r "
+            "(which still aggregates the entropy and KL losses)",
+            a.policy_loss.loss_mode,
+            fixed,
+            a.loss_agg_mode,
+        )
+    params = tuple(sorted((k, float(v)) for k, v in a.policy_loss.items() if k != "loss_mode"))
     return steps.ActorLossConfig(
         loss_mode=a.policy_loss.loss_mode,
         loss_agg_mode=a.loss_agg_mode,
@@ -392,6 +407,7 @@ def actor_loss_config(cfg: Any, on_policy: bool) -> steps.ActorLossConfig:
         kl_loss_type=a.kl_loss_type,
         temperature=float(cfg.rollout.temperature) if cfg.rollout.do_sample else 1.0,
         on_policy=on_policy,
+        policy_loss_params=params,
     )
 
 

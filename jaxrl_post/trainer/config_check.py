@@ -21,12 +21,10 @@ from typing import Any
 
 from jaxrl_post.trainer.config_features import check_dapo, check_lora
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full")
 WARMUP_STYLES = ("constant", "cosine")
 KL_CTRL_TYPES = ("fixed", "adaptive")
 RESUME_MODES = ("auto", "disable", "resume_path")
-VALUE_ESTIMATORS = ("gae",)  # advantage estimators that need a critic
 
 
 class ConfigError(ValueError):
@@ -52,10 +50,21 @@ def data_parallel_size(cfg: Any, n_devices: int) -> int:
     return sizes[0] * sizes[1]
 
 
+def estimator_needs(cfg: Any) -> tuple[str, ...]:
+    """What `algorithm.adv_estimator` declared it consumes (`register_adv_est(needs=...)`); () if unknown
+    (validate_config reports the unknown name)."""
+    from jaxrl_post.registry import adv_estimator_needs  # imports jax: not at module import
+
+    try:
+        return adv_estimator_needs(cfg.algorithm.adv_estimator)
+    except ValueError:
+        return ()
+
+
 def critic_enabled(cfg: Any) -> bool:
-    """`critic.enable`, or (when None) whether `algorithm.adv_estimator` needs values."""
+    """`critic.enable`, or (when None) whether `algorithm.adv_estimator` declares it needs `values`."""
     if cfg.critic.enable is None:
-        return cfg.algorithm.adv_estimator in VALUE_ESTIMATORS
+        return "values" in estimator_needs(cfg)
     return bool(cfg.critic.enable)
 
 
@@ -118,7 +127,8 @@ def validate_config(cfg: Any, n_devices: int | None = None) -> None:
         import jax
 
         n_devices = jax.device_count()
-    from jaxrl_post import core_algos
+    from jaxrl_post.loss_agg import LOSS_AGG_MODES
+    from jaxrl_post.registry import ADV_ESTIMATOR_REGISTRY, POLICY_LOSS_REGISTRY
 
     errors: list[str] = []
 
@@ -278,17 +288,24 @@ def validate_config(cfg: Any, n_devices: int | None = None) -> None:
                 f"= {row_len} (one whole sequence)",
             )
 
-    # ---- registries
-    adv = cfg.algorithm.adv_estimator
-    if adv not in core_algos.ADV_ESTIMATORS:
-        err("algorithm.adv_estimator", f"unknown advantage estimator; valid: {sorted(core_algos.ADV_ESTIMATORS)}")
-    elif adv in VALUE_ESTIMATORS and not use_critic:
-        err("critic.enable", f"algorithm.adv_estimator={adv!r} needs a critic")
-    elif adv in ("grpo", "rloo", "grpo_passk", "opo") and cfg.rollout.n < 2:
+    # ---- registries (what each estimator / loss declared in jaxrl_post.registry)
+    adv, needs = cfg.algorithm.adv_estimator, estimator_needs(cfg)
+    if adv not in ADV_ESTIMATOR_REGISTRY.names():
+        err("algorithm.adv_estimator", f"unknown advantage estimator; valid: {ADV_ESTIMATOR_REGISTRY.names()}")
+    elif "values" in needs and not use_critic:
+        err("critic.enable", f"algorithm.adv_estimator={adv!r} needs a critic (it consumes values)")
+    elif "index" in needs and cfg.rollout.n < 2:
         err("rollout.n", f"algorithm.adv_estimator={adv!r} compares responses within a group: needs rollout.n >= 2")
     loss_mode = cfg.actor.policy_loss.loss_mode
-    if loss_mode not in core_algos.POLICY_LOSSES:
-        err("actor.policy_loss.loss_mode", f"unknown policy loss; valid: {sorted(core_algos.POLICY_LOSSES)}")
+    if loss_mode not in POLICY_LOSS_REGISTRY.names():
+        err("actor.policy_loss.loss_mode", f"unknown policy loss; valid: {POLICY_LOSS_REGISTRY.names()}")
+    for key, value in cfg.actor.policy_loss.items():
+        if key != "loss_mode" and not is_num(value):
+            err(f"actor.policy_loss.{key}", "must be a number (a policy-loss hyper-parameter)")
+    for key in ("clip_cov_ratio", "kl_cov_ratio"):
+        check(f"actor.policy_loss.{key}", lambda v: is_num(v) and 0 < v <= 1, "must be in (0, 1]")
+    for key in ("tau_pos", "tau_neg"):
+        check(f"actor.policy_loss.{key}", lambda v: is_num(v) and v > 0, "must be > 0")
     check("actor.loss_agg_mode", lambda v: v in LOSS_AGG_MODES, f"valid: {list(LOSS_AGG_MODES)}")
     if use_critic:
         check("critic.loss_agg_mode", lambda v: v in LOSS_AGG_MODES, f"valid: {list(LOSS_AGG_MODES)}")

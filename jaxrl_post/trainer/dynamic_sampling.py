@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxrl_post.registry import adv_estimator_needs
 from jaxrl_post.trainer.roles import to_numpy
 
 __all__ = [
@@ -265,7 +266,8 @@ class RolloutMixin:
         """Generate `rollout.n` responses per prompt and score them.
 
         Returns `(b, nt, reward_output)`: `b` the host arrays of the batch (`[B, ...]`, B = prompts x n,
-        with `token_level_scores [B, R]`, and `reward_baselines [B]` for ReMax), `nt` its non-tensor batch.
+        with `token_level_scores [B, R]`, and `reward_baselines [B]`, the scores of one greedy response per
+        prompt, when the estimator declares that input, as ReMax), `nt` its non-tensor batch.
         Raises RewardFunctionError (see `RewardManager.compute`).
         """
         from jaxrl_post.distributed import gather_reward, gather_rows
@@ -281,7 +283,7 @@ class RolloutMixin:
         with timer("reward", timing):
             res = score_everywhere(self.reward_fn, out, local)  # this process's rows only
         b["token_level_scores"] = np.asarray(res.token_level_scores, np.float32)
-        if self.config.algorithm.adv_estimator == "remax":
+        if "reward_baselines" in adv_estimator_needs(self.config.algorithm.adv_estimator):
             with timer("gen_max", timing):
                 greedy = self.generator.generate(prompts, self.sampling_params(validate=True), process_local=local)
                 base = self.reward_fn.compute(greedy).token_level_scores.sum(-1)

@@ -60,6 +60,7 @@ def actor_loss(c, log_prob, entropy, mb, counts):
         clip_ratio_high=c.clip_ratio_high,
         clip_ratio_c=c.clip_ratio_c,
         loss_agg_mode=c.loss_agg_mode,
+        policy_loss_params=dict(c.policy_loss_params),
     )
     mask = mb["loss_mask"]
     old = jax.lax.stop_gradient(log_prob) if c.on_policy else mb["old_log_probs"]

@@ -66,7 +66,7 @@ class OptimConfig:
 class ActorLossConfig:
     """Static settings of the actor loss (hashable: part of the jitted function's closure)."""
 
-    loss_mode: str = "vanilla"  # core_algos.POLICY_LOSSES key
+    loss_mode: str = "vanilla"  # registry.POLICY_LOSSES key
     loss_agg_mode: str = "token-mean"
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
@@ -77,6 +77,7 @@ class ActorLossConfig:
     kl_loss_type: str = "low_var_kl"
     temperature: float = 1.0  # rollout temperature: logits / T, as the sampler
     on_policy: bool = False  # old log-probs = stop_gradient(current): exactly on-policy single update
+    policy_loss_params: tuple[tuple[str, float], ...] = ()  # actor.policy_loss.* hyper-parameters (name, value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -372,8 +373,9 @@ def make_advantage_fn(
     scores `[B, R] float32` (token-level scores), loss_mask `[B, R]` (the model's own tokens: advantages,
     returns and the KL penalty live only there; verl's agent-loop `response_mask`), index `[B] int32` group ids
     (prompt uid), kl_coef `[] float32` (traced: an adaptive controller does not recompile),
-    old/ref log-probs `[B, R]` (used only with `use_kl_in_reward`), values `[B, R]` (gae) or None,
-    baselines `[B]` (remax) or None. KL only on response tokens (verl `apply_kl_penalty`).
+    old/ref log-probs `[B, R]` (used only with `use_kl_in_reward`), values `[B, R]` or None, baselines `[B]`
+    or None (each passed on only when the estimator declares it: `registry.adv_estimator_needs`).
+    KL only on response tokens (verl `apply_kl_penalty`).
     """
 
     def fn(scores, loss_mask, index, kl_coef, old_log_probs, ref_log_prob, values, baselines):
