@@ -46,10 +46,24 @@ def exit_code_for(signum: int) -> int:
     return EXIT_CODES.get(signum, 128 + int(signum))
 
 
+_AT_EXIT_NOW: list[Callable[[], None]] = []
+
+
+def at_exit_now(fn: Callable[[], None]) -> None:
+    """Register `fn` to run in `exit_now` before the process leaves (`os._exit` skips `atexit`), e.g. the
+    release of the run directory's lock (`run_lock.RunLock`). `fn` must be quick; its errors are ignored."""
+    _AT_EXIT_NOW.append(fn)
+
+
 def exit_now(code: int) -> None:
-    """Flush stdout/stderr and leave the process at once (`os._exit`: no interpreter shutdown, so no
-    crash from threads that XLA or orbax still run). Call after the trainer is closed, or when nothing
-    needs closing (a signal before the first completed step)."""
+    """Run the `at_exit_now` callbacks, flush stdout/stderr and leave the process at once (`os._exit`: no
+    interpreter shutdown, so no crash from threads that XLA or orbax still run). Call after the trainer is
+    closed, or when nothing needs closing (a signal before the first completed step)."""
+    for fn in _AT_EXIT_NOW:
+        try:
+            fn()
+        except Exception:  # pylint: disable=broad-except
+            pass
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

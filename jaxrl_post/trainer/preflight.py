@@ -6,6 +6,7 @@ custom reward function. Used by `builders.py`.
 from __future__ import annotations
 
 import os
+import tempfile
 from typing import Any
 
 from jaxrl_post.trainer.config_check import ConfigError
@@ -14,11 +15,15 @@ __all__ = ["check_reasoning_gym_task", "check_workdir", "load_custom_reward", "n
 
 
 def check_workdir(cfg: Any) -> None:
-    """Check, without creating anything, that `trainer.default_local_dir` can be created and written.
+    """Check that `trainer.default_local_dir` can be created and written, and that no other live run holds
+    it (`run_lock.check_not_busy`, process 0 only). Nothing is left behind: a probe directory is created
+    and removed in the nearest existing directory (a file system such as /proc refuses it).
 
     Raises:
       ConfigError: naming `trainer.default_local_dir` when it, or the nearest existing directory above it,
-        is a regular file, or that directory is not writable (read-only directory or file system).
+        is a regular file, or that directory is not writable (read-only directory or file system), or
+        cannot hold a directory (a pseudo file system such as /proc or /sys).
+      RunDirBusyError: another live run holds the directory (its `run.lock`).
     """
     given = cfg.trainer.default_local_dir
     key = f"config.trainer.default_local_dir={given!r}"
@@ -35,6 +40,20 @@ def check_workdir(cfg: Any) -> None:
             f"{key}: the run's working directory{where} is not writable; choose a writable path "
             "(--config.trainer.default_local_dir=runs/my_run)"
         )
+    try:  # os.access says yes for root on /proc, /sys; creating a directory there still fails
+        os.rmdir(tempfile.mkdtemp(prefix=".jaxrl_post_probe_", dir=existing))
+    except OSError as e:
+        raise ConfigError(
+            f"{key}: the file system at {existing} cannot hold the run's working directory (creating a directory "
+            f"there failed: {e.strerror or e}); choose a path on a normal disk "
+            "(--config.trainer.default_local_dir=runs/my_run)"
+        ) from e
+    if os.path.isdir(path):
+        from jaxrl_post import distributed
+        from jaxrl_post.trainer.run_lock import check_not_busy
+
+        if distributed.is_main():
+            check_not_busy(path)
 
 
 def check_reasoning_gym_task(key: str, spec: str, one: str) -> None:

@@ -33,6 +33,7 @@ from jaxrl_post.rewards.manager import RewardFunctionError
 from jaxrl_post.trainer import checkpoint as ckpt
 from jaxrl_post.trainer.dynamic_sampling import FilterGroupsError
 from jaxrl_post.trainer.loggers import config_to_dict, save_run_config
+from jaxrl_post.trainer.run_lock import RunLock
 from jaxrl_post.trainer.run_files import (
     is_lead_process,
     keep_previous_config,
@@ -73,12 +74,27 @@ class CheckpointMixin:
         checkpointer, resume, prepare `metrics.jsonl` (this run only: an earlier run's file is moved
         aside, a resumed one truncated) and write `config.json` / `config.yaml` (a differing previous
         `config.json` is kept; a resumed run with a changed config prints one warning naming the keys).
-        Called once, at the end of `__init__`.
+        Called once, at the end of `__init__`. First takes the directory's lock (`run_lock.RunLock`,
+        process 0; released by `close()`, at exit, or here when opening fails).
 
         Raises:
+          RunDirBusyError: another live run holds the directory (nothing is moved).
           CheckpointError: the checkpoint to resume from cannot be read or does not match the config.
           OSError: an earlier run's `checkpoints/`, `metrics.jsonl` or `config.json` could not be moved aside.
         """
+        self.run_lock = None
+        if is_lead_process():  # hold the directory before anything in it is moved aside (run_lock.py)
+            self.run_lock, notice = RunLock.acquire(self.workdir)
+            if notice:
+                self._say(notice)
+        try:
+            self._open_run_dir_locked()
+        except BaseException:
+            if self.run_lock is not None:
+                self.run_lock.release()
+            raise
+
+    def _open_run_dir_locked(self) -> None:
         cfg = self.config
         self.resumed_from: str | None = None
         self._checkpoint_config: dict | None = None  # the config saved with the checkpoint resumed from

@@ -372,13 +372,15 @@ class RLTrainer(RolesMixin, RolloutMixin, UpdatesMixin, CheckpointMixin):
         return result
 
     def close(self) -> None:
-        """Wait for a pending checkpoint save (raises `CheckpointError` if it failed), then release loggers
-        and reward workers."""
+        """Wait for a pending checkpoint save (raises `CheckpointError` if it failed), then release loggers,
+        reward workers and the run directory's lock (`run_lock.py`)."""
         try:
             self.checkpointer.close()
         finally:
             self.tracker.close()
             self.reward_fn.close()
+            if getattr(self, "run_lock", None) is not None:
+                self.run_lock.release()  # the directory is free for the next run
 
 
 def summarize(result: dict[str, Any]) -> str:
