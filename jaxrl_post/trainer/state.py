@@ -33,7 +33,6 @@ from jaxrl_post.rewards.manager import RewardFunctionError
 from jaxrl_post.trainer import checkpoint as ckpt
 from jaxrl_post.trainer.dynamic_sampling import FilterGroupsError
 from jaxrl_post.trainer.loggers import config_to_dict, save_run_config
-from jaxrl_post.trainer.run_lock import RunLock
 from jaxrl_post.trainer.run_files import (
     is_lead_process,
     keep_previous_config,
@@ -43,6 +42,7 @@ from jaxrl_post.trainer.run_files import (
     resume_config_warning,
     sync,
 )
+from jaxrl_post.trainer.run_lock import RunLock
 
 # ModelConfig fields that decide the shapes / structure of the params: a checkpoint whose values differ
 # cannot be restored into this model (the others, e.g. rope_theta or dtype, load fine)
