@@ -11,7 +11,13 @@ from typing import Any
 
 from jaxrl_post.trainer.config_check import ConfigError
 
-__all__ = ["check_reasoning_gym_task", "check_workdir", "load_custom_reward", "not_enough_prompts_message"]
+__all__ = [
+    "check_model_path",
+    "check_reasoning_gym_task",
+    "check_workdir",
+    "load_custom_reward",
+    "not_enough_prompts_message",
+]
 
 
 def check_workdir(cfg: Any) -> None:
@@ -54,6 +60,32 @@ def check_workdir(cfg: Any) -> None:
 
         if distributed.is_main():
             check_not_busy(path)
+
+
+def check_model_path(cfg: Any) -> None:
+    """Check, before anything is loaded, that `model.path` names a model that exists (a local HF directory,
+    a .gguf file or an installed alias; `models.resolve_model_path`) unless `model.random_init`. A Hugging
+    Face hub id (`org/name`) that is not a local path is left to the loader (checking it needs the hub).
+
+    Raises:
+      ConfigError: naming `model.path` (missing path, a directory that is not a checkpoint, a file that is
+        not a .gguf, an alias whose package is not installed, or no model.path at all).
+    """
+    if cfg.model.random_init:
+        return
+    from jaxrl_post.models.resolve import _HUB_GGUF_RE, _HUB_ID_RE, resolve_model_path
+
+    given = cfg.model.path
+    key = f"config.model.path={given!r}"
+    if not given:
+        raise ConfigError(f"{key}: no model given; set --config.model.path=<HF directory | .gguf file | alias>")
+    name = os.path.expanduser(str(given))
+    if not os.path.exists(name) and (_HUB_ID_RE.match(name) or _HUB_GGUF_RE.match(name)):
+        return
+    try:
+        resolve_model_path(name)
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(f"{key}: {e}") from e
 
 
 def check_reasoning_gym_task(key: str, spec: str, one: str) -> None:

@@ -74,7 +74,8 @@ class RLTrainer(RolesMixin, RolloutMixin, UpdatesMixin, CheckpointMixin):
 
     Raises:
       ConfigError: invalid config (names every bad key), before any model is loaded or compiled; also an
-        unusable `trainer.default_local_dir` (`preflight.check_workdir`), a
+        unusable `trainer.default_local_dir` (`preflight.check_workdir`) or one another live run holds
+        (`run_lock.RunDirBusyError`), a missing `model.path` (`preflight.check_model_path`), a
         data_source with no reward function (without `custom_reward_function.path`), and validation data
         that all occurs in the training data while validation is on (`builders.load_data_rows`).
       MalformedRowError: a malformed data row (file, row, problem), before the model is loaded.
@@ -94,6 +95,7 @@ class RLTrainer(RolesMixin, RolloutMixin, UpdatesMixin, CheckpointMixin):
         # then the data rows (malformed rows, unknown data sources, ...)
         preflight.check_workdir(cfg)
         data_rows = builders.load_data_rows(cfg)
+        preflight.check_model_path(cfg)  # a missing model: one line now, not a traceback from the loader
 
         # ---- devices, model, tokenizer
         self.mesh = builders.build_mesh(cfg)
