@@ -3,9 +3,10 @@
 `CheckpointMixin` is mixed into `RLTrainer` (trainer.py). What is saved (see `state_dict`): actor/critic
 params and optimizer states (a LoRA actor's params are its adapters: the base is rebuilt from
 `model.path`), global step, update counters, RNG key, KL controller, data iterator position, non-finite
-skip counters; the reference params only as a pointer (they are the initial actor, rebuilt the same way;
-with LoRA, the actor with its adapters off). The on-disk format is in checkpoint.py, the step directories and
-resume rules in checkpoint_layout.py.
+skip counters, the run's validation before training (`val_before`, reported again by a resumed run
+instead of validating the resumed params as if they were the base model); the reference params only as
+a pointer (they are the initial actor, rebuilt the same way; with LoRA, the actor with its adapters off).
+The on-disk format is in checkpoint.py, the step directories and resume rules in checkpoint_layout.py.
 
 A run stopped by an error does not lose its completed steps where the state is provably that of the last
 completed step N (`save_on_error_in_step` / `save_on_error_in_validation`): a `RewardFunctionError` in
@@ -34,6 +35,7 @@ from jaxrl_post.trainer import checkpoint as ckpt
 from jaxrl_post.trainer.dynamic_sampling import FilterGroupsError
 from jaxrl_post.trainer.loggers import config_to_dict, save_run_config
 from jaxrl_post.trainer.run_files import (
+    first_validation,
     is_lead_process,
     keep_previous_config,
     move_aside_old_checkpoints,
@@ -98,6 +100,7 @@ class CheckpointMixin:
         cfg = self.config
         self.resumed_from: str | None = None
         self._checkpoint_config: dict | None = None  # the config saved with the checkpoint resumed from
+        self.val_before_metrics: dict[str, float] | None = None  # the run's step-0 validation (kept on resume)
         found = ckpt.find_resume_checkpoint(cfg.trainer.resume_mode, self.workdir, cfg.trainer.resume_from_path)
         own_root = ckpt.checkpoint_dir(self.workdir)
         steps_on_disk = ckpt.list_complete_steps(own_root)
@@ -114,6 +117,9 @@ class CheckpointMixin:
             except BaseException:
                 self.checkpointer.close()  # nothing pending: no orbax thread left to print at shutdown
                 raise
+        if found is not None and self.val_before_metrics is None and is_lead_process():
+            # checkpoints written before `host['val_before']` existed: the run's step-0 line of metrics.jsonl
+            self.val_before_metrics = first_validation(self.workdir)
         # metrics.jsonl holds this run only: an earlier run's file is moved aside, a resumed one truncated
         resumed_step = self.global_steps if found is not None else None
         notice = prepare_metrics_file(self.workdir, resumed_step) if is_lead_process() else None
@@ -253,6 +259,7 @@ class CheckpointMixin:
                     ),
                 ),
                 "total_training_steps": self.total_training_steps,
+                "val_before": getattr(self, "val_before_metrics", None),  # reported again by a resumed run
                 "config": config_to_dict(cfg),  # what a resume with another config is compared with
             },
         }
@@ -347,6 +354,7 @@ class CheckpointMixin:
         nonfinite = host.get("nonfinite") or {}
         self.actor_guard.load_state_dict(nonfinite.get("actor", {}))
         self.critic_guard.load_state_dict(nonfinite.get("critic", {}))
+        self.val_before_metrics = host.get("val_before")
         if state.get("ref") is not None and self.use_ref:
             self.ref_params = place(state["ref"]["params"], self.ref_params)
         self.sync_weights()

@@ -297,6 +297,10 @@ class RLTrainer(RolesMixin, RolloutMixin, UpdatesMixin, CheckpointMixin):
             not: metrics are logged before the checkpoint, so a resumed run never misses a step's line)
             and returns early.
 
+        `val_before` is the validation before the first step; a resumed run does not validate before training
+        again (its params are not the base model's) but returns the original run's step-0 validation (saved
+        in the checkpoint, `host['val_before']`, or read from metrics.jsonl; None when neither has it).
+
         Returns `{"val_before": metrics | None, "val_after": metrics | None, "last": last step metrics,
         "history": list of per-step metrics, "stopped_at": step | None}` (`stopped_at`: the step a stop
         request ended the loop after, its checkpoint started; `close()` waits for it).
@@ -329,8 +333,21 @@ class RLTrainer(RolesMixin, RolloutMixin, UpdatesMixin, CheckpointMixin):
         save_freq = int(cfg.trainer.save_freq)
         self.tracker.log(self.data_stats, step=self.global_steps)
         if cfg.trainer.val_before_train and self.val_loader is not None:
-            result["val_before"] = self.validate()
-            self.tracker.log(result["val_before"], step=self.global_steps)
+            if getattr(self, "resumed_from", None) is None:
+                result["val_before"] = self.validate()
+                self.tracker.log(result["val_before"], step=self.global_steps)
+                # checkpointed with the run (host['val_before']): a resumed run reports it, not a re-run
+                self.val_before_metrics = {k: float(v) for k, v in result["val_before"].items() if k.startswith("val-")}
+            else:  # resumed params are not the base model: keep the original run's step-0 validation
+                result["val_before"] = getattr(self, "val_before_metrics", None)
+                self._say(
+                    f"resumed at step {self.global_steps}: not validating before training again; val_before is "
+                    + (
+                        "the original run's validation at step 0"
+                        if result["val_before"]
+                        else "unknown (the original run's step-0 validation was not saved)"
+                    )
+                )
         bar = progress_bar(
             bool(cfg.trainer.progress_bar) and distributed.is_main(),
             total=self.total_training_steps,
