@@ -139,6 +139,24 @@ def _stop_line(trainer) -> str:
     return f"interrupted at step {n}; no checkpoint of step {n} was saved ({path} is missing)"
 
 
+def lost_line(trainer) -> str:
+    """What a second signal loses: the checkpoint being written (`Checkpointer.pending_step`) and/or the
+    steps after the last complete checkpoint, and what a rerun resumes from."""
+    from jaxrl_post.trainer import checkpoint as ckpt
+
+    c = trainer.checkpointer
+    n, pending = trainer.global_steps, c.pending_step()
+    done = ckpt.list_complete_steps(c.directory)
+    last = done[-1] if done else None
+    resume = f"a rerun resumes from step {last} ({c.step_path(last)})" if last else "a rerun starts from scratch"
+    if pending is not None:
+        return f"the checkpoint of step {pending} being written ({c.step_path(pending)}) is lost; {resume}"
+    if last == n:
+        return f"nothing is lost: step {n} is saved ({c.step_path(n)})"
+    lost = f"step {n}" if last == n - 1 else f"steps {(last or 0) + 1}-{n}"
+    return f"{lost} (not checkpointed) lost; {resume}"
+
+
 def _nothing_saved_line(trainer) -> str:
     if trainer is None:
         return "interrupted during start-up; nothing was saved"
@@ -189,6 +207,7 @@ def main(argv) -> None:
         print(f"error: {e}", file=sys.stderr)  # the message says what and where
         sys.exit(2)
     stop.abort_line = _nothing_saved_line(trainer)  # printed by a signal before the first completed step
+    stop.lost_line = lambda: lost_line(trainer)  # printed by a second signal
     failed = None
     try:
         result = trainer.fit(stop=stop)

@@ -10,8 +10,10 @@ jitted call or an XLA compile; it runs as soon as that call returns.
 - After `defer()`, a signal is only recorded: `RLTrainer.fit` checks `requested` between steps, saves
   a checkpoint of the last completed step and returns; `main.py` closes the trainer (waiting for the
   async save), prints one line and exits with `exit_code`.
-- A second signal exits immediately (nothing saved beyond what is already committed; orbax writes are
-  atomic, so a half-written checkpoint is never resumed).
+- A second signal exits immediately and says what is lost (`lost_line`, set by `main.py`: the checkpoint
+  being written, or the steps after the last complete one); orbax writes are atomic, so a half-written
+  checkpoint is never resumed, and the next run names the lost step in one line
+  (`checkpoint.report_unfinished`).
 
 Why not let KeyboardInterrupt propagate: it fires wherever the main thread happens to be (inside
 tracing, a checkpoint write, a garbage-collection callback that only prints "Exception ignored"), and
@@ -82,6 +84,8 @@ class GracefulStop:
       write: where the lines of an immediate exit go (default: stdout, flushed).
       hard_exit: called with the exit code for an immediate exit (default `exit_now`; tests pass a fake).
 
+    `lost_line`: optional callable returning what a second signal loses (printed after "exiting now; ").
+
     Use as `with GracefulStop(...) as stop: ...`; outside the main thread it installs nothing (Python
     only allows handlers there) and `requested` stays False.
     """
@@ -101,6 +105,7 @@ class GracefulStop:
         self._write = write or (lambda s: print(s, flush=True))
         self._hard_exit = hard_exit
         self._previous: dict[int, object] = {}
+        self.lost_line: Callable[[], str] | None = None  # what a second signal loses (main sets it)
 
     @property
     def requested(self) -> bool:
@@ -119,7 +124,13 @@ class GracefulStop:
     def _handle(self, signum, frame) -> None:
         del frame
         if self.signum is not None:
-            self._write(f"second {signal_name(signum)}: exiting now without saving")
+            lost = "nothing more is saved"
+            if self.lost_line is not None:
+                try:
+                    lost = self.lost_line()
+                except Exception:  # pylint: disable=broad-except  (a handler must exit, whatever happens)
+                    pass
+            self._write(f"second {signal_name(signum)}: exiting now; {lost}")
             self._hard_exit(exit_code_for(self.signum))
             return
         self.signum = int(signum)

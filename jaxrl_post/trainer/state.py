@@ -108,6 +108,12 @@ class CheckpointMixin:
         sync("checkpoints")
         if notice:
             self._say(notice)
+        # a save interrupted by a second Ctrl-C / kill: say which step was lost (orbax would drop it quietly)
+        found_here = found is not None and os.path.abspath(found[0]) == os.path.abspath(own_root)
+        notice = ckpt.report_unfinished(own_root, found[1] if found_here else None) if is_lead_process() else None
+        sync("unfinished")
+        if notice:
+            self._say(notice)
         self.checkpointer = ckpt.Checkpointer(
             own_root, max_to_keep=cfg.trainer.max_actor_ckpt_to_keep, async_save=bool(cfg.trainer.async_save)
         )
