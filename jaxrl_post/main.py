@@ -252,6 +252,11 @@ def run(argv=None) -> None:
         except (UnknownConfigKeyError, FileNotFoundError, ConfigFileError) as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
+        if any(a in _HELP_FLAGS for a in argv[1:]):  # absl prints __main__'s docstring: add the console legend
+            from jaxrl_post.trainer.tracking import console_legend
+
+            entry = sys.modules["__main__"]
+            entry.__doc__ = f"{entry.__doc__ or __doc__}\n{console_legend()}\n"
         _CONFIG = config_flags.DEFINE_config_file(
             _CONFIG_FLAG, None, "Job config: path/to/config.py[:variant].", lock_config=True
         )

@@ -12,6 +12,7 @@ from typing import Any
 from jaxrl_post.trainer.config_check import ConfigError
 
 __all__ = [
+    "critic_warmup_warning",
     "check_model_path",
     "check_reasoning_gym_task",
     "check_workdir",
@@ -86,6 +87,17 @@ def check_model_path(cfg: Any) -> None:
         resolve_model_path(name)
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(f"{key}: {e}") from e
+
+
+def critic_warmup_warning(critic_warmup: int, total_training_steps: int) -> str | None:
+    """The warning printed when `trainer.critic_warmup >= total_training_steps` (the actor would never be
+    updated: only steps from `critic_warmup` on update it), else None."""
+    if int(critic_warmup) < int(total_training_steps):
+        return None
+    return (
+        f"warning: trainer.critic_warmup={critic_warmup} >= total_training_steps={total_training_steps}: the actor "
+        "never updates (only the critic trains); lower --config.trainer.critic_warmup"
+    )
 
 
 def check_reasoning_gym_task(key: str, spec: str, one: str) -> None:

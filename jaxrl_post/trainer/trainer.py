@@ -59,7 +59,7 @@ from jaxrl_post.trainer.progress import progress_bar
 from jaxrl_post.trainer.roles import RolesMixin
 from jaxrl_post.trainer.roles import to_numpy as _np
 from jaxrl_post.trainer.state import CheckpointMixin
-from jaxrl_post.trainer.tracking import Tracking
+from jaxrl_post.trainer.tracking import Tracking, console_legend
 from jaxrl_post.trainer.updates import UpdatesMixin
 from jaxrl_post.trainer.validation_loop import run_validation
 
@@ -331,6 +331,11 @@ class RLTrainer(RolesMixin, RolloutMixin, UpdatesMixin, CheckpointMixin):
             else min(self.total_training_steps, self.global_steps + int(max_steps))
         )
         save_freq = int(cfg.trainer.save_freq)
+        if "console" in getattr(self.tracker, "backends", {}):
+            self._say(console_legend())  # once per run: what score | reward | ... on each step line mean
+        warn = preflight.critic_warmup_warning(int(cfg.trainer.critic_warmup), self.total_training_steps)
+        if warn:
+            self._say(warn)
         self.tracker.log(self.data_stats, step=self.global_steps)
         if cfg.trainer.val_before_train and self.val_loader is not None:
             if getattr(self, "resumed_from", None) is None:
