@@ -115,6 +115,7 @@ class RunLock:
         self.workdir = workdir
         self.path = os.path.join(workdir, LOCK_FILE)
         self.token = token
+        self._pid = os.getpid()  # a forked child (reward workers) never releases its parent's lock
         self._released = False
         atexit.register(self.release)
         from jaxrl_post.trainer import interrupt
@@ -170,7 +171,7 @@ class RunLock:
 
     def release(self) -> None:
         """Remove the lock file if it still holds this lock (idempotent; never raises)."""
-        if self._released:
+        if self._released or os.getpid() != self._pid:
             return
         self._released = True
         with contextlib.suppress(Exception):
