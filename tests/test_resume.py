@@ -249,6 +249,10 @@ def test_sigkill_then_resume_matches_straight_run(straight_run, jax_cache, tmp_p
     assert r.returncode == 0, r.stderr[-3000:]
     n = done_before[-1]
     assert f"resumed from step {n} of 8 ({os.path.join(root, f'global_step_{n}')})" in r.stdout
+    # the killed run's run.lock (its pid is dead) is taken over with one line, and released at the end
+    lock = os.path.join(workdir, "run.lock")
+    assert f"{lock}: taking over the stale lock of a run that is no longer alive (pid {p.pid} on " in r.stdout
+    assert not os.path.exists(lock)
     assert ckpt.list_complete_steps(root)[-1] == 8
     # metrics.jsonl: the lines the killed run logged after step n were dropped, so every step appears once
     steps_logged = [r["step"] for r in _read_jsonl(os.path.join(workdir, "metrics.jsonl")) if "critic/score/mean" in r]
