@@ -41,6 +41,9 @@ def test_one_shot_prompt_matches_a_plain_greedy_loop(tmp_path, capsys):
 
     ids = apply_chat_template(tok, [{"role": "user", "content": "2+2?"}], add_generation_prompt=True)
     assert tok.decode(ids).endswith("<|im_start|>assistant\n")  # the chat template was applied
+    c = chat.Chat(model, tok, max_new_tokens=R, temperature=0)
+    c.messages.append({"role": "user", "content": "2+2?"})
+    assert c.prompt_ids() == ids  # what chat.py samples from (a random tiny model may not depend on it)
     eos, _ = eos_and_pad(tok)
     out = []
     seq = list(ids)
