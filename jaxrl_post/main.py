@@ -23,6 +23,10 @@ class UnknownConfigKeyError(ValueError):
     """A `--config.<key>` override names no field of the config."""
 
 
+class ConfigFileError(ValueError):
+    """The `--config` file's `get_config(arg)` refused its argument (e.g. an unknown variant)."""
+
+
 def _load_config_file(spec: str):
     path, _, arg = spec.partition(":")
     if not os.path.exists(path):
@@ -30,7 +34,10 @@ def _load_config_file(spec: str):
     mod_spec = importlib.util.spec_from_file_location("_jaxrl_post_job_config", path)
     module = importlib.util.module_from_spec(mod_spec)
     mod_spec.loader.exec_module(module)
-    return module.get_config(arg) if arg else module.get_config()
+    try:
+        return module.get_config(arg) if arg else module.get_config()
+    except (ValueError, KeyError) as e:  # configs/*.py: "unknown variant 'x'; valid: [...]"
+        raise ConfigFileError(f"--{_CONFIG_FLAG}={spec}: {e.args[0] if e.args else e}") from e
 
 
 def _all_keys(cfg, prefix: str = "") -> list[str]:
@@ -82,6 +89,7 @@ def check_override_keys(argv: list[str]) -> None:
     Raises:
       UnknownConfigKeyError: an unknown key, or a positional argument.
       FileNotFoundError: the `--config` file does not exist.
+      ConfigFileError: its `get_config(variant)` raised ValueError/KeyError (an unknown variant).
     """
     spec = _config_spec(argv)
     prefix = f"--{_CONFIG_FLAG}"
@@ -131,6 +139,24 @@ def _stop_line(trainer) -> str:
     return f"interrupted at step {n}; no checkpoint of step {n} was saved ({path} is missing)"
 
 
+def lost_line(trainer) -> str:
+    """What a second signal loses: the checkpoint being written (`Checkpointer.pending_step`) and/or the
+    steps after the last complete checkpoint, and what a rerun resumes from."""
+    from jaxrl_post.trainer import checkpoint as ckpt
+
+    c = trainer.checkpointer
+    n, pending = trainer.global_steps, c.pending_step()
+    done = ckpt.list_complete_steps(c.directory)
+    last = done[-1] if done else None
+    resume = f"a rerun resumes from step {last} ({c.step_path(last)})" if last else "a rerun starts from scratch"
+    if pending is not None:
+        return f"the checkpoint of step {pending} being written ({c.step_path(pending)}) is lost; {resume}"
+    if last == n:
+        return f"nothing is lost: step {n} is saved ({c.step_path(n)})"
+    lost = f"step {n}" if last == n - 1 else f"steps {(last or 0) + 1}-{n}"
+    return f"{lost} (not checkpointed) lost; {resume}"
+
+
 def _nothing_saved_line(trainer) -> str:
     if trainer is None:
         return "interrupted during start-up; nothing was saved"
@@ -143,11 +169,27 @@ def _nothing_saved_line(trainer) -> str:
     return "interrupted before the first step finished; nothing was saved"
 
 
+def reward_error_text(e: BaseException) -> str:
+    """`error: <message>` first (what failed, the row, the first failure), then -- for a reward function that
+    raised in this process -- its own traceback (`__cause__`), not the trainer's frames above it."""
+    import traceback
+
+    text = f"error: {e}"
+    cause = e.__cause__
+    if cause is not None and cause.__traceback__ is not None:
+        ours = os.path.dirname(os.path.abspath(__file__)) + os.sep  # the reward manager's calling frames
+        frames = [f for f in traceback.extract_tb(cause.__traceback__) if not f.filename.startswith(ours)]
+        tb = "".join(traceback.format_list(frames) + traceback.format_exception_only(type(cause), cause)).rstrip()
+        text += f"\nthe reward function's traceback:\n{tb}"
+    return text
+
+
 def main(argv) -> None:
     """Build the trainer and train, under `_STOP` (SIGINT/SIGTERM -> checkpoint, one line, exit 130/143)."""
     del argv
     from jaxrl_post.data.sources import MalformedRowError
     from jaxrl_post.distributed import DistributedConfigError, initialize_from_config
+    from jaxrl_post.rewards.manager import RewardFunctionError
     from jaxrl_post.trainer.checkpoint import CheckpointError
     from jaxrl_post.trainer.config_check import ConfigError
     from jaxrl_post.trainer.interrupt import GracefulStop, exit_now
@@ -165,10 +207,17 @@ def main(argv) -> None:
         print(f"error: {e}", file=sys.stderr)  # the message says what and where
         sys.exit(2)
     stop.abort_line = _nothing_saved_line(trainer)  # printed by a signal before the first completed step
+    stop.lost_line = lambda: lost_line(trainer)  # printed by a second signal
+    failed = None
     try:
         result = trainer.fit(stop=stop)
+    except RewardFunctionError as e:  # the user's reward code failed: say so first and plainly, exit 2
+        failed = e
     finally:
         trainer.close()  # waits for the (async) checkpoint save, stops the reward workers
+    if failed is not None:
+        print(reward_error_text(failed), file=sys.stderr, flush=True)
+        sys.exit(2)
     if stop.requested:
         print(_stop_line(trainer), flush=True)
         exit_now(stop.exit_code)
@@ -200,9 +249,14 @@ def run(argv=None) -> None:
         quiet_startup_noise()
         try:
             check_override_keys(argv)
-        except (UnknownConfigKeyError, FileNotFoundError) as e:
+        except (UnknownConfigKeyError, FileNotFoundError, ConfigFileError) as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
+        if any(a in _HELP_FLAGS for a in argv[1:]):  # absl prints __main__'s docstring: add the console legend
+            from jaxrl_post.trainer.tracking import console_legend
+
+            entry = sys.modules["__main__"]
+            entry.__doc__ = f"{entry.__doc__ or __doc__}\n{console_legend()}\n"
         _CONFIG = config_flags.DEFINE_config_file(
             _CONFIG_FLAG, None, "Job config: path/to/config.py[:variant].", lock_config=True
         )

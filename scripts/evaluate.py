@@ -10,9 +10,11 @@ Usage:
 Generation settings come from `rollout.val_kwargs` (greedy n=1 by default; n>1 sampled adds best@k,
 pass@k, maj@k). `--checkpoint` is a run dir, its `checkpoints/` dir or a `global_step_<N>` dir; only the
 actor params are read. Metrics (verl names, `val-core/{data_source}/reward/mean@{n}`, ...) are printed as
-JSON and written to `--output` (default `<--workdir>/eval_metrics.json`, or `./eval_metrics.json` without
-`--workdir`). The evaluation's own working directory (`--workdir`, default a temporary `jaxrl_eval_*`
-directory removed at the end, also after a failure) keeps the run's directory untouched.
+JSON and written to `--output`, by default beside the checkpoint: `<run dir>/eval_metrics.global_step_<N>.json`
+(`<--workdir>/eval_metrics.json` with `--workdir`; for the base model
+`<trainer.default_local_dir>/eval_metrics.base_model.json`); the last line says where. The evaluation's own
+working directory (`--workdir`, default a temporary `jaxrl_eval_*` directory removed at the end, also after
+a failure) keeps the run's directory untouched.
 """
 
 from __future__ import annotations
@@ -41,7 +43,9 @@ def _define_flags():
     flags.DEFINE_integer("step", None, "Checkpoint step (default: the one --checkpoint names, else the latest).")
     flags.DEFINE_string("workdir", None, "Working dir of the evaluation (default: a temp dir, removed at the end).")
     flags.DEFINE_string(
-        "output", None, "JSON file for the metrics (default: <workdir>/eval_metrics.json, else ./eval_metrics.json)."
+        "output",
+        None,
+        "JSON file for the metrics (default: beside the checkpoint, <run dir>/eval_metrics.global_step_<N>.json).",
     )
     flags.mark_flag_as_required("config")
     return flags.FLAGS
@@ -97,18 +101,45 @@ def _evaluate(cfg, checkpoint: str | None, step: int | None, workdir: str) -> di
     return metrics
 
 
+def metrics_path(
+    cfg, checkpoint: str | None, step: int, *, workdir: str | None = None, output: str | None = None
+) -> str:
+    """Where the metrics JSON goes: `output`; else `<workdir>/eval_metrics.json`; else beside the checkpoint,
+    `<run dir>/eval_metrics.global_step_<step>.json` (the run dir holds `checkpoints/`; a checkpoint root
+    named otherwise gets the file itself); else (base model, `step` -1)
+    `<trainer.default_local_dir>/eval_metrics.base_model.json`. Never the current directory by default.
+
+    Raises:
+      CheckpointError: nothing complete at `checkpoint`.
+    """
+    from jaxrl_post.trainer import checkpoint as ckpt
+
+    if output:
+        return output
+    if workdir:
+        return os.path.join(workdir, "eval_metrics.json")
+    if checkpoint and step >= 0:
+        root, _ = ckpt.find_resume_checkpoint("resume_path", ".", checkpoint, what="--checkpoint")
+        run_dir = os.path.dirname(root) if os.path.basename(root) == ckpt.CHECKPOINT_SUBDIR else root
+        return os.path.join(run_dir, f"eval_metrics.{ckpt.step_dir_name(step)}.json")
+    return os.path.join(str(cfg.trainer.default_local_dir), "eval_metrics.base_model.json")
+
+
 def main(argv) -> None:
     del argv
     from jaxrl_post.data.sources import MalformedRowError
+    from jaxrl_post.log_noise import quiet_startup_noise
     from jaxrl_post.trainer.checkpoint import CheckpointError
     from jaxrl_post.trainer.config_check import ConfigError
 
+    quiet_startup_noise()  # as the main job: no TPU-probe INFO line, no "PyTorch was not found"
     try:
         metrics = evaluate(FLAGS.config, FLAGS.checkpoint, step=FLAGS.step, workdir=FLAGS.workdir)
     except (CheckpointError, ConfigError, MalformedRowError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    out = FLAGS.output or os.path.join(FLAGS.workdir or ".", "eval_metrics.json")
+    step = int(metrics.get("eval/checkpoint_step", -1))
+    out = metrics_path(FLAGS.config, FLAGS.checkpoint, step, workdir=FLAGS.workdir, output=FLAGS.output)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump(metrics, f, indent=1, sort_keys=True)

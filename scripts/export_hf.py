@@ -155,7 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--overwrite", action="store_true", help="write into a non-empty --out directory")
     args = ap.parse_args(argv)
+    from jaxrl_post.log_noise import quiet_startup_noise
     from jaxrl_post.trainer.checkpoint import CheckpointError
+
+    quiet_startup_noise()  # as the main job: known start-up noise off the console, real warnings kept
 
     try:
         export(args.checkpoint, args.out, step=args.step, overwrite=args.overwrite, say=print)

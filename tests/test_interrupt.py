@@ -45,8 +45,64 @@ def test_graceful_stop_defers_after_a_step_and_aborts_before(sig, code):
         )
         assert (lines, exits) == ([ack], [])  # acknowledged at once, no exit
         os.kill(os.getpid(), signal.SIGINT)  # a second signal forces the exit (with the first one's code)
-        assert exits == [code] and lines == [ack, "second SIGINT: exiting now without saving"]
+        assert exits == [code] and lines == [ack, "second SIGINT: exiting now; nothing more is saved"]
     assert exit_code_for(signal.SIGINT) == 130 and exit_code_for(signal.SIGTERM) == 143
+
+
+_INTERRUPTED_SAVE = """
+import os, sys, numpy as np
+from jaxrl_post.main import lost_line
+from jaxrl_post.trainer.checkpoint import Checkpointer
+from jaxrl_post.trainer.interrupt import GracefulStop
+Checkpointer(sys.argv[1], async_save=False).save(1, {"host": {}, "x": np.zeros((4,), np.float32)})
+c = Checkpointer(sys.argv[1], async_save=True)
+trainer = type("T", (), {"global_steps": 2, "checkpointer": c})()
+c.save(2, {"host": {}, "x": np.zeros((8_000_000,), np.float32)})  # 32 MB, written in the background
+stop = GracefulStop(write=lambda s: print(s, flush=True))
+stop.lost_line = lambda: lost_line(trainer)
+with stop:
+    stop.defer()
+    os.kill(os.getpid(), 2)  # the first Ctrl-C: recorded (the loop has saved, close() now waits)
+    os.kill(os.getpid(), 2)  # the second, while step 2 is written: exits at once, saying what is lost
+"""
+
+
+def test_second_signal_during_a_save_says_what_is_lost_and_the_rerun_names_the_lost_step(tmp_path):
+    from jaxrl_post.main import lost_line
+
+    root = tmp_path / "checkpoints"
+    proc = subprocess.run(
+        [sys.executable, "-c", _INTERRUPTED_SAVE, str(root)],
+        cwd=REPO,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 130, proc.stderr[-2000:]
+    assert proc.stdout.splitlines()[-1] == (
+        f"second SIGINT: exiting now; the checkpoint of step 2 being written ({root / 'global_step_2'}) is lost; "
+        f"a rerun resumes from step 1 ({root / 'global_step_1'})"
+    )
+    assert sorted(os.listdir(root)) == ["global_step_1", "global_step_2.orbax-checkpoint-tmp"]
+    # the rerun: one line naming the lost step, the leftover removed, step 1 still the one to resume
+    assert ckpt.unfinished_steps(root) == [(2, str(root / "global_step_2.orbax-checkpoint-tmp"))]
+    line = ckpt.report_unfinished(root, 1)
+    assert line == (
+        "the checkpoint of step 2 was never finished (its save was interrupted: a second Ctrl-C, a kill or a crash "
+        f"while writing); step 2 is lost and its partial directory was removed (global_step_2.orbax-checkpoint-tmp "
+        f"in {root}); resuming from step 1"
+    )
+    assert os.listdir(root) == ["global_step_1"] and ckpt.report_unfinished(root, 1) is None
+    c = ckpt.Checkpointer(root, read_only=True)
+    assert c.all_steps() == [1] and c.pending_step() is None
+    # no save in flight: the steps after the last complete checkpoint are what is lost
+    t = type("T", (), {"global_steps": 3, "checkpointer": c})()
+    assert lost_line(t) == (
+        f"steps 2-3 (not checkpointed) lost; a rerun resumes from step 1 ({root / 'global_step_1'})"
+    )
+    t.global_steps = 1
+    assert lost_line(t) == f"nothing is lost: step 1 is saved ({root / 'global_step_1'})"
 
 
 def test_reward_workers_ignore_sigint():

@@ -249,6 +249,10 @@ def test_sigkill_then_resume_matches_straight_run(straight_run, jax_cache, tmp_p
     assert r.returncode == 0, r.stderr[-3000:]
     n = done_before[-1]
     assert f"resumed from step {n} of 8 ({os.path.join(root, f'global_step_{n}')})" in r.stdout
+    # the killed run's run.lock (its pid is dead) is taken over with one line, and released at the end
+    lock = os.path.join(workdir, "run.lock")
+    assert f"{lock}: taking over the stale lock of a run that is no longer alive (pid {p.pid} on " in r.stdout
+    assert not os.path.exists(lock)
     assert ckpt.list_complete_steps(root)[-1] == 8
     # metrics.jsonl: the lines the killed run logged after step n were dropped, so every step appears once
     steps_logged = [r["step"] for r in _read_jsonl(os.path.join(workdir, "metrics.jsonl")) if "critic/score/mean" in r]
@@ -402,3 +406,47 @@ def test_tensorboard_and_config_files_of_the_run(straight_run):
 
     events = _read_events(os.path.join(w, "tensorboard"))
     assert sorted(s for s, tag, _ in events if tag == "critic/score/mean") == [1, 2, 3, 4]
+
+
+# slow: two trainers plus the validation's own generate compile (~1-3 min on a shared 2-core CPU when cold)
+@pytest.mark.slow
+def test_resumed_run_keeps_the_original_val_before(jax_cache, tmp_path):
+    """A resumed run does not validate before training again (its params are not the base model's): it
+    reports the original run's step-0 validation, from the checkpoint's host JSON, or from metrics.jsonl for
+    checkpoints that lack it."""
+    from jaxrl_post.trainer.run_files import first_validation
+    from jaxrl_post.trainer.trainer import RLTrainer, summarize
+
+    over = {"trainer.val_before_train": True, "trainer.save_freq": 1, "trainer.test_freq": -1}
+    over["trainer.total_training_steps"] = 2
+    a = RLTrainer(_cfg(tmp_path, **over), console_write=lambda s: None)
+    try:
+        v0 = a.fit(max_steps=1)["val_before"]
+    finally:
+        a.close()
+    v0 = {k: v for k, v in v0.items() if k.startswith("val-")}
+    assert v0 and first_validation(str(tmp_path)) == v0  # what metrics.jsonl holds at step 0
+    lines = []
+    b = RLTrainer(_cfg(tmp_path, **over), console_write=lines.append)
+    assert b.global_steps == 1 and b.val_before_metrics == v0  # from host['val_before']
+
+    def no_validate():
+        raise AssertionError("a resumed run validated before training")
+
+    b.validate = no_validate
+    try:
+        res = b.fit()
+    finally:
+        b.close()
+    assert res["val_before"] == v0 and json.loads(summarize(res))["val_before"] == v0
+    assert "resumed at step 1: not validating before training again; val_before is the original run's " in "".join(
+        lines
+    )
+    assert [r["step"] for r in _read_jsonl(tmp_path / "metrics.jsonl") if any(k.startswith("val-") for k in r)] == [0]
+    # an older checkpoint without host['val_before']: the step-0 line of metrics.jsonl is used
+    (tmp_path / "metrics.jsonl").write_text(
+        '{"step": 0, "data/num_train_prompts": 64}\n'
+        '{"step": 0, "val-core/x/reward/mean@1": 0.25, "timing_s/testing": 1.0}\n'
+        '{"step": 1, "val-core/x/reward/mean@1": 0.75}\n'
+    )
+    assert first_validation(str(tmp_path)) == {"val-core/x/reward/mean@1": 0.25}

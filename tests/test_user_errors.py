@@ -153,7 +153,7 @@ def test_failed_start_leaves_no_empty_workdir(tmp_path):
     with pytest.raises(MalformedRowError):
         RLTrainer(c)
     c.data.train_files = _write(tmp_path / "ok.jsonl", [_row(i) for i in range(4)])
-    with pytest.raises(FileNotFoundError, match="no_such_model"):  # the model does not load
+    with pytest.raises(ConfigError, match="no_such_model"):  # the model does not exist
         RLTrainer(c)
     assert not run.exists()
 
@@ -171,6 +171,131 @@ def test_evaluate_removes_its_temporary_workdir(tmp_path, monkeypatch):
     c = _unloadable_model_config(tmp_path, f, _write(tmp_path / "v.jsonl", [_row(i) for i in range(4, 8)]))
     with pytest.raises(CheckpointError):  # before the trainer
         evaluate.evaluate(c, str(tmp_path / "no_such_run"))
-    with pytest.raises(FileNotFoundError, match="no_such_model"):  # inside the trainer, in the temp workdir
+    with pytest.raises(ConfigError, match="no_such_model"):  # inside the trainer, in the temp workdir
         evaluate.evaluate(c)
     assert os.listdir(temp) == []
+
+
+# ----------------------------------------------------------------------------------------- one-line errors
+def _main(*args, timeout=300):
+    import subprocess
+    import time
+
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxrl_post.main", *args],
+        cwd=REPO,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return proc, time.monotonic() - t0
+
+
+def test_unknown_config_variant_lists_the_valid_ones(tmp_path):
+    from jaxrl_post.main import ConfigFileError, check_override_keys
+
+    with pytest.raises(ConfigFileError, match=r"^--config=configs/dapo\.py:tinyy: configs/dapo\.py: unknown variant"):
+        check_override_keys(["prog", "--config=configs/dapo.py:tinyy"])
+    proc, secs = _main("--config=configs/grpo.py:lroa")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        "error: --config=configs/grpo.py:lroa: configs/grpo.py: unknown variant 'lroa'; "
+        "valid: ['default', 'gsm8k', 'lora', 'tiny']"
+    ]
+    assert secs < 60
+
+
+def test_missing_model_path_is_one_error_before_any_load(tmp_path, monkeypatch):
+    from jaxrl_post.trainer.trainer import RLTrainer
+
+    def no_load(*a, **k):
+        raise AssertionError("the model loader was called")
+
+    monkeypatch.setattr(builders, "build_actor_and_tokenizer", no_load)
+    monkeypatch.setattr(builders, "build_mesh", no_load)
+    c = _unloadable_model_config(tmp_path, _write(tmp_path / "t.jsonl", [_row(i) for i in range(4)]))
+    with pytest.raises(ConfigError) as e:
+        RLTrainer(c)
+    assert str(e.value) == f"config.model.path={c.model.path!r}: no such file or directory: {c.model.path}"
+    (tmp_path / "notgguf.bin").write_text("x")
+    c.model.path = str(tmp_path / "notgguf.bin")
+    with pytest.raises(ConfigError, match=r"notgguf\.bin is a file but not a \.gguf"):
+        RLTrainer(c)
+    # the main job: one `error:` line, exit 2, within seconds
+    proc, secs = _main(
+        "--config=configs/grpo.py:tiny",
+        "--config.model.random_init=False",
+        f"--config.model.path={tmp_path / 'no_such_model'}",
+        f"--config.trainer.default_local_dir={tmp_path / 'run'}",
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        f"error: config.model.path={str(tmp_path / 'no_such_model')!r}: no such file or directory: "
+        f"{tmp_path / 'no_such_model'}"
+    ]
+    assert secs < 60 and not (tmp_path / "run").exists()
+
+
+def test_workdir_on_a_file_system_that_cannot_hold_it(tmp_path):
+    from jaxrl_post.trainer.preflight import check_workdir
+
+    c = _unloadable_model_config(tmp_path, "unused")
+    c.trainer.default_local_dir = "/proc/jaxrl_post_run"
+    with pytest.raises(ConfigError) as e:  # root may "write" /proc per os.access; creating a directory fails
+        check_workdir(c)
+    assert str(e.value) == (
+        "config.trainer.default_local_dir='/proc/jaxrl_post_run': the file system at /proc cannot hold the run's "
+        "working directory (creating a directory there failed: No such file or directory); choose a path on a "
+        "normal disk (--config.trainer.default_local_dir=runs/my_run)"
+    ) or "is not writable" in str(e.value)
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".jaxrl_post_probe_")]
+    c.trainer.default_local_dir = str(tmp_path / "ok")
+    check_workdir(c)  # a normal directory passes and keeps no probe
+    assert os.listdir(tmp_path) == []
+
+
+def test_reward_function_error_is_printed_first_and_plainly(tmp_path, monkeypatch, capsys):
+    """main(): a RewardFunctionError from fit() -> `error: <message>` as the first stderr line, then the reward
+    function's own traceback (its file and line, not the trainer's frames), exit 2, trainer closed."""
+    from jaxrl_post import main as main_mod
+    from jaxrl_post.rewards import RewardManager, load_custom_reward_fn
+    from jaxrl_post.trainer import trainer as trainer_mod
+    from tests.test_reward_failures import RAISING_SRC, CharTokenizer, _batch
+
+    path = tmp_path / "my_reward.py"
+    path.write_text(RAISING_SRC)
+    mgr = RewardManager(load_custom_reward_fn(str(path)), CharTokenizer(), num_workers=0, timeout_s=5.0)
+    closed = []
+
+    class FakeTrainer:  # fit() scores a batch with the user's failing reward function, as train_step does
+        global_steps, resumed_from = 1, None
+
+        def __init__(self, cfg):
+            pass
+
+        def fit(self, stop=None):
+            return mgr.compute(_batch(["badA", "badB"]))
+
+        def close(self):
+            closed.append(True)
+
+    from configs import grpo
+
+    monkeypatch.setattr(trainer_mod, "RLTrainer", FakeTrainer)
+    monkeypatch.setattr(main_mod, "_CONFIG", type("F", (), {"value": grpo.get_config("tiny")})())
+    monkeypatch.setattr(main_mod, "_STOP", None)
+    with pytest.raises(SystemExit) as e:
+        main_mod.main([])
+    assert e.value.code == 2 and closed == [True]
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith(
+        f"error: reward function 'compute_score' from {path} (custom_reward_function) failed on 2 of 2 responses"
+    )
+    assert err[0].endswith("ValueError: cannot parse 'badA'")
+    assert err[1] == "the reward function's traceback:"
+    tb = "\n".join(err[2:])
+    assert f'File "{path}", line 4, in compute_score' in tb and f'File "{path}", line 8, in helper' in tb
+    assert err[-1] == "ValueError: cannot parse 'badA'" and "jaxrl_post" not in tb
+    mgr.close()

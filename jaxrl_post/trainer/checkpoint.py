@@ -22,8 +22,8 @@ trainer leaves `'ref'` None and records a pointer in `host['reference']` (see `r
 Atomicity: orbax writes a step into `global_step_<N>.orbax-checkpoint-tmp/` and renames it to
 `global_step_<N>/` only after every item (and every host) finished; the manager lists only finalized
 step directories, so a save interrupted by a crash, SIGKILL or full disk is never picked up by resume.
-Left-over tmp directories are deleted (before its first save) by the next writer that opens the
-directory.
+Left-over tmp directories are reported by the next run in one line naming the lost step
+(`report_unfinished`) and removed.
 
 Async: `save` returns once the arrays are copied to host memory (so the caller may donate them to the
 next jitted update); writing happens in a background thread. Errors of a background write surface at
@@ -56,6 +56,7 @@ from jaxrl_post.trainer.checkpoint_layout import (  # noqa: F401  (re-exported: 
     parse_step_dir,
     reference_pointer,
     step_dir_name,
+    unfinished_steps,
 )
 
 log = logging.getLogger(__name__)
@@ -178,6 +179,7 @@ class Checkpointer:
         self.async_save = bool(async_save)
         self.read_only = bool(read_only)
         self._manager = None
+        self._last_started: int | None = None  # the step of the last save started (see `pending_step`)
         if os.path.isdir(self.directory):
             self._open()
 
@@ -235,6 +237,12 @@ class Checkpointer:
     def step_path(self, step: int) -> str:
         return os.path.join(self.directory, step_dir_name(step))
 
+    def pending_step(self) -> int | None:
+        """The step whose save was started but is not committed on disk yet (re-read from the directory, so it
+        is safe to call from a signal handler while a save runs), else None."""
+        n = self._last_started
+        return None if n is None or n in list_complete_steps(self.directory) else n
+
     # ------------------------------------------------------------------------------------ save
     def _probe_writable(self, step: int) -> None:
         """Fail fast, before any async work, when the directory cannot be created or written."""
@@ -282,6 +290,8 @@ class Checkpointer:
         args[HOST_ITEM] = ocp.args.JsonSave(host)
         try:
             started = manager.save(int(step), args=ocp.args.Composite(**args), force=force)
+            if started:
+                self._last_started = int(step)
             if not self.async_save:
                 manager.wait_until_finished()
         except Exception as e:  # pylint: disable=broad-except
@@ -399,6 +409,32 @@ class Checkpointer:
                 f"no complete checkpoint for step {step} in {self.directory} (complete steps: {steps})"
             )
         return int(step)
+
+
+def report_unfinished(directory: str | os.PathLike, resume_step: int | None) -> str | None:
+    """Remove the unfinished saves (`unfinished_steps`) in `directory` and return one line naming the lost
+    step(s) and what the run resumes from (`resume_step`, None: from scratch), or None when there are none.
+    Call with the run directory's lock held (no save can be running).
+
+    Raises:
+      OSError: a leftover could not be removed (it is then left in place; orbax skips it).
+    """
+    import shutil
+
+    left = unfinished_steps(directory)
+    if not left:
+        return None
+    for _, path in left:
+        shutil.rmtree(path)
+    steps = sorted({s for s, _ in left})
+    what = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps}"
+    then = f"resuming from step {resume_step}" if resume_step is not None else "no complete checkpoint to resume from"
+    names = ", ".join(os.path.basename(p) for _, p in left)
+    return (
+        f"the checkpoint of {what} was never finished (its save was interrupted: a second Ctrl-C, a kill or a "
+        f"crash while writing); {what} is lost and its partial directory was removed ({names} in {directory}); "
+        f"{then}"
+    )
 
 
 def _check_json(host: Mapping[str, Any]) -> None:

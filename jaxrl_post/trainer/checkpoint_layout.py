@@ -9,6 +9,7 @@ so a checkpoint can be exported without its run config. `trainer.checkpoint` re-
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -50,6 +51,20 @@ def list_complete_steps(directory: str | os.PathLike) -> list[int]:
         return []
     complete = lambda name: os.path.exists(os.path.join(directory, name, "_CHECKPOINT_METADATA"))
     return sorted(_step_of(n) for n in os.listdir(directory) if _step_of(n) is not None and complete(n))
+
+
+_TMP_RE = re.compile(rf"^{STEP_PREFIX}_(\d+)\.orbax-checkpoint-tmp.*$")
+
+
+def unfinished_steps(directory: str | os.PathLike) -> list[tuple[int, str]]:
+    """`(step, path)` of orbax's in-progress `global_step_<N>.orbax-checkpoint-tmp[-<stamp>]` directories
+    under `directory`, ascending: saves that never finished (a second Ctrl-C, SIGKILL or crash while writing).
+    Only meaningful when no save is running (the run holds the directory's lock)."""
+    directory = os.fspath(directory)
+    if not os.path.isdir(directory):
+        return []
+    found = [(int(m.group(1)), os.path.join(directory, n)) for n in os.listdir(directory) if (m := _TMP_RE.match(n))]
+    return sorted(found)
 
 
 def parse_step_dir(path: str | os.PathLike) -> tuple[str, int | None]:

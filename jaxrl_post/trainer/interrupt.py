@@ -10,8 +10,10 @@ jitted call or an XLA compile; it runs as soon as that call returns.
 - After `defer()`, a signal is only recorded: `RLTrainer.fit` checks `requested` between steps, saves
   a checkpoint of the last completed step and returns; `main.py` closes the trainer (waiting for the
   async save), prints one line and exits with `exit_code`.
-- A second signal exits immediately (nothing saved beyond what is already committed; orbax writes are
-  atomic, so a half-written checkpoint is never resumed).
+- A second signal exits immediately and says what is lost (`lost_line`, set by `main.py`: the checkpoint
+  being written, or the steps after the last complete one); orbax writes are atomic, so a half-written
+  checkpoint is never resumed, and the next run names the lost step in one line
+  (`checkpoint.report_unfinished`).
 
 Why not let KeyboardInterrupt propagate: it fires wherever the main thread happens to be (inside
 tracing, a checkpoint write, a garbage-collection callback that only prints "Exception ignored"), and
@@ -46,10 +48,24 @@ def exit_code_for(signum: int) -> int:
     return EXIT_CODES.get(signum, 128 + int(signum))
 
 
+_AT_EXIT_NOW: list[Callable[[], None]] = []
+
+
+def at_exit_now(fn: Callable[[], None]) -> None:
+    """Register `fn` to run in `exit_now` before the process leaves (`os._exit` skips `atexit`), e.g. the
+    release of the run directory's lock (`run_lock.RunLock`). `fn` must be quick; its errors are ignored."""
+    _AT_EXIT_NOW.append(fn)
+
+
 def exit_now(code: int) -> None:
-    """Flush stdout/stderr and leave the process at once (`os._exit`: no interpreter shutdown, so no
-    crash from threads that XLA or orbax still run). Call after the trainer is closed, or when nothing
-    needs closing (a signal before the first completed step)."""
+    """Run the `at_exit_now` callbacks, flush stdout/stderr and leave the process at once (`os._exit`: no
+    interpreter shutdown, so no crash from threads that XLA or orbax still run). Call after the trainer is
+    closed, or when nothing needs closing (a signal before the first completed step)."""
+    for fn in _AT_EXIT_NOW:
+        try:
+            fn()
+        except Exception:  # pylint: disable=broad-except
+            pass
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -67,6 +83,8 @@ class GracefulStop:
       signals: the signals to handle.
       write: where the lines of an immediate exit go (default: stdout, flushed).
       hard_exit: called with the exit code for an immediate exit (default `exit_now`; tests pass a fake).
+
+    `lost_line`: optional callable returning what a second signal loses (printed after "exiting now; ").
 
     Use as `with GracefulStop(...) as stop: ...`; outside the main thread it installs nothing (Python
     only allows handlers there) and `requested` stays False.
@@ -87,6 +105,7 @@ class GracefulStop:
         self._write = write or (lambda s: print(s, flush=True))
         self._hard_exit = hard_exit
         self._previous: dict[int, object] = {}
+        self.lost_line: Callable[[], str] | None = None  # what a second signal loses (main sets it)
 
     @property
     def requested(self) -> bool:
@@ -105,7 +124,13 @@ class GracefulStop:
     def _handle(self, signum, frame) -> None:
         del frame
         if self.signum is not None:
-            self._write(f"second {signal_name(signum)}: exiting now without saving")
+            lost = "nothing more is saved"
+            if self.lost_line is not None:
+                try:
+                    lost = self.lost_line()
+                except Exception:  # pylint: disable=broad-except  (a handler must exit, whatever happens)
+                    pass
+            self._write(f"second {signal_name(signum)}: exiting now; {lost}")
             self._hard_exit(exit_code_for(self.signum))
             return
         self.signum = int(signum)

@@ -103,7 +103,8 @@ def compute_data_metrics(
     Returns:
       `critic/score/{mean,max,min}` (per-sequence sum of scores), `critic/rewards/*` (after KL),
       `critic/advantages/*`, `critic/returns/*` (over valid response tokens), `critic/values/*`,
-      `critic/vf_explained_var` (1 - Var[returns - values] / Var[returns], valid tokens),
+      `critic/vf_explained_var` (verl: 1 - Var[returns - values] / (Var[returns] + 1e-5), valid
+      tokens; NaN when the returns are constant, where it is undefined),
       `response_length/{mean,max,min,clip_ratio}`, `prompt_length/{mean,max,min,clip_ratio}`.
     """
     g = lambda k: np.asarray(batch[k])
@@ -122,7 +123,9 @@ def compute_data_metrics(
         returns = _masked(g("returns"), loss_mask)
         _stats("critic/values", values, out)
         var_r = np.var(returns) if returns.size else 0.0
-        out["critic/vf_explained_var"] = float(1.0 - np.var(returns - values) / (var_r + 1e-5))
+        # undefined (NaN, console "n/a") for constant returns: verl's eps would report 1 - 0/1e-5 = 1
+        ev = 1.0 - np.var(returns - values) / (var_r + 1e-5) if var_r > 0 else np.nan
+        out["critic/vf_explained_var"] = float(ev)
     resp_len = exists.astype(np.float64).sum(-1)
     max_r = max_response_length or r
     _stats("response_length", resp_len, out)

@@ -6,19 +6,31 @@ custom reward function. Used by `builders.py`.
 from __future__ import annotations
 
 import os
+import tempfile
 from typing import Any
 
 from jaxrl_post.trainer.config_check import ConfigError
 
-__all__ = ["check_reasoning_gym_task", "check_workdir", "load_custom_reward", "not_enough_prompts_message"]
+__all__ = [
+    "critic_warmup_warning",
+    "check_model_path",
+    "check_reasoning_gym_task",
+    "check_workdir",
+    "load_custom_reward",
+    "not_enough_prompts_message",
+]
 
 
 def check_workdir(cfg: Any) -> None:
-    """Check, without creating anything, that `trainer.default_local_dir` can be created and written.
+    """Check that `trainer.default_local_dir` can be created and written, and that no other live run holds
+    it (`run_lock.check_not_busy`, process 0 only). Nothing is left behind: a probe directory is created
+    and removed in the nearest existing directory (a file system such as /proc refuses it).
 
     Raises:
       ConfigError: naming `trainer.default_local_dir` when it, or the nearest existing directory above it,
-        is a regular file, or that directory is not writable (read-only directory or file system).
+        is a regular file, or that directory is not writable (read-only directory or file system), or
+        cannot hold a directory (a pseudo file system such as /proc or /sys).
+      RunDirBusyError: another live run holds the directory (its `run.lock`).
     """
     given = cfg.trainer.default_local_dir
     key = f"config.trainer.default_local_dir={given!r}"
@@ -35,6 +47,57 @@ def check_workdir(cfg: Any) -> None:
             f"{key}: the run's working directory{where} is not writable; choose a writable path "
             "(--config.trainer.default_local_dir=runs/my_run)"
         )
+    try:  # os.access says yes for root on /proc, /sys; creating a directory there still fails
+        os.rmdir(tempfile.mkdtemp(prefix=".jaxrl_post_probe_", dir=existing))
+    except OSError as e:
+        raise ConfigError(
+            f"{key}: the file system at {existing} cannot hold the run's working directory (creating a directory "
+            f"there failed: {e.strerror or e}); choose a path on a normal disk "
+            "(--config.trainer.default_local_dir=runs/my_run)"
+        ) from e
+    if os.path.isdir(path):
+        from jaxrl_post import distributed
+        from jaxrl_post.trainer.run_lock import check_not_busy
+
+        if distributed.is_main():
+            check_not_busy(path)
+
+
+def check_model_path(cfg: Any) -> None:
+    """Check, before anything is loaded, that `model.path` names a model that exists (a local HF directory,
+    a .gguf file or an installed alias; `models.resolve_model_path`) unless `model.random_init`. A Hugging
+    Face hub id (`org/name`) that is not a local path is left to the loader (checking it needs the hub).
+
+    Raises:
+      ConfigError: naming `model.path` (missing path, a directory that is not a checkpoint, a file that is
+        not a .gguf, an alias whose package is not installed, or no model.path at all).
+    """
+    if cfg.model.random_init:
+        return
+    from jaxrl_post.models.resolve import _HUB_GGUF_RE, _HUB_ID_RE, resolve_model_path
+
+    given = cfg.model.path
+    key = f"config.model.path={given!r}"
+    if not given:
+        raise ConfigError(f"{key}: no model given; set --config.model.path=<HF directory | .gguf file | alias>")
+    name = os.path.expanduser(str(given))
+    if not os.path.exists(name) and (_HUB_ID_RE.match(name) or _HUB_GGUF_RE.match(name)):
+        return
+    try:
+        resolve_model_path(name)
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(f"{key}: {e}") from e
+
+
+def critic_warmup_warning(critic_warmup: int, total_training_steps: int) -> str | None:
+    """The warning printed when `trainer.critic_warmup >= total_training_steps` (the actor would never be
+    updated: only steps from `critic_warmup` on update it), else None."""
+    if int(critic_warmup) < int(total_training_steps):
+        return None
+    return (
+        f"warning: trainer.critic_warmup={critic_warmup} >= total_training_steps={total_training_steps}: the actor "
+        "never updates (only the critic trains); lower --config.trainer.critic_warmup"
+    )
 
 
 def check_reasoning_gym_task(key: str, spec: str, one: str) -> None:

@@ -166,6 +166,30 @@ def prepare_metrics_file(workdir: str, resumed_step: int | None, filename: str =
     return f"{path} of an earlier run (this run starts from scratch) moved to {aside}"
 
 
+def first_validation(workdir: str, filename: str = METRICS_FILE) -> dict[str, float] | None:
+    """The `val-*` metrics of the first line at step 0 of `<workdir>/<filename>` that has any (the run's
+    validation before training), or None (no file, no such line). Non-numeric values are skipped."""
+    try:
+        with open(os.path.join(workdir, filename), encoding="utf-8") as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    continue
+                if not isinstance(row, dict) or row.get("step") != 0:
+                    continue
+                val = {}
+                for k, v in row.items():
+                    if k.startswith("val-"):
+                        with contextlib.suppress(TypeError, ValueError):
+                            val[k] = float(v)
+                if val:
+                    return val
+    except OSError:
+        return None
+    return None
+
+
 # ---------------------------------------------------------------------------------------------- config.json
 CONFIG_FILE = "config.json"
 # changed on resume as a matter of course (extending a run, saying how to resume): never listed as suspicious

@@ -3,9 +3,10 @@
 `CheckpointMixin` is mixed into `RLTrainer` (trainer.py). What is saved (see `state_dict`): actor/critic
 params and optimizer states (a LoRA actor's params are its adapters: the base is rebuilt from
 `model.path`), global step, update counters, RNG key, KL controller, data iterator position, non-finite
-skip counters; the reference params only as a pointer (they are the initial actor, rebuilt the same way;
-with LoRA, the actor with its adapters off). The on-disk format is in checkpoint.py, the step directories and
-resume rules in checkpoint_layout.py.
+skip counters, the run's validation before training (`val_before`, reported again by a resumed run
+instead of validating the resumed params as if they were the base model); the reference params only as
+a pointer (they are the initial actor, rebuilt the same way; with LoRA, the actor with its adapters off).
+The on-disk format is in checkpoint.py, the step directories and resume rules in checkpoint_layout.py.
 
 A run stopped by an error does not lose its completed steps where the state is provably that of the last
 completed step N (`save_on_error_in_step` / `save_on_error_in_validation`): a `RewardFunctionError` in
@@ -34,6 +35,7 @@ from jaxrl_post.trainer import checkpoint as ckpt
 from jaxrl_post.trainer.dynamic_sampling import FilterGroupsError
 from jaxrl_post.trainer.loggers import config_to_dict, save_run_config
 from jaxrl_post.trainer.run_files import (
+    first_validation,
     is_lead_process,
     keep_previous_config,
     move_aside_old_checkpoints,
@@ -42,6 +44,7 @@ from jaxrl_post.trainer.run_files import (
     resume_config_warning,
     sync,
 )
+from jaxrl_post.trainer.run_lock import RunLock
 
 # ModelConfig fields that decide the shapes / structure of the params: a checkpoint whose values differ
 # cannot be restored into this model (the others, e.g. rope_theta or dtype, load fine)
@@ -73,20 +76,42 @@ class CheckpointMixin:
         checkpointer, resume, prepare `metrics.jsonl` (this run only: an earlier run's file is moved
         aside, a resumed one truncated) and write `config.json` / `config.yaml` (a differing previous
         `config.json` is kept; a resumed run with a changed config prints one warning naming the keys).
-        Called once, at the end of `__init__`.
+        Called once, at the end of `__init__`. First takes the directory's lock (`run_lock.RunLock`,
+        process 0; released by `close()`, at exit, or here when opening fails).
 
         Raises:
+          RunDirBusyError: another live run holds the directory (nothing is moved).
           CheckpointError: the checkpoint to resume from cannot be read or does not match the config.
           OSError: an earlier run's `checkpoints/`, `metrics.jsonl` or `config.json` could not be moved aside.
         """
+        self.run_lock = None
+        if is_lead_process():  # hold the directory before anything in it is moved aside (run_lock.py)
+            self.run_lock, notice = RunLock.acquire(self.workdir)
+            if notice:
+                self._say(notice)
+        try:
+            self._open_run_dir_locked()
+        except BaseException:
+            if self.run_lock is not None:
+                self.run_lock.release()
+            raise
+
+    def _open_run_dir_locked(self) -> None:
         cfg = self.config
         self.resumed_from: str | None = None
         self._checkpoint_config: dict | None = None  # the config saved with the checkpoint resumed from
+        self.val_before_metrics: dict[str, float] | None = None  # the run's step-0 validation (kept on resume)
         found = ckpt.find_resume_checkpoint(cfg.trainer.resume_mode, self.workdir, cfg.trainer.resume_from_path)
         own_root = ckpt.checkpoint_dir(self.workdir)
         steps_on_disk = ckpt.list_complete_steps(own_root)
         notice = move_aside_old_checkpoints(own_root, found and found[0], steps_on_disk) if is_lead_process() else None
         sync("checkpoints")
+        if notice:
+            self._say(notice)
+        # a save interrupted by a second Ctrl-C / kill: say which step was lost (orbax would drop it quietly)
+        found_here = found is not None and os.path.abspath(found[0]) == os.path.abspath(own_root)
+        notice = ckpt.report_unfinished(own_root, found[1] if found_here else None) if is_lead_process() else None
+        sync("unfinished")
         if notice:
             self._say(notice)
         self.checkpointer = ckpt.Checkpointer(
@@ -98,6 +123,9 @@ class CheckpointMixin:
             except BaseException:
                 self.checkpointer.close()  # nothing pending: no orbax thread left to print at shutdown
                 raise
+        if found is not None and self.val_before_metrics is None and is_lead_process():
+            # checkpoints written before `host['val_before']` existed: the run's step-0 line of metrics.jsonl
+            self.val_before_metrics = first_validation(self.workdir)
         # metrics.jsonl holds this run only: an earlier run's file is moved aside, a resumed one truncated
         resumed_step = self.global_steps if found is not None else None
         notice = prepare_metrics_file(self.workdir, resumed_step) if is_lead_process() else None
@@ -237,6 +265,7 @@ class CheckpointMixin:
                     ),
                 ),
                 "total_training_steps": self.total_training_steps,
+                "val_before": getattr(self, "val_before_metrics", None),  # reported again by a resumed run
                 "config": config_to_dict(cfg),  # what a resume with another config is compared with
             },
         }
@@ -331,6 +360,7 @@ class CheckpointMixin:
         nonfinite = host.get("nonfinite") or {}
         self.actor_guard.load_state_dict(nonfinite.get("actor", {}))
         self.critic_guard.load_state_dict(nonfinite.get("critic", {}))
+        self.val_before_metrics = host.get("val_before")
         if state.get("ref") is not None and self.use_ref:
             self.ref_params = place(state["ref"]["params"], self.ref_params)
         self.sync_weights()

@@ -39,6 +39,40 @@ _CONSOLE_KEYS = (
 )
 
 
+# What each console label means (printed once at the start of a run and in `--help`; docs/console.md holds
+# the same text, checked by tests/test_console.py). Labels of metrics a run does not produce are not shown.
+CONSOLE_LEGEND = (
+    ("score", "critic/score/mean: mean score the reward function gave a response (before any KL penalty)"),
+    ("val-core/...", "validation score on the held-out set (verl's val-core/<data_source>/<metric>)"),
+    ("reward", "critic/rewards/mean: mean reward per response after the KL-in-reward penalty (PPO)"),
+    ("vf_ev", "critic/vf_explained_var (PPO): 1 - Var(returns - values) / Var(returns); n/a if returns are constant"),
+    ("resp_len", "response_length/mean: mean response length in tokens"),
+    ("truncated", "response_length/clip_ratio: share of responses cut at data.max_response_length"),
+    ("pg", "actor/pg_loss: policy-gradient (clipped surrogate) loss of the actor update"),
+    ("ent", "actor/entropy: mean per-token entropy of the policy on the responses"),
+    ("ppo_kl", "actor/ppo_kl: KL between the rollout (old) policy and the updated one, how far the update moved"),
+    ("kl_loss", "actor/kl_loss: KL to the reference model (actor.use_kl_loss)"),
+    ("kl_rew", "actor/reward_kl_penalty (PPO): KL to the reference subtracted from the reward"),
+    ("gnorm", "actor/grad_norm: the actor's gradient norm before clipping"),
+    ("vf_loss", "critic/vf_loss (PPO): the critic's value loss"),
+    ("step_s", "timing_s/step: seconds for the whole step"),
+    ("gen_s", "timing_s/gen: seconds generating the responses"),
+    ("upd_s", "timing_s/update_actor: seconds in the actor update"),
+)
+
+
+def console_legend() -> str:
+    """The console legend: a header line and one `  label  metric: meaning` line per label."""
+    width = max(len(label) for label, _ in CONSOLE_LEGEND)
+    lines = ["console step line (all metrics in metrics.jsonl; 'n/a': undefined, e.g. vf_ev of constant returns):"]
+    lines += [f"  {label:<{width}}  {meaning}" for label, meaning in CONSOLE_LEGEND]
+    return "\n".join(lines)
+
+
+def _fmt(f: float) -> str:
+    return "n/a" if math.isnan(f) else f"{f:.4g}"
+
+
 def _to_float(v: Any) -> float | None:
     try:
         f = float(np.asarray(v))
@@ -104,16 +138,20 @@ class ConsoleLogger:
                     if k.startswith(key[:-1]):
                         f = _to_float(metrics[k])
                         if f is not None:
-                            parts.append(f"{k}={f:.4g}")
+                            parts.append(f"{k}={_fmt(f)}")
                 continue
             if key in metrics:
                 f = _to_float(metrics[key])
                 if f is not None:
-                    parts.append(f"{label}={f:.4g}")
+                    parts.append(f"{label}={_fmt(f)}")
         if len(parts) == 1:  # nothing from the summary list (e.g. data statistics): print everything
             for k, v in metrics.items():
                 f = _to_float(v)
-                parts.append(f"{k}={f:.4g}" if f is not None else f"{k}={v}")
+                if k == "data/val_dropped_seen_in_train":  # a count of what was done, not an error
+                    if f:
+                        parts.append(f"{f:.0f} validation prompts dropped: they also occur in the training data")
+                    continue
+                parts.append(f"{k}={_fmt(f)}" if f is not None else f"{k}={v}")
         return " | ".join(parts)
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:

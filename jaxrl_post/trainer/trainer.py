@@ -59,7 +59,7 @@ from jaxrl_post.trainer.progress import progress_bar
 from jaxrl_post.trainer.roles import RolesMixin
 from jaxrl_post.trainer.roles import to_numpy as _np
 from jaxrl_post.trainer.state import CheckpointMixin
-from jaxrl_post.trainer.tracking import Tracking
+from jaxrl_post.trainer.tracking import Tracking, console_legend
 from jaxrl_post.trainer.updates import UpdatesMixin
 from jaxrl_post.trainer.validation_loop import run_validation
 
@@ -74,7 +74,8 @@ class RLTrainer(RolesMixin, RolloutMixin, UpdatesMixin, CheckpointMixin):
 
     Raises:
       ConfigError: invalid config (names every bad key), before any model is loaded or compiled; also an
-        unusable `trainer.default_local_dir` (`preflight.check_workdir`), a
+        unusable `trainer.default_local_dir` (`preflight.check_workdir`) or one another live run holds
+        (`run_lock.RunDirBusyError`), a missing `model.path` (`preflight.check_model_path`), a
         data_source with no reward function (without `custom_reward_function.path`), and validation data
         that all occurs in the training data while validation is on (`builders.load_data_rows`).
       MalformedRowError: a malformed data row (file, row, problem), before the model is loaded.
@@ -94,6 +95,7 @@ class RLTrainer(RolesMixin, RolloutMixin, UpdatesMixin, CheckpointMixin):
         # then the data rows (malformed rows, unknown data sources, ...)
         preflight.check_workdir(cfg)
         data_rows = builders.load_data_rows(cfg)
+        preflight.check_model_path(cfg)  # a missing model: one line now, not a traceback from the loader
 
         # ---- devices, model, tokenizer
         self.mesh = builders.build_mesh(cfg)
@@ -296,6 +298,10 @@ class RLTrainer(RolesMixin, RolloutMixin, UpdatesMixin, CheckpointMixin):
             not: metrics are logged before the checkpoint, so a resumed run never misses a step's line)
             and returns early.
 
+        `val_before` is the validation before the first step; a resumed run does not validate before training
+        again (its params are not the base model's) but returns the original run's step-0 validation (saved
+        in the checkpoint, `host['val_before']`, or read from metrics.jsonl; None when neither has it).
+
         Returns `{"val_before": metrics | None, "val_after": metrics | None, "last": last step metrics,
         "history": list of per-step metrics, "stopped_at": step | None}` (`stopped_at`: the step a stop
         request ended the loop after, its checkpoint started; `close()` waits for it).
@@ -326,10 +332,28 @@ class RLTrainer(RolesMixin, RolloutMixin, UpdatesMixin, CheckpointMixin):
             else min(self.total_training_steps, self.global_steps + int(max_steps))
         )
         save_freq = int(cfg.trainer.save_freq)
+        if "console" in getattr(self.tracker, "backends", {}):
+            self._say(console_legend())  # once per run: what score | reward | ... on each step line mean
+        warn = preflight.critic_warmup_warning(int(cfg.trainer.critic_warmup), self.total_training_steps)
+        if warn:
+            self._say(warn)
         self.tracker.log(self.data_stats, step=self.global_steps)
         if cfg.trainer.val_before_train and self.val_loader is not None:
-            result["val_before"] = self.validate()
-            self.tracker.log(result["val_before"], step=self.global_steps)
+            if getattr(self, "resumed_from", None) is None:
+                result["val_before"] = self.validate()
+                self.tracker.log(result["val_before"], step=self.global_steps)
+                # checkpointed with the run (host['val_before']): a resumed run reports it, not a re-run
+                self.val_before_metrics = {k: float(v) for k, v in result["val_before"].items() if k.startswith("val-")}
+            else:  # resumed params are not the base model: keep the original run's step-0 validation
+                result["val_before"] = getattr(self, "val_before_metrics", None)
+                self._say(
+                    f"resumed at step {self.global_steps}: not validating before training again; val_before is "
+                    + (
+                        "the original run's validation at step 0"
+                        if result["val_before"]
+                        else "unknown (the original run's step-0 validation was not saved)"
+                    )
+                )
         bar = progress_bar(
             bool(cfg.trainer.progress_bar) and distributed.is_main(),
             total=self.total_training_steps,
@@ -373,13 +397,15 @@ class RLTrainer(RolesMixin, RolloutMixin, UpdatesMixin, CheckpointMixin):
         return result
 
     def close(self) -> None:
-        """Wait for a pending checkpoint save (raises `CheckpointError` if it failed), then release loggers
-        and reward workers."""
+        """Wait for a pending checkpoint save (raises `CheckpointError` if it failed), then release loggers,
+        reward workers and the run directory's lock (`run_lock.py`)."""
         try:
             self.checkpointer.close()
         finally:
             self.tracker.close()
             self.reward_fn.close()
+            if getattr(self, "run_lock", None) is not None:
+                self.run_lock.release()  # the directory is free for the next run
 
 
 def summarize(result: dict[str, Any]) -> str:
