@@ -48,14 +48,13 @@ import numpy as np
 from jaxrl_post import core_algos, distributed
 from jaxrl_post.models.lora import lora_config_of
 from jaxrl_post.protocol import DataProto
-from jaxrl_post.trainer import builders, preflight, steps
+from jaxrl_post.trainer import builders, loop, preflight, steps
 from jaxrl_post.trainer import metrics as metrics_lib
 from jaxrl_post.trainer.config_check import ConfigError, critic_enabled, kl_in_use, validate_config
 from jaxrl_post.trainer.dynamic_sampling import RolloutMixin
 from jaxrl_post.trainer.dynamic_sampling import timer as _timer
 from jaxrl_post.trainer.loggers import config_to_dict
 from jaxrl_post.trainer.nonfinite import NonFiniteGuard
-from jaxrl_post.trainer.progress import progress_bar
 from jaxrl_post.trainer.roles import RolesMixin
 from jaxrl_post.trainer.roles import to_numpy as _np
 from jaxrl_post.trainer.state import CheckpointMixin
@@ -317,84 +316,30 @@ class RLTrainer(RolesMixin, RolloutMixin, UpdatesMixin, CheckpointMixin):
             that step, so resuming repeats exactly the run that would have happened; in the validation
             after step N, that step's metrics are logged first (see state.py).
         """
-        cfg = self.config
-        result: dict[str, Any] = {"val_before": None, "val_after": None, "last": {}, "history": [], "stopped_at": None}
-        if self.global_steps >= self.total_training_steps:
-            self._say(
-                f"training already finished at step {self.global_steps} (total_training_steps="
-                f"{self.total_training_steps}); to train further, raise --config.trainer.total_training_steps; to "
-                "start over, pass --config.trainer.resume_mode=disable (the old run is moved aside)"
-            )
-            return result
-        stop_at = (
-            self.total_training_steps
-            if max_steps is None
-            else min(self.total_training_steps, self.global_steps + int(max_steps))
-        )
-        save_freq = int(cfg.trainer.save_freq)
+        return loop.fit(self, max_steps, stop=stop)
+
+    # ---- the hooks of the shared loop (trainer/loop.py)
+    def has_validation(self) -> bool:
+        return self.val_loader is not None
+
+    def on_fit_start(self) -> None:
         if "console" in getattr(self.tracker, "backends", {}):
             self._say(console_legend())  # once per run: what score | reward | ... on each step line mean
-        warn = preflight.critic_warmup_warning(int(cfg.trainer.critic_warmup), self.total_training_steps)
+        warn = preflight.critic_warmup_warning(int(self.config.trainer.critic_warmup), self.total_training_steps)
         if warn:
             self._say(warn)
         self.tracker.log(self.data_stats, step=self.global_steps)
-        if cfg.trainer.val_before_train and self.val_loader is not None:
-            if getattr(self, "resumed_from", None) is None:
-                result["val_before"] = self.validate()
-                self.tracker.log(result["val_before"], step=self.global_steps)
-                # checkpointed with the run (host['val_before']): a resumed run reports it, not a re-run
-                self.val_before_metrics = {k: float(v) for k, v in result["val_before"].items() if k.startswith("val-")}
-            else:  # resumed params are not the base model: keep the original run's step-0 validation
-                result["val_before"] = getattr(self, "val_before_metrics", None)
-                self._say(
-                    f"resumed at step {self.global_steps}: not validating before training again; val_before is "
-                    + (
-                        "the original run's validation at step 0"
-                        if result["val_before"]
-                        else "unknown (the original run's step-0 validation was not saved)"
-                    )
-                )
-        bar = progress_bar(
-            bool(cfg.trainer.progress_bar) and distributed.is_main(),
-            total=self.total_training_steps,
-            initial=self.global_steps,
-            desc="training",
-            unit="step",
-        )
-        try:
-            while self.global_steps < stop_at:
-                with self.save_on_error_in_step():  # a reward failure: step N saved, then re-raised
-                    prompts = next(self.train_loader)
-                    m = self.train_step(prompts)
-                if stop is not None:
-                    stop.defer()  # a completed step exists: a signal now waits for the checkpoint below
-                last = self.global_steps >= self.total_training_steps
-                freq = int(cfg.trainer.test_freq)
-                stopping = stop is not None and stop.requested  # a stop skips the mid-run validation
-                if self.val_loader is not None and (
-                    (last and cfg.trainer.val_at_end) or (freq > 0 and self.global_steps % freq == 0 and not stopping)
-                ):
-                    with self.save_on_error_in_validation(m):  # the step is logged and saved, then re-raised
-                        v = self.validate()
-                    m.update(v)
-                    if last:
-                        result["val_after"] = v
-                self.tracker.log(m, step=self.global_steps)
-                result["history"].append(m)
-                result["last"] = m
-                if save_freq > 0 and (self.global_steps % save_freq == 0 or last):
-                    self.save_checkpoint()
-                if stop is not None and stop.requested:
-                    self.save_checkpoint()  # no-op when this step was just saved
-                    result["stopped_at"] = self.global_steps
-                self.checkpointer.check_for_errors()  # a failed background save stops the run here
-                bar.update(1)
-                bar.set_postfix(score=f"{m.get('critic/score/mean', float('nan')):.3f}")
-                if result["stopped_at"] is not None:
-                    break
-        finally:
-            bar.close()
-        return result
+
+    def run_step(self) -> dict[str, float]:
+        with self.save_on_error_in_step():  # a reward failure: step N saved, then re-raised
+            return self.train_step(next(self.train_loader))
+
+    def validation_guard(self, metrics):
+        return self.save_on_error_in_validation(metrics)  # the step is logged and saved, then re-raised
+
+    @staticmethod
+    def progress_postfix(metrics) -> dict[str, str]:
+        return {"score": f"{metrics.get('critic/score/mean', float('nan')):.3f}"}
 
     def close(self) -> None:
         """Wait for a pending checkpoint save (raises `CheckpointError` if it failed), then release loggers,
