@@ -357,9 +357,6 @@ class SFTTrainer(RolesMixin, CheckpointMixin):
         """Compiled executables per jitted function (1 each after any number of same-shaped steps)."""
         return {"update": self._update._cache_size(), "eval": self._eval._cache_size()}
 
-    def _untouched_marks(self) -> str:
-        return str((self.global_steps, self.guard.state_dict()))
-
     def state_dict(self) -> dict[str, Any]:
         """Params (LoRA: the adapters), optimizer state, and host state: step, data position, `num_tokens`,
         non-finite counters, model metadata (`scripts/export_hf.py` reads it), config."""
