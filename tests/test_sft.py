@@ -408,3 +408,16 @@ def test_sgd_step_moves_params_by_the_gradient(tiny, grads_fn):
     for p0, p1, gr in zip(jax.tree.leaves(params), jax.tree.leaves(new), jax.tree.leaves(grads)):
         np.testing.assert_allclose(np.asarray(p0) - np.asarray(p1), np.asarray(gr), atol=1e-7)
     assert float(m["update_skipped"]) == 0.0 and float(m["grad_norm"]) > 0
+
+
+def test_a_run_dir_with_an_export_resolves_to_it(tmp_path):
+    from jaxrl_post.models.resolve import resolve_model_path
+
+    run = tmp_path / "run"
+    (run / "huggingface").mkdir(parents=True)
+    (run / "config.json").write_text("{}")  # the run's own config: not a model
+    with pytest.raises(ValueError, match="no config.json"):
+        resolve_model_path(str(run / "huggingface"))
+    (run / "huggingface" / "config.json").write_text("{}")
+    assert resolve_model_path(str(run)) == ("hf_dir", str(run / "huggingface"))
+    assert resolve_model_path(str(run / "huggingface")) == ("hf_dir", str(run / "huggingface"))
