@@ -421,3 +421,20 @@ def test_a_run_dir_with_an_export_resolves_to_it(tmp_path):
     (run / "huggingface" / "config.json").write_text("{}")
     assert resolve_model_path(str(run)) == ("hf_dir", str(run / "huggingface"))
     assert resolve_model_path(str(run / "huggingface")) == ("hf_dir", str(run / "huggingface"))
+
+
+@pytest.mark.slow  # a second compile of the grads fn (LoRA graph): ~30 s on this machine
+def test_lora_grads_cover_the_adapters_with_the_base_frozen(tiny, grads_fn):
+    from jaxrl_post.models.lora import LoRAConfig, apply_lora
+
+    model = _tiny_model()
+    apply_lora(model, LoRAConfig(4, 8.0, "all-linear"), seed=0)
+    g, adapters, frozen, r = steps.split_lora_model(model)
+    ids, masks = _examples(8, seed=3)
+    batch = sft_step.layout_batch(ids, masks, n_micro=4, rows=2, row_len=16, pack=True)
+    loss, _, _, grads = jax.jit(sft_step.make_sft_grads(g, r, chunk=8))(adapters, batch, frozen)
+    # B = 0 at init: the same function as the base model, so the same loss as full fine-tuning's
+    np.testing.assert_allclose(float(loss), float(grads_fn(tiny[2], batch)[0]), rtol=1e-6)
+    assert jax.tree.structure(grads) == jax.tree.structure(adapters)  # adapters only
+    norms = [float(jnp.abs(x).sum()) for x in jax.tree.leaves(grads)]
+    assert sum(n > 0 for n in norms) == len(norms) // 2  # every B has a gradient; no A while B = 0 (dL/dA ~ B)
