@@ -1,7 +1,8 @@
 """Main job: `python -m jaxrl_post.main --config=configs/grpo.py[:variant] [--config.a.b=value ...]`.
 
 Reads the ml_collections config (the only entry point that does), validates it before anything is
-compiled, builds `RLTrainer` and runs `fit()`. SIGINT / SIGTERM stop the run cleanly
+compiled, builds the trainer its top-level `trainer_type` names (`rl`: `RLTrainer`, the default; `sft`:
+`SFTTrainer`) and runs `fit()`. SIGINT / SIGTERM stop the run cleanly
 (`trainer/interrupt.py`): the last completed step is checkpointed, one line says where, and the exit
 code is 130 / 143; rerunning the same command resumes. Metrics go to the console and to
 `<trainer.default_local_dir>/metrics.jsonl`; the resolved config to `config.json` there.
@@ -193,7 +194,10 @@ def main(argv) -> None:
     from jaxrl_post.trainer.checkpoint import CheckpointError
     from jaxrl_post.trainer.config_check import ConfigError
     from jaxrl_post.trainer.interrupt import GracefulStop, exit_now
+    from jaxrl_post.trainer.sft import SFTTrainer
     from jaxrl_post.trainer.trainer import RLTrainer, summarize
+
+    trainers = {"rl": RLTrainer, "sft": SFTTrainer}  # chosen by the top-level key trainer_type (default 'rl')
 
     stop = _STOP if _STOP is not None else GracefulStop()  # `run()` installs it; a bare one installs nothing
     try:  # jax.distributed first (trainer.distributed.*; auto-detected on pods/SLURM), before any other JAX call
@@ -202,7 +206,10 @@ def main(argv) -> None:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     try:
-        trainer = RLTrainer(_CONFIG.value)
+        kind = _CONFIG.value.get("trainer_type", "rl")
+        if kind not in trainers:
+            raise ConfigError(f"config.trainer_type={kind!r}: must be one of {sorted(trainers)}")
+        trainer = trainers[kind](_CONFIG.value)
     except (ConfigError, MalformedRowError, CheckpointError) as e:  # bad config, data or checkpoint to resume
         print(f"error: {e}", file=sys.stderr)  # the message says what and where
         sys.exit(2)

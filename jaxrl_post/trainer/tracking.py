@@ -21,6 +21,10 @@ import numpy as np
 # Console summary: (metric, short label), printed when present.
 _CONSOLE_KEYS = (
     ("critic/score/mean", "score"),
+    ("loss", "loss"),  # SFT (TRL names)
+    ("mean_token_accuracy", "acc"),
+    ("val/loss", "val_loss"),
+    ("val/perplexity", "val_ppl"),
     ("val-core/*", None),
     ("critic/rewards/mean", "reward"),
     ("critic/vf_explained_var", "vf_ev"),
@@ -155,7 +159,7 @@ class ConsoleLogger:
         return " | ".join(parts)
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
-        is_val = any(k.startswith("val-") for k in metrics)
+        is_val = any(k.startswith(("val-", "val/")) for k in metrics)
         if is_val or step % self.print_every == 0:
             self._write(self.format(metrics, step))
 

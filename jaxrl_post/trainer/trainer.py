@@ -355,7 +355,7 @@ class RLTrainer(RolesMixin, RolloutMixin, UpdatesMixin, CheckpointMixin):
 
 def summarize(result: dict[str, Any]) -> str:
     """Before/after validation numbers of a `fit()` result, as JSON text."""
-    keep = lambda m: {k: v for k, v in (m or {}).items() if k.startswith("val-")}
+    keep = lambda m: {k: v for k, v in (m or {}).items() if k.startswith(("val-", "val/"))}
     return json.dumps(
         {"val_before": keep(result.get("val_before")), "val_after": keep(result.get("val_after"))}, indent=1
     )

@@ -1,0 +1,404 @@
+"""`SFTTrainer`: supervised fine-tuning on the RL trainer's models, packing, sharding and checkpoints.
+
+    python -m jaxrl_post.main --config=configs/sft.py:gsm8k      (config key trainer_type = 'sft')
+
+Per training step: the next `data.train_batch_size` examples (grain: shuffled each epoch, the position is
+checkpointed) -> `sft_step.layout_batch` (packed rows with segment ids when `model.use_remove_padding`, else one
+example per row) -> one jitted update (`sft_step.make_sft_update`: token-mean NLL over the whole batch's loss
+tokens, micro-batches accumulated inside the jit, params and optimizer state donated) -> metrics (TRL names:
+`loss`, `mean_token_accuracy`, `grad_norm`, `learning_rate`, `num_tokens`, `epoch`) -> console +
+metrics.jsonl (`Tracking`). Validation (`trainer.test_freq`, before / after training): `val/loss`,
+`val/perplexity` = exp(val/loss), `val/mean_token_accuracy` over `data.val_files` (all held-out loss tokens).
+
+What is shared with `RLTrainer` (not copied): the model, tokenizer, LoRA and mesh (`builders`), the
+optimizer and LR schedule (`steps.make_optimizer`, `builders.optim_config`), the non-finite guard, the jit
+helpers (`RolesMixin._commit` / `_jit_update` / `_tracer`), checkpoints and resume (`CheckpointMixin`:
+`<trainer.default_local_dir>/checkpoints/global_step_<N>`, `trainer.resume_mode`; this class supplies
+`state_dict` / `load_state_dict`), `metrics.jsonl` / `config.json` handling and the SIGINT/SIGTERM stop of
+`main.py`. Resuming is exact: params, optimizer state, step, data position and the `num_tokens` count.
+
+A model source for RL: after the last step (`trainer.export_hf`) the model is written as a Hugging Face
+directory `<trainer.default_local_dir>/huggingface/` (LoRA: merged weights); `model.path=<that run dir>`
+loads it (`models.resolve`). Single process (one host, any number of devices on the mesh).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxrl_post.models.lora import lora_config_of
+from jaxrl_post.sharding import init_opt_state
+from jaxrl_post.trainer import builders, preflight, sft_step, steps
+from jaxrl_post.trainer import checkpoint as ckpt
+from jaxrl_post.trainer.config_check import ConfigError
+from jaxrl_post.trainer.loggers import config_to_dict
+from jaxrl_post.trainer.nonfinite import NonFiniteGuard
+from jaxrl_post.trainer.progress import progress_bar
+from jaxrl_post.trainer.roles import RolesMixin
+from jaxrl_post.trainer.state import CheckpointMixin
+from jaxrl_post.trainer.tracking import Tracking
+
+HF_EXPORT_SUBDIR = "huggingface"  # <run dir>/huggingface/: the exported model (verl's checkpoint subdir name)
+
+
+def validate_sft_config(cfg) -> None:
+    """Raise one `ConfigError` naming every bad SFT key (batch geometry, lengths, formats)."""
+    from jaxrl_post.data.sft import FORMATS, TRUNCATIONS
+
+    d, bad = cfg.data, []
+    is_pos = lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0
+    for key in ("train_batch_size", "micro_batch_size", "max_length"):
+        if not is_pos(d[key]):
+            bad.append(f"data.{key}={d[key]!r}: must be an int > 0")
+    if not bad and d.train_batch_size % d.micro_batch_size:
+        bad.append(
+            f"data.train_batch_size={d.train_batch_size} must be a multiple of data.micro_batch_size="
+            f"{d.micro_batch_size}"
+        )
+    if d.format not in FORMATS:
+        bad.append(f"data.format={d.format!r}: must be one of {list(FORMATS)}")
+    if d.truncation not in TRUNCATIONS:
+        bad.append(f"data.truncation={d.truncation!r}: must be one of {list(TRUNCATIONS)} for SFT")
+    if not d.train_files:
+        bad.append("data.train_files: no training data given")
+    if cfg.trainer.total_training_steps is None and not is_pos(cfg.trainer.total_epochs):
+        bad.append(f"trainer.total_epochs={cfg.trainer.total_epochs!r}: must be an int > 0")
+    if cfg.trainer.resume_mode not in ckpt.RESUME_MODES:
+        bad.append(f"trainer.resume_mode={cfg.trainer.resume_mode!r}: must be one of {list(ckpt.RESUME_MODES)}")
+    if bad:
+        raise ConfigError("invalid SFT config:\n  " + "\n  ".join(f"config.{b}" for b in bad))
+
+
+class SFTBatches:
+    """Example indices of each training step, `[train_batch_size] int64`: grain `MapDataset` shuffled per epoch
+    (`data.shuffle`, `data.seed`), remainder dropped, repeated forever; `get_state` / `set_state` are the
+    checkpointed position."""
+
+    def __init__(self, n: int, batch_size: int, *, seed: int, shuffle: bool):
+        import grain
+
+        ds = grain.MapDataset.range(n)
+        if shuffle:
+            ds = ds.shuffle(seed=seed)
+        ds = ds.batch(batch_size, drop_remainder=True, batch_fn=lambda xs: np.asarray(xs, np.int64))
+        self.batches_per_epoch = len(ds)
+        opts = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
+        self._iter = iter(ds.repeat(None).to_iter_dataset(opts))
+
+    def __next__(self) -> np.ndarray:
+        return next(self._iter)
+
+    def get_state(self) -> dict[str, Any]:
+        return dict(self._iter.get_state())
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self._iter.set_state(dict(state))
+
+
+class SFTTrainer(RolesMixin, CheckpointMixin):
+    """Supervised fine-tuning driven by a job ConfigDict (configs/sft.py).
+
+    Args:
+      config: the job ConfigDict (validated first). tracker: optional `Tracking` (default: console + jsonl in
+        `trainer.default_local_dir`). console_write: optional callable for console lines (tests capture it).
+
+    Raises:
+      ConfigError: invalid config (`validate_sft_config`), an unusable working directory, fewer examples than
+        `data.train_batch_size`.
+      MalformedRowError: a malformed row or an overlong example (file and row named), before the model loads.
+      FileNotFoundError: a data file that does not exist.
+      CheckpointError: the checkpoint to resume from cannot be read or does not match the config.
+    """
+
+    def __init__(self, config, *, tracker: Tracking | None = None, console_write: Callable[[str], None] | None = None):
+        validate_sft_config(config)
+        self.config = cfg = config
+        self.workdir = cfg.trainer.default_local_dir
+        self.trace_counts: dict[str, int] = {}
+        self.use_ref = self.use_critic = False  # CheckpointMixin: no reference or critic here
+        preflight.check_workdir(cfg)
+
+        # ---- data first (errors name file and row before the slow model load)
+        self.tokenizer = builders.load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
+        self.train_data = self._load_data(cfg.data.train_files)
+        d = cfg.data
+        self.batch_size = int(d.train_batch_size)
+        if len(self.train_data) < self.batch_size:
+            raise ConfigError(
+                f"config.data.train_files={d.train_files!r}: {len(self.train_data)} examples (after skipping) for "
+                f"data.train_batch_size={self.batch_size}; lower the batch size or add data"
+            )
+        self.val_data = None
+        if d.val_files:
+            self.val_data = self._load_data(d.val_files)
+            if d.max_val_samples:
+                v, k = self.val_data, int(d.max_val_samples)
+                v.input_ids, v.loss_mask, v.where = v.input_ids[:k], v.loss_mask[:k], v.where[:k]
+        self.train_loader = SFTBatches(len(self.train_data), self.batch_size, seed=int(d.seed), shuffle=bool(d.shuffle))
+        self.total_training_steps = int(
+            cfg.trainer.total_training_steps or int(cfg.trainer.total_epochs) * self.train_loader.batches_per_epoch
+        )
+        self.n_micro, self.rows = sft_step.micro_geometry(self.batch_size, int(d.micro_batch_size))
+        self.row_len, self.pack = int(d.max_length), bool(cfg.model.use_remove_padding)
+
+        # ---- devices, model (LoRA: adapters trained, base frozen), optimizer, jitted fns
+        self.mesh = builders.build_mesh(cfg)
+        self.n_devices = jax.device_count()
+        self.actor_model, _ = builders.build_actor_and_tokenizer(cfg, self.mesh)  # self.tokenizer made the data
+        self.lora = lora_config_of(self.actor_model)
+        if self.lora is not None:
+            graphdef, params, frozen, rest = steps.split_lora_model(self.actor_model)
+            self.actor_frozen = self._commit(frozen)
+        else:
+            graphdef, params, rest = steps.split_model(self.actor_model)
+            self.actor_frozen = None
+        self.actor_graphdef, self.actor_rest = graphdef, rest
+        self.actor_params = self._commit(params)
+        self.optim_cfg = builders.optim_config(
+            cfg.optim,
+            grad_clip=float(cfg.optim.clip_grad),
+            total_training_steps=self.total_training_steps,
+            updates_per_step=1,
+        )
+        self.tx = steps.make_optimizer(self.optim_cfg)
+        self.lr_fn = steps.make_lr_schedule(self.optim_cfg)
+        self.actor_opt_state = self._commit(init_opt_state(self.tx, self.actor_params, self._opt_mesh()))
+        update = sft_step.make_sft_update(graphdef, rest, self.tx, on_trace=self._tracer("update"))
+        self._update = self._jit_update(update, self.actor_params, self.actor_opt_state)
+        self._eval = jax.jit(sft_step.make_sft_eval(graphdef, rest, on_trace=self._tracer("eval")))
+
+        # ---- host state, loggers, checkpoints / resume
+        self.global_steps = 0
+        self.num_tokens = 0  # TRL `num_tokens`: input tokens trained on so far
+        self.guard = NonFiniteGuard(int(cfg.trainer.max_consecutive_nonfinite), "actor")
+        self._say = console_write or (lambda line: print(line, flush=True))
+        os.makedirs(self.workdir, exist_ok=True)
+        self.tracker = tracker or Tracking(
+            self.workdir,
+            cfg.trainer.logger,
+            int(cfg.trainer.print_every),
+            console_write=console_write,
+            project=cfg.trainer.project_name,
+            experiment=cfg.trainer.experiment_name,
+            config=config_to_dict(cfg),
+        )
+        self._open_run_dir()  # CheckpointMixin: resume, metrics.jsonl, config.json
+
+    # ------------------------------------------------------------------------------------ data
+    def _load_data(self, spec: str):
+        from jaxrl_post.data.sft import SFTKeys, load_sft_data
+
+        d = self.config.data
+        return load_sft_data(
+            spec,
+            self.tokenizer,
+            fmt=d.format,
+            keys=SFTKeys(d.messages_key, d.prompt_key, d.response_key),
+            max_length=int(d.max_length),
+            truncation=d.truncation,
+            filter_overlong=bool(d.filter_overlong),
+            skip_malformed=bool(d.skip_malformed),
+        )
+
+    def _batch(self, ids, masks) -> dict[str, jax.Array]:
+        """Layout (`sft_step.layout_batch`) placed on the mesh: rows over ('data', 'fsdp')."""
+        arrays = sft_step.layout_batch(
+            ids, masks, n_micro=self.n_micro, rows=self.rows, row_len=self.row_len, pack=self.pack
+        )
+        if self.n_devices == 1:
+            return {k: jnp.asarray(v) for k, v in arrays.items()}
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        from jaxrl_post.sharding import LOGICAL_AXIS_RULES
+
+        rows = NamedSharding(self.mesh, PartitionSpec(None, LOGICAL_AXIS_RULES["batch"], None))
+        return {k: jax.device_put(v, rows) for k, v in arrays.items()}
+
+    def _frozen(self) -> tuple:
+        return () if self.actor_frozen is None else (self.actor_frozen,)
+
+    # ------------------------------------------------------------------------------------ steps
+    def train_step(self) -> dict[str, float]:
+        """One optimizer step on the next `data.train_batch_size` examples; returns its metrics."""
+        t0 = time.perf_counter()
+        idx = next(self.train_loader)
+        ids = [self.train_data.input_ids[i] for i in idx]
+        batch = self._batch(ids, [self.train_data.loss_mask[i] for i in idx])
+        lr = float(self.lr_fn(self.global_steps))  # one update per step: the schedule's count is the step
+        self.actor_params, self.actor_opt_state, out = self._update(
+            self.actor_params, self.actor_opt_state, batch, *self._frozen()
+        )
+        m = {k: float(v) for k, v in jax.device_get(out).items()}
+        self.global_steps += 1
+        self.num_tokens += int(sum(len(x) for x in ids))
+        m.update(self.guard.observe([m.pop("update_skipped")], step=self.global_steps))
+        m.update(
+            learning_rate=lr,
+            num_tokens=float(self.num_tokens),
+            epoch=self.global_steps / self.train_loader.batches_per_epoch,
+        )
+        m["timing_s/step"] = time.perf_counter() - t0
+        return m
+
+    def validate(self) -> dict[str, float]:
+        """Held-out `val/loss` (NLL per loss token over all of `data.val_files`), `val/perplexity`,
+        `val/mean_token_accuracy`, `timing_s/testing`. Raises RuntimeError without validation data."""
+        if self.val_data is None:
+            raise RuntimeError("no validation data: set data.val_files")
+        t0 = time.perf_counter()
+        nll = hits = n = 0.0
+        v = self.val_data
+        for lo in range(0, len(v), self.batch_size):
+            batch = self._batch(v.input_ids[lo : lo + self.batch_size], v.loss_mask[lo : lo + self.batch_size])
+            a, b, c = (float(x) for x in jax.device_get(self._eval(self.actor_params, batch, *self._frozen())))
+            nll, hits, n = nll + a, hits + b, n + c
+        loss = nll / max(n, 1.0)
+        return {
+            "val/loss": loss,
+            "val/perplexity": math.exp(min(loss, 700.0)),
+            "val/mean_token_accuracy": hits / max(n, 1.0),
+            "timing_s/testing": time.perf_counter() - t0,
+        }
+
+    # ------------------------------------------------------------------------------------ loop
+    def fit(self, max_steps: int | None = None, stop=None) -> dict[str, Any]:
+        """Train to `total_training_steps`, validating before (`trainer.val_before_train`), every
+        `trainer.test_freq` steps and after the last (`trainer.val_at_end`), checkpointing every
+        `trainer.save_freq` steps and after the last; then export the model (`trainer.export_hf`).
+
+        Args / returns / stop handling as `RLTrainer.fit` (`max_steps`: stop after that many steps of this
+        call; `stop`: `interrupt.GracefulStop`, the step is checkpointed and the loop returns).
+        Raises NonFiniteError (`trainer.max_consecutive_nonfinite` skipped updates in a row), CheckpointError.
+        """
+        cfg = self.config
+        result: dict[str, Any] = {"val_before": None, "val_after": None, "last": {}, "history": [], "stopped_at": None}
+        if self.global_steps >= self.total_training_steps:
+            self._say(f"training already finished at step {self.global_steps}; raise trainer.total_training_steps")
+            return result
+        stop_at = self.total_training_steps
+        if max_steps is not None:
+            stop_at = min(stop_at, self.global_steps + int(max_steps))
+        save_freq, freq = int(cfg.trainer.save_freq), int(cfg.trainer.test_freq)
+        self.tracker.log({**self.train_data.stats}, step=self.global_steps)
+        if cfg.trainer.val_before_train and self.val_data is not None and self.global_steps == 0:
+            result["val_before"] = self.validate()
+            self.tracker.log(result["val_before"], step=0)
+        bar = progress_bar(
+            bool(cfg.trainer.progress_bar), total=self.total_training_steps, initial=self.global_steps, desc="sft"
+        )
+        try:
+            while self.global_steps < stop_at:
+                m = self.train_step()
+                if stop is not None:
+                    stop.defer()
+                last = self.global_steps >= self.total_training_steps
+                stopping = stop is not None and stop.requested
+                if self.val_data is not None and (
+                    (last and cfg.trainer.val_at_end) or (freq > 0 and self.global_steps % freq == 0 and not stopping)
+                ):
+                    v = self.validate()
+                    m.update(v)
+                    if last:
+                        result["val_after"] = v
+                self.tracker.log(m, step=self.global_steps)
+                result["history"].append(m)
+                result["last"] = m
+                if save_freq > 0 and (self.global_steps % save_freq == 0 or last):
+                    self.save_checkpoint()
+                if stopping:
+                    self.save_checkpoint()
+                    result["stopped_at"] = self.global_steps
+                self.checkpointer.check_for_errors()
+                bar.update(1)
+                bar.set_postfix(loss=f"{m['loss']:.4f}")
+                if stopping:
+                    break
+        finally:
+            bar.close()
+        if self.global_steps >= self.total_training_steps and cfg.trainer.export_hf:
+            result["exported_to"] = self.export_hf()
+        return result
+
+    def export_hf(self, out_dir: str | None = None) -> str:
+        """Write the current model as a Hugging Face directory (default `<run dir>/huggingface/`; LoRA: merged
+        weights) with the tokenizer; returns its path. `model.path=<run dir>` then loads it."""
+        from jaxrl_post.models import save_pretrained
+
+        out_dir = out_dir or os.path.join(self.workdir, HF_EXPORT_SUBDIR)
+        self.sync_weights()
+        save_pretrained(self.actor_model, self.tokenizer, out_dir)
+        self._say(f"exported the model to {out_dir} (use it as model.path={self.workdir})")
+        return out_dir
+
+    def close(self) -> None:
+        """Wait for a pending checkpoint save (raises `CheckpointError` if it failed), then close the loggers."""
+        try:
+            self.checkpointer.close()
+        finally:
+            self.tracker.close()
+
+    # ------------------------------------------------------------------------------------ state
+    def sync_weights(self) -> None:
+        """The actor module holds the live params (export, evaluation)."""
+        nnx.update(self.actor_model, self.actor_params)
+        if self.actor_frozen is not None:
+            nnx.update(self.actor_model, self.actor_frozen)
+
+    def compile_counts(self) -> dict[str, int]:
+        """Compiled executables per jitted function (1 each after any number of same-shaped steps)."""
+        return {"update": self._update._cache_size(), "eval": self._eval._cache_size()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Params (LoRA: the adapters), optimizer state, and host state: step, data position, `num_tokens`,
+        non-finite counters, model metadata (`scripts/export_hf.py` reads it), config."""
+        cfg = self.config
+        base = ckpt.reference_pointer(
+            model_path=None if cfg.model.random_init else cfg.model.path,
+            random_init=bool(cfg.model.random_init),
+            seed=int(cfg.trainer.seed),
+        )
+        return {
+            "actor": {"params": self.actor_params, "opt_state": self.actor_opt_state},
+            "host": {
+                "trainer_type": "sft",
+                "global_steps": self.global_steps,
+                "num_tokens": self.num_tokens,
+                "data_iter": self.train_loader.get_state(),
+                "nonfinite": {"actor": self.guard.state_dict()},
+                "model": ckpt.model_metadata(
+                    self.actor_model.config,
+                    cfg.model.tokenizer_path or cfg.model.path,
+                    lora=None if self.lora is None else self.lora.to_dict(),
+                    base=base,
+                ),
+                "total_training_steps": self.total_training_steps,
+                "config": config_to_dict(cfg),
+            },
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Inverse of `state_dict` (arrays placed like the current ones). Raises CheckpointError for a
+        checkpoint that is not an SFT one (an RL run's checkpoints hold other state)."""
+        host = state["host"]
+        if host.get("trainer_type") != "sft":
+            raise ckpt.CheckpointError(
+                "the checkpoint to resume from was not written by SFTTrainer (an RL run's?); point "
+                "trainer.default_local_dir at a new directory or pass --config.trainer.resume_mode=disable"
+            )
+        place = lambda new, like: jax.tree.map(lambda n, l: jax.device_put(n, l.sharding), new, like)
+        self.actor_params = place(state["actor"]["params"], self.actor_params)
+        self.actor_opt_state = place(state["actor"]["opt_state"], self.actor_opt_state)
+        self.global_steps = int(host["global_steps"])
+        self.num_tokens = int(host["num_tokens"])
+        self.train_loader.set_state(host["data_iter"])
+        self.guard.load_state_dict((host.get("nonfinite") or {}).get("actor", {}))
+        self.sync_weights()
