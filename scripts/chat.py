@@ -126,7 +126,7 @@ class Chat:
         ids = np.asarray([self.prompt_ids()], np.int32)
         batch = DataProto.from_dict(tensors={"input_ids": ids, "attention_mask": np.ones_like(ids)})
         out = self.generator.generate(batch, self.params, seed=self.params.seed + self.turn)
-        n = int(np.asarray(out.batch["response_mask"])[0].sum())
+        n = int(np.asarray(out.batch["response_attention_mask"])[0].sum())
         resp = [int(t) for t in np.asarray(out.batch["responses"])[0, :n]]
         answer = self.tokenizer.decode(resp, skip_special_tokens=True)
         self.messages.append({"role": "assistant", "content": answer})

@@ -40,7 +40,7 @@ def _batch(returns, values):
         "advantages": z,
         "returns": returns,
         "values": values,
-        "response_mask": np.ones((B, R), np.int32),
+        "loss_mask": np.ones((B, R), np.int32),
         "attention_mask": np.ones((B, 2 + R), np.int32),
         "responses": np.zeros((B, R), np.int32),
     }

@@ -37,12 +37,11 @@ from flax import nnx
 
 from jaxrl_post.models.lora import lora_config_of
 from jaxrl_post.sharding import init_opt_state
-from jaxrl_post.trainer import builders, preflight, sft_step, steps
+from jaxrl_post.trainer import builders, loop, preflight, sft_step, steps
 from jaxrl_post.trainer import checkpoint as ckpt
 from jaxrl_post.trainer.config_check import ConfigError
 from jaxrl_post.trainer.loggers import config_to_dict
 from jaxrl_post.trainer.nonfinite import NonFiniteGuard
-from jaxrl_post.trainer.progress import progress_bar
 from jaxrl_post.trainer.roles import RolesMixin
 from jaxrl_post.trainer.state import CheckpointMixin
 from jaxrl_post.trainer.tracking import Tracking
@@ -279,54 +278,25 @@ class SFTTrainer(RolesMixin, CheckpointMixin):
         call; `stop`: `interrupt.GracefulStop`, the step is checkpointed and the loop returns).
         Raises NonFiniteError (`trainer.max_consecutive_nonfinite` skipped updates in a row), CheckpointError.
         """
+        result = loop.fit(self, max_steps, stop=stop, desc="sft")
         cfg = self.config
-        result: dict[str, Any] = {"val_before": None, "val_after": None, "last": {}, "history": [], "stopped_at": None}
-        if self.global_steps >= self.total_training_steps:
-            self._say(f"training already finished at step {self.global_steps}; raise trainer.total_training_steps")
-            return result
-        stop_at = self.total_training_steps
-        if max_steps is not None:
-            stop_at = min(stop_at, self.global_steps + int(max_steps))
-        save_freq, freq = int(cfg.trainer.save_freq), int(cfg.trainer.test_freq)
-        self.tracker.log({**self.train_data.stats}, step=self.global_steps)
-        if cfg.trainer.val_before_train and self.val_data is not None and self.global_steps == 0:
-            result["val_before"] = self.validate()
-            self.tracker.log(result["val_before"], step=0)
-        bar = progress_bar(
-            bool(cfg.trainer.progress_bar), total=self.total_training_steps, initial=self.global_steps, desc="sft"
-        )
-        try:
-            while self.global_steps < stop_at:
-                m = self.train_step()
-                if stop is not None:
-                    stop.defer()
-                last = self.global_steps >= self.total_training_steps
-                stopping = stop is not None and stop.requested
-                if self.val_data is not None and (
-                    (last and cfg.trainer.val_at_end) or (freq > 0 and self.global_steps % freq == 0 and not stopping)
-                ):
-                    v = self.validate()
-                    m.update(v)
-                    if last:
-                        result["val_after"] = v
-                self.tracker.log(m, step=self.global_steps)
-                result["history"].append(m)
-                result["last"] = m
-                if save_freq > 0 and (self.global_steps % save_freq == 0 or last):
-                    self.save_checkpoint()
-                if stopping:
-                    self.save_checkpoint()
-                    result["stopped_at"] = self.global_steps
-                self.checkpointer.check_for_errors()
-                bar.update(1)
-                bar.set_postfix(loss=f"{m['loss']:.4f}")
-                if stopping:
-                    break
-        finally:
-            bar.close()
         if self.global_steps >= self.total_training_steps and cfg.trainer.export_hf:
             result["exported_to"] = self.export_hf()
         return result
+
+    # ---- the hooks of the shared loop (trainer/loop.py)
+    def has_validation(self) -> bool:
+        return self.val_data is not None
+
+    def on_fit_start(self) -> None:
+        self.tracker.log({**self.train_data.stats}, step=self.global_steps)
+
+    def run_step(self) -> dict[str, float]:
+        return self.train_step()
+
+    @staticmethod
+    def progress_postfix(metrics) -> dict[str, str]:
+        return {"loss": f"{metrics['loss']:.4f}"}
 
     def export_hf(self, out_dir: str | None = None) -> str:
         """Write the current model as a Hugging Face directory (default `<run dir>/huggingface/`; LoRA: merged

@@ -47,6 +47,10 @@ _CONSOLE_KEYS = (
 # the same text, checked by tests/test_console.py). Labels of metrics a run does not produce are not shown.
 CONSOLE_LEGEND = (
     ("score", "critic/score/mean: mean score the reward function gave a response (before any KL penalty)"),
+    ("loss", "loss (SFT): mean negative log-likelihood per trained token of the step"),
+    ("acc", "mean_token_accuracy (SFT): share of trained tokens the model's argmax predicts"),
+    ("val_loss", "val/loss (SFT): mean negative log-likelihood per trained token on the held-out set"),
+    ("val_ppl", "val/perplexity (SFT): exp(val/loss)"),
     ("val-core/...", "validation score on the held-out set (verl's val-core/<data_source>/<metric>)"),
     ("reward", "critic/rewards/mean: mean reward per response after the KL-in-reward penalty (PPO)"),
     ("vf_ev", "critic/vf_explained_var (PPO): 1 - Var(returns - values) / Var(returns); n/a if returns are constant"),
