@@ -319,3 +319,41 @@ def test_cudnn_training_step_lowers_for_cuda(monkeypatch):
     text = jax.jit(jax.grad(loss)).trace(state, ids, ids, ids).lower(lowering_platforms=("cuda",)).as_text()
     assert "custom_call @__cudnn$fmhaScaleBiasSoftmax(" in text  # forward
     assert "custom_call @__cudnn$fmhaScaleBiasSoftmaxBackward(" in text
+
+
+# ------------------------------------------------------------------------------------------ trainer wiring
+def test_config_selects_backend_and_splash_turns_shared_prompts_off(caplog):
+    """`builders.apply_attention_impl`: 'auto' resolves by platform and is set on every layer (logged);
+    a kernel on the wrong platform is a ConfigError naming the key; under splash `_pack_spec` packs each
+    sequence with its own prompt (and logs why), under the other backends prompts are shared."""
+    import logging
+    from types import SimpleNamespace
+
+    from configs import grpo
+    from jaxrl_post.trainer import builders
+    from jaxrl_post.trainer.config_check import ConfigError
+    from jaxrl_post.trainer.roles import RolesMixin
+
+    c = grpo.get_config("tiny")
+    assert c.model.attention_impl == "auto" and c.model.pack_shared_prompts and c.rollout.n > 1
+    model = _model(_cfg("llama", num_layers=2))
+    with caplog.at_level(logging.INFO, logger="jaxrl_post.trainer.builders"):
+        assert builders.apply_attention_impl(c, model, platform="cpu") == "xla"
+        assert builders.apply_attention_impl(c, model, platform="tpu") == "splash"
+    assert [blk.attn.attention_impl for blk in model.layers] == ["splash", "splash"]
+    assert "'auto' -> 'xla' on cpu" in caplog.text and "pack_shared_prompts is off under splash" in caplog.text
+    c.model.attention_impl = "cudnn"
+    with pytest.raises(ConfigError, match="model.attention_impl='cudnn' is a GPU kernel"):
+        builders.apply_attention_impl(c, model, platform="cpu")
+
+    def spec(impl):
+        fake = SimpleNamespace(
+            config=c,
+            response_length=int(c.data.max_response_length),
+            mesh=SimpleNamespace(shape={"data": 1, "fsdp": 1, "tensor": 1}),
+            actor_model=SimpleNamespace(attention_impl=impl),
+        )
+        return RolesMixin._pack_spec(fake, "actor", 8, 4)
+
+    assert spec("xla").share_prompts and spec("cudnn").share_prompts
+    assert not spec("splash").share_prompts
