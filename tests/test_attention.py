@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -252,6 +254,7 @@ def test_splash_path_matches_dense_packed(family):
     _assert_same_as_dense("splash", _cfg(family), ids, pos)
 
 
+@pytest.mark.slow  # ~30 s: the Pallas interpret-mode fwd+bwd kernels compile slowly on XLA:CPU
 def test_splash_path_matches_dense_padded_rows():
     mask = np.zeros((1, 128), bool)
     mask[0, 20:100] = True  # left and right padding
@@ -357,3 +360,35 @@ def test_config_selects_backend_and_splash_turns_shared_prompts_off(caplog):
 
     assert spec("xla").share_prompts and spec("cudnn").share_prompts
     assert not spec("splash").share_prompts
+
+
+_MESH_SCRIPT = """
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+import jax, jax.numpy as jnp, numpy as np
+from jaxrl_post.models import attention as A
+from jaxrl_post.sharding import make_mesh
+rng = np.random.default_rng(0)
+q, k, v = (jnp.asarray(rng.normal(size=(2, 128, h, 8)), jnp.float32) for h in (4, 2, 2))
+ids = jnp.asarray(np.repeat([[1, 2, 3, 0]], 32, 1).repeat(2, 0), jnp.int32)
+f = jax.jit(lambda q, k, v, s: A.splash_attention(q, k, v, s, scale=0.3, window=None, softcap=None, interpret=True))
+want = f(q, k, v, ids)
+with jax.set_mesh(make_mesh(data=1, fsdp=2, tensor=2)):
+    got = f(q, k, v, ids)
+    text = f.lower(q, k, v, ids).as_text()
+assert "manual_computation" in text, "no shard_map around the Pallas call"
+np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+print("OK")
+"""
+
+
+@pytest.mark.slow  # 30-100 s: a fresh process compiling Pallas interpret-mode kernels on 4 fake devices
+def test_splash_runs_per_shard_on_a_mesh(repo_root):
+    """On a ('data', 'fsdp', 'tensor') = (1, 2, 2) mesh of 4 fake CPU devices the splash call is wrapped in a
+    shard_map over rows and heads (XLA cannot partition a Pallas call) and gives the unsharded result."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=str(repo_root))
+    run = subprocess.run([sys.executable, "-c", _MESH_SCRIPT], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip().endswith("OK"), run.stderr[-3000:]

@@ -139,18 +139,45 @@ def splash_attention(
     (splash has no scale; the soft-cap then applies to scaled logits, as the dense path). Returns
     `[B, T, H, K]` in q.dtype. Raises ValueError when T is not a multiple of 128 (outside interpret mode).
     """
-    _b, t, h, _k = q.shape
-    kernel = _splash_kernel(h, t, window, softcap, bool(interpret))
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
 
-    qh = (q * jnp.asarray(scale, q.dtype)).transpose(0, 2, 1, 3)  # [B, H, T, K]
-    kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, N, T, K]
+    def local(q, k, v, ids):  # one device's rows and heads
+        kernel = _splash_kernel(q.shape[2], q.shape[1], window, softcap, bool(interpret))
+        qh = (q * jnp.asarray(scale, q.dtype)).transpose(0, 2, 1, 3)  # [B, H, T, K]
+        kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, N, T, K]
 
-    def one(qb, kb, vb, sb):
-        return kernel(qb, kb, vb, segment_ids=sk.SegmentIds(q=sb, kv=sb))
+        def one(qb, kb, vb, sb):
+            return kernel(qb, kb, vb, segment_ids=sk.SegmentIds(q=sb, kv=sb))
 
-    out = jax.vmap(one)(qh, kh, vh, segment_ids.astype(jnp.int32))
-    return out.astype(q.dtype).transpose(0, 2, 1, 3)
+        out = jax.vmap(one)(qh, kh, vh, ids)
+        return out.astype(q.dtype).transpose(0, 2, 1, 3)
+
+    ids = segment_ids.astype(jnp.int32)
+    specs = _mesh_specs(q.shape[0], q.shape[2], k.shape[2])
+    if specs is None:
+        return local(q, k, v, ids)
+    rows, heads = specs  # a Pallas call is not partitioned by XLA: run it per shard (MaxText does the same)
+    qkv = jax.sharding.PartitionSpec(rows, None, heads, None)
+    return jax.shard_map(
+        local, in_specs=(qkv, qkv, qkv, jax.sharding.PartitionSpec(rows, None)), out_specs=qkv, check_vma=False
+    )(q, k, v, ids)
+
+
+def _mesh_specs(b: int, h: int, n: int):
+    """(rows axes, heads axis) of the ambient mesh (`jax.set_mesh`, `sharding.InMesh`) that divide B and
+    both head counts (None for an axis that does not), or None without a mesh of our axes."""
+    from jaxrl_post.sharding import LOGICAL_AXIS_RULES, MESH_AXES
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty or not set(MESH_AXES) <= set(mesh.axis_names):
+        return None
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    rows_axes = LOGICAL_AXIS_RULES["batch"]
+    n_rows = int(np.prod([sizes[a] for a in rows_axes]))
+    heads_axis = LOGICAL_AXIS_RULES["heads"]
+    rows = rows_axes if b % n_rows == 0 else None
+    heads = heads_axis if h % sizes[heads_axis] == 0 and n % sizes[heads_axis] == 0 else None
+    return rows, heads
 
 
 def padded_segment_ids(kv_mask: jax.Array) -> jax.Array:
