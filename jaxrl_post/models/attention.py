@@ -78,13 +78,18 @@ def dot_product_attention(q, k, v, allowed, *, scale: float, interpret: bool = F
 
     q `[B, T, H, K]`, k and v `[B, S, N, K]` (N divides H; head h reads kv head h // (H / N)), all in the
     compute dtype; allowed `[B, T, S] bool` (query, key), the decoder's mask. Queries with no visible key
-    (padding) see themselves instead (their outputs are unused; no 0/0). Returns `[B, T, H, K]` in q.dtype.
+    (padding) see themselves instead (their outputs are unused; no 0/0). Odd T = S get one hidden padding
+    slot (cuDNN's backward with a mask needs even lengths). Returns `[B, T, H, K]` in q.dtype.
     """
     t, s = allowed.shape[1:]
-    mask = allowed | jnp.eye(t, s, dtype=bool)[None]
-    return jax.nn.dot_product_attention(
+    if t == s and t % 2:
+        pad = lambda x: jnp.pad(x, ((0, 0), (0, 1)) + ((0, 0),) * (x.ndim - 2))
+        q, k, v, allowed = pad(q), pad(k), pad(v), jnp.pad(allowed, ((0, 0), (0, 1), (0, 1)))
+    mask = allowed | jnp.eye(*allowed.shape[1:], dtype=bool)[None]
+    out = jax.nn.dot_product_attention(
         q, k, v, mask=mask[:, None], scale=scale, is_causal=True, implementation="xla" if interpret else "cudnn"
     )
+    return out[:, :t]
 
 
 def _block(t: int, interpret: bool) -> int:
