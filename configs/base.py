@@ -61,6 +61,10 @@ def get_base_config() -> mlc.ConfigDict:
     c.model.param_dtype = "float32"  # dtype of master weights and AdamW moments (verl's FSDP masters: fp32)
     c.model.remat = False  # rematerialise decoder blocks in the backward pass (verl: enable_gradient_checkpointing)
     c.model.scan_layers = False  # lax.scan over repeated layers in training forwards (MaxText); see decoder.py
+    # Attention of forwards without a KV cache (updates, old/ref log-probs, values); the rollout's cached decode
+    # is always dense. 'auto': 'splash' on TPU, 'cudnn' on GPU with bf16/fp16 compute and no logit soft-cap,
+    # else 'xla'. 'splash' turns model.pack_shared_prompts off (docs/performance.md "Attention backends").
+    c.model.attention_impl = "auto"  # 'auto' | 'xla' (dense) | 'cudnn' (GPU) | 'splash' (TPU Pallas) (ours)
     # Packing (verl: actor_rollout_ref.model.use_remove_padding, default False there; the critic follows it):
     # the actor update, old/ref log-probs and the critic run on rows of real tokens (prompt + response, no
     # padding) with per-sequence attention, static shapes, empty micro-batches skipped. False = padded rows.

@@ -9,7 +9,7 @@ from flax import nnx
 
 from configs import grpo
 from jaxrl_post.models import ModelConfig, init_model
-from jaxrl_post.trainer import steps
+from jaxrl_post.trainer import builders, steps
 
 
 def _bits_changed(new, old, dtype):
@@ -84,6 +84,11 @@ def test_bf16_compute_f32_master_tiny_grpo_trains_with_a_bf16_rollout_copy(tmp_p
         mask = jnp.ones((2, 9), jnp.int32)
         fwd = nnx.jit(lambda m: m(ids, mask))
         np.testing.assert_array_equal(np.asarray(fwd(trainer.rollout_model)), np.asarray(fwd(trainer.actor_model)))
+        # the frozen reference (KL loss on) is held in bf16, norm scales as stored
+        assert trainer.use_ref and {(x.ndim >= 2, x.dtype.name) for x in jax.tree.leaves(trainer.ref_params)} == {
+            (True, "bfloat16"),
+            (False, "float32"),
+        }
         score = [m["critic/score/mean"] for m in hist]
         assert all(np.isfinite(list(m.values())).all() for m in hist)
         assert np.mean(score[-3:]) > np.mean(score[:3]) + 0.04, score
@@ -170,3 +175,41 @@ def test_generator_warns_of_a_16bit_rollout_on_a_cpu_without_16bit_matmuls(tmp_p
     assert "without native bfloat16 matmuls" in msg and "rollout.dtype=float32" in msg
     assert built("avx2", "float32") == []
     assert built("amx", "bfloat16") == []
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_reference_params_in_compute_dtype_give_bitwise_equal_log_probs(family):
+    """`builders.reference_params`: matrices in bf16 (half the bytes of f32 masters), norm scales kept; the
+    bf16-compute forward on them equals the forward on the f32 masters bitwise (gemma2: `1 + w` norms)."""
+    kw = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
+    if family == "gemma2":
+        kw.update(family="gemma2", norm_offset=1.0, post_norms=True, qkv_bias=True, tie_word_embeddings=True)
+    cfg = ModelConfig(head_dim=8, **kw)
+    model = init_model(cfg, seed=3, dtype="bfloat16", param_dtype="float32")
+    g, params, rest = steps.split_model(model)
+    rng = np.random.default_rng(0)  # norm scales and biases off their init values, so keeping them matters
+    params = jax.tree.map(lambda x: x + jnp.asarray(0.01 * rng.normal(size=x.shape), x.dtype), params)
+    ref = builders.reference_params(params, model.dtype)
+    leaves, ref_leaves = jax.tree.leaves(params), jax.tree.leaves(ref)
+    assert {(x.ndim, y.dtype.name) for x, y in zip(leaves, ref_leaves)} >= {(2, "bfloat16"), (1, "float32")}
+    assert all(y.dtype == (jnp.bfloat16 if x.ndim >= 2 else jnp.float32) for x, y in zip(leaves, ref_leaves))
+    assert sum(y.nbytes for y in ref_leaves) < 0.51 * sum(x.nbytes for x in leaves) + 4 * 32 * 20
+    ids = jnp.asarray(rng.integers(3, 64, (2, 9)), jnp.int32)
+    fwd = jax.jit(lambda p: nnx.merge(g, p, rest)(ids, jnp.ones((2, 9), bool)))
+    np.testing.assert_array_equal(np.asarray(fwd(ref)), np.asarray(fwd(params)))
+
+
+def test_no_kl_term_builds_no_reference(tmp_path):
+    """Without a KL term (`kl_in_use` False) no reference params or ref log-prob fn exist."""
+    from jaxrl_post.trainer.trainer import RLTrainer
+
+    c = grpo.get_config("tiny")
+    c.trainer.default_local_dir = str(tmp_path / "nokl")
+    c.actor.use_kl_loss = False
+    c.algorithm.use_kl_in_reward = False
+    trainer = RLTrainer(c, console_write=lambda s: None)
+    try:
+        assert not trainer.use_ref and trainer.ref_params is None and not hasattr(trainer, "_ref_log_prob")
+        assert "ref" not in trainer.compile_counts()
+    finally:
+        trainer.close()

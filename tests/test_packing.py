@@ -402,7 +402,12 @@ def test_pack_spec_shares_prompts_only_with_several_samples(n, key, shared):
     c = grpo.get_config()
     assert c.model.pack_shared_prompts  # the default
     c.rollout.n, c.model.pack_shared_prompts = n, key
-    fake = SimpleNamespace(config=c, response_length=48, mesh=SimpleNamespace(shape={"data": 1, "fsdp": 1}))
+    fake = SimpleNamespace(
+        config=c,
+        response_length=48,
+        mesh=SimpleNamespace(shape={"data": 1, "fsdp": 1}),
+        actor_model=SimpleNamespace(attention_impl="xla"),
+    )
     spec = RolesMixin._pack_spec(fake, "actor", 32, 4)
     assert spec.share_prompts == shared
     assert spec.slots == (2 * 208 if shared else 2 * 2 * 48)  # rows x row_len, or rows x k x R

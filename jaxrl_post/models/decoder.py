@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxrl_post.models import attention as fused
 from jaxrl_post.models.config import ModelConfig
 from jaxrl_post.models.kv_cache import KVCache, write_slots
 from jaxrl_post.models.layers import ParamInit, RMSNorm, _constrain, _rope_angles, apply_rope
@@ -85,6 +86,7 @@ class Attention(nnx.Module):
         norm = partial(RMSNorm, k, eps=cfg.rms_norm_eps, offset=cfg.norm_offset, names=("head_dim",), init=init)
         self.q_norm = norm() if cfg.qk_norm else None
         self.k_norm = norm() if cfg.qk_norm else None
+        self.attention_impl, self.attention_interpret = "xla", False  # `Transformer.set_attention_impl`
 
     def __call__(self, x, positions, kv_mask, index, kv=None, segment_ids=None):
         """x [B, T, D]; positions [B, T] int32; kv_mask [B, S] bool (valid key slots, S = T without a cache);
@@ -93,6 +95,9 @@ class Attention(nnx.Module):
         segment_ids: optional [B, T] int32 (packed rows, no cache): a key is visible only from its own
         segment or, as a shared prompt, from its responses (`segment_mask`); the sliding window then counts
         positions (= slots inside a contiguous segment).
+        Without a cache, a fused backend (`attention_impl` 'cudnn' / 'splash', models/attention.py) replaces
+        the dense scores; under 'splash' shared-prompt segment ids (chunk >= 1) give NaN outputs (loud, not
+        wrong numbers): splash sees equal ids only.
         Returns (y [B, T, D], kv updated or None)."""
         b, t, _ = x.shape
         n, g = self.num_kv_heads, self.num_heads // self.num_kv_heads
@@ -118,6 +123,27 @@ class Attention(nnx.Module):
             allowed &= segment_mask(segment_ids)
             if self.window is not None:  # a packed sequence's distance is its positions' (shared prompts)
                 allowed &= positions[:, None, :] > positions[:, :, None] - self.window
+
+        if kv is None and self.attention_impl != "xla":  # fused kernels (models/attention.py); no cache
+            if self.attention_impl == "cudnn":
+                out = fused.dot_product_attention(
+                    q, k, v, allowed, scale=self.scale, interpret=self.attention_interpret
+                )
+            else:
+                ids = fused.padded_segment_ids(kv_mask) if segment_ids is None else segment_ids
+                out = fused.splash_attention(
+                    q,
+                    k,
+                    v,
+                    ids,
+                    scale=self.scale,
+                    window=self.window,
+                    softcap=self.softcap,
+                    interpret=self.attention_interpret,
+                )
+                if segment_ids is not None:  # shared-prompt ids (chunk >= 1) need segment_mask: fail loudly
+                    out = jnp.where(jnp.any(segment_ids >> SEGMENT_SUB_BITS > 0), jnp.nan, out)
+            return self.o_proj(out), kv
 
         def attend(q, k_segs, v_segs, allowed):
             # Query heads of one kv head are folded into the row dim: [B, N, G*T, K] (head h = n * G + g).
@@ -272,6 +298,7 @@ class Transformer(nnx.Module):
     checkpoints and HF/GGUF loading do not depend on it. The cached (rollout) path is unrolled. Off by
     default: measured on XLA:CPU (SmolLM2 shapes, 30 layers) the trace is ~6x faster but the XLA compile of
     fwd+bwd is ~1.7x slower, because the params are stacked inside the program on every call.
+    attention_impl: 'xla' (dense) until `set_attention_impl`.
     """
 
     def __init__(
@@ -282,6 +309,7 @@ class Transformer(nnx.Module):
         self.param_dtype = jnp.dtype(param_dtype or config.param_dtype)
         self.remat = remat
         self.scan_layers = scan_layers
+        self.attention_impl = "xla"
         init = ParamInit(rngs.params(), self.param_dtype)  # one key; params salted by creation order
         self.embedding = init.normal((config.vocab_size, config.hidden_size), ("vocab", "embed"))
         self.layers = nnx.List([Block(config, i, dtype=self.dtype, init=init) for i in range(config.num_layers)])
@@ -293,6 +321,17 @@ class Transformer(nnx.Module):
             if config.tie_word_embeddings
             else init.normal((config.hidden_size, config.vocab_size), ("embed", "vocab"))
         )
+
+    def set_attention_impl(self, impl: str, *, interpret: bool = False) -> None:
+        """Attention backend of forwards without a cache: 'xla' (dense, the default), 'cudnn' or 'splash'
+        (models/attention.py; pick one with `attention.resolve_attention_impl`). interpret: run the kernel's
+        CPU-testable form ('cudnn': `jax.nn.dot_product_attention(implementation="xla")`, 'splash': Pallas
+        interpret mode). Set before splitting the model (the choice is static, part of the graphdef).
+        Raises ValueError: an unknown name, or 'cudnn' on a model with an attention logit soft-cap."""
+        fused.check_kernel_supported(impl, softcap=self.config.attn_logit_softcap)
+        self.attention_impl = impl
+        for block in self.layers:
+            block.attn.attention_impl, block.attn.attention_interpret = impl, bool(interpret)
 
     # ------------------------------------------------------------------ cache
     def init_cache(self, batch_size: int, max_len: int, dtype=None, segment_len: int | None = None) -> KVCache:

@@ -90,12 +90,44 @@ def build_actor_and_tokenizer(cfg: Any, mesh: jax.sharding.Mesh | None):
         if tok_path or tokenizer is None:
             tokenizer = load_tokenizer(tok_path or cfg.model.path)
     model.scan_layers = bool(cfg.model.scan_layers)
+    apply_attention_impl(cfg, model)
     if len(tokenizer) > model.config.vocab_size:
         raise ValueError(
             f"config.model: tokenizer has {len(tokenizer)} tokens but the model vocabulary is {model.config.vocab_size}"
         )
     attach_lora(cfg, model)
     return model, tokenizer
+
+
+def apply_attention_impl(cfg: Any, model, platform: str | None = None) -> str:
+    """Resolve `model.attention_impl` for `platform` (default `jax.default_backend()`) and set it on `model`
+    (`Transformer.set_attention_impl`; the critic, cloned from the actor, inherits it); logs the choice once,
+    and under 'splash' that the shared-prompt packing layout is off (`roles._pack_spec`). Returns the backend.
+
+    Raises ConfigError naming `model.attention_impl` (see `models.attention.resolve_attention_impl`)."""
+    from jaxrl_post.models.attention import resolve_attention_impl
+
+    platform = platform or jax.default_backend()
+    try:
+        impl = resolve_attention_impl(
+            cfg.model.attention_impl, platform, dtype=cfg.model.dtype, softcap=model.config.attn_logit_softcap
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    model.set_attention_impl(impl)
+    log.info(
+        "attention: model.attention_impl=%r -> %r on %s (forwards without a KV cache; the rollout's cached decode "
+        "stays dense)",
+        cfg.model.attention_impl,
+        impl,
+        platform,
+    )
+    if impl == "splash" and cfg.model.use_remove_padding and cfg.model.pack_shared_prompts and int(cfg.rollout.n) > 1:
+        log.info(
+            "attention: model.pack_shared_prompts is off under splash attention: its segment ids say 'same "
+            "sequence' only, not 'a response sees its chunk's prompt'; every sequence packs its own prompt"
+        )
+    return impl
 
 
 def attach_lora(cfg: Any, model) -> None:
@@ -414,6 +446,24 @@ def actor_loss_config(cfg: Any, on_policy: bool) -> steps.ActorLossConfig:
 def copy_tree(tree):
     """Fresh device buffers for every leaf (so donating one tree never invalidates the other)."""
     return jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
+
+
+def reference_params(params, compute_dtype):
+    """The frozen reference's params: fresh buffers with every float leaf of rank >= 2 (kernels, embedding,
+    biases) cast to the compute dtype, the rank-1 norm scales kept in their dtype. The reference never trains,
+    so it needs no float32 masters: under bf16 compute this halves its memory. Its forward equals the
+    forward on the original params bitwise, because the decoder casts each of those leaves to the compute
+    dtype before use and reads norm scales as stored (Gemma's `1 + w` in float32).
+
+    params: a pytree of arrays (`steps.split_model`'s params); compute_dtype: the model's `dtype`."""
+    dt = jnp.dtype(compute_dtype)
+
+    def one(x):
+        if x.ndim >= 2 and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dt:
+            return x.astype(dt)
+        return jnp.array(x, copy=True)
+
+    return jax.tree.map(one, params)
 
 
 def pad_rows(arrays: dict[str, np.ndarray], multiple: int) -> tuple[dict[str, np.ndarray], int]:

@@ -266,6 +266,9 @@ def validate_config(cfg: Any, n_devices: int | None = None) -> None:
     check("model.use_remove_padding", lambda v: isinstance(v, bool), "must be a bool")
     check("model.seqs_per_packed_row", pos_int, "must be a positive int")
     check("model.pack_shared_prompts", lambda v: isinstance(v, bool), "must be a bool")
+    from jaxrl_post.models.attention import ATTENTION_IMPLS
+
+    check("model.attention_impl", lambda v: v in ATTENTION_IMPLS, f"valid: {', '.join(map(repr, ATTENTION_IMPLS))}")
     row_len = None
     try:
         row_len = int(cfg.data.max_prompt_length) + int(cfg.data.max_response_length)

@@ -93,7 +93,7 @@ class RolesMixin:
     def _pack_spec(self, role: str, n_seqs: int, micro: int) -> packing.PackSpec | None:
         """Static packing geometry of one pass (None when `model.use_remove_padding` is off); see
         `packing.micro_geometry` for how `*.use_dynamic_bsz` / `*_max_token_len_per_gpu` map to rows. Shared
-        prompts (`model.pack_shared_prompts`) only when `rollout.n > 1`."""
+        prompts (`model.pack_shared_prompts`) only when `rollout.n > 1` and attention is not splash."""
         cfg = self.config
         if not cfg.model.use_remove_padding:
             return None
@@ -110,16 +110,19 @@ class RolesMixin:
             n_seqs=n_seqs,
         )
         share = bool(cfg.model.pack_shared_prompts) and int(cfg.rollout.n) > 1  # only samples of a prompt repeat it
+        share = share and self.actor_model.attention_impl != "splash"  # splash: equal segment ids only (logged)
         return packing.make_pack_spec(n_seqs, rows, p, r, row_len=row_len, share_prompts=share)
 
     def _build_reference(self) -> None:
-        """Reference (only with a KL term): a frozen copy of the initial actor params and its log-prob fn; with
-        LoRA no copy at all: the actor's own model with its adapters off (`ref_params` stays None)."""
+        """Reference (only with a KL term, `config_check.kl_in_use`; else nothing is built): a frozen copy of
+        the initial actor params in the compute dtype (`builders.reference_params`: it never trains; same
+        log-probs bitwise) and its log-prob fn; with LoRA no copy at all: the actor's own model with its
+        adapters off (`ref_params` stays None)."""
         cfg = self.config
         self.ref_params = None
         if self.use_ref:
             if self.lora is None:
-                self.ref_params = builders.copy_tree(self.actor_params)
+                self.ref_params = builders.reference_params(self.actor_params, self.actor_model.dtype)
             micro = int(cfg.ref.log_prob_micro_batch_size)
             self.ref_spec = self._pack_spec("ref", self.batch_size, micro)
             self._ref_log_prob = jax.jit(self._log_prob_fn(self.ref_spec, micro, "ref", adapters=self.lora is None))
