@@ -34,7 +34,8 @@ def test_schema_from_type_hints_and_docstring():
                 "properties": {
                     "expression": {
                         "type": "string",
-                        "description": 'an arithmetic expression with numbers, + - * / // % ** and parentheses, e.g. "12*(3+4)"',
+                        "description": "an arithmetic expression with numbers, + - * / // % ** and parentheses, "
+                        'e.g. "12*(3+4)"',
                     }
                 },
                 "required": ["expression"],
@@ -106,7 +107,7 @@ def test_python_sandbox_env_cwd_limits(monkeypatch):
 
 
 def test_python_sandbox_network():
-    out, rc, _ = run_python_sandboxed(
+    out, _, _ = run_python_sandboxed(
         "import socket\ns = socket.socket(); s.settimeout(2)\ntry:\n    s.connect(('10.255.255.1', 80))\n"
         "except OSError as e:\n    print(type(e).__name__, e.errno)"
     )
