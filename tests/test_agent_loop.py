@@ -236,3 +236,34 @@ def test_prompt_too_long_is_refused(executor):
         ValueError, match="row 0: the prompt rendered with the tools has .* > data.max_prompt_length=64"
     ):
         loop.generate(_prompts(1, p=64), _params(10))
+
+
+def test_multi_turn_config_errors_name_the_keys():
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from configs import grpo
+    from jaxrl_post.trainer.config_check import ConfigError, validate_config
+
+    c = grpo.get_config("tiny")
+    c.rollout.multi_turn.enable = True
+    validate_config(c, n_devices=1)
+    c.rollout.multi_turn.max_assistant_turns = 0
+    c.rollout.multi_turn.tool_response_truncate_side = "top"
+    c.rollout.multi_turn.format = "xml"
+    c.rollout.multi_turn.env = "chess"
+    c.rollout.multi_turn.max_error_fraction = 2.0
+    c.rollout.sampling_mask_replay = True
+    with pytest.raises(ConfigError) as e:
+        validate_config(c, n_devices=1)
+    msg = str(e.value)
+    for key in (
+        "rollout.multi_turn.max_assistant_turns=0",
+        "rollout.multi_turn.tool_response_truncate_side='top'",
+        "rollout.multi_turn.format='xml'",
+        "rollout.multi_turn.env='chess'",
+        "rollout.multi_turn.max_error_fraction=2.0",
+        "rollout.sampling_mask_replay=True",
+    ):
+        assert key in msg, key

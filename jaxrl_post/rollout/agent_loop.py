@@ -204,6 +204,33 @@ class AgentLoop:
         self.error_budget = error_budget
         self.inject_tools = bool(self.tools) and self._template_ignores_tools()
         self.last_stats: dict[str, float] = {}
+        self.closers: list[Callable[[], None]] = []  # called by close() (e.g. the tool executor's)
+        self._turn_end: dict[tuple[int, ...], set[int]] = {}
+
+    def close(self) -> None:
+        """Stop what the loop owns (tool worker processes)."""
+        for fn in self.closers:
+            fn()
+        self.closers = []
+
+    def turn_end_ids(self, eos_token_ids: Sequence[int]) -> set[int]:
+        """Those of `eos_token_ids` that the chat template writes right after an assistant message's content (the
+        end-of-turn token, e.g. ChatML's `<|im_end|>`); another stop token (`<|endoftext|>`) ends the trajectory.
+
+        Raises ValueError when none of them is (the template's end of turn is not a stop token)."""
+        key = tuple(int(i) for i in eos_token_ids)
+        if key not in self._turn_end:
+            content = "MARKER_7c1"
+            m = [{"role": "user", "content": "x"}, {"role": "assistant", "content": content}]
+            text = _render(self.tokenizer, m, False, self.tools, self.template_kwargs)
+            ids = {i for i in key if content + self.tokenizer.decode([i], skip_special_tokens=False) in text}
+            if not ids:
+                raise ValueError(
+                    f"none of the stop tokens {list(key)} ends an assistant turn in the chat template; the multi-turn "
+                    "rollout needs the template's end-of-turn token in SamplingParams.eos_token_ids"
+                )
+            self._turn_end[key] = ids
+        return self._turn_end[key]
 
     def _template_ignores_tools(self) -> bool:
         m = [{"role": "user", "content": "x"}]
@@ -230,7 +257,9 @@ class AgentLoop:
                 ids = ids[1:]
         return ids
 
-    def generate(self, prompts: DataProto, params, *, n: int = 1, seed: int | None = None) -> DataProto:
+    def generate(
+        self, prompts: DataProto, params, *, n: int = 1, seed: int | None = None, process_local: bool = False
+    ) -> DataProto:
         """Roll out `n` trajectories per prompt.
 
         Args:
@@ -239,6 +268,8 @@ class AgentLoop:
             `env.reset(row)` (with the tools) and left-padded to P.
           params: `SamplingParams`; `max_new_tokens` is the response budget R over all turns.
           n: trajectories per prompt (rows `i * n + j`, as `Generator.generate`).
+          seed: overrides `params.seed`; turn k samples with a seed derived from (seed, k).
+          process_local: multi-process rollouts are not supported (ValueError when True).
         Returns: DataProto with the keys of `Generator.generate` (shapes `[B * n, P]`, `[B * n, R]`, ...),
           non-tensor fields repeated plus `num_turns`, `tool_calls`, `tool_errors` ([B * n] int),
           `turn_scores`, `tool_rewards` (per-row lists), and `extra_info` dicts (copies) holding those too.
@@ -249,6 +280,8 @@ class AgentLoop:
         """
         from jaxrl_post.data.pipeline import compute_position_ids, left_pad
 
+        if process_local:
+            raise ValueError("multi-turn rollouts run in one process (process_local rollouts are not supported)")
         if params.truncated_log_probs:
             raise ValueError("multi-turn rollouts do not record sampling thresholds (rollout.sampling_mask_replay)")
         n = int(n)
@@ -257,8 +290,9 @@ class AgentLoop:
         p = int(np.asarray(prompts.batch["input_ids"]).shape[1])
         r = int(params.max_new_tokens)
         eos = set(params.eos_token_ids)
-        if not eos:
-            raise ValueError("multi-turn rollouts need the end-of-turn token in SamplingParams.eos_token_ids")
+        turn_end = self.turn_end_ids(params.eos_token_ids)
+        if self.error_budget is not None:
+            self.error_budget.reset()
         nt = {k: np.asarray(v) for k, v in rows.non_tensor_batch.items()}
         trajs = []
         for i in range(b):
@@ -307,7 +341,8 @@ class AgentLoop:
                     t.done = t.truncated = True  # the budget ended the model's turn
                     continue
                 lim = self.limits.max_assistant_turns
-                if len(t.ids) >= r or (lim is not None and t.assistant_turns >= lim):
+                ended = new[-1] not in turn_end  # e.g. <|endoftext|>: the model ended the conversation
+                if ended or len(t.ids) >= r or (lim is not None and t.assistant_turns >= lim):
                     t.done = True
                     continue
                 stepping.append(t)

@@ -416,8 +416,13 @@ class ToolErrorBudget:
         if not 0.0 <= float(max_error_fraction) <= 1.0:
             raise ValueError(f"max_error_fraction must be in [0, 1], got {max_error_fraction}")
         self.max_error_fraction = float(max_error_fraction)
-        self.calls = self.errors = self.timeouts = 0
         self.first_error: str | None = None
+        self.reset()
+
+    def reset(self) -> None:
+        """Start counting a new step."""
+        self.calls = self.errors = self.timeouts = 0
+        self.first_error = None
 
     def add(self, status: str, message: str = "") -> None:
         self.calls += 1
