@@ -233,7 +233,7 @@ def test_refuses_a_template_that_is_not_append_only():
 def test_prompt_too_long_is_refused(executor):
     loop = _tool_loop(ScriptedGenerator({0: []}), executor)
     with pytest.raises(
-        ValueError, match="row 0: the prompt rendered with the tools has .* > data.max_prompt_length=64"
+        ValueError, match=r"row 0: the prompt \(env.reset.* has .* > data.max_prompt_length=64"
     ):
         loop.generate(_prompts(1, p=64), _params(10))
 
@@ -243,9 +243,11 @@ def test_multi_turn_config_errors_name_the_keys():
     import sys
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from configs import grpo
+    from configs import grpo, grpo_tools
     from jaxrl_post.trainer.config_check import ConfigError, validate_config
 
+    for variant in (None, "guess"):
+        validate_config(grpo_tools.get_config(variant), n_devices=1)
     c = grpo.get_config("tiny")
     c.rollout.multi_turn.enable = True
     validate_config(c, n_devices=1)

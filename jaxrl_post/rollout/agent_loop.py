@@ -303,8 +303,8 @@ class AgentLoop:
             ids = self._encode(text, first=True)
             if len(ids) > p:
                 raise ValueError(
-                    f"row {i}: the prompt rendered with the tools has {len(ids)} tokens > data.max_prompt_length={p}; "
-                    "raise data.max_prompt_length"
+                    f"row {i}: the prompt (env.reset's messages rendered with the chat template and the tools) has "
+                    f"{len(ids)} tokens > data.max_prompt_length={p}; raise data.max_prompt_length"
                 )
             trajs.append(_Traj(env, msgs, text, ids))
 
