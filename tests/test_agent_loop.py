@@ -232,9 +232,7 @@ def test_refuses_a_template_that_is_not_append_only():
 
 def test_prompt_too_long_is_refused(executor):
     loop = _tool_loop(ScriptedGenerator({0: []}), executor)
-    with pytest.raises(
-        ValueError, match=r"row 0: the prompt \(env.reset.* has .* > data.max_prompt_length=64"
-    ):
+    with pytest.raises(ValueError, match=r"row 0: the prompt \(env.reset.* has .* > data.max_prompt_length=64"):
         loop.generate(_prompts(1, p=64), _params(10))
 
 
