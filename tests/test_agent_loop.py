@@ -267,3 +267,32 @@ def test_multi_turn_config_errors_name_the_keys():
         "rollout.sampling_mask_replay=True",
     ):
         assert key in msg, key
+
+
+def test_failing_tool_past_the_error_budget_raises():
+    """A tool that raises on every call: error observations, counted; past max_error_fraction the batch raises."""
+    import os
+
+    from jaxrl_post.rollout.tools import ToolError, ToolErrorBudget
+
+    fixtures = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tool_fixtures.py")
+    tools = resolve_tools(f"calculator,{fixtures}:raiser")
+    call = '<tool_call>{"name": "raiser", "arguments": {"text": "a"}}</tool_call>' + EOT
+    scripts = {0: [call, f"ok{EOT}"], 1: [f"{CALL}{EOT}", f"ok{EOT}"]}
+    with ToolExecutor(tools, num_workers=1, timeout_s=10.0) as ex:
+        lim = MultiTurnLimits()
+        factory = lambda row: ToolEnv(ex, get_tool_parser("hermes"), 1, 200, "left")
+        schemas = [t.schema for t in tools]
+        lenient = AgentLoop(
+            ScriptedGenerator(scripts), TOK, factory, lim, tools=schemas, error_budget=ToolErrorBudget(0.5)
+        )
+        out = lenient.generate(_prompts(2, p=1600), _params(400))  # 1 of 2 calls failed: not more than half
+        text = TOK.decode(out.batch["responses"][0][out.batch["loss_mask"][0] == 0])
+        assert "Error: RuntimeError: tool failed on a" in text
+        assert lenient.last_stats["tool_errors"] == 1 and out.non_tensor_batch["tool_errors"].tolist() == [1, 0]
+        scripts = {0: [call, f"ok{EOT}"], 1: [call, f"ok{EOT}"]}
+        strict = AgentLoop(
+            ScriptedGenerator(scripts), TOK, factory, lim, tools=schemas, error_budget=ToolErrorBudget(0.5)
+        )
+        with pytest.raises(ToolError, match="2 of 2 tool calls failed.*RuntimeError: tool failed on a"):
+            strict.generate(_prompts(2, p=1600), _params(400))
