@@ -26,7 +26,8 @@ does). The budget ``R`` (``data.max_response_length``) covers all turns.
 
 This first version re-prefills the prompt and the trajectory so far at every turn (one `Generator.generate`
 call per turn over the running trajectories), so turn ``k`` pays a prefill of ``P + (tokens so far)``; the
-KV cache is not carried across turns.
+KV cache is not carried across turns. Every turn runs at the batch bucket of the whole call (finished rows are
+filler rows), so the compiled shapes vary only with the context length's bucket.
 """
 
 from __future__ import annotations
@@ -206,6 +207,18 @@ class AgentLoop:
         self.last_stats: dict[str, float] = {}
         self.closers: list[Callable[[], None]] = []  # called by close() (e.g. the tool executor's)
         self._turn_end: dict[tuple[int, ...], set[int]] = {}
+        self._pinned: dict[int, Any] = {}
+
+    def _generator(self, rows: int):
+        """The generator with its batch bucket pinned to `rows` (every turn of a call, whatever number of rows
+        still runs, compiles as one batch shape: the finished rows' slots are filler rows, marked done, that
+        decode compaction drops), so the compiled shapes vary only with the context length's bucket. A generator
+        without `batch_buckets` (a stand-in) is used as it is."""
+        if not dataclasses.is_dataclass(self.generator) or not hasattr(self.generator, "batch_buckets"):
+            return self.generator
+        if rows not in self._pinned:
+            self._pinned[rows] = dataclasses.replace(self.generator, batch_buckets=(rows,))
+        return self._pinned[rows]
 
     def close(self) -> None:
         """Stop what the loop owns (tool worker processes)."""
@@ -323,7 +336,7 @@ class AgentLoop:
             ids, mask = left_pad(ctx, length, params.pad_token_id)
             batch = DataProto({"input_ids": ids, "attention_mask": mask, "position_ids": compute_position_ids(mask)})
             turn_seed = (base_seed * 1000003 + turn * 7919) % (2**31 - 1)
-            out = self.generator.generate(batch, dataclasses.replace(params, max_new_tokens=m), seed=turn_seed)
+            out = self._generator(b).generate(batch, dataclasses.replace(params, max_new_tokens=m), seed=turn_seed)
             gen_calls += 1
             gen_tokens_in += int(mask.sum())
             toks = np.asarray(out.batch["responses"])
