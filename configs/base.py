@@ -190,6 +190,25 @@ def get_base_config() -> mlc.ConfigDict:
     c.rollout.log_prob_micro_batch_size = 16  # responses per micro-batch when recomputing old log-probs, global
     c.rollout.log_prob_use_dynamic_bsz = mlc.FieldReference(None, field_type=bool)  # None -> actor.use_dynamic_bsz
     c.rollout.log_prob_max_token_len_per_gpu = _opt_int()  # None -> actor.ppo_max_token_len_per_gpu
+    # Multi-turn rollouts (verl: actor_rollout_ref.rollout.multi_turn; docs/agents.md): each trajectory talks to an
+    # environment (a tool set, or a game) turn by turn; only the model's tokens are trained (loss_mask), tool and
+    # environment tokens stay in the context. data.max_response_length is the budget over all turns.
+    c.rollout.multi_turn = mlc.ConfigDict()
+    c.rollout.multi_turn.enable = False  # roll out with the agent loop (jaxrl_post.rollout.agent_loop)
+    c.rollout.multi_turn.env = "tools"  # 'tools' (the tool set below) | 'guess_number' (number-guessing game)
+    # comma-separated: built-in tools (calculator, python) and/or 'path/to/file.py:function' (type hints + docstring)
+    c.rollout.multi_turn.tools = "calculator"  # the tools of env 'tools' (passed to the chat template as tools=)
+    c.rollout.multi_turn.max_assistant_turns = _opt_int()  # model turns per trajectory; None = no limit
+    c.rollout.multi_turn.max_user_turns = _opt_int()  # tool/environment turns per trajectory; None = no limit
+    c.rollout.multi_turn.max_parallel_calls = 1  # tool calls run per turn (later ones are dropped)
+    c.rollout.multi_turn.max_tool_response_length = 256  # characters of a tool response kept
+    c.rollout.multi_turn.tool_response_truncate_side = "middle"  # cut long tool responses: left | middle | right
+    c.rollout.multi_turn.format = "hermes"  # tool-call format (<tool_call>{json}</tool_call>)
+    c.rollout.multi_turn.tool_num_workers = 2  # tool worker processes (ours)
+    c.rollout.multi_turn.tool_timeout_s = 10.0  # per-call wall-time limit; a hung call's worker is killed (ours)
+    c.rollout.multi_turn.tool_memory_mb = 2048  # address-space cap of each tool worker, MiB; 0 = none (ours)
+    c.rollout.multi_turn.tool_max_output_chars = 8192  # a tool result is cut to this many characters (ours)
+    c.rollout.multi_turn.max_error_fraction = 0.5  # stop when more of a step's executed tool calls fail (ours)
     c.rollout.val_kwargs = mlc.ConfigDict()  # sampling for validation
     c.rollout.val_kwargs.n = 1  # responses per held-out prompt
     c.rollout.val_kwargs.do_sample = False  # greedy validation
@@ -333,6 +352,9 @@ _VERL_KEYS_TEXT = """
     critic.use_dynamic_bsz critic.ppo_max_token_len_per_gpu critic.forward_max_token_len_per_gpu
     rollout.n rollout.dtype rollout.temperature rollout.top_k rollout.top_p rollout.do_sample
     rollout.log_prob_micro_batch_size
+    rollout.multi_turn.enable rollout.multi_turn.max_assistant_turns rollout.multi_turn.max_user_turns
+    rollout.multi_turn.max_parallel_calls rollout.multi_turn.max_tool_response_length
+    rollout.multi_turn.tool_response_truncate_side rollout.multi_turn.format
     rollout.val_kwargs.n rollout.val_kwargs.do_sample rollout.val_kwargs.temperature rollout.val_kwargs.top_k
     rollout.val_kwargs.top_p
     ref.log_prob_micro_batch_size

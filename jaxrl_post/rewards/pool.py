@@ -73,9 +73,9 @@ def _worker_main(conn, fn: Callable[..., Any]) -> None:  # runs in the child pro
 
 
 class _Worker:
-    def __init__(self, ctx, fn):
+    def __init__(self, ctx, fn, label: str = "reward"):
         self.conn, child = ctx.Pipe(duplex=True)
-        self.proc = ctx.Process(target=_worker_main, args=(child, fn), daemon=True, name="jaxrl_post-reward")
+        self.proc = ctx.Process(target=_worker_main, args=(child, fn), daemon=True, name=f"jaxrl_post-{label}")
         self.proc.start()
         child.close()
         self.spawned_at = time.monotonic()
@@ -111,6 +111,7 @@ class RewardWorkerPool:
       timeout_s: per-call limit in seconds; a call over it is killed and reported as 'timeout'.
       mp_context: 'forkserver' or 'spawn' ('fork' is refused: unsafe with JAX).
       startup_timeout_s: how long a new worker may take to import and report ready.
+      label: what the calls are, in process names and messages ('reward'; the agent loop's tools: 'tool').
     Raises:
       TypeError: `fn` is not picklable. ValueError: bad arguments.
       RuntimeError: a worker failed to start within `startup_timeout_s`.
@@ -123,6 +124,7 @@ class RewardWorkerPool:
         timeout_s: float,
         mp_context: str | None = None,
         startup_timeout_s: float = 120.0,
+        label: str = "reward",
     ):
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
@@ -145,14 +147,15 @@ class RewardWorkerPool:
         self.startup_timeout_s = float(startup_timeout_s)
         self._workers: list[_Worker] = []
         self.num_restarts = 0
+        self.label = label
 
     def _ensure_workers(self) -> None:
         while len(self._workers) < self.num_workers:
-            self._workers.append(_Worker(self._ctx, self._fn))
+            self._workers.append(_Worker(self._ctx, self._fn, self.label))
 
     def _replace(self, w: _Worker) -> None:
         w.kill()
-        self._workers[self._workers.index(w)] = _Worker(self._ctx, self._fn)
+        self._workers[self._workers.index(w)] = _Worker(self._ctx, self._fn, self.label)
         self.num_restarts += 1
 
     def map(self, arg_tuples: Sequence[tuple]) -> list[CallResult]:
@@ -185,7 +188,7 @@ class RewardWorkerPool:
                     w.proc.join(timeout=2)
                     code = w.proc.exitcode
                     if w.task is not None:
-                        results[w.task] = CallResult("error", message=f"reward worker died (exit code {code})")
+                        results[w.task] = CallResult("error", message=f"{self.label} worker died (exit code {code})")
                         done += 1
                     elif not w.ready:
                         self._raise_startup(w, f"exited with code {code} before becoming ready")
@@ -205,7 +208,7 @@ class RewardWorkerPool:
             now = time.monotonic()
             for w in list(self._workers):
                 if w.task is not None and now - w.started > self.timeout_s:
-                    results[w.task] = CallResult("timeout", message=f"reward call exceeded {self.timeout_s:g} s")
+                    results[w.task] = CallResult("timeout", message=f"{self.label} call exceeded {self.timeout_s:g} s")
                     done += 1
                     self._replace(w)
                 elif not w.ready and now - w.spawned_at > self.startup_timeout_s:
@@ -215,7 +218,7 @@ class RewardWorkerPool:
     def _raise_startup(self, w: _Worker, why: str) -> None:
         w.kill()
         self.close()
-        raise RuntimeError(f"reward worker process failed to start ({why}); try num_workers=0")
+        raise RuntimeError(f"{self.label} worker process failed to start ({why}); try num_workers=0")
 
     def close(self) -> None:
         """Stop all workers (idempotent)."""

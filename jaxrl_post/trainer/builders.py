@@ -388,6 +388,57 @@ def build_reward_manager(cfg: Any, tokenizer, custom_reward_fn=None):
     )
 
 
+def build_agent_loop(cfg: Any, generator, tokenizer):
+    """The multi-turn `AgentLoop` of `rollout.multi_turn` (None when off): env 'tools' (a `ToolEnv` per trajectory
+    over one `ToolExecutor` of `rollout.multi_turn.tools`) or 'guess_number' (`GuessNumberEnv`), verl's limits,
+    and a `ToolErrorBudget` of `max_error_fraction`. The executor's workers are stopped by `AgentLoop.close`.
+
+    Raises: ConfigError: a tool cannot be loaded (unknown name, bad file, no schema from its docstring)."""
+    mt = cfg.rollout.multi_turn
+    if not mt.enable:
+        return None
+    from jaxrl_post.rollout.agent_loop import AgentLoop, MultiTurnLimits
+    from jaxrl_post.rollout.environments import GuessNumberEnv, ToolEnv
+    from jaxrl_post.rollout.tool_parser import get_tool_parser
+    from jaxrl_post.rollout.tools import ToolErrorBudget, ToolExecutor, resolve_tools
+
+    limits = MultiTurnLimits(
+        max_assistant_turns=mt.max_assistant_turns,
+        max_user_turns=mt.max_user_turns,
+        max_parallel_calls=int(mt.max_parallel_calls),
+        max_tool_response_length=int(mt.max_tool_response_length),
+        tool_response_truncate_side=mt.tool_response_truncate_side,
+        format=mt.format,
+    )
+    parser = get_tool_parser(mt.format)
+    budget = ToolErrorBudget(float(mt.max_error_fraction))
+    if mt.env == "guess_number":
+        return AgentLoop(generator, tokenizer, lambda row: GuessNumberEnv(), limits, parser=parser, error_budget=budget)
+    try:
+        tools = resolve_tools(mt.tools)
+    except Exception as e:
+        raise ConfigError(f"config.rollout.multi_turn.tools={mt.tools!r}: {type(e).__name__}: {e}") from e
+    executor = ToolExecutor(
+        tools,
+        num_workers=int(mt.tool_num_workers),
+        timeout_s=float(mt.tool_timeout_s),
+        memory_mb=int(mt.tool_memory_mb),
+        max_output_chars=int(mt.tool_max_output_chars),
+    )
+    side, length, par = limits.tool_response_truncate_side, limits.max_tool_response_length, limits.max_parallel_calls
+    loop = AgentLoop(
+        generator,
+        tokenizer,
+        lambda row: ToolEnv(executor, parser, par, length, side),
+        limits,
+        tools=[t.schema for t in tools],
+        parser=parser,
+        error_budget=budget,
+    )
+    loop.closers.append(executor.close)
+    return loop
+
+
 def optim_config(opt: Any, *, grad_clip: float, total_training_steps: int, updates_per_step: int) -> steps.OptimConfig:
     """verl `*.optim` -> OptimConfig. Warmup is counted in training steps (as verl's scheduler)."""
     warm = int(opt.lr_warmup_steps)

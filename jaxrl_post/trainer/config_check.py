@@ -19,7 +19,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from jaxrl_post.trainer.config_features import check_dapo, check_lora
+from jaxrl_post.trainer.config_features import check_dapo, check_lora, check_multi_turn
 
 KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full")
 WARMUP_STYLES = ("constant", "cosine")
@@ -426,6 +426,7 @@ def validate_config(cfg: Any, n_devices: int | None = None) -> None:
     if not cfg.model.random_init:
         check("model.path", lambda v: isinstance(v, str) and v, "must name a model (dir, .gguf, alias)")
     check_lora(cfg, check, err, is_int, is_num)
+    check_multi_turn(cfg, check, err, is_int, is_num)
     from jaxrl_post.distributed import config_errors
 
     errors += config_errors(cfg)  # trainer.distributed.*, the per-process prompt share

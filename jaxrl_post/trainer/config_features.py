@@ -1,5 +1,6 @@
 """Config checks of the optional features, called by `config_check.validate_config` with its `check` / `err`
-helpers: DAPO (`algorithm.filter_groups.*`, `reward_model.overlong_buffer.*`) and LoRA (`model.lora_*`)."""
+helpers: DAPO (`algorithm.filter_groups.*`, `reward_model.overlong_buffer.*`), LoRA (`model.lora_*`) and
+multi-turn rollouts (`rollout.multi_turn.*`)."""
 
 from __future__ import annotations
 
@@ -72,3 +73,37 @@ def check_lora(cfg: Any, check, err, is_int, is_num) -> None:
         return
     if cfg.model.lora_rank and int(cfg.model.lora_rank) != r:
         err("model.lora_rank", f"the adapter at model.lora_adapter_path has r={r}; set lora_rank={r} or 0")
+
+
+MULTI_TURN_ENVS = ("tools", "guess_number")
+
+
+def check_multi_turn(cfg: Any, check, err, is_int, is_num) -> None:
+    """`rollout.multi_turn.*`: limits as verl's, known env / format / tools, and the features it cannot serve
+    (sampling-mask replay: the agent loop records no sampling thresholds)."""
+    mt = cfg.rollout.multi_turn
+    if not check("rollout.multi_turn.enable", lambda v: isinstance(v, bool), "must be a bool") or not mt.enable:
+        return
+    opt_pos = lambda v: v is None or (is_int(v) and v > 0)
+    check("rollout.multi_turn.env", lambda v: v in MULTI_TURN_ENVS, f"must be one of {list(MULTI_TURN_ENVS)}")
+    check("rollout.multi_turn.max_assistant_turns", opt_pos, "must be None or a positive int")
+    check("rollout.multi_turn.max_user_turns", opt_pos, "must be None or a positive int")
+    check("rollout.multi_turn.max_parallel_calls", lambda v: is_int(v) and v > 0, "must be a positive int")
+    check("rollout.multi_turn.max_tool_response_length", lambda v: is_int(v) and v > 0, "must be a positive int")
+    check(
+        "rollout.multi_turn.tool_response_truncate_side",
+        lambda v: v in ("left", "middle", "right"),
+        "must be left, middle or right",
+    )
+    from jaxrl_post.rollout.tool_parser import _PARSERS
+
+    check("rollout.multi_turn.format", lambda v: v in _PARSERS, f"must be one of {sorted(_PARSERS)}")
+    check("rollout.multi_turn.tool_num_workers", lambda v: is_int(v) and v > 0, "must be a positive int")
+    check("rollout.multi_turn.tool_timeout_s", lambda v: is_num(v) and v > 0, "must be > 0")
+    check("rollout.multi_turn.tool_memory_mb", lambda v: is_int(v) and v >= 0, "must be an int >= 0 (0 = no cap)")
+    check("rollout.multi_turn.tool_max_output_chars", lambda v: is_int(v) and v > 0, "must be a positive int")
+    check("rollout.multi_turn.max_error_fraction", lambda v: is_num(v) and 0 <= v <= 1, "must be in [0, 1]")
+    if mt.env == "tools":
+        check("rollout.multi_turn.tools", lambda v: isinstance(v, str) and v.strip(), "must name at least one tool")
+    if cfg.rollout.sampling_mask_replay is True:
+        err("rollout.sampling_mask_replay", "is not supported with rollout.multi_turn.enable (no sampling thresholds)")

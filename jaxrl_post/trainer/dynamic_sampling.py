@@ -274,9 +274,12 @@ class RolloutMixin:
 
         n = int(self.config.rollout.n)
         local = bool(getattr(self, "process_local", False))  # multi-process: `prompts` are this process's share
+        engine = self.generator if self.agent_loop is None else self.agent_loop  # multi-turn: the agent loop
         with timer("gen", timing):
             params = self.sampling_params(validate=False, seed=seed)
-            out = self.generator.generate(prompts, params, process_local=local, n=n)  # interleaved; one prefill each
+            out = engine.generate(prompts, params, process_local=local, n=n)  # interleaved; one prefill each
+        if self.agent_loop is not None:
+            self._multi_turn_stats.append(dict(self.agent_loop.last_stats))
         b = {k: to_numpy(v) for k, v in out.batch.items()}
         if not self.config.rollout.sampling_mask_replay:  # the forwards score the full softmax
             b.pop("sampling_logit_threshold", None)
@@ -285,13 +288,32 @@ class RolloutMixin:
         b["token_level_scores"] = np.asarray(res.token_level_scores, np.float32)
         if "reward_baselines" in adv_estimator_needs(self.config.algorithm.adv_estimator):
             with timer("gen_max", timing):
-                greedy = self.generator.generate(prompts, self.sampling_params(validate=True), process_local=local)
+                greedy = engine.generate(prompts, self.sampling_params(validate=True), process_local=local)
                 base = self.reward_fn.compute(greedy).token_level_scores.sum(-1)
                 b["reward_baselines"] = np.repeat(np.asarray(base, np.float32), n)
         nt = dict(out.non_tensor_batch)
         if local:  # every process continues with the same global batch
             b, nt, res = gather_rows(b), gather_rows(nt), gather_reward(res)
         return b, nt, res
+
+    agent_loop = None  # the multi-turn AgentLoop (roles._build_rollout), None: single-turn
+    _multi_turn_stats: list  # agent-loop counts of each generation batch of the current step
+
+    def multi_turn_metrics(self, nt, b) -> dict[str, float]:
+        """The multi-turn metrics of a step's training batch (`agent_loop.rollout_metrics`: `num_turns/*`,
+        `tool_calls/mean`, `response/observation_fraction`) with the tool error counts summed over the step's
+        generation batches (`tool/errors`, `tool/format_errors`, `tool/timeouts`); {} when single-turn. Resets
+        the counts."""
+        if self.agent_loop is None:
+            return {}
+        from jaxrl_post.protocol import DataProto
+        from jaxrl_post.rollout.agent_loop import rollout_metrics
+
+        stats = getattr(self, "_multi_turn_stats", [])
+        total = {k: sum(s.get(k, 0) for s in stats) for k in ("tool_errors", "tool_format_errors", "tool_timeouts")}
+        self._multi_turn_stats = []
+        batch = {k: b[k] for k in ("response_attention_mask", "loss_mask")}
+        return rollout_metrics(DataProto(batch, {k: nt[k] for k in ("num_turns", "tool_calls")}), total)
 
     def _collect_filtered_batch(
         self, prompts, seed: int, timing: dict[str, float], next_prompts: Callable[[], Any]

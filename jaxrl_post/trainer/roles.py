@@ -332,6 +332,8 @@ class RolesMixin:
         else:
             self.rollout_model = m
         self.generator = Generator(self.rollout_model, mesh=self.mesh if self.n_devices > 1 else None)
+        self.agent_loop = builders.build_agent_loop(cfg, self.generator, self.tokenizer)  # None: single-turn
+        self._multi_turn_stats = []
         self.sync_weights()
 
     def sync_weights(self) -> None:

@@ -189,6 +189,7 @@ class RLTrainer(RolesMixin, RolloutMixin, UpdatesMixin, CheckpointMixin):
                 b, nt, res = self._generate_and_score(prompts, gen_seed, timing)
                 reward_metrics = res.metrics
             metrics.update(reward_metrics)
+            metrics.update(self.multi_turn_metrics(nt, b))
             baselines = b.get("reward_baselines")
 
             # b["loss_mask"]: the model's own tokens (rollout); train_mask: the tokens the updates train (minus
@@ -279,9 +280,9 @@ class RLTrainer(RolesMixin, RolloutMixin, UpdatesMixin, CheckpointMixin):
             return {}
         sampling_params = self.sampling_params(validate=True, seed=int(self.config.trainer.seed))
         local = bool(getattr(self, "process_local", False))  # multi-process: each process scores its rows
-        return run_validation(
-            self.config, self.val_loader, self.generator, self.reward_fn, sampling_params, process_local=local
-        )
+        engine = self.agent_loop if self.agent_loop is not None else self.generator  # multi-turn: the agent loop
+        val = self.val_loader
+        return run_validation(self.config, val, engine, self.reward_fn, sampling_params, process_local=local)
 
     # ------------------------------------------------------------------------------------ loop
     def fit(self, max_steps: int | None = None, *, stop=None) -> dict[str, Any]:
@@ -349,6 +350,8 @@ class RLTrainer(RolesMixin, RolloutMixin, UpdatesMixin, CheckpointMixin):
         finally:
             self.tracker.close()
             self.reward_fn.close()
+            if getattr(self, "agent_loop", None) is not None:
+                self.agent_loop.close()
             if getattr(self, "run_lock", None) is not None:
                 self.run_lock.release()  # the directory is free for the next run
 

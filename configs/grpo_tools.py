@@ -1,0 +1,81 @@
+"""GRPO with multi-turn tool use (verl's `rollout.multi_turn`; docs/agents.md).
+
+Variants (`--config=configs/grpo_tools.py:VARIANT`):
+  (default)  SmolLM2-135M-Instruct learns to call a calculator on reasoning-gym multiplications (2-3 digit
+             factors): the model writes `<tool_call>{"name": "calculator", ...}</tool_call>`, the tool's result
+             comes back as a `tool` message (not trained), and the model answers in `<answer></answer>` tags in
+             its own turn (the reward reads the last tag: a number that only appears in the tool output earns
+             nothing). SmolLM2's template ignores `tools=`, so the tool list goes into the system prompt (Qwen2.5's
+             Hermes tool prompt).
+  guess      the number-guessing game (`GuessNumberEnv`): feedback "too low / too high" every turn, reward 1 on a
+             correct guess (`guess_number_score` reads the turn scores).
+"""
+
+import os
+import sys
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _REPO not in sys.path:  # config files are loaded by path; make `configs.*` importable from anywhere
+    sys.path.insert(0, _REPO)
+
+from configs import base
+
+SYSTEM_PROMPT = (
+    "You are a careful assistant. Use the calculator tool for arithmetic: call it, read its result, then give the "
+    "final answer inside <answer></answer> tags."
+)
+
+
+def _default(c):
+    c.trainer.experiment_name = "grpo_tools_smollm2"
+    c.trainer.default_local_dir = "runs/grpo_tools"
+    c.data.train_files = "reasoning_gym:basic_arithmetic"
+    c.data.val_files = "reasoning_gym:basic_arithmetic"
+    rg = c.data.reasoning_gym.config
+    rg.min_terms, rg.max_terms, rg.min_digits, rg.max_digits = 2, 2, 2, 3
+    rg.operators = ("*",)
+    c.data.reasoning_gym.prompt_format = "answer_tag"
+    c.data.reasoning_gym.val_size = 64
+    c.data.system_prompt = SYSTEM_PROMPT
+    c.data.train_batch_size = 4
+    c.data.max_prompt_length = 320  # the rendered prompt with the tool list: 281-283 SmolLM2 tokens
+    c.data.max_response_length = 192  # every turn of a trajectory: calls, tool results, answer
+    c.rollout.n = 8
+    c.rollout.multi_turn.enable = True
+    c.rollout.multi_turn.tools = "calculator"
+    c.rollout.multi_turn.max_assistant_turns = 3
+    c.rollout.multi_turn.max_parallel_calls = 1
+    c.rollout.log_prob_micro_batch_size = 4
+    c.ref.log_prob_micro_batch_size = 4
+    c.actor.ppo_mini_batch_size = 4
+    c.actor.ppo_micro_batch_size = 4
+    c.actor.optim.lr = 1e-5
+    c.actor.optim.lr_warmup_steps = 2
+    c.actor.optim.weight_decay = 0.0
+    c.trainer.total_training_steps = 30
+    return c
+
+
+def _guess(c):
+    _default(c)
+    c.trainer.experiment_name = "grpo_guess_smollm2"
+    c.trainer.default_local_dir = "runs/grpo_guess"
+    c.data.system_prompt = None
+    c.data.max_prompt_length = 128
+    c.data.max_response_length = 256
+    c.rollout.multi_turn.env = "guess_number"
+    c.rollout.multi_turn.max_assistant_turns = 6
+    c.custom_reward_function.path = os.path.join(_REPO, "jaxrl_post", "rollout", "environments.py")
+    c.custom_reward_function.name = "guess_number_score"
+    return c
+
+
+def get_config(arg=None):
+    c = base.get_base_config()
+    c.algorithm.adv_estimator = "grpo"
+    c.critic.enable = False
+    variant = arg or "default"
+    fns = {"default": _default, "guess": _guess}
+    if variant not in fns:
+        raise ValueError(f"configs/grpo_tools.py: unknown variant {variant!r}; valid: {sorted(fns)}")
+    return fns[variant](c)

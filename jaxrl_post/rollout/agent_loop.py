@@ -1,0 +1,478 @@
+"""Multi-turn rollouts: a batch of trajectories advances turn by turn (verl's `ToolAgentLoop`, token in, token out).
+
+Each trajectory has an environment (`environments.Environment`; a tool set is `ToolEnv`). Per turn, every
+trajectory still running is continued by the single-turn `Generator` until the model's end-of-turn token
+(the chat template's, in `SamplingParams.eos_token_ids`); its text goes to the environment, whose answer
+(tool results, user feedback) is appended as the chat template renders it; trajectories that are done leave
+the batch. The model's sampled token ids are kept exactly as sampled (never decoded and re-encoded); only the
+environment's messages are tokenized.
+
+Append-only suffix: after an assistant turn, the observation tokens are the tokens of
+``render(messages + [assistant] + observations, add_generation_prompt=True)`` after the end of the model's turn:
+the text after the last occurrence of the stop token the model emitted in ``render(messages + [assistant])``
+(e.g. ChatML's ``\\n`` after ``<|im_end|>``) followed by the new messages' text. Before using it, the loop checks
+that the template is append-only on this conversation: ``render(messages + [assistant])`` starts with the text
+rendered so far, and the new render starts with ``render(messages + [assistant])``. A template that rewrites
+earlier turns (Qwen3 dropping or reformatting earlier ``<think>`` blocks, a template that trims the content
+differently once a turn is not the last) raises `TemplateNotAppendOnlyError` instead of training on
+tokens the model would never see.
+
+Output: the keys of `Generator.generate` (``responses [B, R]`` = model and observation tokens in order,
+right-padded; ``loss_mask`` 1 on the model's tokens only; ``rollout_log_probs`` 0 on observation tokens;
+``response_attention_mask`` 1 on every existing token), plus non-tensor ``num_turns`` (assistant + environment
+turns, verl's count without the prompt), ``tool_calls``, ``tool_errors`` and the reward inputs ``turn_scores``
+/ ``tool_rewards`` (also put into each row's ``extra_info`` dict, where the reward function sees them, as verl
+does). The budget ``R`` (``data.max_response_length``) covers all turns.
+
+This first version re-prefills the prompt and the trajectory so far at every turn (one `Generator.generate`
+call per turn over the running trajectories), so turn ``k`` pays a prefill of ``P + (tokens so far)``; the
+KV cache is not carried across turns. Every turn runs at the batch bucket of the whole call (finished rows are
+filler rows), so the compiled shapes vary only with the context length's bucket.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxrl_post.protocol import DataProto
+
+__all__ = ["AgentLoop", "MultiTurnLimits", "TemplateNotAppendOnlyError", "observation_suffix", "rollout_metrics"]
+
+log = logging.getLogger(__name__)
+
+
+class TemplateNotAppendOnlyError(ValueError):
+    """The chat template renders an earlier part of the conversation differently once new messages follow, so
+    appending observation tokens would not give the conversation the template describes."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MultiTurnLimits:
+    """verl's `actor_rollout_ref.rollout.multi_turn.*` limits (same names and meanings).
+
+    max_assistant_turns: model turns per trajectory (None = until the budget or the environment ends it).
+    max_user_turns: environment turns (tool / user messages) per trajectory (None = no limit).
+    max_parallel_calls: tool calls run per turn; later ones are dropped.
+    max_tool_response_length: characters of a tool response kept; tool_response_truncate_side: left | middle |
+      right. format: the tool-call format (`tool_parser.get_tool_parser`)."""
+
+    max_assistant_turns: int | None = None
+    max_user_turns: int | None = None
+    max_parallel_calls: int = 1
+    max_tool_response_length: int = 256
+    tool_response_truncate_side: str = "middle"
+    format: str = "hermes"
+
+    def __post_init__(self):
+        for k in ("max_assistant_turns", "max_user_turns"):
+            v = getattr(self, k)
+            if v is not None and int(v) < 1:
+                raise ValueError(f"rollout.multi_turn.{k} must be >= 1 or None, got {v}")
+        if int(self.max_parallel_calls) < 1:
+            raise ValueError(f"rollout.multi_turn.max_parallel_calls must be >= 1, got {self.max_parallel_calls}")
+        if self.tool_response_truncate_side not in ("left", "middle", "right"):
+            raise ValueError(
+                "rollout.multi_turn.tool_response_truncate_side must be left, middle or right, "
+                f"got {self.tool_response_truncate_side!r}"
+            )
+
+
+def _render(tokenizer, messages, add_generation_prompt, tools, kwargs) -> str:
+    return tokenizer.apply_chat_template(
+        list(messages), tokenize=False, add_generation_prompt=add_generation_prompt, tools=tools or None, **kwargs
+    )
+
+
+def observation_suffix(
+    tokenizer,
+    text_so_far: str,
+    messages: Sequence[dict],
+    assistant: dict,
+    observations: Sequence[dict],
+    stop_text: str,
+    tools: list | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
+) -> tuple[str, str]:
+    """The text to append after the model's stop token for `observations`, and the new full rendering.
+
+    Args:
+      text_so_far: the rendering of `messages` with the generation prompt (what the model's turn followed).
+      messages: the conversation before the assistant turn; assistant: `{"role": "assistant", "content"}`.
+      observations: the environment's messages; stop_text: the model's end-of-turn token as text.
+    Returns: `(suffix, new_text)`: new_text = render(messages + [assistant] + observations, generation prompt),
+      suffix = what follows `stop_text` at the end of the assistant turn in it.
+    Raises:
+      TemplateNotAppendOnlyError: the template does not keep `text_so_far` (or the rendered assistant turn) as a
+        prefix, or the rendered assistant turn does not contain `stop_text`.
+    """
+    kw = dict(template_kwargs or {})
+    with_asst = _render(tokenizer, [*messages, assistant], False, tools, kw)
+    new_text = _render(tokenizer, [*messages, assistant, *observations], True, tools, kw)
+    if not with_asst.startswith(text_so_far):
+        raise TemplateNotAppendOnlyError(
+            "the chat template is not append-only: adding the assistant turn changes the rendering of the "
+            f"conversation before it (first difference at character {_first_diff(with_asst, text_so_far)}: "
+            f"{with_asst[len(text_so_far) - 40 : len(text_so_far) + 40]!r}). Templates that rewrite earlier "
+            "turns (e.g. Qwen3 dropping <think> blocks) cannot be used for multi-turn rollouts as they are"
+        )
+    if not new_text.startswith(with_asst):
+        i = _first_diff(new_text, with_asst)
+        raise TemplateNotAppendOnlyError(
+            "the chat template is not append-only: adding the environment's messages changes the rendering of "
+            f"the assistant turn before them (first difference at character {i}: {new_text[i - 40 : i + 40]!r} vs "
+            f"{with_asst[i - 40 : i + 40]!r})"
+        )
+    turn = with_asst[len(text_so_far) :]
+    _, sep, trailing = turn.rpartition(stop_text)
+    if not sep:
+        raise TemplateNotAppendOnlyError(
+            f"the chat template renders the assistant turn without the model's stop token {stop_text!r} "
+            f"(rendered turn: {turn[-80:]!r}); the observation cannot be appended after it"
+        )
+    return trailing + new_text[len(with_asst) :], new_text
+
+
+def _first_diff(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+@dataclasses.dataclass
+class _Traj:
+    env: Any
+    messages: list[dict]
+    text: str
+    prompt_ids: list[int]
+    ids: list[int] = dataclasses.field(default_factory=list)
+    loss: list[int] = dataclasses.field(default_factory=list)
+    logp: list[float] = dataclasses.field(default_factory=list)
+    done: bool = False
+    truncated: bool = False
+    assistant_turns: int = 0
+    user_turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    turn_scores: list[float] = dataclasses.field(default_factory=list)
+    tool_rewards: list[float] = dataclasses.field(default_factory=list)
+
+
+class AgentLoop:
+    """Multi-turn rollout over environments with the single-turn `Generator`.
+
+    Args:
+      generator: the rollout `Generator`.
+      tokenizer: the model's `transformers` tokenizer (with a chat template).
+      env_factory: `row -> Environment` (row: a dict of one prompt's non-tensor fields); called once per
+        trajectory (each of the n samples of a prompt gets its own).
+      limits: `MultiTurnLimits`.
+      tools: OpenAI tool specs passed to the chat template as `tools=` (None: no tools). When the template
+        ignores `tools` (SmolLM2's renders nothing for them), the parser's tool prompt (`system_prompt(tools)`)
+        is added to the system message instead.
+      parser: the tool-call parser (for its tool prompt); None: `limits.format`'s.
+      template_kwargs: extra chat-template arguments (e.g. `enable_thinking=False`).
+      error_budget: a `tools.ToolErrorBudget` fed with the executed tool calls (checked once per call to
+        `generate`); None = none.
+    """
+
+    def __init__(
+        self,
+        generator,
+        tokenizer,
+        env_factory: Callable[[Mapping[str, Any]], Any],
+        limits: MultiTurnLimits | None = None,
+        tools: list[dict] | None = None,
+        parser=None,
+        template_kwargs: Mapping[str, Any] | None = None,
+        error_budget=None,
+    ):
+        from jaxrl_post.rollout.tool_parser import get_tool_parser
+
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("multi-turn rollouts need a tokenizer with a chat template")
+        self.generator, self.tokenizer, self.env_factory = generator, tokenizer, env_factory
+        self.limits = limits or MultiTurnLimits()
+        self.tools = list(tools) if tools else None
+        self.parser = parser or get_tool_parser(self.limits.format)
+        self.template_kwargs = dict(template_kwargs or {})
+        self.error_budget = error_budget
+        self.inject_tools = bool(self.tools) and self._template_ignores_tools()
+        self.last_stats: dict[str, float] = {}
+        self.closers: list[Callable[[], None]] = []  # called by close() (e.g. the tool executor's)
+        self._turn_end: dict[tuple[int, ...], set[int]] = {}
+        self._pinned: dict[int, Any] = {}
+
+    def _generator(self, rows: int):
+        """The generator with its batch bucket pinned to `rows` (every turn of a call, whatever number of rows
+        still runs, compiles as one batch shape: the finished rows' slots are filler rows, marked done, that
+        decode compaction drops), so the compiled shapes vary only with the context length's bucket. A generator
+        without `batch_buckets` (a stand-in) is used as it is."""
+        if not dataclasses.is_dataclass(self.generator) or not hasattr(self.generator, "batch_buckets"):
+            return self.generator
+        if rows not in self._pinned:
+            self._pinned[rows] = dataclasses.replace(self.generator, batch_buckets=(rows,))
+        return self._pinned[rows]
+
+    def close(self) -> None:
+        """Stop what the loop owns (tool worker processes)."""
+        for fn in self.closers:
+            fn()
+        self.closers = []
+
+    def turn_end_ids(self, eos_token_ids: Sequence[int]) -> set[int]:
+        """Those of `eos_token_ids` that the chat template writes right after an assistant message's content (the
+        end-of-turn token, e.g. ChatML's `<|im_end|>`); another stop token (`<|endoftext|>`) ends the trajectory.
+
+        Raises ValueError when none of them is (the template's end of turn is not a stop token)."""
+        key = tuple(int(i) for i in eos_token_ids)
+        if key not in self._turn_end:
+            content = "MARKER_7c1"
+            m = [{"role": "user", "content": "x"}, {"role": "assistant", "content": content}]
+            text = _render(self.tokenizer, m, False, self.tools, self.template_kwargs)
+            ids = {i for i in key if content + self.tokenizer.decode([i], skip_special_tokens=False) in text}
+            if not ids:
+                raise ValueError(
+                    f"none of the stop tokens {list(key)} ends an assistant turn in the chat template; the multi-turn "
+                    "rollout needs the template's end-of-turn token in SamplingParams.eos_token_ids"
+                )
+            self._turn_end[key] = ids
+        return self._turn_end[key]
+
+    def _template_ignores_tools(self) -> bool:
+        m = [{"role": "user", "content": "x"}]
+        kw = self.template_kwargs
+        return _render(self.tokenizer, m, True, self.tools, kw) == _render(self.tokenizer, m, True, None, kw)
+
+    def _initial_messages(self, messages: list[dict]) -> list[dict]:
+        if not self.inject_tools:
+            return messages
+        prompt = self.parser.system_prompt(self.tools)
+        if messages and messages[0].get("role") == "system":
+            return [dict(messages[0], content=messages[0]["content"] + "\n\n" + prompt), *messages[1:]]
+        return [{"role": "system", "content": prompt}, *messages]
+
+    def _encode(self, text: str, first: bool) -> list[int]:
+        from jaxrl_post.models.tokenizer import tokenizer_adds_bos
+
+        ids = [int(i) for i in self.tokenizer(text, add_special_tokens=False)["input_ids"]]
+        bos = self.tokenizer.bos_token_id
+        if first and bos is not None:
+            if tokenizer_adds_bos(self.tokenizer) and (not ids or ids[0] != bos):
+                ids = [int(bos), *ids]
+            while len(ids) >= 2 and ids[0] == bos and ids[1] == bos:
+                ids = ids[1:]
+        return ids
+
+    def generate(
+        self, prompts: DataProto, params, *, n: int = 1, seed: int | None = None, process_local: bool = False
+    ) -> DataProto:
+        """Roll out `n` trajectories per prompt.
+
+        Args:
+          prompts: DataProto whose non-tensor batch holds what the environments read (`raw_prompt`, ...) and
+            whose `input_ids [B, P]` give P (the prompt columns of the output); the prompt is re-rendered from
+            `env.reset(row)` (with the tools) and left-padded to P.
+          params: `SamplingParams`; `max_new_tokens` is the response budget R over all turns.
+          n: trajectories per prompt (rows `i * n + j`, as `Generator.generate`).
+          seed: overrides `params.seed`; turn k samples with a seed derived from (seed, k).
+          process_local: multi-process rollouts are not supported (ValueError when True).
+        Returns: DataProto with the keys of `Generator.generate` (shapes `[B * n, P]`, `[B * n, R]`, ...),
+          non-tensor fields repeated plus `num_turns`, `tool_calls`, `tool_errors` ([B * n] int),
+          `turn_scores`, `tool_rewards` (per-row lists), and `extra_info` dicts (copies) holding those too.
+          `self.last_stats` gets the step's counts (see `rollout_metrics`).
+        Raises:
+          ValueError: a re-rendered prompt is longer than P. TemplateNotAppendOnlyError: see the module doc.
+          tools.ToolError: the error budget is exceeded.
+        """
+        from jaxrl_post.data.pipeline import compute_position_ids, left_pad
+
+        if process_local:
+            raise ValueError("multi-turn rollouts run in one process (process_local rollouts are not supported)")
+        if params.truncated_log_probs:
+            raise ValueError("multi-turn rollouts do not record sampling thresholds (rollout.sampling_mask_replay)")
+        n = int(n)
+        rows = prompts.repeat(n, interleave=True) if n > 1 else prompts
+        b = len(rows)
+        p = int(np.asarray(prompts.batch["input_ids"]).shape[1])
+        r = int(params.max_new_tokens)
+        eos = set(params.eos_token_ids)
+        turn_end = self.turn_end_ids(params.eos_token_ids)
+        if self.error_budget is not None:
+            self.error_budget.reset()
+        nt = {k: np.asarray(v) for k, v in rows.non_tensor_batch.items()}
+        trajs = []
+        for i in range(b):
+            row = {k: v[i] for k, v in nt.items()}
+            env = self.env_factory(row)
+            msgs = self._initial_messages(list(env.reset(row)))
+            text = _render(self.tokenizer, msgs, True, self.tools, self.template_kwargs)
+            ids = self._encode(text, first=True)
+            if len(ids) > p:
+                raise ValueError(
+                    f"row {i}: the prompt (env.reset's messages rendered with the chat template and the tools) has "
+                    f"{len(ids)} tokens > data.max_prompt_length={p}; raise data.max_prompt_length"
+                )
+            trajs.append(_Traj(env, msgs, text, ids))
+
+        base_seed = int(params.seed if seed is None else seed)
+        stats = {"tool_calls": 0, "tool_errors": 0, "tool_format_errors": 0, "tool_timeouts": 0, "turns_run": 0}
+        gen_calls = gen_tokens_in = 0
+        turn = 0
+        while True:
+            active = [t for t in trajs if not t.done]
+            if not active:
+                break
+            budget = [r - len(t.ids) for t in active]
+            m = r  # one max_new_tokens (one compiled decode per shape); rows stop at EOS, extra tokens are cut
+            ctx = [t.prompt_ids + t.ids for t in active]
+            length = max(len(c) for c in ctx)
+            ids, mask = left_pad(ctx, length, params.pad_token_id)
+            batch = DataProto({"input_ids": ids, "attention_mask": mask, "position_ids": compute_position_ids(mask)})
+            turn_seed = (base_seed * 1000003 + turn * 7919) % (2**31 - 1)
+            out = self._generator(b).generate(batch, dataclasses.replace(params, max_new_tokens=m), seed=turn_seed)
+            gen_calls += 1
+            gen_tokens_in += int(mask.sum())
+            toks = np.asarray(out.batch["responses"])
+            exists = np.asarray(out.batch["response_attention_mask"]).astype(bool)
+            lps = np.asarray(out.batch["rollout_log_probs"])
+            stepping, actions = [], []
+            for j, t in enumerate(active):
+                k = int(exists[j].sum())
+                new, new_lp = toks[j, :k].tolist()[: budget[j]], lps[j, :k].tolist()[: budget[j]]
+                t.ids += new
+                t.loss += [1] * len(new)
+                t.logp += new_lp
+                t.assistant_turns += 1
+                if not new or new[-1] not in eos:
+                    t.done = t.truncated = True  # the budget ended the model's turn
+                    continue
+                lim = self.limits.max_assistant_turns
+                ended = new[-1] not in turn_end  # e.g. <|endoftext|>: the model ended the conversation
+                if ended or len(t.ids) >= r or (lim is not None and t.assistant_turns >= lim):
+                    t.done = True
+                    continue
+                stepping.append(t)
+                actions.append(self.tokenizer.decode(new[:-1], skip_special_tokens=False))
+            if stepping:
+                results = type(stepping[0].env).step_batch([t.env for t in stepping], actions)
+            else:
+                results = []
+            for t, action, res in zip(stepping, actions, results):
+                self._after_step(t, action, res, r, stats)
+            stats["turns_run"] += 1
+            turn += 1
+        if self.error_budget is not None:
+            self.error_budget.check()
+        self.last_stats = dict(stats, generate_calls=gen_calls, prefill_tokens=gen_tokens_in)
+        return self._assemble(rows, trajs, p, r, params)
+
+    def _after_step(self, t: _Traj, action: str, res, r: int, stats: dict) -> None:
+        info = res.info or {}
+        for k in ("tool_calls", "tool_errors", "tool_format_errors", "tool_timeouts"):
+            stats[k] += int(info.get(k, 0))
+        t.tool_calls += int(info.get("tool_calls", 0))
+        t.tool_errors += int(info.get("tool_errors", 0))
+        if self.error_budget is not None:
+            for status, text in info.get("tool_statuses", ()):
+                self.error_budget.add(status, text)
+        if "tool_calls" in info:  # a tool environment: one reward per turn that called tools
+            if info["tool_calls"]:
+                t.tool_rewards.append(float(res.reward))
+        else:
+            t.turn_scores.append(float(res.reward))
+        lim = self.limits.max_user_turns
+        if res.done or not res.messages or (lim is not None and t.user_turns >= lim):
+            t.done = True
+            return
+        assistant = {"role": "assistant", "content": action}
+        stop_text = self.tokenizer.decode([t.ids[-1]], skip_special_tokens=False)
+        suffix, new_text = observation_suffix(
+            self.tokenizer, t.text, t.messages, assistant, res.messages, stop_text, self.tools, self.template_kwargs
+        )
+        obs = self._encode(suffix, first=False)
+        room = r - len(t.ids)
+        if len(obs) >= room:  # no room left for a model token after the observation
+            obs = obs[:room]
+            t.done = t.truncated = True
+        t.ids += obs
+        t.loss += [0] * len(obs)
+        t.logp += [0.0] * len(obs)
+        t.messages = [*t.messages, assistant, *res.messages]
+        t.text = new_text
+        t.user_turns += 1
+
+    def _assemble(self, rows: DataProto, trajs: list[_Traj], p: int, r: int, params) -> DataProto:
+        from jaxrl_post.data.pipeline import compute_position_ids, left_pad
+
+        b = len(trajs)
+        prompt_ids, prompt_mask = left_pad([t.prompt_ids for t in trajs], p, params.pad_token_id)
+        resp = np.full((b, r), params.pad_token_id, np.int32)
+        exists = np.zeros((b, r), np.int32)
+        loss = np.zeros((b, r), np.int32)
+        logp = np.zeros((b, r), np.float32)
+        for i, t in enumerate(trajs):
+            k = len(t.ids)
+            resp[i, :k], exists[i, :k], loss[i, :k], logp[i, :k] = t.ids, 1, t.loss, t.logp
+        ppos = compute_position_ids(prompt_mask)
+        rpos = ppos[:, -1:] + np.arange(1, r + 1, dtype=np.int32)[None]
+        batch = {
+            "prompts": prompt_ids,
+            "responses": resp,
+            "input_ids": np.concatenate([prompt_ids, resp], axis=1),
+            "attention_mask": np.concatenate([prompt_mask, exists], axis=1),
+            "position_ids": np.concatenate([ppos, rpos], axis=1),
+            "response_attention_mask": exists,
+            "loss_mask": loss,
+            "rollout_log_probs": logp,
+            "sampling_logit_threshold": np.full((b, r), -np.inf, np.float32),
+            "truncated": np.asarray([t.truncated for t in trajs], bool),
+        }
+        nt = dict(rows.non_tensor_batch)
+        obj = lambda xs: _object_array(xs)
+        nt["num_turns"] = np.asarray([t.assistant_turns + t.user_turns for t in trajs], np.int32)
+        nt["tool_calls"] = np.asarray([t.tool_calls for t in trajs], np.int32)
+        nt["tool_errors"] = np.asarray([t.tool_errors for t in trajs], np.int32)
+        nt["turn_scores"] = obj([list(t.turn_scores) for t in trajs])
+        nt["tool_rewards"] = obj([list(t.tool_rewards) for t in trajs])
+        infos = list(nt["extra_info"]) if "extra_info" in nt else [None] * b
+        new_infos = []
+        for info, t in zip(infos, trajs):
+            d = dict(info) if isinstance(info, Mapping) else {}
+            d.update(turn_scores=list(t.turn_scores), tool_rewards=list(t.tool_rewards))
+            d.update(num_turns=t.assistant_turns + t.user_turns, tool_calls=t.tool_calls)
+            new_infos.append(d)
+        nt["extra_info"] = obj(new_infos)
+        return DataProto(batch, nt, dict(rows.meta_info))
+
+
+def _object_array(values: Sequence[Any]) -> np.ndarray:
+    out = np.empty((len(values),), object)
+    for i, v in enumerate(values):
+        out[i] = v
+    return out
+
+
+def rollout_metrics(out: DataProto, stats: Mapping[str, float]) -> dict[str, float]:
+    """Step metrics of a multi-turn rollout: `num_turns/{mean,min,max}` (verl), `tool_calls/mean` (per
+    trajectory), `tool/errors`, `tool/format_errors`, `tool/timeouts` (counts in the step), and
+    `response/observation_fraction` (observation tokens / existing response tokens)."""
+    turns = np.asarray(out.non_tensor_batch["num_turns"], np.float64)
+    exists = np.asarray(out.batch["response_attention_mask"]).astype(bool)
+    loss = np.asarray(out.batch["loss_mask"]).astype(bool)
+    return {
+        "num_turns/mean": float(turns.mean()),
+        "num_turns/min": float(turns.min()),
+        "num_turns/max": float(turns.max()),
+        "tool_calls/mean": float(np.mean(np.asarray(out.non_tensor_batch["tool_calls"], np.float64))),
+        "tool/errors": float(stats.get("tool_errors", 0)),
+        "tool/format_errors": float(stats.get("tool_format_errors", 0)),
+        "tool/timeouts": float(stats.get("tool_timeouts", 0)),
+        "response/observation_fraction": float((exists & ~loss).sum() / max(1, exists.sum())),
+    }
