@@ -170,6 +170,36 @@ def _nothing_saved_line(trainer) -> str:
     return "interrupted before the first step finished; nothing was saved"
 
 
+def none_override_keys(argv: list[str]) -> list[str]:
+    """The keys of `--config.KEY=None` overrides. absl parses the value of a string field as the string 'None';
+    `apply_none_overrides` makes them Python None."""
+    prefix = f"--{_CONFIG_FLAG}."
+    return [a[len(prefix) : -len("=None")] for a in argv[1:] if a.startswith(prefix) and a.endswith("=None")]
+
+
+def apply_none_overrides(cfg, keys: list[str]) -> None:
+    """Set each `keys` field of `cfg` to None (`--config.KEY=None`). Raises ConfigError naming a field that
+    cannot be None (a number or a flag)."""
+    from jaxrl_post.trainer.config_check import ConfigError
+
+    for key in keys:
+        *path, leaf = key.split(".")
+        node = cfg
+        for part in path:
+            node = node[part]
+        try:
+            with node.unlocked() if hasattr(node, "unlocked") else _nullcontext():
+                node[leaf] = None
+        except (TypeError, KeyError) as e:
+            raise ConfigError(f"config.{key}=None: this field cannot be None ({e})") from e
+
+
+def _nullcontext():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
 def reward_error_text(e: BaseException) -> str:
     """`error: <message>` first (what failed, the row, the first failure), then -- for a reward function that
     raised in this process -- its own traceback (`__cause__`), not the trainer's frames above it."""
@@ -206,6 +236,7 @@ def main(argv) -> None:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     try:
+        apply_none_overrides(_CONFIG.value, _NONE_KEYS)  # --config.KEY=None means None, not the string 'None'
         kind = _CONFIG.value.get("trainer_type", "rl")
         if kind not in trainers:
             raise ConfigError(f"config.trainer_type={kind!r}: must be one of {sorted(trainers)}")
@@ -234,7 +265,7 @@ def main(argv) -> None:
 
 def run(argv=None) -> None:
     """Entry point: checks `--config.*` keys, then runs `main` under absl with SIGINT/SIGTERM handled."""
-    global _CONFIG, _STOP
+    global _CONFIG, _STOP, _NONE_KEYS
     from jaxrl_post.trainer.interrupt import GracefulStop
 
     argv = list(sys.argv if argv is None else argv)
@@ -264,6 +295,7 @@ def run(argv=None) -> None:
 
             entry = sys.modules["__main__"]
             entry.__doc__ = f"{entry.__doc__ or __doc__}\n{console_legend()}\n"
+        _NONE_KEYS = none_override_keys(argv)
         _CONFIG = config_flags.DEFINE_config_file(
             _CONFIG_FLAG, None, "Job config: path/to/config.py[:variant].", lock_config=True
         )
@@ -272,6 +304,7 @@ def run(argv=None) -> None:
 
 _CONFIG = None
 _STOP = None
+_NONE_KEYS: list[str] = []
 
 if __name__ == "__main__":
     run()

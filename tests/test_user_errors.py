@@ -299,3 +299,18 @@ def test_reward_function_error_is_printed_first_and_plainly(tmp_path, monkeypatc
     assert f'File "{path}", line 4, in compute_score' in tb and f'File "{path}", line 8, in helper' in tb
     assert err[-1] == "ValueError: cannot parse 'badA'" and "jaxrl_post" not in tb
     mgr.close()
+
+
+def test_config_none_override_means_none_not_the_string():
+    """`--config.KEY=None` (as the docs write it) sets Python None; absl alone would set the string 'None'."""
+    from configs import grpo
+    from jaxrl_post.main import apply_none_overrides, none_override_keys
+
+    argv = ["main", "--config=configs/grpo.py:tiny", "--config.data.val_files=None", "--config.rollout.n=4"]
+    keys = none_override_keys(argv)
+    assert keys == ["data.val_files"]
+    c = grpo.get_config("tiny")
+    c.lock()
+    c.data.val_files = "None"  # what absl's parser leaves
+    apply_none_overrides(c, keys)
+    assert c.data.val_files is None
