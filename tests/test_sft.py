@@ -385,6 +385,27 @@ def test_config_errors_name_the_keys(tmp_path):
         validate_sft_config(cfg)
 
 
+def test_missing_data_file_and_model_path_are_one_config_error(tmp_path):
+    from jaxrl_post.trainer.config_check import ConfigError
+    from jaxrl_post.trainer.sft import SFTTrainer
+
+    cfg = _tiny_config(tmp_path, "missing.jsonl")
+    with pytest.raises(ConfigError, match=r"config.data.train_files=.*missing.jsonl"):
+        SFTTrainer(cfg)
+    cfg = _tiny_config(tmp_path, "missing.jsonl")
+    cfg.model.random_init = False
+    cfg.model.path = str(tmp_path / "no_such_model")
+    with pytest.raises(ConfigError, match=r"config.model.path=.*no_such_model"):
+        SFTTrainer(cfg)
+    # a run directory without an exported model is named as such (its config.json is the job config)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"trainer": {"experiment_name": "x"}, "model": {"path": "m"}}))
+    cfg.model.path = str(run)
+    with pytest.raises(ConfigError, match=r"run directory without an exported model.*export_hf.py"):
+        SFTTrainer(cfg)
+
+
 def test_main_dispatches_on_trainer_type(tmp_path, monkeypatch, capsys):
     from jaxrl_post import main as main_mod
 

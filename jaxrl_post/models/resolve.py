@@ -87,11 +87,30 @@ def find_alias_gguf(alias: str) -> str:
 RUN_EXPORT_SUBDIR = "huggingface"
 
 
+def _is_run_config(config_json: str) -> bool:
+    """Whether a `config.json` is a jaxrl_post run's job config (it has `trainer` and `model` sections), not a
+    Hugging Face model config."""
+    import json
+
+    try:
+        with open(config_json) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(cfg, dict) and isinstance(cfg.get("trainer"), dict) and isinstance(cfg.get("model"), dict)
+
+
 def _classify_dir(path: str) -> tuple[str, str]:
     export = os.path.join(path, RUN_EXPORT_SUBDIR)
     if os.path.isfile(os.path.join(export, "config.json")):  # a run dir (its own config.json is the run config)
         return "hf_dir", export
     if os.path.isfile(os.path.join(path, "config.json")):
+        if _is_run_config(os.path.join(path, "config.json")):
+            raise ValueError(
+                f"{path} is a jaxrl_post run directory without an exported model (no {RUN_EXPORT_SUBDIR}/ in it); "
+                f"export a checkpoint first: python scripts/export_hf.py --checkpoint {path} --out <dir>, then "
+                "pass <dir>"
+            )
         return "hf_dir", path
     ggufs = sorted(glob.glob(os.path.join(path, "*.gguf")))
     if len(ggufs) == 1:

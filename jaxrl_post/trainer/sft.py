@@ -125,10 +125,11 @@ class SFTTrainer(RolesMixin, CheckpointMixin):
         self.trace_counts: dict[str, int] = {}
         self.use_ref = self.use_critic = False  # CheckpointMixin: no reference or critic here
         preflight.check_workdir(cfg)
+        preflight.check_model_path(cfg)  # one line naming model.path, before anything loads
 
         # ---- data first (errors name file and row before the slow model load)
         self.tokenizer = builders.load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
-        self.train_data = self._load_data(cfg.data.train_files)
+        self.train_data = self._load_data(cfg.data.train_files, "train_files")
         d = cfg.data
         self.batch_size = int(d.train_batch_size)
         if len(self.train_data) < self.batch_size:
@@ -138,7 +139,7 @@ class SFTTrainer(RolesMixin, CheckpointMixin):
             )
         self.val_data = None
         if d.val_files:
-            self.val_data = self._load_data(d.val_files)
+            self.val_data = self._load_data(d.val_files, "val_files")
             if d.max_val_samples:
                 v, k = self.val_data, int(d.max_val_samples)
                 v.input_ids, v.loss_mask, v.where = v.input_ids[:k], v.loss_mask[:k], v.where[:k]
@@ -193,15 +194,25 @@ class SFTTrainer(RolesMixin, CheckpointMixin):
         self._open_run_dir()  # CheckpointMixin: resume, metrics.jsonl, config.json
 
     # ------------------------------------------------------------------------------------ data
-    def _load_data(self, spec: str):
-        from jaxrl_post.data.sft import SFTKeys, load_sft_data
+    def _load_data(self, spec: str, key: str):
+        """The examples of `spec`. Raises ConfigError naming `config.data.<key>` when a file does not exist."""
+        from jaxrl_post.data.sft import SFTKeys
+
+        d = self.config.data
+        try:
+            return self._read_data(spec, SFTKeys(d.messages_key, d.prompt_key, d.response_key))
+        except FileNotFoundError as e:
+            raise ConfigError(f"config.data.{key}={spec!r}: {e}") from e
+
+    def _read_data(self, spec: str, keys):
+        from jaxrl_post.data.sft import load_sft_data
 
         d = self.config.data
         return load_sft_data(
             spec,
             self.tokenizer,
             fmt=d.format,
-            keys=SFTKeys(d.messages_key, d.prompt_key, d.response_key),
+            keys=keys,
             max_length=int(d.max_length),
             truncation=d.truncation,
             filter_overlong=bool(d.filter_overlong),
