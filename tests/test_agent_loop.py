@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from jaxrl_post.protocol import DataProto
-from jaxrl_post.rollout.agent_loop import AgentLoop, MultiTurnLimits, TemplateNotAppendOnlyError, rollout_metrics
+from jaxrl_post.rollout.agent_loop import AgentLoop, MultiTurnLimits, rollout_metrics
+from jaxrl_post.rollout.chat_suffix import TemplateNotAppendOnlyError
 from jaxrl_post.rollout.environments import Environment, GuessNumberEnv, ToolEnv, guess_number_score
 from jaxrl_post.rollout.sampling import SamplingParams
 from jaxrl_post.rollout.tool_parser import get_tool_parser
