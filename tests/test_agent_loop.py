@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from jaxrl_post.protocol import DataProto
-from jaxrl_post.rollout.agent_loop import AgentLoop, MultiTurnLimits, TemplateNotAppendOnlyError, rollout_metrics
+from jaxrl_post.rollout.agent_loop import AgentLoop, MultiTurnLimits, rollout_metrics
+from jaxrl_post.rollout.chat_suffix import TemplateNotAppendOnlyError
 from jaxrl_post.rollout.environments import Environment, GuessNumberEnv, ToolEnv, guess_number_score
 from jaxrl_post.rollout.sampling import SamplingParams
 from jaxrl_post.rollout.tool_parser import get_tool_parser
@@ -296,3 +297,21 @@ def test_failing_tool_past_the_error_budget_raises():
         )
         with pytest.raises(ToolError, match="2 of 2 tool calls failed.*RuntimeError: tool failed on a"):
             strict.generate(_prompts(2, p=1600), _params(400))
+
+
+def test_other_stop_token_ends_the_trajectory():
+    """<|endoftext|> stops generation but is not the template's end of turn: the trajectory ends there (no
+    observation, not truncated); stop tokens without the template's end of turn are refused."""
+    eot, eos_text = TOK.convert_tokens_to_ids(EOT), TOK.convert_tokens_to_ids("<|endoftext|>")
+    gen = ScriptedGenerator({0: ["<guess>5</guess><|endoftext|>"]})
+    loop = AgentLoop(gen, TOK, lambda row: _Marked(GuessNumberEnv()), MultiTurnLimits())
+    assert loop.turn_end_ids((eot, eos_text)) == {eot}
+    prompts = _prompts(1, p=300)
+    prompts.non_tensor_batch["extra_info"][0] = {"secret": 3}
+    params = SamplingParams(max_new_tokens=50, eos_token_ids=(eot, eos_text), pad_token_id=eot)
+    out = loop.generate(prompts, params)
+    k = len(enc("<guess>5</guess><|endoftext|>"))
+    assert out.batch["response_attention_mask"][0].sum() == k and out.batch["loss_mask"][0].sum() == k
+    assert not out.batch["truncated"][0] and out.non_tensor_batch["num_turns"][0] == 1
+    with pytest.raises(ValueError, match="none of the stop tokens"):
+        loop.turn_end_ids((eos_text,))

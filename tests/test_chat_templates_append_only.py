@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from jaxrl_post.rollout.agent_loop import TemplateNotAppendOnlyError, _render, observation_suffix
+from jaxrl_post.rollout.chat_suffix import TemplateNotAppendOnlyError, _render, observation_suffix
 from jaxrl_post.rollout.tools import resolve_tools
 from jaxrl_post.trainer.char_tokenizer import build_char_tokenizer
 

@@ -5,6 +5,7 @@ import time
 
 import pytest
 
+from jaxrl_post.rollout.sandbox import network_isolation_available, python, run_python_sandboxed
 from jaxrl_post.rollout.tools import (
     Tool,
     ToolError,
@@ -13,10 +14,7 @@ from jaxrl_post.rollout.tools import (
     calculator,
     cap_text,
     evaluate_arithmetic,
-    network_isolation_available,
-    python,
     resolve_tools,
-    run_python_sandboxed,
 )
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "tool_fixtures.py")
