@@ -310,7 +310,10 @@ def dapo_run(jax_cache, tmp_path_factory):
     t = RLTrainer(_tiny(workdir), console_write=lambda s: None)
     batches = []
     update = t._update_actor
-    t._update_actor = lambda b, rng: (batches.append({k: np.copy(v) for k, v in b.items()}), update(b, rng))[1]
+    t._update_actor = lambda b, mask, rng: (
+        batches.append(dict({k: np.copy(v) for k, v in b.items()}, train_mask=np.copy(mask))),
+        update(b, mask, rng),
+    )[1]
     try:
         result = t.fit()
         out = {

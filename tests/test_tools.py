@@ -93,11 +93,13 @@ def test_python_sandbox_env_cwd_limits(monkeypatch):
     assert os.path.basename(cwd).startswith("jaxrl_post_py_") and cwd != os.getcwd()
     assert listing == "['.output']"  # a fresh directory: only the capture file
     assert not os.path.exists(cwd)  # removed afterwards
-    out, rc, _ = run_python_sandboxed("x = bytearray(4 << 30)", memory_mb=256)
-    assert rc != 0 and "MemoryError" in out
+    out, rc, _ = run_python_sandboxed("x = bytearray(4 << 30); print('allocated')", memory_mb=256)
+    assert rc != 0 and "allocated" not in out  # MemoryError (or killed): the cap held
     t0 = time.monotonic()
     out, rc, timed_out = run_python_sandboxed("while True: pass", timeout_s=1.0)
-    assert timed_out and rc is None and time.monotonic() - t0 < 10
+    # stopped by the wall-clock timeout or by the CPU-time limit, whichever comes first on a loaded machine
+    assert (timed_out and rc is None) or (not timed_out and rc != 0)
+    assert time.monotonic() - t0 < 10
     out, rc, _ = run_python_sandboxed("while True: print('x' * 1000)", timeout_s=5.0, max_output_bytes=5000)
     assert len(out) <= 5000 and rc != 0
     assert python("print(6 * 7)") == "42\n"
