@@ -218,16 +218,14 @@ def reward_error_text(e: BaseException) -> str:
 def main(argv) -> None:
     """Build the trainer and train, under `_STOP` (SIGINT/SIGTERM -> checkpoint, one line, exit 130/143)."""
     del argv
+    from jaxrl_post.api import build_trainer
     from jaxrl_post.data.sources import MalformedRowError
     from jaxrl_post.distributed import DistributedConfigError, initialize_from_config
     from jaxrl_post.rewards.manager import RewardFunctionError
     from jaxrl_post.trainer.checkpoint import CheckpointError
     from jaxrl_post.trainer.config_check import ConfigError
     from jaxrl_post.trainer.interrupt import GracefulStop, exit_now
-    from jaxrl_post.trainer.sft import SFTTrainer
-    from jaxrl_post.trainer.trainer import RLTrainer, summarize
-
-    trainers = {"rl": RLTrainer, "sft": SFTTrainer}  # chosen by the top-level key trainer_type (default 'rl')
+    from jaxrl_post.trainer.trainer import summarize
 
     stop = _STOP if _STOP is not None else GracefulStop()  # `run()` installs it; a bare one installs nothing
     try:  # jax.distributed first (trainer.distributed.*; auto-detected on pods/SLURM), before any other JAX call
@@ -237,10 +235,7 @@ def main(argv) -> None:
         sys.exit(2)
     try:
         apply_none_overrides(_CONFIG.value, _NONE_KEYS)  # --config.KEY=None means None, not the string 'None'
-        kind = _CONFIG.value.get("trainer_type", "rl")
-        if kind not in trainers:
-            raise ConfigError(f"config.trainer_type={kind!r}: must be one of {sorted(trainers)}")
-        trainer = trainers[kind](_CONFIG.value)
+        trainer = build_trainer(_CONFIG.value)  # the top-level key trainer_type picks it (api.TRAINERS)
     except (ConfigError, MalformedRowError, CheckpointError) as e:  # bad config, data or checkpoint to resume
         print(f"error: {e}", file=sys.stderr)  # the message says what and where
         sys.exit(2)

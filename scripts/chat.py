@@ -18,7 +18,6 @@ line or EOF ends it; `/reset` starts over).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
 
@@ -27,111 +26,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-
-def _is_checkpoint(path: str) -> bool:
-    from jaxrl_post.trainer import checkpoint as ckpt
-
-    if not os.path.isdir(path):
-        return False
-    _, step = ckpt.parse_step_dir(path)
-    return (
-        step is not None
-        or bool(ckpt.list_complete_steps(path))
-        or bool(ckpt.list_complete_steps(ckpt.checkpoint_dir(path)))
-    )
-
-
-def load_chat_model(model: str, *, tokenizer: str | None = None, step: int | None = None):
-    """(Transformer, tokenizer, label) for `--model` (see the module docstring).
-
-    Raises:
-      CheckpointError: a checkpoint path with nothing complete, or no model metadata.
-      FileNotFoundError / ValueError: what `models.load_pretrained` raises for a bad path or name.
-      ValueError: no tokenizer found (pass `--tokenizer`).
-    """
-    from jaxrl_post.trainer.builders import load_tokenizer
-
-    if _is_checkpoint(model):
-        here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "export_hf.py")
-        spec = importlib.util.spec_from_file_location("_jaxrl_post_export_hf", here)
-        export_hf = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(export_hf)
-        m, tok, n = export_hf.load_actor(model, step=step)
-        label = f"{model} (step {n})"
-    else:
-        from jaxrl_post.models import load_pretrained
-
-        m, tok = load_pretrained(model)
-        label = model
-    if tokenizer:
-        tok = load_tokenizer(tokenizer)
-    if tok is None:
-        raise ValueError(f"{model} has no tokenizer files; pass --tokenizer=<HF dir | .gguf | alias>")
-    return m, tok, label
-
-
-class Chat:
-    """A conversation: `reply(text)` appends the user turn, samples the answer and appends it.
-
-    Args:
-      model / tokenizer: as `load_chat_model` returns them.
-      max_new_tokens: response length R (a reply is cut there).
-      temperature / top_p / top_k: sampling (`rollout.SamplingParams`; temperature 0: greedy).
-      seed: base seed; turn i samples with seed + i.
-      system: optional system message.
-    """
-
-    def __init__(
-        self, model, tokenizer, *, max_new_tokens=256, temperature=0.7, top_p=1.0, top_k=-1, seed=0, system=None
-    ):
-        from jaxrl_post.rollout import Generator, SamplingParams
-        from jaxrl_post.trainer.builders import eos_and_pad
-
-        self.tokenizer = tokenizer
-        eos, pad = eos_and_pad(tokenizer)
-        self.params = SamplingParams(
-            max_new_tokens=int(max_new_tokens),
-            temperature=float(temperature),
-            top_k=int(top_k),
-            top_p=float(top_p),
-            do_sample=float(temperature) > 0,
-            eos_token_ids=eos,
-            pad_token_id=pad,
-            seed=int(seed),
-        )
-        self.generator = Generator(model=model, compact_min_rows=None)
-        self.system = system
-        self.reset()
-
-    def reset(self) -> None:
-        self.messages = [{"role": "system", "content": self.system}] if self.system else []
-        self.turn = 0
-
-    def prompt_ids(self) -> list[int]:
-        """Token ids of the conversation so far with the assistant header (plain text without a template)."""
-        from jaxrl_post.models.tokenizer import apply_chat_template
-
-        if getattr(self.tokenizer, "chat_template", None):
-            return apply_chat_template(self.tokenizer, self.messages, add_generation_prompt=True)
-        text = "\n".join(m["content"] for m in self.messages)
-        return [int(i) for i in self.tokenizer(text)["input_ids"]]
-
-    def reply(self, text: str) -> str:
-        """The model's answer to the user turn `text` (special tokens and the end-of-turn token removed)."""
-        import numpy as np
-
-        from jaxrl_post.protocol import DataProto
-
-        self.messages.append({"role": "user", "content": text})
-        ids = np.asarray([self.prompt_ids()], np.int32)
-        batch = DataProto.from_dict(tensors={"input_ids": ids, "attention_mask": np.ones_like(ids)})
-        out = self.generator.generate(batch, self.params, seed=self.params.seed + self.turn)
-        n = int(np.asarray(out.batch["response_attention_mask"])[0].sum())
-        resp = [int(t) for t in np.asarray(out.batch["responses"])[0, :n]]
-        answer = self.tokenizer.decode(resp, skip_special_tokens=True)
-        self.messages.append({"role": "assistant", "content": answer})
-        self.turn += 1
-        return answer
+from jaxrl_post.chat import Chat, load_chat_model
 
 
 def main(argv: list[str] | None = None) -> int:

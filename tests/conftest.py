@@ -1,12 +1,24 @@
-"""Shared pytest setup: CPU JAX, offline Hugging Face, repo paths."""
+"""Shared pytest setup: CPU JAX, offline Hugging Face, repo paths, one compilation cache for the session."""
 
 import os
 import pathlib
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One persistent XLA compilation cache for the whole session: the pytest-xdist workers and every subprocess the
+# tests start (main jobs, multi-host processes, notebook kernels) inherit these variables, so a program compiled
+# once (the same tiny trainer is built in many files) is loaded from disk afterwards. The controller process
+# creates a fresh directory per session (timings stay honest; nothing leaks between runs); a directory given in
+# the environment is used as is (e.g. a warm cache kept across local runs).
+_SESSION_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _SESSION_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxrl_post_test_xla_cache_")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import pytest
 
@@ -24,3 +36,9 @@ def gsm8k_dir() -> pathlib.Path:
     if not (GSM8K_DIR / "train.jsonl").exists():
         pytest.skip(f"GSM8K not found at {GSM8K_DIR}")
     return GSM8K_DIR
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The controller removes the session's compilation cache (xdist workers inherit the directory, not this)."""
+    if _SESSION_CACHE is not None:
+        shutil.rmtree(_SESSION_CACHE, ignore_errors=True)

@@ -52,6 +52,7 @@ def _model():
     return model
 
 
+@pytest.mark.slow
 def test_rollout_log_probs_equal_training_forward_with_observations_in_context():
     from jaxrl_post.trainer import steps
 

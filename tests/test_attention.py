@@ -233,6 +233,7 @@ def test_splash_needs_tiles_of_128_outside_interpret_mode():
     "family,shared",
     [("llama", False), ("llama", True), ("gemma3", False), ("gemma3", True)],
 )
+@pytest.mark.slow
 def test_cudnn_path_matches_dense_packed(family, shared):
     """Packed rows (several segments, GQA 4:2); gemma3: sliding window 3 on one layer; shared: the shared-
     prompt layout (exact: the whole mask goes to dot_product_attention)."""
@@ -241,6 +242,7 @@ def test_cudnn_path_matches_dense_packed(family, shared):
     _assert_same_as_dense("cudnn", _cfg(family), ids, pos)
 
 
+@pytest.mark.slow
 def test_cudnn_path_matches_dense_padded_rows():
     """Unpacked rows with left padding (no segment ids): causal & key mask; sliding window by slots."""
     mask = np.array([[0, 0, 0, 1, 1, 1, 1, 1, 1, 0], [1] * 10], bool)
@@ -249,6 +251,7 @@ def test_cudnn_path_matches_dense_padded_rows():
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
+@pytest.mark.slow
 def test_splash_path_matches_dense_packed(family):
     """Packed rows of 128 (4 sequences + padding, GQA 4:2); gemma2: sliding window 3 and logit soft-cap."""
     ids, pos = _row_batch([[40, 17, 50, 9]], 128)

@@ -332,6 +332,7 @@ def dapo_run(jax_cache, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_dapo_tiny_end_to_end(dapo_run):
     hist = dapo_run["result"]["history"]
     assert len(hist) == 2

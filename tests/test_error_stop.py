@@ -44,6 +44,7 @@ def _flaky_reward(tmp_path):
     return str(path), marker
 
 
+@pytest.mark.slow
 def test_reward_failure_saves_the_last_step_and_resume_is_exact(straight_run, tmp_path):
     from configs import grpo
     from jaxrl_post.rewards import RewardFunctionError
@@ -129,6 +130,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 """
 
 
+@pytest.mark.slow
 def test_main_reward_failure_config_change_and_model_mismatch(jax_cache, tmp_path):
     from configs import grpo
 

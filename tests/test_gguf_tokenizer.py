@@ -241,6 +241,7 @@ def test_gguf_to_hf_names():
 # tiny GGUF files of every family: tensors, config and logits vs the transformers model they came from
 # ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "gemma2", "gemma3"])
+@pytest.mark.slow
 def test_tiny_gguf_roundtrip(kind, tmp_path):
     from jaxrl_post.models.config import ModelConfig
 

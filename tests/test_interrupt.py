@@ -192,6 +192,7 @@ def _score_steps(workdir):
         return [r["step"] for r in map(json.loads, f) if "critic/score/mean" in r]
 
 
+@pytest.mark.slow
 def test_sigint_after_a_step_saves_exits_130_and_rerun_resumes(env, tmp_path):
     workdir = str(tmp_path / "run")
     cmd = _cmd(workdir, "--config.reward_model.num_workers=2")  # reward worker processes get Ctrl-C too
@@ -225,6 +226,7 @@ def test_sigint_after_a_step_saves_exits_130_and_rerun_resumes(env, tmp_path):
     assert _score_steps(workdir) == list(range(1, TOTAL + 1))  # each step logged once, across both runs
 
 
+@pytest.mark.slow
 def test_sigterm_after_a_step_exits_143_with_a_checkpoint(env, tmp_path):
     workdir = str(tmp_path / "run")
     run = _Run(_cmd(workdir), env)
@@ -240,6 +242,7 @@ def test_sigterm_after_a_step_exits_143_with_a_checkpoint(env, tmp_path):
 
 
 @pytest.mark.parametrize("when", ["start-up", "first compile"])
+@pytest.mark.slow
 def test_sigint_before_the_first_step_exits_130_without_saving(env, tmp_path, when):
     workdir = str(tmp_path / "run")
     run = _Run(_cmd(workdir), env)
@@ -259,6 +262,7 @@ def test_sigint_before_the_first_step_exits_130_without_saving(env, tmp_path, wh
     assert ckpt.list_complete_steps(os.path.join(workdir, "checkpoints")) == []
 
 
+@pytest.mark.slow
 def test_fit_saves_the_last_completed_step_and_stops(env, tmp_path):
     """fit(stop=...) with a stop requested during step 2: checkpoint of step 2 (save_freq off), no validation
     of step 2 (test_freq), loop ends.

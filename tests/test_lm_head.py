@@ -33,6 +33,7 @@ def _np_stats(h, w, labels, temperature, softcap):
 @pytest.mark.parametrize("layout", ["vd", "dv"])
 @pytest.mark.parametrize("softcap", [None, 3.0])
 @pytest.mark.parametrize("n_valid", [Q, 20, 0])
+@pytest.mark.slow
 def test_values_and_grads_match_unfused_head(layout, softcap, n_valid):
     h, w, labels, g_lp, g_ent = _inputs()
     temperature = 0.7

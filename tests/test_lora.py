@@ -50,6 +50,7 @@ def _randomize_adapters(model, seed=1, scale=0.3):
             lin.lora_b.set_value(jnp.asarray(rng.normal(0, scale, lin.lora_b.shape), jnp.float32))
 
 
+@pytest.mark.slow
 def test_zero_b_equals_base_adapters_off_equals_base_and_grads_reach_only_adapters():
     ids, mask = _batch(TINY.vocab_size)
     bf16 = init_model(TINY, seed=3, dtype="bfloat16")  # bf16 compute and params, float32 adapters
@@ -143,6 +144,7 @@ def _torch_logits(model, ids, mask):
     return out.logits.float().numpy()
 
 
+@pytest.mark.slow
 def test_merged_export_and_peft_adapter_match_transformers(tmp_path):
     peft = pytest.importorskip("peft")
     transformers = pytest.importorskip("transformers")
@@ -194,6 +196,7 @@ def test_peft_adapter_of_some_layers_only_is_refused(tmp_path):
         load_peft_adapter(init_model(TINY, seed=0), tmp_path)
 
 
+@pytest.mark.slow
 def test_lora_with_scan_layers_equals_unrolled_forward_and_adapter_grads():
     """`model.scan_layers` stacks each layer's state, LoRA A/B included: same logits and adapter gradients as
     the unrolled layers, with adapters on and off (layers share their static LoRA attributes)."""
@@ -225,6 +228,7 @@ def test_lora_with_scan_layers_equals_unrolled_forward_and_adapter_grads():
     np.testing.assert_allclose(run(True, False)[0], base, atol=1e-5, rtol=1e-5)  # adapters off, scanned
 
 
+@pytest.mark.slow
 def test_lora_packed_update_and_log_probs_equal_padded():
     """The packed steps (the trainer's default) take a LoRA model's frozen base as their trailing argument like
     the padded ones: same adapter update (SGD: same gradients) and metrics; the reference fn (adapters off)
@@ -286,6 +290,7 @@ def _saved_keys(step_dir, item):
         return [k for k, v in json.load(f)["tree_metadata"].items() if v["value_metadata"].get("write_shape")]
 
 
+@pytest.mark.slow
 def test_grpo_tiny_lora_learns_reference_is_base_checkpoint_holds_adapters_and_exports(tmp_path):
     from configs import grpo
     from jaxrl_post.trainer import checkpoint as ckpt
@@ -379,6 +384,7 @@ def test_grpo_tiny_lora_learns_reference_is_base_checkpoint_holds_adapters_and_e
     np.testing.assert_allclose(ours[:, :40], via_peft, atol=1e-4 * max(1.0, np.abs(via_peft).max()))
 
 
+@pytest.mark.slow
 def test_lora_bf16_rollout_copy_holds_merged_kernels_and_matches_the_adapted_actor(tmp_path):
     """`model.dtype=bfloat16` (f32 masters) + LoRA: the rollout samples from a bf16 copy without adapters, so
     `sync_weights` writes the merged kernels W + (alpha / r) A . B into it. After real updates (B != 0) its
@@ -459,6 +465,7 @@ print("RESULT" + json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_lora_bf16_rollout_copy_on_8_fake_devices(tmp_path):
     """On a (2, 2, 2) mesh of fake CPU devices the merged rollout copy keeps the base kernels' shardings
     (`sync_weights` pins them) and holds W + (alpha / r) A . B; every jitted fn compiles once."""

@@ -88,6 +88,7 @@ def _max_diff(a, b):
 _ACTOR_KEYS = ("advantages", "old_log_probs", "ref_log_prob", "rollout_log_probs")
 
 
+@pytest.mark.slow
 def test_actor_update_trains_only_loss_mask_tokens():
     mode = "seq-mean-token-mean"  # its per-sequence counts come from the loss mask too
     model = _model()
@@ -140,6 +141,7 @@ def test_actor_update_trains_only_loss_mask_tokens():
     np.testing.assert_allclose(packed[2]["loss"], loss, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_critic_update_fits_values_only_on_loss_mask_tokens():
     from jaxrl_post.models import CriticModel
 

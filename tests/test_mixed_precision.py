@@ -20,6 +20,7 @@ def _bits_changed(new, old, dtype):
     return n / sum(a.size for a in jax.tree.leaves(new))
 
 
+@pytest.mark.slow
 def test_update_below_bf16_resolution_changes_only_f32_master_weights():
     """An AdamW step of ~lr per element is below half a bfloat16 ulp for |w| >~ 2**8 * lr: bf16-stored params
     (almost) do not move, f32 master weights do -- and with bf16 compute both runs see the same forward."""
@@ -59,6 +60,7 @@ def test_update_below_bf16_resolution_changes_only_f32_master_weights():
     assert f32_master > 10 * bf16_master
 
 
+@pytest.mark.slow
 def test_bf16_compute_f32_master_tiny_grpo_trains_with_a_bf16_rollout_copy(tmp_path):
     """Tiny GRPO with `model.dtype=bfloat16` (f32 masters): the rollout runs on a bfloat16 copy kept equal to
     the cast actor params by `sync_weights`, whose forward equals the actor's bf16-compute forward bitwise;
@@ -97,6 +99,7 @@ def test_bf16_compute_f32_master_tiny_grpo_trains_with_a_bf16_rollout_copy(tmp_p
 
 
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
+@pytest.mark.slow
 def test_sampling_mask_replay_old_log_probs_equal_rollout_log_probs(tmp_path, packed):
     """`rollout.sampling_mask_replay` with top-k + top-p: the actor's old log-probs (packed and padded
     forwards) equal the sampler's truncated log-probs, so the first update's ratio is 1; without the

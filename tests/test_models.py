@@ -128,6 +128,7 @@ def hf_dirs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", list(HF_CASES))
+@pytest.mark.slow
 def test_hf_logit_parity(case, hf_dirs):
     hf, path = hf_dirs(case)
     ours = load_hf_dir(path)
@@ -249,6 +250,7 @@ def test_kv_cache_prefill_decode_matches_full_forward(family):
 
 
 @pytest.mark.parametrize("family,segment_len", [("llama", 3), ("gemma2", 4)])
+@pytest.mark.slow
 def test_segmented_cache_matches_full_forward_and_skips_unwritten_segments(family, segment_len):
     """Writes that cross segment boundaries (static-index prefill, traced multi-token steps) give the full
     forward's logits, and attention never reads a segment before it holds a token: unwritten segments are
@@ -285,6 +287,7 @@ def test_segmented_cache_matches_full_forward_and_skips_unwritten_segments(famil
     assert np.isnan(np.asarray(cache.k[0][-1])[..., -1]).all()
 
 
+@pytest.mark.slow
 def test_segmented_bfloat16_cache_equals_one_segment():
     """bf16 caches are written through uint16 views when segmented; the stored keys are exactly those of a
     one-segment cache."""
@@ -379,6 +382,7 @@ def test_remat_same_loss_and_grads():
         ("gemma3", ("sliding_attention", "sliding_attention", "full_attention") * 2 + ("sliding_attention",), 3),
     ],
 )
+@pytest.mark.slow
 def test_scan_layers_equals_unrolled_loss_and_grads(family, layer_types, period):
     """lax.scan over layer groups == the unrolled loop (logits and every layer's gradient), including the
     remainder layers after the last full group, Gemma's local/global period and remat inside the scan."""

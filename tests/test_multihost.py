@@ -299,6 +299,7 @@ def _metric_diff(h1: list, h2: list, prefix: str = "") -> float:
 
 
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
+@pytest.mark.slow
 def test_two_processes_equal_one_process(runs, algo):
     """2 processes x 4 devices == 1 x 8 == 1 x 1: every metric of both steps (validation included), params."""
     two = runs["cli2" if algo == "grpo" else "ppo2"]

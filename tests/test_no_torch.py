@@ -114,6 +114,7 @@ def test_smollm2_tokenizer_and_weights_load_without_torch(no_torch_env):
     assert out["export_max_diff"] <= 1e-6 and out["export_tok_same"]
 
 
+@pytest.mark.slow
 def test_tiny_main_job_without_torch(no_torch_env, tmp_path):
     """`python -m jaxrl_post.main --config=configs/grpo.py:tiny` runs its 2 steps with torch unimportable."""
     workdir = tmp_path / "run"

@@ -86,12 +86,14 @@ def _check_ran(nb, name, seconds):
 
 
 @pytest.mark.parametrize("name", SMOKE_IN_CI)
+@pytest.mark.slow
 def test_notebook_runs_smoke(name, monkeypatch):
     nb, seconds = _execute(name, monkeypatch)
     _check_ran(nb, name, seconds)
 
 
 @pytest.mark.notebook_slow
+@pytest.mark.slow  # so the fast tier's `-m "not slow"` (which replaces addopts' -m) leaves them out too
 @pytest.mark.parametrize("name", [n for n in NOTEBOOKS if n not in SMOKE_IN_CI])
 def test_notebook_runs_smoke_slow(name, monkeypatch):
     nb, seconds = _execute(name, monkeypatch)

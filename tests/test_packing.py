@@ -257,6 +257,7 @@ def _close(a, b, tol=1e-5):
         ("seq-mean-token-sum-norm", 0.01),
     ],
 )
+@pytest.mark.slow
 def test_packed_actor_update_equals_padded(mode, entropy_coeff):
     model = _model("llama", seed=1, num_layers=1)
     graphdef, params, rest = steps.split_model(model)
@@ -298,6 +299,7 @@ def test_packed_actor_update_equals_padded(mode, entropy_coeff):
     np.testing.assert_allclose(got[2]["entropy"], expected, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_packed_log_probs_values_and_critic_update_equal_padded():
     model = _model("gemma2", seed=2)
     graphdef, params, rest = steps.split_model(model)
@@ -352,6 +354,7 @@ def test_packed_update_compiles_once_and_runs_only_used_micro_batches():
 
 
 # ----------------------------------------------------------------------------------------- trainer
+@pytest.mark.slow
 def test_tiny_ppo_step_same_metrics_packed_and_padded(tmp_path):
     """One PPO step (critic + actor update, old/ref log-probs, values, KL loss) of the tiny config, packed
     (the default) and padded, from the same params and sampling seed: same rollout, so every loss / update
@@ -488,6 +491,7 @@ def test_shared_prompt_forward_matches_each_sequence_alone(family):
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.slow
 def test_shared_prompt_actor_update_log_probs_and_critic_equal_padded(mode):
     model = _model("llama", seed=1, num_layers=1)
     graphdef, params, rest = steps.split_model(model)

@@ -115,6 +115,7 @@ def straight_run(jax_cache, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_exact_resume_bitwise(straight_run, tmp_path):
     from jaxrl_post.trainer.trainer import RLTrainer
 
@@ -210,6 +211,7 @@ def test_resume_modes(straight_run, tmp_path):
         RLTrainer(_cfg(tmp_path, **{"trainer.resume_mode": "resume_path"}))
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_matches_straight_run(straight_run, jax_cache, tmp_path):
     workdir = tmp_path / "run"
     cmd = [
@@ -331,6 +333,7 @@ def test_reward_errors_and_timeouts_are_counted_and_the_step_completes(jax_cache
     assert t.global_steps == 1 and "actor/pg_loss" in m
 
 
+@pytest.mark.slow
 def test_evaluate_checkpoint_and_sampled_validation(straight_run, tmp_path):
     evaluate = load_script("evaluate").evaluate
     a = straight_run

@@ -121,6 +121,7 @@ def _hf_tiny(tmp_path, fam):
 
 
 @pytest.mark.parametrize("fam", sorted(FAMILIES))
+@pytest.mark.slow
 def test_greedy_matches_transformers(tmp_path, fam):
     import torch
 
@@ -176,6 +177,7 @@ def _full_forward_logprobs(model, out, temperature):
 
 
 @pytest.mark.parametrize("params", [SAMPLED, FILTERED, GREEDY], ids=["temp-top_p", "top_k-top_p-min_p", "greedy"])
+@pytest.mark.slow
 def test_rollout_log_probs_equal_training_path(tiny_model, params):
     ids, mask, dp = _prompts(2)
     out = generate_sequences(tiny_model, dp, params)
@@ -221,6 +223,7 @@ def test_truncated_rollout_log_probs_equal_replayed_training_path(tiny_model):
     assert np.max(np.where(rm, b["rollout_log_probs"] - full, 0)) > 0.05  # truncation renormalizes: lp rises
 
 
+@pytest.mark.slow
 def test_bf16_rollout_keeps_a_float32_kv_cache_on_cpu(monkeypatch):
     """bf16 compute on CPU: the KV cache defaults to float32 (XLA:CPU would copy every bf16 cache segment on
     each slot write); the float32 slots hold the bf16 keys/values exactly, so tokens and log-probs equal a
@@ -323,6 +326,7 @@ def test_compaction_sizes():
     assert compaction_sizes(8, min_rows=8) == (8,) and compaction_sizes(8, min_rows=64) == (8,)
 
 
+@pytest.mark.slow
 def test_compacting_finished_rows_changes_no_sample():
     """Decode at 16 -> 8 -> 4 -> 2 rows as rows finish gives exactly the tokens, thresholds and log-probs of
     the uncompacted decode (per-row keys: a row draws the same numbers wherever it sits), and the smaller
@@ -352,6 +356,7 @@ def test_compacting_finished_rows_changes_no_sample():
     np.testing.assert_allclose(a["rollout_log_probs"], b["rollout_log_probs"], atol=1e-6)
 
 
+@pytest.mark.slow
 def test_n_samples_per_prompt_share_one_prefill():
     """`generate(prompts, n=3)` == generating from `prompts.repeat(3, interleave=True)` (same tokens, masks,
     thresholds, non-tensor data; log-probs to float32 rounding: the prefill ran at another batch size), with
@@ -421,6 +426,7 @@ def test_default_cache_segments_are_long(monkeypatch):
         assert e.value.args == want, (new, seg, e.value.args)
 
 
+@pytest.mark.slow
 def test_compile_once_across_prompt_lengths_and_batch_sizes():
     # a model structure no other test uses, so the jit cache starts empty for it
     model = _tiny(seed=1, vocab_size=200, intermediate_size=96)
@@ -501,6 +507,7 @@ _SHARDED_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_sharded_equals_unsharded_on_8_fake_devices(tmp_path):
     script = tmp_path / "sharded.py"
     script.write_text(_SHARDED_SCRIPT)

@@ -510,6 +510,7 @@ def test_policy_loss_weights_multiply_per_token_losses():
     assert float(m1["pg_clipfrac"]) == float(m0["pg_clipfrac"]) > 0
 
 
+@pytest.mark.slow
 def test_trainer_applies_rollout_correction_to_a_bf16_rollout(tmp_path):
     """Tiny GRPO whose sampler runs on a bfloat16 copy (`rollout.dtype`) while training is float32: token IS
     weights and token_k1 rejection are computed from the actual mismatch, rejected tokens leave the loss

@@ -160,6 +160,7 @@ def fake8():
     return json.loads(lines[-1][len("RESULT ") :])
 
 
+@pytest.mark.slow
 def test_sharded_params_created_on_mesh(fake8):
     assert fake8["q_spec"] == str(P("fsdp", "tensor", None))
     assert fake8["q_shard_shape"] == [16, 2, 8]  # [D/fsdp, H/tensor, K]

@@ -205,6 +205,7 @@ def _max_diff(a, b):
 # token-mean normalises by the mini-batch's tokens, seq-mean-token-mean by its sequences (the other two
 # modes use the same counts; agg_loss itself is tested for all modes in test_core_algos).
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.slow
 def test_micro_batch_accumulation_equals_full_batch(mode):
     model = _tiny_model()
     graphdef, params, rest = steps.split_model(model)
@@ -268,6 +269,7 @@ def test_micro_batch_accumulation_equals_full_batch(mode):
     np.testing.assert_allclose(outs[1][1]["loss"], jax.jit(reference_loss)(params), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_critic_micro_batch_accumulation_and_on_policy_ratio():
     from flax import nnx
 
@@ -348,6 +350,7 @@ def _assert_third_step_compiles_nothing(trainer):
     assert (dict(trainer.trace_counts), dict(TRACE_COUNTS), trainer.compile_counts()) == before
 
 
+@pytest.mark.slow
 def test_grpo_tiny_two_steps_end_to_end(tmp_path):
     from jaxrl_post.trainer.trainer import RLTrainer
 
@@ -380,6 +383,7 @@ def test_grpo_tiny_two_steps_end_to_end(tmp_path):
         trainer.close()
 
 
+@pytest.mark.slow
 def test_ppo_tiny_two_steps_end_to_end(tmp_path):
     from jaxrl_post.trainer.trainer import RLTrainer
 
@@ -419,6 +423,7 @@ def test_ppo_tiny_two_steps_end_to_end(tmp_path):
         trainer.close()
 
 
+@pytest.mark.slow
 def test_verl_mini_batch_sizes_count_prompts(tmp_path):
     """A verl-style config: train_batch_size=4 prompts, rollout.n=8, ppo_mini_batch_size=2 prompts -> each
     training step makes 2 actor and 2 critic optimizer steps of 2 * 8 = 16 responses; the adaptive KL
@@ -463,6 +468,7 @@ def test_verl_mini_batch_sizes_count_prompts(tmp_path):
         trainer.close()
 
 
+@pytest.mark.slow
 def test_main_job_command_reduced(tmp_path):
     """README: `python -m jaxrl_post.main --config=configs/grpo.py ...`, reduced to the tiny config."""
     workdir = tmp_path / "main_run"
@@ -525,6 +531,7 @@ if __name__ == '__main__':
 """
 
 
+@pytest.mark.slow
 def test_tiny_ppo_on_8_fake_devices(tmp_path):
     """The same loop on a ('data', 'fsdp', 'tensor') = (2, 2, 2) mesh of 8 fake CPU devices."""
     script = tmp_path / "mesh_run.py"

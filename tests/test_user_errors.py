@@ -207,6 +207,7 @@ def test_unknown_config_variant_lists_the_valid_ones(tmp_path):
     assert secs < 60
 
 
+@pytest.mark.slow
 def test_missing_model_path_is_one_error_before_any_load(tmp_path, monkeypatch):
     from jaxrl_post.trainer.trainer import RLTrainer
 

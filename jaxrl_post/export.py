@@ -1,0 +1,129 @@
+"""Load a checkpoint's actor and export it as a Hugging Face directory (the library half of
+`scripts/export_hf.py`; see `jaxrl_post.api`).
+
+A checkpoint path is a run working directory, its `checkpoints/` directory (latest complete step) or one
+`global_step_<N>` directory. Only the actor params are read (not the optimizer state); the architecture and the
+tokenizer source come from the checkpoint's host metadata (`host['model']`, written by the trainer). A LoRA
+checkpoint holds the adapters only: the base weights are rebuilt from where the run took them
+(`host['model']['base']`: its `model.path`, or the random init of `trainer.seed`); the export then holds the
+merged weights (W + alpha/r A B) and `<out>/adapter/` the PEFT adapter.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def load_actor(checkpoint: str, *, step: int | None = None, mesh=None):
+    """(Transformer with the checkpoint's actor params, tokenizer or None, step) from a checkpoint path; a
+    LoRA checkpoint's model is the rebuilt base with the adapters attached.
+
+    Raises:
+      CheckpointError: nothing complete at `checkpoint`, or a checkpoint without model metadata.
+    """
+    return _load_actor(checkpoint, step=step, mesh=mesh)[:3]
+
+
+def _load_actor(checkpoint: str, *, step: int | None = None, mesh=None):
+    """`load_actor` plus the checkpoint's `host['model']` metadata."""
+    from flax import nnx
+
+    from jaxrl_post.models import init_model
+    from jaxrl_post.trainer import checkpoint as ckpt
+
+    root, found = ckpt.find_resume_checkpoint("resume_path", ".", checkpoint, what="--checkpoint")
+    step = found if step is None else int(step)
+    c = ckpt.Checkpointer(root, read_only=True)
+    host = c.read_host(step)
+    meta = host.get("model")
+    if not meta:
+        raise ckpt.CheckpointError(
+            f'{c.step_path(step)} has no model metadata (host["model"]); it was not written by jaxrl_post.trainer'
+        )
+    mcfg = ckpt.model_config_from_metadata(meta)
+    if meta.get("lora"):  # adapters only: rebuild the base the run started from, then attach them
+        from jaxrl_post.models import load_pretrained
+        from jaxrl_post.models.lora import LoRAConfig, apply_lora
+
+        base = meta.get("base") or {}
+        if base.get("random_init"):
+            model = init_model(mcfg, seed=int(base.get("seed") or 0), dtype=mcfg.dtype, mesh=mesh)
+        else:
+            model = load_pretrained(base["model_path"], dtype=mcfg.dtype, mesh=mesh)[0]
+        lo = meta["lora"]
+        apply_lora(model, LoRAConfig(int(lo["rank"]), float(lo["alpha"]), tuple(lo["target_modules"])))
+        params = nnx.state(model, nnx.LoRAParam)
+    else:
+        model = init_model(mcfg, seed=0, dtype=mcfg.dtype, param_dtype=mcfg.param_dtype, mesh=mesh)
+        params = nnx.state(model, nnx.Param)
+    got = c.restore(step, like={"actor": {"params": params}})
+    nnx.update(model, got["actor"]["params"])
+    tokenizer = None
+    if meta.get("tokenizer"):
+        from jaxrl_post.trainer.builders import load_tokenizer
+
+        tokenizer = load_tokenizer(meta["tokenizer"])
+    c.close()
+    return model, tokenizer, step, meta
+
+
+ADAPTER_SUBDIR = "adapter"  # PEFT adapter of a LoRA checkpoint (not next to config.json: transformers would load it)
+
+
+class ExportError(Exception):
+    """The output directory cannot be used (not empty without --overwrite, or a file)."""
+
+
+def check_out_dir(out_dir: str, overwrite: bool) -> None:
+    """Raises ExportError when `out_dir` is a file, or a non-empty directory and not `overwrite`."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ExportError(f"--out={out_dir} is a file, not a directory")
+    if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
+        raise ExportError(
+            f"--out={out_dir} is not empty ({len(os.listdir(out_dir))} entries); choose a new directory, or pass "
+            "--overwrite to write over the files there"
+        )
+
+
+def _fix_file_modes(out_dir: str) -> None:
+    """safetensors writes its files with mode 0600; give them the mode of the other files (0666 & ~umask)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for name in os.listdir(out_dir):
+        if name.endswith(".safetensors"):
+            os.chmod(os.path.join(out_dir, name), 0o666 & ~mask)
+
+
+def export(checkpoint: str, out_dir: str, *, step: int | None = None, overwrite: bool = False, say=None) -> str:
+    """Write the HF directory for `checkpoint` into `out_dir`; returns `out_dir`. `say(line)`, when given,
+    receives a summary: the step, the number of parameters and the files written (with sizes).
+
+    Raises:
+      ExportError: `out_dir` is a file, or a non-empty directory and not `overwrite` (checked first).
+      CheckpointError: nothing complete at `checkpoint` (see `load_actor`).
+    """
+    import jax
+    from flax import nnx
+
+    from jaxrl_post.models import save_pretrained
+
+    check_out_dir(out_dir, overwrite)
+    from jaxrl_post.models.lora import lora_config_of, save_peft_adapter
+
+    model, tokenizer, step, meta = _load_actor(checkpoint, step=step)
+    save_pretrained(model, tokenizer, out_dir)  # LoRA: merged weights
+    adapter_dir = os.path.join(out_dir, ADAPTER_SUBDIR)
+    if lora_config_of(model) is not None:
+        base_path = (meta.get("base") or {}).get("model_path")
+        save_peft_adapter(model, adapter_dir, base_model_name_or_path=base_path)
+        _fix_file_modes(adapter_dir)
+    _fix_file_modes(out_dir)
+    if say is not None:
+        n_params = sum(int(x.size) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+        say(f"exported step {step} of {checkpoint} ({n_params:,} parameters) to {out_dir}:")
+        for root in (out_dir, adapter_dir):
+            for name in sorted(os.listdir(root)) if os.path.isdir(root) else ():
+                path = os.path.join(root, name)
+                if os.path.isfile(path):
+                    say(f"  {os.path.relpath(path, out_dir)} ({os.path.getsize(path):,} bytes)")
+    return out_dir
