@@ -289,6 +289,15 @@ def get_base_config() -> mlc.ConfigDict:
     c.reward_model.overlong_buffer.len = 0  # buffer tokens before data.max_response_length (enabled: 0 < len <= it)
     c.reward_model.overlong_buffer.penalty_factor = 0.0  # penalty at data.max_response_length tokens (DAPO: 1.0)
     c.reward_model.overlong_buffer.log = False  # also log the extra infos overlong_reward and overlong (penalty < 0)
+    c.reward_model.remote = mlc.ConfigDict()  # remote reward service over HTTP (docs/reward_service.md)
+    c.reward_model.remote.url = _opt_str()  # e.g. http://127.0.0.1:8000/get_reward; set: it scores every response
+    c.reward_model.remote.batch_size = 32  # trajectories per request
+    c.reward_model.remote.max_concurrency = 4  # requests in flight at once
+    c.reward_model.remote.timeout_s = 30.0  # connect/read timeout of one request (seconds)
+    c.reward_model.remote.max_retries = 3  # extra attempts of a failed request / of items with a bad score
+    c.reward_model.remote.backoff_s = 0.5  # sleep before retry k: min(backoff_s * 2**k, backoff_max_s)
+    c.reward_model.remote.backoff_max_s = 8.0  # longest sleep between attempts
+    c.reward_model.remote.max_error_fraction = 0.0  # stop when more items fail after retries (0: any failure)
     c.custom_reward_function = mlc.ConfigDict()
     c.custom_reward_function.path = _opt_str()  # python file with a scoring function (overrides dispatch)
     c.custom_reward_function.name = "compute_score"  # function name inside that file

@@ -240,6 +240,8 @@ def _check_reward_sources(cfg: Any, data: DataRows) -> None:
     if cfg.custom_reward_function.path:
         data.custom_reward_fn = load_custom_reward(cfg)
         return
+    if cfg.reward_model.remote.url:  # the service knows its data sources
+        return
     from jaxrl_post.rewards import UnknownDataSourceError, check_data_sources
 
     for key, spec, rows in (
@@ -361,7 +363,8 @@ def build_dataloaders(cfg: Any, data: DataRows, tokenizer, pad_token_id: int):
 
 
 def build_reward_manager(cfg: Any, tokenizer, custom_reward_fn=None):
-    """RewardManager scoring with `custom_reward_function` (if set) or `default_compute_score`, with DAPO's
+    """RewardManager scoring with the remote reward service (`reward_model.remote.url`, its own
+    `max_error_fraction`), else `custom_reward_function` (if set) or `default_compute_score`, with DAPO's
     overlong reward shaping when `reward_model.overlong_buffer.enable` (training and validation, as verl).
 
     Args:
@@ -372,15 +375,31 @@ def build_reward_manager(cfg: Any, tokenizer, custom_reward_fn=None):
     """
     from jaxrl_post.rewards import RewardManager
 
-    fn = custom_reward_fn if custom_reward_fn is not None else load_custom_reward(cfg)
     rm = cfg.reward_model
     ob = rm.overlong_buffer
+    max_error_fraction = float(rm.max_error_fraction)
+    if rm.remote.url:  # the remote reward service (docs/reward_service.md)
+        from jaxrl_post.rewards.remote import RemoteRewardClient
+
+        rr = rm.remote
+        fn = RemoteRewardClient(
+            rr.url,
+            batch_size=int(rr.batch_size),
+            max_concurrency=int(rr.max_concurrency),
+            timeout_s=float(rr.timeout_s),
+            max_retries=int(rr.max_retries),
+            backoff_s=float(rr.backoff_s),
+            backoff_max_s=float(rr.backoff_max_s),
+        )
+        max_error_fraction = float(rr.max_error_fraction)
+    else:
+        fn = custom_reward_fn if custom_reward_fn is not None else load_custom_reward(cfg)
     return RewardManager(
         fn,
         tokenizer,
         num_workers=int(rm.num_workers),
         timeout_s=float(rm.timeout_s),
-        max_error_fraction=float(rm.max_error_fraction),
+        max_error_fraction=max_error_fraction,
         overlong_buffer_len=int(ob.len) if ob.enable else None,
         overlong_penalty_factor=float(ob.penalty_factor),
         max_response_length=int(cfg.data.max_response_length),

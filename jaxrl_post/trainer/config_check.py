@@ -394,6 +394,7 @@ def validate_config(cfg: Any, n_devices: int | None = None) -> None:
     check("reward_model.timeout_s", lambda v: is_num(v) and v > 0, "must be > 0")
     check("reward_model.max_error_fraction", lambda v: is_num(v) and 0 <= v <= 1, "must be in [0, 1] (1 = never stop)")
     check_dapo(cfg, check, err, is_int, is_num)
+    check_remote_reward(cfg, check, err, is_int, is_num)
     path = cfg.custom_reward_function.path
     if path and not os.path.exists(path):
         err("custom_reward_function.path", "file not found")
@@ -432,3 +433,30 @@ def validate_config(cfg: Any, n_devices: int | None = None) -> None:
     errors += config_errors(cfg)  # trainer.distributed.*, the per-process prompt share
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+
+
+def check_remote_reward(cfg, check, err, is_int, is_num) -> None:
+    """`reward_model.remote.*` (the remote reward service): only read when `url` is set."""
+    rr = cfg.reward_model.get("remote")
+    if rr is None or not rr.get("url"):
+        return
+    check(
+        "reward_model.remote.url",
+        lambda v: isinstance(v, str) and v.startswith(("http://", "https://")),
+        "must be an http:// or https:// URL",
+    )
+    if cfg.custom_reward_function.path:
+        err(
+            "reward_model.remote.url",
+            "set together with custom_reward_function.path: the service scores every response, so the local "
+            "function would be ignored; serve it instead (scripts/serve_reward.py --reward_fn PATH:NAME) or unset one",
+        )
+    check("reward_model.remote.batch_size", lambda v: is_int(v) and v >= 1, "must be an int >= 1")
+    check("reward_model.remote.max_concurrency", lambda v: is_int(v) and v >= 1, "must be an int >= 1")
+    check("reward_model.remote.timeout_s", lambda v: is_num(v) and v > 0, "must be > 0")
+    check("reward_model.remote.max_retries", lambda v: is_int(v) and v >= 0, "must be an int >= 0")
+    check("reward_model.remote.backoff_s", lambda v: is_num(v) and v >= 0, "must be >= 0")
+    check("reward_model.remote.backoff_max_s", lambda v: is_num(v) and v >= 0, "must be >= 0")
+    check(
+        "reward_model.remote.max_error_fraction", lambda v: is_num(v) and 0 <= v <= 1, "must be in [0, 1] (1 = never)"
+    )
