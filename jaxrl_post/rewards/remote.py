@@ -177,7 +177,7 @@ class RemoteRewardClient:
                 raise RuntimeError(msg)
             raise _Fatal(msg)
         try:
-            out = r.json()
+            out = json.loads(r.content)  # Python's parser: a NaN / Infinity literal is read, then refused per item
         except ValueError as e:
             raise RuntimeError(f"response is not JSON: {r.text[:200]!r}") from e
         if not isinstance(out, dict) or not isinstance(out.get("rewards"), list):
