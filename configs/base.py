@@ -298,6 +298,19 @@ def get_base_config() -> mlc.ConfigDict:
     c.reward_model.remote.backoff_s = 0.5  # sleep before retry k: min(backoff_s * 2**k, backoff_max_s)
     c.reward_model.remote.backoff_max_s = 8.0  # longest sleep between attempts
     c.reward_model.remote.max_error_fraction = 0.0  # stop when more items fail after retries (0: any failure)
+    c.reward_model.judge = mlc.ConfigDict()  # generative judge, LLM-as-judge (docs/reward_service.md)
+    c.reward_model.judge.path = _opt_str()  # judge model (any model.path); set: the judge scores every response
+    c.reward_model.judge.tokenizer_path = _opt_str()  # its tokenizer ('char': toy one); None -> judge.path
+    c.reward_model.judge.dtype = "bfloat16"  # the judge's compute and storage dtype
+    c.reward_model.judge.prompt_template = _opt_str()  # {question} {response} {ground_truth}; None: built-in
+    c.reward_model.judge.use_chat_template = True  # render the judge prompt as one user turn of the chat template
+    c.reward_model.judge.max_new_tokens = 32  # verdict length limit (greedy, our sampler)
+    c.reward_model.judge.max_prompt_length = 1024  # longer judge prompts are failed calls (reward/num_errors)
+    c.reward_model.judge.min_score = 0.0  # the verdict's scale; a number outside it is unparseable
+    c.reward_model.judge.max_score = 10.0  # top of the verdict's scale
+    c.reward_model.judge.normalize = True  # reward = parsed score / max_score
+    c.reward_model.judge.default_score = 0.0  # reward of an unparseable verdict (counted: judge/num_unparseable)
+    c.reward_model.judge.batch_size = 64  # judge prompts per generate call
     c.custom_reward_function = mlc.ConfigDict()
     c.custom_reward_function.path = _opt_str()  # python file with a scoring function (overrides dispatch)
     c.custom_reward_function.name = "compute_score"  # function name inside that file

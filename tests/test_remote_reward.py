@@ -353,3 +353,46 @@ def test_client_and_config_refuse_bad_settings():
     c.reward_model.remote.max_retries = -1
     with pytest.raises(ConfigError, match="reward_model.remote.max_retries"):
         validate_config(c)
+
+
+# --------------------------------------------------------------------------------------- a tiny RL run
+_NONDETERMINISTIC = ("timing_s/", "timing_per_token_ms/", "perf/", "reward/remote/")
+
+
+@pytest.mark.slow  # two tiny GRPO runs of 2 steps (~2 min each on the shared 2-core machine)
+def test_tiny_grpo_run_equal_in_process_and_remote(tmp_path):
+    """Same seed, same config: the run scoring through the served tiny reward (loopback) logs the same
+    metrics, step by step, as the run calling it in process (timings aside)."""
+    from configs import grpo
+    from jaxrl_post.trainer.trainer import RLTrainer
+
+    def run(name, url=None):
+        c = grpo.get_config("tiny")
+        c.trainer.default_local_dir = str(tmp_path / name)
+        c.trainer.val_before_train = False
+        c.data.val_files = None
+        if url:
+            c.custom_reward_function.path = None
+            c.reward_model.remote.url = url
+            c.reward_model.remote.batch_size = 3  # 16 responses -> 6 requests, 2 in flight
+            c.reward_model.remote.max_concurrency = 2
+        trainer = RLTrainer(c, console_write=lambda _: None)
+        try:
+            return trainer.fit()["history"]
+        finally:
+            trainer.close()
+
+    server = make_reward_server(load_custom_reward_fn(TINY_REWARD))
+    serve_in_thread(server)
+    try:
+        remote = run("remote", f"http://127.0.0.1:{server.server_address[1]}/get_reward")
+    finally:
+        server.shutdown()
+        server.server_close()
+    local = run("local")
+    assert len(local) == len(remote) == 2
+    for m_local, m_remote in zip(local, remote, strict=True):
+        assert m_remote["reward/remote/num_requests"] == 6 and m_remote["reward/num_errors"] == 0
+        keep = {k: v for k, v in m_local.items() if not k.startswith(_NONDETERMINISTIC)}
+        assert len(keep) > 30 and {k: m_remote[k] for k in keep} == keep
+    assert local[0]["critic/score/max"] > local[0]["critic/score/min"]  # the scores vary: a real comparison

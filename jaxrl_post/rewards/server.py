@@ -85,6 +85,7 @@ class RewardRequestHandler(BaseHTTPRequestHandler):
     """Serves `server.reward_fn` (set by `make_reward_server`) over the schema."""
 
     protocol_version = "HTTP/1.1"  # keep-alive: the client reuses its connections
+    disable_nagle_algorithm = True  # TCP_NODELAY: headers and body are two writes (else ~40 ms per response)
 
     def _send(self, status: int, obj: Any) -> None:
         data = json.dumps(obj).encode()
