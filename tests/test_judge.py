@@ -41,6 +41,11 @@ CHAIN = {"A": "S", "S": "c", "c": "o", "o": "r", "r": "e", "e": ":", ":": " ", "
 CHAIN["Y"] = "$"
 
 
+TEMPLATE = "Q: {question} | GT: {ground_truth} | R: {response}"
+QUESTIONS = ["What is 6*7?", "Name a colour", "x" * 40, "Say hi"]
+RESPONSES = ["It is 42 A", "blue B", "long A", "hi A"]  # row 2's judge prompt: 64 chars > max_prompt_length=60
+
+
 def _bigram_judge_model(tok):
     from flax import nnx
 
@@ -50,7 +55,7 @@ def _bigram_judge_model(tok):
         vocab_size=128,
         hidden_size=64,
         intermediate_size=128,
-        num_layers=2,
+        num_layers=1,
         num_heads=4,
         num_kv_heads=2,
         head_dim=16,
@@ -102,7 +107,7 @@ def test_judge_end_to_end_with_our_generator():
     judge = GenerativeJudge(
         model,
         tok,
-        "Q: {question} | GT: {ground_truth} | R: {response}",
+        TEMPLATE,
         max_new_tokens=12,
         max_prompt_length=60,
         default_score=-1.0,
@@ -110,10 +115,8 @@ def test_judge_end_to_end_with_our_generator():
         generator=generator,
     )
     assert judge.render("2+2?", "4 A", "4") == "Q: 2+2? | GT: 4 | R: 4 A"
-    questions = ["What is 6*7?", "Name a colour", "x" * 40, "Say hi"]
-    responses = ["It is 42 A", "blue B", "long A", "hi A"]  # row 2's judge prompt: 64 chars > 60
     mgr = RewardManager(judge, tok, max_error_fraction=0.5)
-    out = mgr.compute(_batch(tok, questions, responses))
+    out = mgr.compute(_batch(tok, QUESTIONS, RESPONSES))
     assert judge.last_verdicts == ["Score: 7", "XY", "", "Score: 7"]
     np.testing.assert_allclose(out.scores, [0.7, -1.0, 0.0, 0.7], rtol=0, atol=1e-6)
     assert out.metrics["judge/num_unparseable"] == 1 and out.metrics["judge/num_judged"] == 3
@@ -121,7 +124,7 @@ def test_judge_end_to_end_with_our_generator():
     assert "judge prompt has 64 tokens, over the judge's max_prompt_length=60" in out.errors[0]
     np.testing.assert_array_equal(out.extra_infos["judge_parsed"][[0, 1, 3]], [1.0, 0.0, 1.0])
     # the score sits on the last response token, as for rule rewards
-    assert out.token_level_scores[0, len(responses[0]) - 1] == pytest.approx(0.7)
+    assert out.token_level_scores[0, len(RESPONSES[0]) - 1] == pytest.approx(0.7)
     # our sampler did the generating: greedy, prompts bucketed, one compiled program reused
     assert judge.generator is generator and generator.last_decode_stats is not None
 
@@ -153,12 +156,12 @@ def test_judge_from_config(tmp_path):
     c.custom_reward_function.path = None
     jc = c.reward_model.judge
     jc.path, jc.dtype, jc.use_chat_template, jc.max_new_tokens = str(tmp_path / "judge"), "float32", False, 12
-    jc.prompt_template = "Q: {question} | R: {response}"
+    jc.prompt_template, jc.max_prompt_length = TEMPLATE, 60
     validate_config(c)
     mgr = build_reward_manager(c, tok)
-    out = mgr.compute(_batch(tok, ["a?", "b?"], ["x B", "y A"]))
-    assert mgr.compute_score.last_verdicts == ["XY", "Score: 7"]
-    np.testing.assert_allclose(out.scores, [0.0, 0.7], atol=1e-6)
+    out = mgr.compute(_batch(tok, QUESTIONS, RESPONSES))  # the shapes of the direct test: its programs are reused
+    assert mgr.compute_score.last_verdicts == ["Score: 7", "XY", "", "Score: 7"]
+    np.testing.assert_allclose(out.scores, [0.7, 0.0, 0.0, 0.7], atol=1e-6)
     jc.prompt_template = "{question} {answer}"
     with pytest.raises(ConfigError, match="reward_model.judge.prompt_template"):
         validate_config(c)
