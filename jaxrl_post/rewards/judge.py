@@ -66,8 +66,9 @@ class GenerativeJudge:
       prompt_template: str with `{question}`, `{response}`, `{ground_truth}` fields.
       max_new_tokens: verdict length limit (tokens).
       max_prompt_length: longer judge prompts are failed calls (tokens).
-      min_score / max_score: the scale; `default_score`: the reward of an unparseable verdict (after
-        normalisation, i.e. on the reward scale).
+      min_score: bottom of the verdict's scale.
+      max_score: top of the verdict's scale.
+      default_score: the reward of an unparseable verdict (on the reward scale, not normalised).
       normalize: divide the parsed score by `max_score`.
       use_chat_template: render the judge prompt as one user turn with the generation prompt.
       batch_size: judge prompts per `Generator` call.
