@@ -350,6 +350,12 @@ def test_client_and_config_refuse_bad_settings():
         validate_config(c)
     c.custom_reward_function.path = None
     validate_config(c)
+    from jaxrl_post.trainer.builders import build_reward_manager
+
+    c.reward_model.num_workers = 2  # ignored: the client is not a per-row function, no worker pool
+    mgr = build_reward_manager(c, CharTokenizer())
+    assert isinstance(mgr.compute_score, RemoteRewardClient) and mgr._pool is None and mgr._thread is None
+    assert mgr.max_error_fraction == 0.0 and mgr.compute_score.url == c.reward_model.remote.url
     c.reward_model.remote.max_retries = -1
     with pytest.raises(ConfigError, match="reward_model.remote.max_retries"):
         validate_config(c)
