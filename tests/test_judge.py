@@ -128,6 +128,23 @@ def test_judge_end_to_end_with_our_generator():
     # our sampler did the generating: greedy, prompts bucketed, one compiled program reused
     assert judge.generator is generator and generator.last_decode_stats is not None
 
+    # the same judge served over HTTP (scripts/serve_reward.py --judge_path serves it this way): same scores
+    from jaxrl_post.rewards.remote import RemoteRewardClient
+    from jaxrl_post.rewards.server import make_reward_server, serve_in_thread
+
+    server = make_reward_server(judge)
+    serve_in_thread(server)
+    try:
+        client = RemoteRewardClient(f"http://127.0.0.1:{server.server_address[1]}/get_reward", timeout_s=120)
+        remote = RewardManager(client, tok, max_error_fraction=0.5).compute(_batch(tok, QUESTIONS, RESPONSES))
+    finally:
+        server.shutdown()
+        server.server_close()
+    np.testing.assert_array_equal(remote.scores, out.scores)
+    np.testing.assert_array_equal(remote.extra_infos["judge_parsed"], out.extra_infos["judge_parsed"])
+    assert remote.metrics["reward/num_errors"] == 1 and remote.metrics["reward/remote/num_retries"] == 0
+    assert "the server's reward function failed: judge prompt has 64 tokens" in remote.errors[0]
+
 
 def test_judge_refuses_bad_templates():
     from jaxrl_post.trainer.char_tokenizer import build_char_tokenizer

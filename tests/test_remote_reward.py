@@ -402,3 +402,17 @@ def test_tiny_grpo_run_equal_in_process_and_remote(tmp_path):
         keep = {k: v for k, v in m_local.items() if not k.startswith(_NONDETERMINISTIC)}
         assert len(keep) > 30 and {k: m_remote[k] for k in keep} == keep
     assert local[0]["critic/score/max"] > local[0]["critic/score/min"]  # the scores vary: a real comparison
+
+
+def test_serve_reward_script_refuses_bad_flags(capsys, tmp_path):
+    from tests.script_loader import load_script
+
+    serve = load_script("serve_reward")
+    assert serve.main(["--reward_fn", str(tmp_path / "nope.py")]) == 2
+    assert "--reward_fn=" in capsys.readouterr().err
+    assert serve.main(["--reward_fn", f"{TINY_REWARD}:no_such_fn"]) == 2
+    assert "'no_such_fn' not found" in capsys.readouterr().err
+    assert serve.main(["--reward_fn", TINY_REWARD, "--judge_path", "x"]) == 2
+    assert "not both" in capsys.readouterr().err
+    assert serve.main(["--judge_path", str(tmp_path / "no_model")]) == 2
+    assert "--judge_path=" in capsys.readouterr().err

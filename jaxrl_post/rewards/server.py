@@ -2,8 +2,9 @@
 
 POST `/get_reward` (or `/`) with the request of `remote.py` -> `{"rewards": [...], "extra": [...],
 "errors": [...]}`: each item is scored by `fn(data_source, response, label, extra_info)` (our reward function
-signature); a function that raises gives that item `rewards[i] = null` and `errors[i]` = the exception text
-(the client counts it as a failed call, not retried). `extra[i]` holds the non-score keys of a dict result.
+signature; or a batch scorer's `score_batch`, e.g. the generative judge); a function that raises gives that
+item `rewards[i] = null` and `errors[i]` = the exception text (the client counts it as a failed call, not
+retried). `extra[i]` holds the non-score keys of a dict result.
 GET `/health` -> `{"status": "ok"}`. A request that is not JSON or misses/misaligns the lists is answered
 HTTP 400 with `{"error": ...}`. `scripts/serve_reward.py` is the command line around `make_reward_server`.
 """
@@ -23,6 +24,7 @@ __all__ = ["RewardRequestHandler", "make_reward_server", "score_request"]
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 256 * 1024 * 1024
+_BATCH_LOCK = threading.Lock()
 
 
 class BadRequest(ValueError):
@@ -46,7 +48,9 @@ def _score_value(value: Any) -> tuple[float | None, dict | None, str | None]:
 
 
 def score_request(fn: Callable[..., Any], body: Any) -> dict[str, list]:
-    """Score one request body (a dict of the schema) with `fn`; the response body.
+    """Score one request body (a dict of the schema) with `fn`; the response body. `fn` is a reward function
+    (called per item) or a batch scorer with `score_batch(args, prompts)` (e.g. `GenerativeJudge`: called
+    once per request with the request's `prompts`, one request at a time).
 
     Raises: BadRequest: `responses` (or `query`) is missing, or the lists differ in length."""
     if not isinstance(body, dict):
@@ -64,10 +68,25 @@ def score_request(fn: Callable[..., Any], body: Any) -> dict[str, list]:
             raise BadRequest(f"'{key}' must be a list of {n} entries (one per response)")
         cols[key] = col
     rewards, extras, errors = [], [], []
-    for i in range(n):
+    args = [(cols["data_sources"][i], responses[i], cols["labels"][i], cols["extra_infos"][i]) for i in range(n)]
+    if callable(getattr(fn, "score_batch", None)):  # a batch scorer (GenerativeJudge): one call, with the prompts
+        prompts = body.get("prompts")
+        if prompts is not None and (not isinstance(prompts, list) or len(prompts) != n):
+            raise BadRequest(f"'prompts' must be a list of {n} entries (one per response)")
+        with _BATCH_LOCK:  # one model: one batch at a time
+            results = fn.score_batch(args, prompts)
+        for res in results:
+            if res.status == "ok":
+                score, extra, err = _score_value(res.value)
+            else:
+                score, extra, err = None, None, res.message or res.status
+            rewards.append(score)
+            extras.append(extra)
+            errors.append(err)
+        args = []
+    for a in args:
         try:
-            value = fn(cols["data_sources"][i], responses[i], cols["labels"][i], cols["extra_infos"][i])
-            score, extra, err = _score_value(value)
+            score, extra, err = _score_value(fn(*a))
         except Exception as e:
             score, extra, err = None, None, f"{type(e).__name__}: {e}"
         rewards.append(score)
