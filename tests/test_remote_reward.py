@@ -295,6 +295,14 @@ def test_bad_item_is_resent_alone_and_counted_below_the_limit(fault_server):
     assert "reward nan is not a finite number (3 attempts)" in out.errors[0]
 
 
+def test_unserializable_extra_info_fails_loudly_without_a_request(fault_server):
+    srv = fault_server(["ok"])
+    client = RemoteRewardClient(srv.url)
+    (res,) = client.score_batch([("toy", "1", "1", {"obj": object()})])
+    assert res.status == "error" and "cannot be sent as JSON" in res.message and "not retried" in res.message
+    assert srv.bodies == []
+
+
 def test_http_400_is_not_retried(fault_server):
     srv = fault_server(["400"])
     with pytest.raises(RewardFunctionError, match=r"HTTP 400: .*injected.* \(not retried\)"):

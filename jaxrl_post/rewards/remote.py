@@ -162,7 +162,10 @@ class RemoteRewardClient:
 
     def _post(self, body: dict) -> dict:
         """One attempt. Returns the parsed JSON object; raises _Fatal (do not retry) or RuntimeError (retry)."""
-        data = json.dumps(body, default=_jsonable)
+        try:
+            data = json.dumps(body, default=_jsonable)
+        except (TypeError, ValueError) as e:
+            raise _Fatal(f"the request cannot be sent as JSON (an extra_info or ground truth value?): {e}") from e
         try:
             r = self._session().post(self.url, data=data, headers=self.headers, timeout=self.timeout_s)
         except requests.Timeout as e:
