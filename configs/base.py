@@ -289,6 +289,28 @@ def get_base_config() -> mlc.ConfigDict:
     c.reward_model.overlong_buffer.len = 0  # buffer tokens before data.max_response_length (enabled: 0 < len <= it)
     c.reward_model.overlong_buffer.penalty_factor = 0.0  # penalty at data.max_response_length tokens (DAPO: 1.0)
     c.reward_model.overlong_buffer.log = False  # also log the extra infos overlong_reward and overlong (penalty < 0)
+    c.reward_model.remote = mlc.ConfigDict()  # remote reward service over HTTP (docs/reward_service.md)
+    c.reward_model.remote.url = _opt_str()  # e.g. http://127.0.0.1:8000/get_reward; set: it scores every response
+    c.reward_model.remote.batch_size = 32  # trajectories per request
+    c.reward_model.remote.max_concurrency = 4  # requests in flight at once
+    c.reward_model.remote.timeout_s = 30.0  # connect/read timeout of one request (seconds)
+    c.reward_model.remote.max_retries = 3  # extra attempts of a failed request / of items with a bad score
+    c.reward_model.remote.backoff_s = 0.5  # sleep before retry k: min(backoff_s * 2**k, backoff_max_s)
+    c.reward_model.remote.backoff_max_s = 8.0  # longest sleep between attempts
+    c.reward_model.remote.max_error_fraction = 0.0  # stop when more items fail after retries (0: any failure)
+    c.reward_model.judge = mlc.ConfigDict()  # generative judge, LLM-as-judge (docs/reward_service.md)
+    c.reward_model.judge.path = _opt_str()  # judge model (any model.path); set: the judge scores every response
+    c.reward_model.judge.tokenizer_path = _opt_str()  # its tokenizer ('char': toy one); None -> judge.path
+    c.reward_model.judge.dtype = "bfloat16"  # the judge's compute and storage dtype
+    c.reward_model.judge.prompt_template = _opt_str()  # {question} {response} {ground_truth}; None: built-in
+    c.reward_model.judge.use_chat_template = True  # render the judge prompt as one user turn of the chat template
+    c.reward_model.judge.max_new_tokens = 32  # verdict length limit (greedy, our sampler)
+    c.reward_model.judge.max_prompt_length = 1024  # longer judge prompts are failed calls (reward/num_errors)
+    c.reward_model.judge.min_score = 0.0  # the verdict's scale; a number outside it is unparseable
+    c.reward_model.judge.max_score = 10.0  # top of the verdict's scale
+    c.reward_model.judge.normalize = True  # reward = parsed score / max_score
+    c.reward_model.judge.default_score = 0.0  # reward of an unparseable verdict (counted: judge/num_unparseable)
+    c.reward_model.judge.batch_size = 64  # judge prompts per generate call
     c.custom_reward_function = mlc.ConfigDict()
     c.custom_reward_function.path = _opt_str()  # python file with a scoring function (overrides dispatch)
     c.custom_reward_function.name = "compute_score"  # function name inside that file

@@ -62,6 +62,8 @@ class RewardFunctionError(RuntimeError):
 
 
 def _fn_label(fn: Any) -> str:
+    if isinstance(getattr(fn, "reward_label", None), str):  # RemoteRewardClient, GenerativeJudge
+        return fn.reward_label
     if hasattr(fn, "path") and hasattr(fn, "name"):  # CustomRewardFunction
         return f"{fn.name!r} from {fn.path} (custom_reward_function)"
     return getattr(fn, "__qualname__", None) or repr(fn)
@@ -144,10 +146,15 @@ class RewardManager:
         self.overlong_penalty_factor = float(overlong_penalty_factor)
         self.max_response_length = max_response_length
         self.overlong_log = bool(overlong_log)
+        self._batched = callable(getattr(compute_score, "score_batch", None))
         self._pool = (
-            RewardWorkerPool(compute_score, self.num_workers, timeout_s, mp_context) if self.num_workers > 0 else None
+            RewardWorkerPool(compute_score, self.num_workers, timeout_s, mp_context)
+            if self.num_workers > 0 and not self._batched
+            else None
         )
-        self._thread = ThreadCaller(compute_score, timeout_s) if self._pool is None and timeout_s else None
+        self._thread = (
+            ThreadCaller(compute_score, timeout_s) if self._pool is None and timeout_s and not self._batched else None
+        )
         self.total_errors = 0
         self.total_timeouts = 0
 
@@ -187,6 +194,16 @@ class RewardManager:
         last = np.where(mask.any(axis=1), R - 1 - np.argmax(mask[:, ::-1], axis=1), -1)
         return list(texts), last
 
+    def decode_prompts(self, data) -> list[str] | None:
+        """Decoded prompt per row (its real tokens: `attention_mask[:, :P]`), or None when the batch has no
+        'prompts' [B, P] or 'attention_mask' [B, P+R] (a batch scorer then sends "")."""
+        if "prompts" not in data.batch or "attention_mask" not in data.batch:
+            return None
+        prompts = np.asarray(data.batch["prompts"])
+        mask = np.asarray(data.batch["attention_mask"])[:, : prompts.shape[1]].astype(bool)
+        seqs = [prompts[i][mask[i]].tolist() for i in range(prompts.shape[0])]
+        return list(self.tokenizer.batch_decode(seqs, skip_special_tokens=self.skip_special_tokens))
+
     @staticmethod
     def _ground_truths(data) -> list[Any]:
         nt = data.non_tensor_batch
@@ -216,7 +233,13 @@ class RewardManager:
         infos = list(nt["extra_info"]) if "extra_info" in nt else [None] * B
         args = [(sources[i], texts[i], gts[i], infos[i]) for i in range(B)]
 
-        if self._pool is not None:
+        batch_metrics: dict[str, float] = {}
+        if self._batched:
+            results = list(self.compute_score.score_batch(args, self.decode_prompts(data)))
+            if len(results) != B:
+                raise RuntimeError(f"{_fn_label(self.compute_score)} returned {len(results)} results for {B} rows")
+            batch_metrics = dict(getattr(self.compute_score, "last_metrics", {}) or {})
+        elif self._pool is not None:
             results = self._pool.map(args)
         elif self._thread is not None:
             results = [self._thread.call(a) for a in args]
@@ -286,6 +309,7 @@ class RewardManager:
         metrics: dict[str, float] = {
             "reward/num_errors": float(n_err),
             "reward/num_timeouts": float(n_timeout),
+            **batch_metrics,
         }
         for k, vals in extra.items():
             try:
@@ -305,10 +329,13 @@ class RewardManager:
 
     def _raise_failed(self, first: tuple[int, CallResult], sources: list, n_err: int, n_timeout: int, B: int):
         i, res = first
+        key = getattr(self.compute_score, "max_error_fraction_key", "reward_model.max_error_fraction")
         where = "in worker processes" if self._pool is not None else "in process"
+        if self._batched:
+            where = "batch scorer"
         msg = (
             f"reward function {_fn_label(self.compute_score)} failed on {n_err} of {B} responses "
-            f"({n_err / B:.0%}, {n_timeout} timeouts; limit reward_model.max_error_fraction="
+            f"({n_err / B:.0%}, {n_timeout} timeouts; limit {key}="
             f"{self.max_error_fraction:g}). First failure, row {i} (data_source={sources[i]!r}), {where}: "
             f"{res.message}"
         )
@@ -322,6 +349,8 @@ class RewardManager:
         return out.token_level_scores, out.metrics
 
     def close(self) -> None:
+        if self._batched and callable(getattr(self.compute_score, "close", None)):
+            self.compute_score.close()
         if self._pool is not None:
             self._pool.close()
         if self._thread is not None:

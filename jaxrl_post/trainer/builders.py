@@ -240,6 +240,8 @@ def _check_reward_sources(cfg: Any, data: DataRows) -> None:
     if cfg.custom_reward_function.path:
         data.custom_reward_fn = load_custom_reward(cfg)
         return
+    if cfg.reward_model.remote.url or cfg.reward_model.judge.path:  # the service / the judge scores any source
+        return
     from jaxrl_post.rewards import UnknownDataSourceError, check_data_sources
 
     for key, spec, rows in (
@@ -361,8 +363,10 @@ def build_dataloaders(cfg: Any, data: DataRows, tokenizer, pad_token_id: int):
 
 
 def build_reward_manager(cfg: Any, tokenizer, custom_reward_fn=None):
-    """RewardManager scoring with `custom_reward_function` (if set) or `default_compute_score`, with DAPO's
-    overlong reward shaping when `reward_model.overlong_buffer.enable` (training and validation, as verl).
+    """RewardManager scoring with the remote reward service (`reward_model.remote.url`, its own
+    `max_error_fraction`), else the generative judge (`reward_model.judge.path`), else
+    `custom_reward_function` (if set) or `default_compute_score`, with DAPO's overlong reward shaping when
+    `reward_model.overlong_buffer.enable` (training and validation, as verl).
 
     Args:
       custom_reward_fn: the function `load_data_rows` already loaded (`DataRows.custom_reward_fn`), so the
@@ -372,19 +376,72 @@ def build_reward_manager(cfg: Any, tokenizer, custom_reward_fn=None):
     """
     from jaxrl_post.rewards import RewardManager
 
-    fn = custom_reward_fn if custom_reward_fn is not None else load_custom_reward(cfg)
     rm = cfg.reward_model
     ob = rm.overlong_buffer
+    max_error_fraction = float(rm.max_error_fraction)
+    if rm.remote.url:  # the remote reward service (docs/reward_service.md)
+        from jaxrl_post.rewards.remote import RemoteRewardClient
+
+        rr = rm.remote
+        fn = RemoteRewardClient(
+            rr.url,
+            batch_size=int(rr.batch_size),
+            max_concurrency=int(rr.max_concurrency),
+            timeout_s=float(rr.timeout_s),
+            max_retries=int(rr.max_retries),
+            backoff_s=float(rr.backoff_s),
+            backoff_max_s=float(rr.backoff_max_s),
+        )
+        max_error_fraction = float(rr.max_error_fraction)
+    elif rm.judge.path:
+        fn = build_judge(cfg)
+    else:
+        fn = custom_reward_fn if custom_reward_fn is not None else load_custom_reward(cfg)
     return RewardManager(
         fn,
         tokenizer,
         num_workers=int(rm.num_workers),
         timeout_s=float(rm.timeout_s),
-        max_error_fraction=float(rm.max_error_fraction),
+        max_error_fraction=max_error_fraction,
         overlong_buffer_len=int(ob.len) if ob.enable else None,
         overlong_penalty_factor=float(ob.penalty_factor),
         max_response_length=int(cfg.data.max_response_length),
         overlong_log=bool(ob.log),
+    )
+
+
+def build_judge(cfg: Any, mesh: jax.sharding.Mesh | None = None):
+    """The `GenerativeJudge` of `reward_model.judge.*`: the model at `judge.path` (frozen, `judge.dtype`; on
+    `mesh`, default one device), its tokenizer (`judge.tokenizer_path`, else the model's) and our Generator.
+
+    Raises: ConfigError naming `reward_model.judge.path` / `tokenizer_path` when either cannot be loaded."""
+    from jaxrl_post.models import load_pretrained
+    from jaxrl_post.rewards.judge import DEFAULT_JUDGE_TEMPLATE, GenerativeJudge
+
+    jc = cfg.reward_model.judge
+    try:
+        model, tokenizer = load_pretrained(jc.path, dtype=jc.dtype, mesh=mesh)
+    except (OSError, ValueError, RuntimeError, KeyError) as e:
+        raise ConfigError(f"config.reward_model.judge.path={jc.path!r}: {type(e).__name__}: {e}") from e
+    if jc.tokenizer_path or tokenizer is None:
+        try:
+            tokenizer = load_tokenizer(jc.tokenizer_path or jc.path)
+        except (OSError, ValueError) as e:
+            key = "tokenizer_path" if jc.tokenizer_path else "path"
+            raise ConfigError(f"config.reward_model.judge.{key}: no tokenizer: {e}") from e
+    return GenerativeJudge(
+        model,
+        tokenizer,
+        jc.prompt_template or DEFAULT_JUDGE_TEMPLATE,
+        max_new_tokens=int(jc.max_new_tokens),
+        max_prompt_length=int(jc.max_prompt_length),
+        min_score=float(jc.min_score),
+        max_score=float(jc.max_score),
+        default_score=float(jc.default_score),
+        normalize=bool(jc.normalize),
+        use_chat_template=bool(jc.use_chat_template),
+        batch_size=int(jc.batch_size),
+        mesh=mesh,
     )
 
 

@@ -394,6 +394,7 @@ def validate_config(cfg: Any, n_devices: int | None = None) -> None:
     check("reward_model.timeout_s", lambda v: is_num(v) and v > 0, "must be > 0")
     check("reward_model.max_error_fraction", lambda v: is_num(v) and 0 <= v <= 1, "must be in [0, 1] (1 = never stop)")
     check_dapo(cfg, check, err, is_int, is_num)
+    check_remote_reward(cfg, check, err, is_int, is_num)
     path = cfg.custom_reward_function.path
     if path and not os.path.exists(path):
         err("custom_reward_function.path", "file not found")
@@ -432,3 +433,61 @@ def validate_config(cfg: Any, n_devices: int | None = None) -> None:
     errors += config_errors(cfg)  # trainer.distributed.*, the per-process prompt share
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+
+
+def check_remote_reward(cfg, check, err, is_int, is_num) -> None:
+    """`reward_model.remote.*` (the remote reward service) and `reward_model.judge.*` (the generative judge):
+    only read when `remote.url` / `judge.path` is set."""
+    check_judge(cfg, check, err, is_int, is_num)
+    rr = cfg.reward_model.get("remote")
+    if rr is None or not rr.get("url"):
+        return
+    check(
+        "reward_model.remote.url",
+        lambda v: isinstance(v, str) and v.startswith(("http://", "https://")),
+        "must be an http:// or https:// URL",
+    )
+    if rr.get("url") and cfg.reward_model.get("judge") is not None and cfg.reward_model.judge.path:
+        err("reward_model.remote.url", "set together with reward_model.judge.path: pick one reward source")
+    if cfg.custom_reward_function.path:
+        err(
+            "reward_model.remote.url",
+            "set together with custom_reward_function.path: the service scores every response, so the local "
+            "function would be ignored; serve it instead (scripts/serve_reward.py --reward_fn PATH:NAME) or unset one",
+        )
+    check("reward_model.remote.batch_size", lambda v: is_int(v) and v >= 1, "must be an int >= 1")
+    check("reward_model.remote.max_concurrency", lambda v: is_int(v) and v >= 1, "must be an int >= 1")
+    check("reward_model.remote.timeout_s", lambda v: is_num(v) and v > 0, "must be > 0")
+    check("reward_model.remote.max_retries", lambda v: is_int(v) and v >= 0, "must be an int >= 0")
+    check("reward_model.remote.backoff_s", lambda v: is_num(v) and v >= 0, "must be >= 0")
+    check("reward_model.remote.backoff_max_s", lambda v: is_num(v) and v >= 0, "must be >= 0")
+    check(
+        "reward_model.remote.max_error_fraction", lambda v: is_num(v) and 0 <= v <= 1, "must be in [0, 1] (1 = never)"
+    )
+
+
+def check_judge(cfg, check, err, is_int, is_num) -> None:
+    """`reward_model.judge.*`, when `judge.path` is set."""
+    jc = cfg.reward_model.get("judge")
+    if jc is None or not jc.get("path"):
+        return
+    if cfg.custom_reward_function.path:
+        err(
+            "reward_model.judge.path",
+            "set together with custom_reward_function.path: the judge scores every response; unset one",
+        )
+    tpl = jc.prompt_template
+    if tpl is not None:
+        try:
+            ok = "{response}" in tpl and tpl.format(question="", response="", ground_truth="") is not None
+        except (KeyError, IndexError, ValueError):
+            ok = False
+        if not ok:
+            err("reward_model.judge.prompt_template", "needs {response}; only {question} {response} {ground_truth}")
+    for key in ("max_new_tokens", "max_prompt_length", "batch_size"):
+        check(f"reward_model.judge.{key}", lambda v: is_int(v) and v >= 1, "must be an int >= 1")
+    check("reward_model.judge.dtype", lambda v: v in ("float32", "bfloat16", "float16"), "float32|bfloat16|float16")
+    if not (is_num(jc.min_score) and is_num(jc.max_score) and jc.max_score > jc.min_score):
+        err("reward_model.judge.max_score", f"must be > reward_model.judge.min_score ({jc.min_score})")
+    elif jc.normalize and jc.max_score <= 0:
+        err("reward_model.judge.max_score", "must be > 0 with reward_model.judge.normalize")
