@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from jaxrl_post.data.preference import collate_pairs, load_preference_pairs, pair_ids, tokenize_pairs
@@ -143,3 +144,142 @@ def test_collate_pairs_chosen_rows_then_rejected_rows(tok):
     assert b["positions"][2].tolist() == [0, 1, 2, 3, 4, 0]
     with pytest.raises(ValueError, match="does not fit max_length=4"):
         collate_pairs(d.pairs, max_length=4)
+
+
+# ----------------------------------------------------------------------------------------- layout and losses
+def _tiny_model(seed):
+    from jaxrl_post.models import ModelConfig, init_model
+
+    cfg = ModelConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        tie_word_embeddings=True,
+    )
+    return init_model(cfg, seed=seed)
+
+
+PARITY_ROWS = [
+    {"prompt": "2+2=", "chosen": "4", "rejected": "five"},
+    {"prompt": "hello ", "chosen": "world", "rejected": "moon"},
+    {"prompt": "ab", "chosen": "cd", "rejected": "xyz!"},
+]
+
+
+def _pairs(tok, rows=PARITY_ROWS):
+    return tokenize_pairs(((f"r{i}", r) for i, r in enumerate(rows)), tok, max_length=32).pairs
+
+
+def test_shared_prompt_layout_by_hand(tok):
+    from jaxrl_post.trainer import dpo_step
+
+    pairs = _pairs(tok, [{"prompt": "ab", "chosen": "c", "rejected": "de"}])
+    b = dpo_step.layout_pairs(pairs, n_micro=1, pairs_per_micro=1, row_len=10, pack=True)
+    ab, cc, de = c("ab"), c("c") + [E], c("de") + [E]
+    assert b["input_ids"][0, 0].tolist() == ab + cc + de + [0, 0, 0]
+    p0, p1 = 1 << 16, (1 << 16) | 1
+    assert b["segment_ids"][0, 0].tolist() == [p0, p0, p1, p1, p1 + 1, p1 + 1, p1 + 1, 0, 0, 0]
+    assert b["positions"][0, 0].tolist() == [0, 1, 2, 3, 2, 3, 4, 0, 0, 0]  # both completions continue the prompt
+    n = int(b["slot_mask"][0].sum())
+    # the last prompt token (index 1) predicts the first token of both completions
+    assert b["slot_index"][0, :n].tolist() == [1, 2, 1, 4, 5]
+    assert b["slot_label"][0, :n].tolist() == cc + de
+    assert b["slot_seq"][0, :n].tolist() == [0, 0, 1, 1, 1]  # chosen of pair 0, then rejected (Q + 0, Q = 1)
+    u = dpo_step.layout_pairs(pairs, n_micro=1, pairs_per_micro=1, row_len=5, pack=False)
+    assert u["input_ids"][0].tolist() == [ab + cc + [0], ab + de]
+    assert u["slot_index"][0, :5].tolist() == [1, 2, 6, 7, 8]
+
+
+def test_pair_losses_against_hand_formulas():
+    import jax.numpy as jnp
+
+    from jaxrl_post.trainer import dpo_step
+
+    logps, ref = np.array([-3.0, -7.0, -5.0, -6.0]), np.array([-4.0, -6.5, -4.5, -6.0])
+    counts = np.array([2.0, 4.0, 3.0, 5.0])
+    cl, rl = logps[:2] - ref[:2], logps[2:] - ref[2:]
+    d, beta, eps = cl - rl, 0.2, 0.1
+    ls = lambda x: -np.log1p(np.exp(-x))  # log sigmoid
+    want = {
+        ("sigmoid", 0.0): -ls(beta * d),
+        ("sigmoid", eps): -(1 - eps) * ls(beta * d) - eps * ls(-beta * d),  # cDPO
+        ("robust", eps): (-(1 - eps) * ls(beta * d) + eps * ls(-beta * d)) / (1 - 2 * eps),
+        ("ipo", 0.0): (cl / counts[:2] - rl / counts[2:] - 1 / (2 * beta)) ** 2,
+    }
+    for (kind, e), w in want.items():
+        got, m = dpo_step.dpo_pair_losses(
+            jnp.asarray(logps), jnp.asarray(ref), jnp.asarray(counts), beta=beta, loss_type=kind, label_smoothing=e
+        )
+        np.testing.assert_allclose(np.asarray(got), w, rtol=1e-6, err_msg=kind)
+    np.testing.assert_allclose(np.asarray(m["rewards/margins"]), beta * d, rtol=1e-6)
+    assert np.asarray(m["rewards/accuracies"]).tolist() == [1.0, 0.0]
+
+
+@pytest.mark.slow  # torch + transformers + TRL import, three TRL trainers, four compiles (~60-90 s on this machine)
+def test_loss_metrics_and_grads_match_trl_dpo_trainer(tok, tmp_path):
+    pytest.importorskip("trl")
+    torch = pytest.importorskip("torch")
+    import jax
+    from datasets import Dataset
+    from flax import nnx
+    from transformers import LlamaForCausalLM
+    from trl import DPOConfig, DPOTrainer
+
+    from jaxrl_post.models import save_pretrained
+    from jaxrl_post.models.hf_io import _get_variable, param_map
+    from jaxrl_post.trainer import dpo_step, steps
+
+    policy, reference = _tiny_model(3), _tiny_model(4)  # different weights: non-zero rewards
+    save_pretrained(policy, tok, str(tmp_path / "pol"))
+    save_pretrained(reference, tok, str(tmp_path / "ref"))
+    g, params, rest = steps.split_model(policy)
+    ref_params = steps.split_model(reference)[1]
+    pairs = _pairs(tok)
+    layouts = {
+        "padded": dpo_step.layout_pairs(pairs, n_micro=2, pairs_per_micro=2, row_len=16, pack=False),
+        "packed": dpo_step.layout_pairs(pairs, n_micro=3, pairs_per_micro=1, row_len=32, pack=True),
+    }
+    assert int(dpo_step._n_used(layouts["packed"])) == 2  # 11 + 17 + 10 tokens: two rows of 32, one empty micro
+    cases = [("sigmoid", 0.0, ("padded", "packed")), ("ipo", 0.0, ("packed",)), ("robust", 0.1, ("packed",))]
+    for loss_type, eps, names in cases:
+        tm = LlamaForCausalLM.from_pretrained(str(tmp_path / "pol"), dtype=torch.float32)
+        rm = LlamaForCausalLM.from_pretrained(str(tmp_path / "ref"), dtype=torch.float32)
+        args = DPOConfig(
+            output_dir=str(tmp_path / "out"),
+            per_device_train_batch_size=3,
+            report_to=[],
+            use_cpu=True,
+            bf16=False,
+            max_length=64,
+            beta=0.2,
+            loss_type=[loss_type],
+            label_smoothing=eps,
+        )
+        trainer = DPOTrainer(
+            model=tm, ref_model=rm, args=args, train_dataset=Dataset.from_list(PARITY_ROWS), processing_class=tok
+        )
+        examples = [trainer.train_dataset[i] for i in range(3)]
+        for ex, x in zip(examples, pairs):  # TRL's ids == ours
+            assert ex["prompt_ids"] == x.prompt_ids.tolist()
+            assert (ex["chosen_ids"], ex["rejected_ids"]) == (x.chosen_ids.tolist(), x.rejected_ids.tolist())
+        tm.train()
+        loss = trainer.compute_loss(tm, dict(trainer.data_collator(examples)))
+        loss.backward()
+        trl_metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+        t_params = dict(tm.named_parameters())
+        fn = jax.jit(dpo_step.make_dpo_grads(g, rest, beta=0.2, loss_type=loss_type, label_smoothing=eps, chunk=8))
+        for name in names:
+            j_loss, j_metrics, j_grads = fn(params, layouts[name], ref_params)
+            what = f"{loss_type}/{name}"
+            np.testing.assert_allclose(float(j_loss), loss.item(), rtol=1e-5, atol=1e-6, err_msg=what)
+            for k in dpo_step.METRIC_KEYS:
+                np.testing.assert_allclose(float(j_metrics[k]), trl_metrics[k], rtol=1e-5, atol=1e-6, err_msg=k)
+            g_model = nnx.merge(g, j_grads, rest)
+            for hf_name, (path, _, to_hf) in param_map(policy.config).items():
+                want = t_params[hf_name].grad.numpy()
+                got = to_hf(np.asarray(_get_variable(g_model, path)[...]))
+                np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-4, err_msg=f"{what} {hf_name}")
