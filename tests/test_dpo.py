@@ -363,3 +363,34 @@ def test_tiny_run_via_main_learns_and_resumes(tmp_path, monkeypatch):
     exported = steps.split_model(load_pretrained(str(tmp_path / "a"))[0])[1]
     for x, y in zip(jax.tree.leaves(exported), jax.tree.leaves(b2.actor_params)):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6)
+
+
+@pytest.mark.slow  # two compiles of the DPO grads fn (LoRA and plain graphs): 40-80 s on this loaded machine
+def test_lora_reference_is_the_model_with_adapters_off(tok):
+    """With LoRA the reference is the same model with its adapters off: the loss and metrics equal those of a
+    plain model holding the merged weights (W + s A B) against a frozen copy of the base weights."""
+    import jax
+    from flax import nnx
+
+    from jaxrl_post.models.lora import LoRAConfig, apply_lora, merged_state
+    from jaxrl_post.trainer import dpo_step, steps
+
+    model = _tiny_model(3)
+    apply_lora(model, LoRAConfig(4, 8.0, "all-linear"), seed=0)
+    g, adapters, frozen, rest = steps.split_lora_model(model)
+    keys = iter(jax.random.split(jax.random.key(1), len(jax.tree.leaves(adapters))))
+    adapters = jax.tree.map(lambda x: x + 0.3 * jax.random.normal(next(keys), x.shape, x.dtype), adapters)
+    nnx.update(model, adapters)  # B != 0: the adapted model differs from its base
+    batch = dpo_step.layout_pairs(_pairs(tok), n_micro=3, pairs_per_micro=1, row_len=32, pack=True)
+    kw = dict(beta=0.2, loss_type="sigmoid", chunk=8)
+    loss, metrics, grads = jax.jit(dpo_step.make_dpo_grads(g, rest, **kw))(adapters, batch, None, frozen)
+    assert jax.tree.structure(grads) == jax.tree.structure(adapters)  # the adapters train, the base does not
+
+    plain = _tiny_model(3)  # the same base weights, no adapters
+    pg, base_params, prest = steps.split_model(plain)
+    merged = merged_state(model)
+    want_loss, want_metrics, _ = jax.jit(dpo_step.make_dpo_grads(pg, prest, **kw))(merged, batch, base_params)
+    assert abs(float(metrics["rewards/margins"])) > 1e-3  # the adapters moved the policy off its reference
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
+    for k in dpo_step.METRIC_KEYS:
+        np.testing.assert_allclose(float(metrics[k]), float(want_metrics[k]), rtol=1e-5, atol=1e-6, err_msg=k)
