@@ -30,6 +30,7 @@ __all__ += ["train", "trainer_class"]
 TRAINERS = {
     "rl": "jaxrl_post.trainer.trainer:RLTrainer",
     "sft": "jaxrl_post.trainer.sft:SFTTrainer",
+    "dpo": "jaxrl_post.trainer.dpo:DPOTrainer",
 }
 
 
