@@ -36,6 +36,7 @@ import numpy as np
 from flax import nnx
 
 from jaxrl_post.models.lora import lora_config_of
+from jaxrl_post.platform_defaults import resolve_config
 from jaxrl_post.sharding import init_opt_state
 from jaxrl_post.trainer import builders, loop, preflight, sft_step, steps
 from jaxrl_post.trainer import checkpoint as ckpt
@@ -119,6 +120,7 @@ class SFTTrainer(RolesMixin, CheckpointMixin):
     """
 
     def __init__(self, config, *, tracker: Tracking | None = None, console_write: Callable[[str], None] | None = None):
+        resolve_config(config)  # "auto" values by platform (platform_defaults.py), logged
         validate_sft_config(config)
         self.config = cfg = config
         self.workdir = cfg.trainer.default_local_dir
