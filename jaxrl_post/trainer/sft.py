@@ -120,8 +120,8 @@ class SFTTrainer(RolesMixin, CheckpointMixin):
     """
 
     def __init__(self, config, *, tracker: Tracking | None = None, console_write: Callable[[str], None] | None = None):
+        validate_sft_config(config)  # accepts "auto"; errors come before any other line
         resolve_config(config)  # "auto" values by platform (platform_defaults.py), logged
-        validate_sft_config(config)
         self.config = cfg = config
         self.workdir = cfg.trainer.default_local_dir
         self.trace_counts: dict[str, int] = {}
