@@ -100,6 +100,18 @@ PLANS = {
             target="full fine-tuning of 1.5B fits one 80 GB GPU at 8 x 16 samples of 4k tokens",
             rows_per_device=2,
         ),
+        Plan(  # the test's plan (tests/test_memory_plan.py, with --layers 2): small enough to compile in seconds
+            name="smoke_135m",
+            preset="smollm2_135m",
+            devices=8,
+            budget_gb=16.0,
+            target="(smoke test) SmolLM2-135M shapes, short rows",
+            prompt_len=64,
+            response_len=64,
+            n_prompts=1,
+            n=8,
+            use_kl=False,
+        ),
         Plan(
             name="full_7b_v5e8",
             preset="qwen2_5_7b",
@@ -261,6 +273,7 @@ def run_plan(plan: Plan, layers: int | None) -> dict:
         attn_dense_scores_per_layer_gb=attn_b / GB,
         budget_gb=plan.budget_gb,
         fits=bool(peak / GB <= plan.budget_gb),
+        bytes=dict(arguments=arg, outputs=out, aliased=alias, temps=temp, reference=ref_b, rollout_copy=rollout_b),
         trace_lower_s=round(t1 - t0, 1),
         compile_s=round(t2 - t1, 1),
     )
