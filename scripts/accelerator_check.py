@@ -284,7 +284,7 @@ def main(argv=None) -> list[dict]:
     for name, cfg, weights in models(args.tiny):
         t = time.perf_counter()
         rows.append(check_model(name, cfg, shapes, weights))
-        print(f"{name}: {time.perf_counter() - t:.1f} s", flush=True)
+        print(f"{name}: {time.perf_counter() - t:.1f} s {json.dumps(rows[-1])}", flush=True)  # kept if timed out
     print(table(rows))
     print(json.dumps(rows))
     if args.json:
