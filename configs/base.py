@@ -33,6 +33,12 @@ def _opt_int(default=None):
     return mlc.FieldReference(default, field_type=int)
 
 
+def _auto(default="auto"):
+    """A field that is "auto" (resolved by platform, `jaxrl_post/platform_defaults.py`) or any explicit value;
+    command-line values are parsed as Python literals (True, 8, a policy name)."""
+    return mlc.FieldReference(default, field_type=object)
+
+
 def _optim(lr: float) -> mlc.ConfigDict:
     """Optimizer settings (verl `*.optim`): AdamW after global-norm gradient clipping."""
     o = mlc.ConfigDict()
@@ -57,10 +63,15 @@ def get_base_config() -> mlc.ConfigDict:
     c.model = mlc.ConfigDict()  # the actor (the reference and the critic start from it)
     c.model.path = "smollm2-135m-instruct"  # HF dir / .gguf / alias; ignored when random_init
     c.model.tokenizer_path = _opt_str()  # tokenizer source ('char': toy character tokenizer); None -> model.path
-    c.model.dtype = "float32"  # compute dtype of actor/ref/critic (bf16 on TPU/GPU); verl: mixed_precision.param_dtype
+    # "auto" keys resolve by platform (jaxrl_post/platform_defaults.py; logged at start); explicit values win.
+    # compute dtype of actor/ref/critic (verl: mixed_precision.param_dtype); auto: float32 on CPU, bf16 on GPU/TPU
+    c.model.dtype = "auto"
     c.model.param_dtype = "float32"  # dtype of master weights and AdamW moments (verl's FSDP masters: fp32)
-    c.model.remat = False  # rematerialise decoder blocks in the backward pass (verl: enable_gradient_checkpointing)
-    c.model.scan_layers = False  # lax.scan over repeated layers in training forwards (MaxText); see decoder.py
+    # rematerialise decoder blocks in the backward pass (verl: enable_gradient_checkpointing): False, True or a
+    # jax.checkpoint_policies name; auto: False on CPU, 'nothing_saveable' on GPU/TPU
+    c.model.remat = _auto()
+    # lax.scan over repeated layers in training forwards (MaxText; decoder.py); auto: False on CPU, True on GPU/TPU
+    c.model.scan_layers = _auto()
     # Attention of forwards without a KV cache (updates, old/ref log-probs, values); the rollout's cached decode
     # is always dense. 'auto': 'splash' on TPU, 'cudnn' on GPU with bf16/fp16 compute and no logit soft-cap,
     # else 'xla'. 'splash' turns model.pack_shared_prompts off (docs/performance.md "Attention backends").

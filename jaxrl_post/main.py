@@ -264,11 +264,11 @@ def run(argv=None) -> None:
     from jaxrl_post.trainer.interrupt import GracefulStop
 
     argv = list(sys.argv if argv is None else argv)
-    from jaxrl_post.host_malloc import release_freed_host_memory
-    from jaxrl_post.xla_flags import set_default_xla_flags
+    from jaxrl_post.platform_defaults import apply_host_defaults
 
-    set_default_xla_flags()  # before JAX creates its backend (XLA reads XLA_FLAGS once)
-    release_freed_host_memory()  # glibc: return freed buffers to the OS (before the big allocations)
+    # CPU only: XLA:CPU flags before JAX creates its backend (XLA reads XLA_FLAGS once) and glibc malloc settings
+    # that return freed buffers to the OS (before the big allocations); platform_defaults.py
+    apply_host_defaults()
     if not has_config_flag(argv):
         print(f"{USAGE}\nerror: --{_CONFIG_FLAG} is required", file=sys.stderr)
         sys.exit(2)

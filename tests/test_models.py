@@ -548,7 +548,7 @@ def test_config_hf_round_trip_and_legacy_formats():
 
 
 def test_presets_param_counts():
-    # published sizes: SmolLM2-135M, Qwen2.5-0.5B (494M), Qwen3-0.6B (596M), Llama-3.2-1B (1.24B)
+    # published sizes: SmolLM2-135M, Qwen2.5-0.5B (494M), Qwen3-0.6B (596M), Llama-3.2-1B (1.24B), Qwen2.5-1.5B / 7B
     expected = {
         "smollm2_135m": 134.5e6,
         "qwen2_5_0_5b": 494.0e6,
@@ -556,6 +556,8 @@ def test_presets_param_counts():
         "llama3_2_1b": 1235.8e6,
         "gemma3_1b": 999.9e6,
         "gemma2_2b": 2614.3e6,
+        "qwen2_5_1_5b": 1543.7e6,  # Qwen2.5-1.5B model card: 1.54B
+        "qwen2_5_7b": 7615.6e6,  # Qwen2.5-7B model card: 7.61B
     }
     for name, n in expected.items():
         assert abs(PRESETS[name].num_params() - n) / n < 0.01, (name, PRESETS[name].num_params())

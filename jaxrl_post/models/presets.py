@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from jaxrl_post.models.config import FULL, SLIDING, ModelConfig
 
 
@@ -66,6 +68,22 @@ qwen2_5_0_5b = ModelConfig(
     max_position_embeddings=32768,
     bos_token_id=151643,
     eos_token_id=151643,
+)
+
+qwen2_5_1_5b = dataclasses.replace(
+    qwen2_5_0_5b, hidden_size=1536, intermediate_size=8960, num_layers=28, num_heads=12, num_kv_heads=2, head_dim=128
+)
+
+qwen2_5_7b = dataclasses.replace(
+    qwen2_5_0_5b,
+    vocab_size=152064,
+    hidden_size=3584,
+    intermediate_size=18944,
+    num_layers=28,
+    num_heads=28,
+    num_kv_heads=4,
+    head_dim=128,
+    tie_word_embeddings=False,
 )
 
 qwen3_0_6b = ModelConfig(
@@ -140,6 +158,8 @@ PRESETS: dict[str, ModelConfig] = {
     "smollm2_135m": smollm2_135m,
     "llama3_2_1b": llama3_2_1b,
     "qwen2_5_0_5b": qwen2_5_0_5b,
+    "qwen2_5_1_5b": qwen2_5_1_5b,
+    "qwen2_5_7b": qwen2_5_7b,
     "qwen3_0_6b": qwen3_0_6b,
     "gemma2_2b": gemma2_2b,
     "gemma3_1b": gemma3_1b,

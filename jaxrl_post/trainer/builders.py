@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl_post.platform_defaults import resolve
 from jaxrl_post.trainer import steps
 from jaxrl_post.trainer.config_check import ConfigError, validation_enabled
 from jaxrl_post.trainer.preflight import (
@@ -42,7 +43,8 @@ def model_config_from(cfg: Any):
     from jaxrl_post.models import get_preset
 
     overrides = {k: v for k, v in cfg.model.arch.items() if v is not None}
-    return get_preset(cfg.model.preset).replace(dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype, **overrides)
+    dtype = resolve("model.dtype", cfg.model.dtype)
+    return get_preset(cfg.model.preset).replace(dtype=dtype, param_dtype=cfg.model.param_dtype, **overrides)
 
 
 def load_tokenizer(path: str):
@@ -71,25 +73,25 @@ def build_actor_and_tokenizer(cfg: Any, mesh: jax.sharding.Mesh | None):
     from jaxrl_post.models import init_model, load_pretrained
 
     tok_path = cfg.model.tokenizer_path
+    dtype = resolve("model.dtype", cfg.model.dtype)
+    remat, scan = resolve("model.remat", cfg.model.remat), resolve("model.scan_layers", cfg.model.scan_layers)
     if cfg.model.random_init:
         tokenizer = load_tokenizer(tok_path or cfg.model.path)
         mcfg = model_config_from(cfg)
         model = init_model(
             mcfg,
             seed=int(cfg.trainer.seed),
-            dtype=cfg.model.dtype,
+            dtype=dtype,
             param_dtype=cfg.model.param_dtype,
             mesh=mesh,
-            remat=cfg.model.remat,
+            remat=remat,
         )
     else:
-        model, tokenizer = load_pretrained(
-            cfg.model.path, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype, mesh=mesh
-        )
-        model.remat = cfg.model.remat
+        model, tokenizer = load_pretrained(cfg.model.path, dtype=dtype, param_dtype=cfg.model.param_dtype, mesh=mesh)
+        model.remat = remat
         if tok_path or tokenizer is None:
             tokenizer = load_tokenizer(tok_path or cfg.model.path)
-    model.scan_layers = bool(cfg.model.scan_layers)
+    model.scan_layers = bool(scan)
     apply_attention_impl(cfg, model)
     if len(tokenizer) > model.config.vocab_size:
         raise ValueError(
@@ -110,7 +112,10 @@ def apply_attention_impl(cfg: Any, model, platform: str | None = None) -> str:
     platform = platform or jax.default_backend()
     try:
         impl = resolve_attention_impl(
-            cfg.model.attention_impl, platform, dtype=cfg.model.dtype, softcap=model.config.attn_logit_softcap
+            cfg.model.attention_impl,
+            platform,
+            dtype=resolve("model.dtype", cfg.model.dtype),
+            softcap=model.config.attn_logit_softcap,
         )
     except ValueError as e:
         raise ConfigError(str(e)) from None

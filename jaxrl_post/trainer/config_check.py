@@ -419,7 +419,7 @@ def validate_config(cfg: Any, n_devices: int | None = None) -> None:
         if importlib.util.find_spec("wandb") is None:
             err("trainer.logger", "'wandb' needs the wandb package: pip install wandb (or drop it from the list)")
     dtypes = ("float32", "bfloat16", "float16")
-    check("model.dtype", lambda v: v in dtypes, "valid: float32, bfloat16, float16")
+    check("model.dtype", lambda v: v in dtypes + ("auto",), "valid: auto, float32, bfloat16, float16")
     check("model.param_dtype", lambda v: v in dtypes, "valid: float32, bfloat16, float16")
     check(
         "rollout.dtype", lambda v: v is None or v in dtypes, "valid: None (= model.dtype), float32, bfloat16, float16"

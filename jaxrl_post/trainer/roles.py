@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxrl_post import platform_defaults
 from jaxrl_post.batch_keys import FORWARD_KEYS, TOKEN_KEYS
 from jaxrl_post.sharding import init_opt_state
 from jaxrl_post.trainer import builders, packed_steps, packing, steps
@@ -314,7 +315,7 @@ class RolesMixin:
         from jaxrl_post.rollout import Generator
 
         cfg = self.config
-        rdt = jnp.dtype(cfg.rollout.dtype or cfg.model.dtype)
+        rdt = jnp.dtype(cfg.rollout.dtype or platform_defaults.resolve("model.dtype", cfg.model.dtype))
         m = self.actor_model
         self.rollout_params = None
         self.rollout_copy = not (rdt == m.dtype == m.param_dtype)
@@ -331,7 +332,11 @@ class RolesMixin:
             self._cast_donating = jax.jit(lambda p, f, old: to_rollout(p, f), donate_argnums=(2,), out_shardings=out)
         else:
             self.rollout_model = m
-        self.generator = Generator(self.rollout_model, mesh=self.mesh if self.n_devices > 1 else None)
+        self.generator = Generator(
+            self.rollout_model,
+            mesh=self.mesh if self.n_devices > 1 else None,
+            cache_segment_len=platform_defaults.cache_segment_len(),  # one segment off CPU (no per-segment cond)
+        )
         self.agent_loop = builders.build_agent_loop(cfg, self.generator, self.tokenizer)  # None: single-turn
         self._multi_turn_stats = []
         self.sync_weights()

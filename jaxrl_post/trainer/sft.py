@@ -36,6 +36,7 @@ import numpy as np
 from flax import nnx
 
 from jaxrl_post.models.lora import lora_config_of
+from jaxrl_post.platform_defaults import resolve_config
 from jaxrl_post.sharding import init_opt_state
 from jaxrl_post.trainer import builders, loop, preflight, sft_step, steps
 from jaxrl_post.trainer import checkpoint as ckpt
@@ -121,7 +122,8 @@ class SFTTrainer(RolesMixin, CheckpointMixin):
     TRAINER_TYPE = "sft"  # main.py's trainer_type; checkpoints record it (a DPO run cannot resume an SFT one)
 
     def __init__(self, config, *, tracker: Tracking | None = None, console_write: Callable[[str], None] | None = None):
-        self.validate_config(config)
+        self.validate_config(config)  # accepts "auto"; errors come before any other line
+        resolve_config(config)  # "auto" values by platform (platform_defaults.py), logged
         self.config = cfg = config
         self.workdir = cfg.trainer.default_local_dir
         self.trace_counts: dict[str, int] = {}

@@ -47,6 +47,7 @@ import numpy as np
 
 from jaxrl_post import core_algos, distributed
 from jaxrl_post.models.lora import lora_config_of
+from jaxrl_post.platform_defaults import resolve_config
 from jaxrl_post.protocol import DataProto
 from jaxrl_post.trainer import builders, loop, preflight, steps
 from jaxrl_post.trainer import metrics as metrics_lib
@@ -84,7 +85,8 @@ class RLTrainer(RolesMixin, RolloutMixin, UpdatesMixin, CheckpointMixin):
     """
 
     def __init__(self, config, *, tracker: Tracking | None = None, console_write: Callable[[str], None] | None = None):
-        validate_config(config)
+        validate_config(config)  # accepts "auto"; errors come before any other line
+        resolve_config(config)  # "auto" values by platform (platform_defaults.py), logged
         self.config = cfg = config
         self.workdir = cfg.trainer.default_local_dir
         self.trace_counts: dict[str, int] = {}

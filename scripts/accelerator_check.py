@@ -1,0 +1,297 @@
+"""One-shot accelerator check (GPU or TPU host): compile, bf16 rollout and update speed, MFU, memory, parity.
+
+    bash scripts/accelerator_check.sh            # the full check (< 8 minutes on one GPU / TPU host)
+    python scripts/accelerator_check.py --tiny   # the same code on a tiny random model (CPU, tests)
+
+For each model (full: SmolLM2-135M-Instruct, loaded if the package is installed, else its shapes with random
+weights, and a random Llama-3.2-1B-shaped model; --tiny: a 2-layer toy), with the platform's defaults
+(`platform_defaults.py`: bf16 compute on accelerators, remat, scanned layers, the fused attention kernel):
+
+* rollout: `Generator.generate` of `prompts x n` samples, bf16 weights; compile (first call) and the
+  timed second call, generated tokens/s;
+* actor update: the packed update (`packed_steps.make_packed_actor_update`, f32 masters, bf16 compute),
+  `lower` + `compile` timed apart, then the timed second call; MFU = training FLOPs of the real tokens
+  (`metrics.transformer_flops_per_sequence`, verl's convention) / time / the device's bf16 peak (a table of
+  datasheet peaks by `device_kind`, else the measured bf16 matmul peak);
+* peak device memory (`device.memory_stats()['peak_bytes_in_use']`, None on CPU);
+* greedy parity: float32 greedy decoding (matmul precision 'highest') of the same weights and prompts on the
+  default device and on the CPU; rows whose tokens are all equal, and the mean fraction of tokens equal
+  before the first difference.
+
+Prints a table and, last, one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(_HERE))
+sys.path.insert(0, _HERE)  # bench_forward
+
+from jaxrl_post import platform_defaults  # noqa: E402
+from jaxrl_post.models import PRESETS, ModelConfig, init_model  # noqa: E402
+from jaxrl_post.models.attention import resolve_attention_impl  # noqa: E402
+from jaxrl_post.protocol import DataProto  # noqa: E402
+from jaxrl_post.rollout import Generator, SamplingParams  # noqa: E402
+from jaxrl_post.trainer import metrics as metrics_lib  # noqa: E402
+from jaxrl_post.trainer import packed_steps, packing, steps  # noqa: E402
+
+# datasheet dense bf16 peaks (FLOP/s), matched as substrings of `device.device_kind`
+PEAK_BF16 = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L4": 121e12,
+    "TPU v6": 918e12,
+    "TPU v5p": 459e12,
+    "TPU v5 lite": 197e12,
+    "TPU v5e": 197e12,
+    "TPU v4": 275e12,
+}
+TINY = ModelConfig(
+    family="llama",
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+    prompts: int
+    n: int
+    prompt_len: int
+    response_len: int
+    micro: int  # responses per packed micro-batch of the update
+
+
+FULL = Shapes(prompts=16, n=8, prompt_len=128, response_len=256, micro=16)
+PARITY_PROMPTS, PARITY_TOKENS = 4, 64
+SMALL = Shapes(prompts=2, n=2, prompt_len=8, response_len=8, micro=2)
+
+
+def peak_flops(device) -> tuple[float, str]:
+    """(bf16 peak FLOP/s, its source) of `device`: the datasheet table, else a measured bf16 matmul."""
+    for key, value in PEAK_BF16.items():
+        if key.lower() in device.device_kind.lower():
+            return value, f"datasheet ({key})"
+    from bench_forward import matmul_peak
+
+    n = 4096 if device.platform != "cpu" else 512
+    return matmul_peak(n=n, steps=3, dtype=jnp.bfloat16), "measured bf16 matmul"
+
+
+def greedy_parity(a: np.ndarray, b: np.ndarray) -> dict:
+    """Rows of `a`, `b` `[B, R]` (tokens) that are equal, and the mean fraction of each row's tokens equal
+    before its first difference (1.0 = identical)."""
+    a, b = np.asarray(a), np.asarray(b)
+    if a.shape != b.shape:
+        raise ValueError(f"token arrays differ in shape: {a.shape} vs {b.shape}")
+    diff = a != b
+    first = np.where(diff.any(1), diff.argmax(1), a.shape[1])
+    return {
+        "rows_equal": f"{int((first == a.shape[1]).sum())}/{a.shape[0]}",
+        "prefix_equal": float(first.mean() / a.shape[1]),
+    }
+
+
+def prompts(shapes: Shapes, vocab: int, seed: int = 0) -> DataProto:
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(max(1, shapes.prompt_len // 2), shapes.prompt_len + 1, shapes.prompts)
+    mask = (np.arange(shapes.prompt_len)[None] >= shapes.prompt_len - lens[:, None]).astype(np.int32)
+    ids = (rng.integers(3, vocab, mask.shape) * mask).astype(np.int32)
+    return DataProto.from_dict({"input_ids": ids, "attention_mask": mask})
+
+
+def update_batch(shapes: Shapes, vocab: int, seed: int = 1) -> dict[str, np.ndarray]:
+    """A GRPO-shaped mini-batch of `prompts * n` sequences (random tokens, responses of 1/4..all of R)."""
+    rng = np.random.default_rng(seed)
+    m, p, r = shapes.prompts * shapes.n, shapes.prompt_len, shapes.response_len
+    p_len = np.repeat(rng.integers(max(1, p // 2), p + 1, shapes.prompts), shapes.n)
+    r_len = rng.integers(max(1, r // 4), r + 1, m)
+    am = np.concatenate([np.arange(p)[None] >= p - p_len[:, None], np.arange(r)[None] < r_len[:, None]], 1)
+    ids = (rng.integers(3, vocab, (m, p + r)) * am).astype(np.int32)
+    rmask = am[:, p:].astype(np.int32)
+    return dict(
+        input_ids=ids,
+        attention_mask=am.astype(np.int32),
+        position_ids=np.maximum(np.cumsum(am, 1) - 1, 0).astype(np.int32),
+        responses=ids[:, p:].copy(),
+        loss_mask=rmask,
+        advantages=(rng.normal(size=(m, 1)) * rmask).astype(np.float32),
+    )
+
+
+def _timed(fn, *args):
+    t = time.perf_counter()
+    out = jax.block_until_ready(fn(*args))
+    return out, time.perf_counter() - t
+
+
+def check_model(name: str, cfg: ModelConfig, shapes: Shapes, weights=None) -> dict:
+    """Rollout, update and parity of one model. weights: an nnx.State of float32 params (loaded), or None
+    (random init, seed 0)."""
+    dev = jax.devices()[0]
+    plat = platform_defaults.platform_name()
+    dtype = platform_defaults.default("model.dtype", plat)
+    rec = {"model": name, "params_b": None, "platform": plat, "device_kind": dev.device_kind, "dtype": dtype}
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):  # the reference weights live on the host: identical on both paths
+        base = init_model(cfg, seed=0)
+        if weights is not None:
+            nnx.update(base, weights)
+        graphdef, state = nnx.split(base)
+        host_state = jax.device_get(state)
+    rec["params_b"] = round(sum(x.size for x in jax.tree.leaves(host_state)) / 1e9, 3)
+
+    # ---- rollout in the platform's dtype
+    model = init_model(cfg, seed=0, dtype=dtype, param_dtype=dtype)
+    nnx.update(model, jax.tree.map(lambda x: jnp.asarray(x, dtype if x.ndim >= 2 else x.dtype), host_state))
+    gen = Generator(model, cache_segment_len=platform_defaults.cache_segment_len(plat))
+    sp = SamplingParams(max_new_tokens=shapes.response_len, temperature=1.0, eos_token_ids=(), seed=0)
+    pr = prompts(shapes, cfg.vocab_size)
+    _, first = _timed(lambda: gen.generate(pr, sp, n=shapes.n))
+    out, t = _timed(lambda: gen.generate(pr, sp, n=shapes.n))
+    toks = int(np.asarray(out.batch["response_attention_mask"]).sum())
+    rec.update(rollout_first_call_s=round(first, 2), rollout_s=round(t, 3), rollout_tokens_per_s=round(toks / t, 1))
+    gen = model = None  # free the rollout weights
+
+    # ---- actor update: f32 masters, platform compute dtype, remat / scan / attention by platform
+    model = init_model(cfg, seed=0, dtype=dtype, param_dtype="float32")
+    nnx.update(model, jax.tree.map(jnp.asarray, host_state))
+    model.remat = platform_defaults.default("model.remat", plat)
+    model.scan_layers = platform_defaults.default("model.scan_layers", plat)
+    model.set_attention_impl(resolve_attention_impl("auto", plat, dtype=dtype, softcap=cfg.attn_logit_softcap))
+    g, params, rest = steps.split_model(model)
+    tx = steps.make_optimizer(steps.OptimConfig(lr=1e-6, weight_decay=0.0))
+    opt = jax.jit(tx.init)(params)
+    batch = update_batch(shapes, cfg.vocab_size)
+    m, p, r = batch["responses"].shape[0], shapes.prompt_len, shapes.response_len
+    spec = packing.make_pack_spec(m, shapes.micro, p, r)
+    packed = {k: batch[k] for k in ("loss_mask", "advantages", "responses")} | packing.pack_batch(batch, spec)
+    packed = jax.tree.map(jnp.asarray, packed)
+    loss_cfg = steps.ActorLossConfig(on_policy=True)
+    fn = jax.jit(packed_steps.make_packed_actor_update(g, rest, tx, loss_cfg), donate_argnums=(0, 1))
+    t0 = time.perf_counter()
+    lowered = fn.lower(params, opt, packed)
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    t2 = time.perf_counter()
+    params, opt, aux = compiled(params, opt, packed)
+    jax.block_until_ready(params)
+    (params, opt, aux), t = _timed(compiled, params, opt, packed)
+    real = batch["attention_mask"].sum(1)
+    flops = sum(metrics_lib.transformer_flops_per_sequence(cfg, int(n), training=True) for n in real)
+    peak, peak_src = peak_flops(dev)
+    mem = compiled.memory_analysis()
+    rec.update(
+        update_lower_s=round(t1 - t0, 2),
+        update_compile_s=round(t2 - t1, 2),
+        update_s=round(t, 3),
+        update_loss=float(aux["loss"]),
+        update_tokens_per_s=round(float(real.sum()) / t, 1),
+        mfu=round(flops / t / peak, 4),
+        peak_flops=peak,
+        peak_source=peak_src,
+        update_temp_gb=round(mem.temp_size_in_bytes / 1e9, 3) if mem is not None else None,
+    )
+    params = opt = compiled = None
+
+    # ---- greedy parity, float32, default device vs CPU
+    # parity on the first PARITY_PROMPTS prompts and PARITY_TOKENS tokens (the CPU side is slow at 1B)
+    pr = prompts(dataclasses.replace(shapes, prompts=min(shapes.prompts, PARITY_PROMPTS)), cfg.vocab_size)
+    n_tok = min(shapes.response_len, PARITY_TOKENS)
+    greedy = SamplingParams(max_new_tokens=n_tok, temperature=0.0, do_sample=False, eos_token_ids=())
+    toks = {}
+    with jax.default_matmul_precision("highest"):
+        for where, device in (("device", dev), ("cpu", cpu)):
+            with jax.default_device(device):
+                mdl = nnx.merge(graphdef, jax.device_put(host_state, device))
+                res = Generator(mdl, cache_segment_len=platform_defaults.cache_segment_len(device.platform))
+                toks[where] = np.asarray(res.generate(pr, greedy).batch["responses"])
+    rec.update({f"greedy_{k}": v for k, v in greedy_parity(toks["device"], toks["cpu"]).items()})
+    stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
+    rec["peak_device_memory_gb"] = round(stats["peak_bytes_in_use"] / 1e9, 3) if stats else None
+    return rec
+
+
+COLS = (
+    ("model", "{}"),
+    ("params_b", "{}"),
+    ("dtype", "{}"),
+    ("rollout_first_call_s", "{}"),
+    ("rollout_tokens_per_s", "{}"),
+    ("update_compile_s", "{}"),
+    ("update_s", "{}"),
+    ("mfu", "{}"),
+    ("peak_device_memory_gb", "{}"),
+    ("greedy_rows_equal", "{}"),
+    ("greedy_prefix_equal", "{:.3f}"),
+)
+
+
+def table(rows: list[dict]) -> str:
+    head = "| " + " | ".join(k for k, _ in COLS) + " |"
+    return "\n".join(
+        [head, "|" + "---|" * len(COLS)] + ["| " + " | ".join(f.format(r[k]) for k, f in COLS) + " |" for r in rows]
+    )
+
+
+def models(tiny: bool):
+    """(name, config, weights or None) of the models to check."""
+    if tiny:
+        return [("tiny random", TINY, None)]
+    out = []
+    try:
+        from jaxrl_post.models import load_pretrained
+
+        with jax.default_device(jax.devices("cpu")[0]):
+            m, _ = load_pretrained("smollm2-135m-instruct")
+        out.append(("SmolLM2-135M-Instruct", m.config, nnx.state(m)))
+    except Exception as e:  # package missing on this host: same shapes, random weights
+        print(f"SmolLM2 not loadable ({type(e).__name__}: {e}); its shapes with random weights", flush=True)
+        out.append(("SmolLM2-135M shapes (random)", PRESETS["smollm2_135m"], None))
+    out.append(("Llama-3.2-1B shapes (random)", PRESETS["llama3_2_1b"], None))
+    return out
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tiny", action="store_true", help="a 2-layer toy at tiny shapes (CPU; what the test runs)")
+    ap.add_argument("--json", default=None, help="also write the records here")
+    args = ap.parse_args(argv)
+    shapes = SMALL if args.tiny else FULL
+    print(f"backend {jax.default_backend()}: {jax.devices()[0].device_kind} x {jax.device_count()}", flush=True)
+    rows = []
+    for name, cfg, weights in models(args.tiny):
+        t = time.perf_counter()
+        rows.append(check_model(name, cfg, shapes, weights))
+        print(f"{name}: {time.perf_counter() - t:.1f} s {json.dumps(rows[-1])}", flush=True)  # kept if timed out
+    print(table(rows))
+    print(json.dumps(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
