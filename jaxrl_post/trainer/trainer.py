@@ -9,6 +9,7 @@ Per training step (`train_step`):
        score further prompt batches until data.train_batch_size groups are kept]
     -> old log-probs (skipped when exactly on-policy)                               timing_s/old_log_prob
     -> reference log-probs (only when a KL term is on)                              timing_s/ref
+    -> teacher log-probs (on-policy distillation, teacher.py)                        timing_s/teacher
     -> critic values (PPO)                                                           timing_s/values
     -> KL penalty in reward (fixed/adaptive controller) -> advantages                timing_s/adv
     -> critic update (epochs x mini-batches)                                         timing_s/update_critic
@@ -58,12 +59,13 @@ from jaxrl_post.trainer.nonfinite import NonFiniteGuard
 from jaxrl_post.trainer.roles import RolesMixin
 from jaxrl_post.trainer.roles import to_numpy as _np
 from jaxrl_post.trainer.state import CheckpointMixin
+from jaxrl_post.trainer.teacher import TeacherMixin, kl_to_teacher_metrics
 from jaxrl_post.trainer.tracking import Tracking, console_legend
 from jaxrl_post.trainer.updates import UpdatesMixin
 from jaxrl_post.trainer.validation_loop import run_validation
 
 
-class RLTrainer(RolesMixin, RolloutMixin, UpdatesMixin, CheckpointMixin):
+class RLTrainer(RolesMixin, TeacherMixin, RolloutMixin, UpdatesMixin, CheckpointMixin):
     """PPO / GRPO / DAPO trainer driven by a job ConfigDict (configs/grpo.py, configs/ppo.py, configs/dapo.py).
 
     Args:
@@ -137,6 +139,7 @@ class RLTrainer(RolesMixin, RolloutMixin, UpdatesMixin, CheckpointMixin):
         # ---- roles: actor (params / optimizer / jitted fns), reference (only with a KL term), critic (PPO)
         self._build_actor()
         self._build_reference()
+        self._build_teacher()  # on-policy distillation (distillation.enabled), else nothing
         self._build_critic()
 
         # ---- algorithm state
@@ -213,6 +216,12 @@ class RLTrainer(RolesMixin, RolloutMixin, UpdatesMixin, CheckpointMixin):
                     b["ref_log_prob"] = self._forward(
                         self._ref_log_prob, ref, b, micro, self.ref_spec, self.actor_frozen
                     )[0]
+            if self.teacher_params is not None:
+                with _timer("teacher", timing):
+                    b["teacher_log_prob"] = self._teacher_forward(b)
+                student = b["old_log_probs"] if "old_log_probs" in b else b["rollout_log_probs"]
+                loss_mode = cfg.distillation.distillation_loss.loss_mode
+                metrics.update(kl_to_teacher_metrics(student, b["teacher_log_prob"], train_mask, loss_mode))
             if self.use_critic:
                 with _timer("values", timing):
                     b["values"] = self._forward(
