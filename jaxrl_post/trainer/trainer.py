@@ -30,7 +30,8 @@ state.py, the validation loop in validation_loop.py; this module holds the host 
 
 Checkpointable state (see `state_dict`): actor/critic params and optimizer states, global step, update
 counters, RNG key, KL controller, data iterator position, non-finite skip counters; the reference params
-only as a pointer (they are the initial actor, rebuilt the same way). Checkpoints (`checkpoint.py`,
+only as a pointer (they are the initial actor, rebuilt the same way); the distillation teacher not at all
+(frozen, rebuilt from `distillation.teacher_models.teacher_model`). Checkpoints (`checkpoint.py`,
 orbax, async) are written every `trainer.save_freq` steps and after the last one, into
 `<trainer.default_local_dir>/checkpoints/global_step_<N>`; `trainer.resume_mode` picks what to resume
 from when the trainer is built. Resuming is exact: the same steps give bit-identical params and metrics.
@@ -78,7 +79,9 @@ class RLTrainer(RolesMixin, TeacherMixin, RolloutMixin, UpdatesMixin, Checkpoint
         unusable `trainer.default_local_dir` (`preflight.check_workdir`) or one another live run holds
         (`run_lock.RunDirBusyError`), a missing `model.path` (`preflight.check_model_path`), a
         data_source with no reward function (without `custom_reward_function.path`), and validation data
-        that all occurs in the training data while validation is on (`builders.load_data_rows`).
+        that all occurs in the training data while validation is on (`builders.load_data_rows`), and a
+        distillation teacher whose tokenizer differs from the student's or whose vocabulary is smaller
+        (`teacher.build_teacher`).
       MalformedRowError: a malformed data row (file, row, problem), before the model is loaded.
       CheckpointError: the checkpoint to resume from cannot be read or does not match the config.
       OSError: an earlier run's `checkpoints/` or `metrics.jsonl` could not be moved aside (see
