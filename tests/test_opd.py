@@ -307,3 +307,57 @@ def test_tiny_opd_run_moves_the_student_toward_the_teacher(tmp_path):
     )
     lp_pad = np.asarray(jax.jit(padded)(trainer.teacher_params, {k: jnp.asarray(v) for k, v in b.items()})[0])
     np.testing.assert_allclose(got[mask], lp_pad[mask], rtol=1e-4, atol=1e-4)
+
+
+_MESH_SCRIPT = r"""
+import json, os, sys
+sys.path.insert(0, os.getcwd())
+import jax
+from configs import opd
+from jaxrl_post.trainer.trainer import RLTrainer
+
+assert jax.device_count() == 8
+c = opd.get_config()
+c.trainer.default_local_dir = sys.argv[1]
+c.trainer.mesh.data, c.trainer.mesh.fsdp, c.trainer.mesh.tensor = 2, 2, 2
+c.trainer.total_training_steps = 2
+c.distillation.teacher_models.teacher_model.arch.vocab_size = 160
+c.distillation.teacher_models.teacher_model.dtype = "bfloat16"
+trainer = RLTrainer(c, console_write=lambda line: None)
+last = trainer.fit()["last"]
+emb = trainer.teacher_params["embedding"][...]
+out = dict(shape=list(emb.shape), dtype=str(emb.dtype), spec=str(emb.sharding.spec), counts=trainer.compile_counts(),
+           last={k: v for k, v in last.items() if "distillation" in k})
+print("RESULT" + json.dumps(out))
+"""
+
+
+@pytest.mark.slow  # ~2 min: a subprocess on 8 fake CPU devices compiling the tiny run
+def test_tiny_opd_on_8_fake_devices(tmp_path):
+    """The teacher on a ('data', 'fsdp', 'tensor') = (2, 2, 2) mesh: bf16 (its own dtype), its 160-row table
+    sliced to the student's 128 and sharded like the actor's embedding, compiled once, finite metrics."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "mesh_run.py"
+    script.write_text(_MESH_SCRIPT)
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0",
+    )
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "run")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.split("RESULT", 1)[1])
+    assert out["shape"] == [128, 64] and out["dtype"] == "bfloat16"
+    assert out["spec"] == "P('tensor', 'fsdp')"  # vocab over tensor, embed over fsdp (as the actor)
+    assert out["counts"]["teacher"] == 1 and set(out["counts"].values()) == {1}
+    for k in ("actor/distillation/loss", "actor/distillation/reverse_kl", "actor/distillation/teacher_log_prob"):
+        assert np.isfinite(out["last"][k]), k
