@@ -117,6 +117,17 @@ def test_actor_loss_combines_task_and_distillation_as_verl(use_task_rewards):
     assert float(m["pg_loss"]) == pytest.approx(task, rel=1e-5)
 
 
+def test_missing_teacher_is_one_config_error_with_the_export_command(tmp_path):
+    from configs import opd
+    from jaxrl_post.trainer.trainer import RLTrainer
+
+    c = opd.get_config("smollm2")
+    c.trainer.default_local_dir = str(tmp_path / "run")
+    c.distillation.teacher_models.teacher_model.model_path = str(tmp_path / "no_such_teacher")
+    with pytest.raises(ConfigError, match=r"teacher_model.model_path=.*no_such_teacher.*scripts/export_hf.py"):
+        RLTrainer(c)
+
+
 def test_config_refuses_what_verl_refuses(tmp_path):
     from configs import opd
     from jaxrl_post.trainer.config_check import validate_config

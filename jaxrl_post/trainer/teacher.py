@@ -20,6 +20,7 @@ Source: verl `docs/algo/opd.md` (teacher config, same-tokenizer requirement, tem
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import jax
@@ -79,6 +80,27 @@ def slice_vocab(model, n: int) -> None:
     if model.lm_head is not None:
         model.lm_head.set_value(model.lm_head[...][:, :n])
     model.config = model.config.replace(vocab_size=n)
+
+
+def check_teacher_path(cfg: Any) -> None:
+    """With `distillation.enabled` and a loaded teacher, check before anything is loaded that `model_path`
+    names a model that exists (as `preflight.check_model_path` does for `model.path`; a hub id is left to the
+    loader). Raises ConfigError naming the key, with the command that exports a run as a teacher."""
+    t = cfg.distillation.teacher_models.teacher_model
+    if not cfg.distillation.enabled or t.random_init:
+        return
+    from jaxrl_post.models.resolve import _HUB_GGUF_RE, _HUB_ID_RE, resolve_model_path
+
+    name = os.path.expanduser(str(t.model_path or ""))
+    if name and not os.path.exists(name) and (_HUB_ID_RE.match(name) or _HUB_GGUF_RE.match(name)):
+        return
+    try:
+        resolve_model_path(name)
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(
+            f"config.{TEACHER_KEY}.model_path={t.model_path!r}: {e}. A trained run becomes a teacher with "
+            "`python scripts/export_hf.py --checkpoint=<run dir> --out=<dir>`."
+        ) from e
 
 
 def build_teacher(cfg: Any, mesh, student_tokenizer, student_vocab: int):

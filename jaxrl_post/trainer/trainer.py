@@ -60,7 +60,7 @@ from jaxrl_post.trainer.nonfinite import NonFiniteGuard
 from jaxrl_post.trainer.roles import RolesMixin
 from jaxrl_post.trainer.roles import to_numpy as _np
 from jaxrl_post.trainer.state import CheckpointMixin
-from jaxrl_post.trainer.teacher import TeacherMixin, kl_to_teacher_metrics
+from jaxrl_post.trainer.teacher import TeacherMixin, check_teacher_path, kl_to_teacher_metrics
 from jaxrl_post.trainer.tracking import Tracking, console_legend
 from jaxrl_post.trainer.updates import UpdatesMixin
 from jaxrl_post.trainer.validation_loop import run_validation
@@ -80,8 +80,8 @@ class RLTrainer(RolesMixin, TeacherMixin, RolloutMixin, UpdatesMixin, Checkpoint
         (`run_lock.RunDirBusyError`), a missing `model.path` (`preflight.check_model_path`), a
         data_source with no reward function (without `custom_reward_function.path`), and validation data
         that all occurs in the training data while validation is on (`builders.load_data_rows`), and a
-        distillation teacher whose tokenizer differs from the student's or whose vocabulary is smaller
-        (`teacher.build_teacher`).
+        distillation teacher that does not exist (`teacher.check_teacher_path`), whose tokenizer differs from
+        the student's or whose vocabulary is smaller (`teacher.build_teacher`).
       MalformedRowError: a malformed data row (file, row, problem), before the model is loaded.
       CheckpointError: the checkpoint to resume from cannot be read or does not match the config.
       OSError: an earlier run's `checkpoints/` or `metrics.jsonl` could not be moved aside (see
@@ -100,6 +100,7 @@ class RLTrainer(RolesMixin, TeacherMixin, RolloutMixin, UpdatesMixin, Checkpoint
         preflight.check_workdir(cfg)
         data_rows = builders.load_data_rows(cfg)
         preflight.check_model_path(cfg)  # a missing model: one line now, not a traceback from the loader
+        check_teacher_path(cfg)  # the same for a distillation teacher
 
         # ---- devices, model, tokenizer
         self.mesh = builders.build_mesh(cfg)
