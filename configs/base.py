@@ -286,6 +286,59 @@ def get_base_config() -> mlc.ConfigDict:
     # u means lower = 1/u), k2/k3 an upper bound. A string: write numbers as '2.0'.
     c.algorithm.rollout_correction.rollout_rs_threshold = _opt_str()  # rejection thresholds (required with rollout_rs)
 
+    # ---------------------------------------------------------------- on-policy distillation (docs/distillation.md)
+    # verl's `distillation.*`: the student (the actor) samples, a frozen teacher scores its tokens
+    # (`teacher_log_prob`) and the actor loss gets a distillation term. One teacher (multi-teacher routing by
+    # data_source is not implemented); it must share the student's tokenizer.
+    c.distillation = mlc.ConfigDict()
+    c.distillation.enabled = False  # add the teacher and the distillation loss to the RL trainer
+    c.distillation.teacher_models = mlc.ConfigDict()  # one entry, `teacher_model` (verl's single-teacher name)
+    c.distillation.teacher_models.teacher_model = mlc.ConfigDict()
+    # teacher: HF dir / .gguf / alias / exported run dir (ignored when random_init)
+    c.distillation.teacher_models.teacher_model.model_path = _opt_str()
+    # teacher tokenizer source ('char': toy tokenizer); None -> model_path (ours)
+    c.distillation.teacher_models.teacher_model.tokenizer_path = _opt_str()
+    # teacher weights + compute dtype; None -> model.dtype (verl: inference.dtype)
+    c.distillation.teacher_models.teacher_model.dtype = _opt_str()
+    # responses per micro-batch of the teacher forward, global (ours)
+    c.distillation.teacher_models.teacher_model.log_prob_micro_batch_size = 16
+    # True: random teacher from preset + arch (tests) (ours)
+    c.distillation.teacher_models.teacher_model.random_init = False
+    # jaxrl_post.models.PRESETS key used when random_init (ours)
+    c.distillation.teacher_models.teacher_model.preset = "smollm2_135m"
+    c.distillation.teacher_models.teacher_model.seed = 1  # init seed of a random teacher (ours)
+    # ModelConfig overrides of a random teacher, as model.arch; None = keep (ours)
+    c.distillation.teacher_models.teacher_model.arch = mlc.ConfigDict()
+    c.distillation.teacher_models.teacher_model.arch.hidden_size = _opt_int()  # as model.arch.hidden_size
+    c.distillation.teacher_models.teacher_model.arch.intermediate_size = _opt_int()  # as model.arch.intermediate_size
+    c.distillation.teacher_models.teacher_model.arch.num_layers = _opt_int()  # as model.arch.num_layers
+    c.distillation.teacher_models.teacher_model.arch.num_heads = _opt_int()  # as model.arch.num_heads
+    c.distillation.teacher_models.teacher_model.arch.num_kv_heads = _opt_int()  # as model.arch.num_kv_heads
+    c.distillation.teacher_models.teacher_model.arch.head_dim = _opt_int()  # as model.arch.head_dim
+    c.distillation.teacher_models.teacher_model.arch.vocab_size = _opt_int()  # as model.arch.vocab_size
+    c.distillation.distillation_loss = mlc.ConfigDict()
+    # Per-token loss D on the sampled token: a reverse-KL estimator of log pi_student vs log pi_teacher: k1 (kl),
+    # k3 (low_var_kl), abs, k2 (mse). verl's top-k forward-KL modes need teacher top-k log-probs: not implemented.
+    # per-token divergence estimator: k1 | k3 | kl | low_var_kl | abs | k2 | mse
+    c.distillation.distillation_loss.loss_mode = "k3"
+    # loss = task policy loss + distillation_loss_coef * distillation loss; False: distillation only
+    c.distillation.distillation_loss.use_task_rewards = True
+    # weight of the distillation loss when use_task_rewards
+    c.distillation.distillation_loss.distillation_loss_coef = 1.0
+    # clamp D to [-c, c] (verl #5041); None = off
+    c.distillation.distillation_loss.loss_max_clamp = mlc.FieldReference(None, field_type=float)
+    # True: PG OPD, D is a reward: advantage -sg(D) through a clipped PPO loss (use with k1). False: GKD-style,
+    # D is aggregated with actor.loss_agg_mode and differentiated (k3; k1 is refused: no teacher gradient).
+    # apply D as a policy-gradient reward (True) or as a supervised loss (False)
+    c.distillation.distillation_loss.use_policy_gradient = False
+    # policy loss of the PG mode (only 'vanilla', as verl)
+    c.distillation.distillation_loss.policy_loss_mode = "vanilla"
+    c.distillation.distillation_loss.clip_ratio = 0.2  # PPO clip epsilon of the PG mode (default for low and high)
+    # lower clip epsilon; None -> clip_ratio
+    c.distillation.distillation_loss.clip_ratio_low = mlc.FieldReference(None, field_type=float)
+    # upper clip epsilon; None -> clip_ratio
+    c.distillation.distillation_loss.clip_ratio_high = mlc.FieldReference(None, field_type=float)
+
     # ---------------------------------------------------------------- rewards
     c.reward_model = mlc.ConfigDict()
     c.reward_model.reward_manager = "naive"  # only 'naive' (rule-based, dispatch by data_source)
@@ -408,6 +461,12 @@ _VERL_KEYS_TEXT = """
     trainer.project_name trainer.experiment_name trainer.default_local_dir trainer.logger trainer.total_epochs
     trainer.total_training_steps trainer.val_before_train trainer.test_freq trainer.critic_warmup trainer.save_freq
     trainer.resume_mode trainer.resume_from_path trainer.max_actor_ckpt_to_keep
+    distillation.enabled distillation.teacher_models.teacher_model.model_path
+    distillation.distillation_loss.loss_mode distillation.distillation_loss.use_task_rewards
+    distillation.distillation_loss.distillation_loss_coef distillation.distillation_loss.loss_max_clamp
+    distillation.distillation_loss.use_policy_gradient distillation.distillation_loss.policy_loss_mode
+    distillation.distillation_loss.clip_ratio distillation.distillation_loss.clip_ratio_low
+    distillation.distillation_loss.clip_ratio_high
 """
 VERL_KEYS = tuple(_VERL_KEYS_TEXT.split())
 

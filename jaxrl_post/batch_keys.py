@@ -46,6 +46,7 @@ BATCH_KEYS: dict[str, BatchKey] = {
         BatchKey("reward_baselines", "[B]", "float32", "reward", "ReMax greedy baseline score"),
         BatchKey("old_log_probs", "[B, R]", "float32", "actor forward", "behaviour policy log-probs"),
         BatchKey("ref_log_prob", "[B, R]", "float32", "reference forward", "reference policy log-probs"),
+        BatchKey("teacher_log_prob", "[B, R]", "float32", "teacher forward", "distillation teacher's log-probs"),
         BatchKey("values", "[B, R]", "float32", "critic forward", "critic values at rollout time"),
         BatchKey("rollout_is_weights", "[B, R]", "float32", "rollout correction", "truncated IS weights"),
         BatchKey("token_level_rewards", "[B, R]", "float32", "advantage", "scores minus KL penalty (KL in reward)"),
@@ -64,6 +65,7 @@ ACTOR_RESPONSE_KEYS = (
     "advantages",
     "old_log_probs",
     "ref_log_prob",
+    "teacher_log_prob",
     "rollout_log_probs",
     "rollout_is_weights",
 )

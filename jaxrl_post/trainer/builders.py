@@ -553,6 +553,28 @@ def actor_loss_config(cfg: Any, on_policy: bool) -> steps.ActorLossConfig:
         temperature=float(cfg.rollout.temperature) if cfg.rollout.do_sample else 1.0,
         on_policy=on_policy,
         policy_loss_params=params,
+        distillation=distillation_loss_config(cfg),
+    )
+
+
+def distillation_loss_config(cfg: Any):
+    """`distillation.distillation_loss.*` -> `distillation.DistillationLossConfig`, or None when
+    `distillation.enabled` is off."""
+    from jaxrl_post.distillation import DistillationLossConfig
+
+    if not cfg.distillation.enabled:
+        return None
+    d = cfg.distillation.distillation_loss
+    low = d.clip_ratio if d.clip_ratio_low is None else d.clip_ratio_low
+    high = d.clip_ratio if d.clip_ratio_high is None else d.clip_ratio_high
+    return DistillationLossConfig(
+        loss_mode=d.loss_mode,
+        use_task_rewards=bool(d.use_task_rewards),
+        distillation_loss_coef=float(d.distillation_loss_coef),
+        loss_max_clamp=None if d.loss_max_clamp is None else float(d.loss_max_clamp),
+        use_policy_gradient=bool(d.use_policy_gradient),
+        clip_ratio_low=float(low),
+        clip_ratio_high=float(high),
     )
 
 

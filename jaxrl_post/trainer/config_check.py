@@ -19,7 +19,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from jaxrl_post.trainer.config_features import check_dapo, check_lora, check_multi_turn
+from jaxrl_post.trainer.config_features import check_dapo, check_distillation, check_lora, check_multi_turn
 
 KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full")
 WARMUP_STYLES = ("constant", "cosine")
@@ -250,6 +250,8 @@ def validate_config(cfg: Any, n_devices: int | None = None) -> None:
         fwd_keys = ["rollout.log_prob_micro_batch_size", "ref.log_prob_micro_batch_size"]
         if use_critic:
             fwd_keys.append("critic.forward_micro_batch_size")
+        if cfg.distillation.enabled is True:
+            fwd_keys.append("distillation.teacher_models.teacher_model.log_prob_micro_batch_size")
         for key in fwd_keys:
             v = int(_get(cfg, key))
             if dp and v % dp:
@@ -428,6 +430,7 @@ def validate_config(cfg: Any, n_devices: int | None = None) -> None:
         check("model.path", lambda v: isinstance(v, str) and v, "must name a model (dir, .gguf, alias)")
     check_lora(cfg, check, err, is_int, is_num)
     check_multi_turn(cfg, check, err, is_int, is_num)
+    check_distillation(cfg, check, err, is_int, is_num)
     from jaxrl_post.distributed import config_errors
 
     errors += config_errors(cfg)  # trainer.distributed.*, the per-process prompt share

@@ -1,6 +1,6 @@
 """Config checks of the optional features, called by `config_check.validate_config` with its `check` / `err`
 helpers: DAPO (`algorithm.filter_groups.*`, `reward_model.overlong_buffer.*`), LoRA (`model.lora_*`) and
-multi-turn rollouts (`rollout.multi_turn.*`)."""
+multi-turn rollouts (`rollout.multi_turn.*`), on-policy distillation (`distillation.*`)."""
 
 from __future__ import annotations
 
@@ -107,3 +107,48 @@ def check_multi_turn(cfg: Any, check, err, is_int, is_num) -> None:
         check("rollout.multi_turn.tools", lambda v: isinstance(v, str) and v.strip(), "must name at least one tool")
     if cfg.rollout.sampling_mask_replay is True:
         err("rollout.sampling_mask_replay", "is not supported with rollout.multi_turn.enable (no sampling thresholds)")
+
+
+def check_distillation(cfg: Any, check, err, is_int, is_num) -> None:
+    """`distillation.*` (on-policy distillation, verl's keys and checks): a teacher model_path (or a random
+    teacher), a single-sample estimator loss_mode (the top-k modes are not implemented), no `k1` without
+    `use_policy_gradient` (verl refuses it: its gradient does not reach the teacher), only the 'vanilla'
+    policy loss, non-negative clip ratios and coefficient, a positive `loss_max_clamp`, one teacher."""
+    if (
+        not check("distillation.enabled", lambda v: isinstance(v, bool), "must be a bool")
+        or not cfg.distillation.enabled
+    ):
+        return
+    from jaxrl_post.distillation import DISTILLATION_LOSS_MODES, TOPK_LOSS_MODES
+
+    key = "distillation.teacher_models"
+    extra = [k for k in cfg.distillation.teacher_models if k != "teacher_model"]
+    if extra:
+        err(key, f"only the single teacher `teacher_model` is supported (multi-teacher routing is not): got {extra}")
+    t, tk = cfg.distillation.teacher_models.teacher_model, f"{key}.teacher_model"
+    check(f"{tk}.random_init", lambda v: isinstance(v, bool), "must be a bool")
+    if not t.random_init:
+        check(f"{tk}.model_path", lambda v: isinstance(v, str) and v, "required: the teacher (dir, .gguf, alias)")
+    dtypes = ("float32", "bfloat16", "float16")
+    check(f"{tk}.dtype", lambda v: v is None or v in dtypes, "valid: None (= model.dtype), float32, bfloat16, float16")
+    check(f"{tk}.log_prob_micro_batch_size", lambda v: is_int(v) and v > 0, "must be a positive int")
+    lk, dl = "distillation.distillation_loss", cfg.distillation.distillation_loss
+    mode = dl.loss_mode
+    if mode in TOPK_LOSS_MODES:
+        err(f"{lk}.loss_mode", "the top-k forward-KL modes need teacher top-k log-probs: not implemented")
+    elif mode not in DISTILLATION_LOSS_MODES:
+        err(f"{lk}.loss_mode", f"valid: {list(DISTILLATION_LOSS_MODES)}")
+    elif mode in ("k1", "kl") and dl.use_policy_gradient is False:
+        err(
+            f"{lk}.loss_mode",
+            "k1 as a supervised loss has no gradient toward the teacher (as verl, refused): set "
+            f"{lk}.use_policy_gradient=True or use k3",
+        )
+    for k in ("use_task_rewards", "use_policy_gradient"):
+        check(f"{lk}.{k}", lambda v: isinstance(v, bool), "must be a bool")
+    check(f"{lk}.policy_loss_mode", lambda v: v == "vanilla", "only 'vanilla' is supported (as verl)")
+    check(f"{lk}.distillation_loss_coef", lambda v: is_num(v) and v >= 0, "must be >= 0")
+    check(f"{lk}.loss_max_clamp", lambda v: v is None or (is_num(v) and v > 0), "must be None or > 0")
+    check(f"{lk}.clip_ratio", lambda v: is_num(v) and v >= 0, "must be >= 0")
+    for k in ("clip_ratio_low", "clip_ratio_high"):
+        check(f"{lk}.{k}", lambda v: v is None or (is_num(v) and v >= 0), "must be None or >= 0")

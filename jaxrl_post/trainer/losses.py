@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxrl_post import core_algos
+from jaxrl_post import core_algos, distillation
 
 
 def token_log_probs(logits, tokens, temperature: float, entropy: str, threshold=None):
@@ -48,11 +48,12 @@ def actor_loss(c, log_prob, entropy, mb, counts):
     """(loss [] float32, metrics) of one micro-batch: policy loss [+ kl_loss_coef * KL] - entropy_coeff * H.
 
     c: `steps.ActorLossConfig`; log_prob, entropy: `[b, R] float32` (current policy); mb: `loss_mask`
-    (loss mask), `advantages`, `old_log_probs` (unless c.on_policy), `ref_log_prob` (use_kl_loss), optional
-    `rollout_log_probs` and `rollout_is_weights`, all `[b, R]`; counts: `core_algos.global_batch_info` of
-    the whole mini-batch.
+    (loss mask), `advantages`, `old_log_probs` (unless c.on_policy), `ref_log_prob` (use_kl_loss),
+    `teacher_log_prob` (c.distillation), optional `rollout_log_probs` and `rollout_is_weights`, all
+    `[b, R]`; counts: `core_algos.global_batch_info` of the whole mini-batch.
     Mean-type metrics are pre-multiplied by this micro-batch's token share, so summing them over the
-    micro-batches gives mini-batch means.
+    micro-batches gives mini-batch means. With `c.distillation`, the distillation term is added as verl's
+    `distillation_ppo_loss` (`_add_distillation`).
     """
     pg_kw = dict(
         loss_mode=c.loss_mode,
@@ -87,7 +88,29 @@ def actor_loss(c, log_prob, entropy, mb, counts):
     if "rollout_log_probs" in mb:
         diff = jnp.abs(jnp.exp(jax.lax.stop_gradient(log_prob)) - jnp.exp(mb["rollout_log_probs"]))
         m["rollout_probs_diff_mean"] = core_algos.masked_mean(diff, mask) * w
+    if c.distillation is not None:
+        loss = _add_distillation(c, loss, log_prob, old, mb, counts, w, m)
     return loss, m
+
+
+def _add_distillation(c, loss, log_prob, old, mb, counts, w, m):
+    """verl's `distillation_ppo_loss`: `loss + distillation_loss_coef * distill` with task rewards, else the
+    distillation loss alone (the task policy loss, its entropy and KL terms dropped). Adds the
+    `distillation/*` metrics (means pre-multiplied by the token share `w`, as the others)."""
+    d = c.distillation
+    distill, dm = distillation.distillation_loss(
+        d,
+        log_prob,
+        old,
+        mb["teacher_log_prob"],
+        mb["loss_mask"],
+        c.loss_agg_mode,
+        rollout_is_weights=mb.get("rollout_is_weights"),
+        **counts,
+    )
+    for k, v in dm.items():  # loss / pg_loss are aggregated with global counts: they sum over micro-batches
+        m[f"distillation/{k}"] = v if k in ("loss", "pg_loss") else v * w
+    return loss + d.distillation_loss_coef * distill if d.use_task_rewards else distill
 
 
 def critic_loss(c, vpreds, mb, counts):

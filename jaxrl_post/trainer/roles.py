@@ -280,6 +280,8 @@ class RolesMixin:
         fns = {"update_actor": self._actor_update, "old_log_prob": self._old_log_prob, "adv": self._advantage}
         if self.use_ref:
             fns["ref"] = self._ref_log_prob
+        if self.teacher_params is not None:
+            fns["teacher"] = self._teacher_log_prob
         if self.use_critic:
             fns.update(update_critic=self._critic_update, values=self._values)
         return {k: f._cache_size() for k, f in fns.items()}

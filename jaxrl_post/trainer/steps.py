@@ -34,6 +34,7 @@ from flax import nnx
 
 from jaxrl_post import core_algos
 from jaxrl_post.batch_keys import ACTOR_UPDATE_KEYS, CRITIC_UPDATE_KEYS, FORWARD_KEYS
+from jaxrl_post.distillation import DistillationLossConfig
 from jaxrl_post.models.lora import set_lora_enabled
 from jaxrl_post.trainer import losses
 
@@ -78,6 +79,7 @@ class ActorLossConfig:
     temperature: float = 1.0  # rollout temperature: logits / T, as the sampler
     on_policy: bool = False  # old log-probs = stop_gradient(current): exactly on-policy single update
     policy_loss_params: tuple[tuple[str, float], ...] = ()  # actor.policy_loss.* hyper-parameters (name, value)
+    distillation: DistillationLossConfig | None = None  # on-policy distillation term (needs teacher_log_prob)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,13 +294,15 @@ def make_actor_update(
 
     batch (mini-batch, M rows): `input_ids`, `attention_mask`, `position_ids` `[M, T]`; `responses`,
     `loss_mask` (the tokens to train) `[M, R]`; `advantages [M, R] float32`; `old_log_probs [M, R]` unless
-    `loss_cfg.on_policy`; `ref_log_prob [M, R]` when `use_kl_loss`; optional `rollout_log_probs [M, R]`
-    (only for the `training/rollout_probs_diff_*` diagnostics).
+    `loss_cfg.on_policy`; `ref_log_prob [M, R]` when `use_kl_loss`; `teacher_log_prob [M, R]` with
+    `loss_cfg.distillation`; optional `rollout_log_probs [M, R]` (only for the `training/rollout_probs_diff_*`
+    diagnostics).
 
     loss = policy_loss + kl_loss_coef * kl_loss (use_kl_loss) - entropy_coeff * entropy, each aggregated
-    with `loss_agg_mode` over the whole mini-batch. Metrics (float32 scalars, verl names without the
-    `actor/` prefix): pg_loss, pg_clipfrac, pg_clipfrac_lower, ppo_kl, entropy, kl_loss, grad_norm,
-    update_skipped; plus rollout_probs_diff_mean/max when `rollout_log_probs` is given.
+    with `loss_agg_mode` over the whole mini-batch; with distillation see `losses.actor_loss`. Metrics (float32
+    scalars, verl names without the `actor/` prefix): pg_loss, pg_clipfrac, pg_clipfrac_lower, ppo_kl, entropy,
+    kl_loss, grad_norm, update_skipped; plus rollout_probs_diff_mean/max when `rollout_log_probs` is given;
+    `distillation/*` with distillation.
     """
     c = loss_cfg
     ent_mode = losses.entropy_mode(c.entropy_coeff)

@@ -9,6 +9,7 @@ Per training step (`train_step`):
        score further prompt batches until data.train_batch_size groups are kept]
     -> old log-probs (skipped when exactly on-policy)                               timing_s/old_log_prob
     -> reference log-probs (only when a KL term is on)                              timing_s/ref
+    -> teacher log-probs (on-policy distillation, teacher.py)                        timing_s/teacher
     -> critic values (PPO)                                                           timing_s/values
     -> KL penalty in reward (fixed/adaptive controller) -> advantages                timing_s/adv
     -> critic update (epochs x mini-batches)                                         timing_s/update_critic
@@ -29,7 +30,8 @@ state.py, the validation loop in validation_loop.py; this module holds the host 
 
 Checkpointable state (see `state_dict`): actor/critic params and optimizer states, global step, update
 counters, RNG key, KL controller, data iterator position, non-finite skip counters; the reference params
-only as a pointer (they are the initial actor, rebuilt the same way). Checkpoints (`checkpoint.py`,
+only as a pointer (they are the initial actor, rebuilt the same way); the distillation teacher not at all
+(frozen, rebuilt from `distillation.teacher_models.teacher_model`). Checkpoints (`checkpoint.py`,
 orbax, async) are written every `trainer.save_freq` steps and after the last one, into
 `<trainer.default_local_dir>/checkpoints/global_step_<N>`; `trainer.resume_mode` picks what to resume
 from when the trainer is built. Resuming is exact: the same steps give bit-identical params and metrics.
@@ -59,12 +61,13 @@ from jaxrl_post.trainer.nonfinite import NonFiniteGuard
 from jaxrl_post.trainer.roles import RolesMixin
 from jaxrl_post.trainer.roles import to_numpy as _np
 from jaxrl_post.trainer.state import CheckpointMixin
+from jaxrl_post.trainer.teacher import TeacherMixin, check_teacher_path, kl_to_teacher_metrics
 from jaxrl_post.trainer.tracking import Tracking, console_legend
 from jaxrl_post.trainer.updates import UpdatesMixin
 from jaxrl_post.trainer.validation_loop import run_validation
 
 
-class RLTrainer(RolesMixin, RolloutMixin, UpdatesMixin, CheckpointMixin):
+class RLTrainer(RolesMixin, TeacherMixin, RolloutMixin, UpdatesMixin, CheckpointMixin):
     """PPO / GRPO / DAPO trainer driven by a job ConfigDict (configs/grpo.py, configs/ppo.py, configs/dapo.py).
 
     Args:
@@ -77,7 +80,9 @@ class RLTrainer(RolesMixin, RolloutMixin, UpdatesMixin, CheckpointMixin):
         unusable `trainer.default_local_dir` (`preflight.check_workdir`) or one another live run holds
         (`run_lock.RunDirBusyError`), a missing `model.path` (`preflight.check_model_path`), a
         data_source with no reward function (without `custom_reward_function.path`), and validation data
-        that all occurs in the training data while validation is on (`builders.load_data_rows`).
+        that all occurs in the training data while validation is on (`builders.load_data_rows`), and a
+        distillation teacher that does not exist (`teacher.check_teacher_path`), whose tokenizer differs from
+        the student's or whose vocabulary is smaller (`teacher.build_teacher`).
       MalformedRowError: a malformed data row (file, row, problem), before the model is loaded.
       CheckpointError: the checkpoint to resume from cannot be read or does not match the config.
       OSError: an earlier run's `checkpoints/` or `metrics.jsonl` could not be moved aside (see
@@ -97,6 +102,7 @@ class RLTrainer(RolesMixin, RolloutMixin, UpdatesMixin, CheckpointMixin):
         preflight.check_workdir(cfg)
         data_rows = builders.load_data_rows(cfg)
         preflight.check_model_path(cfg)  # a missing model: one line now, not a traceback from the loader
+        check_teacher_path(cfg)  # the same for a distillation teacher
 
         # ---- devices, model, tokenizer
         self.mesh = builders.build_mesh(cfg)
@@ -139,6 +145,7 @@ class RLTrainer(RolesMixin, RolloutMixin, UpdatesMixin, CheckpointMixin):
         # ---- roles: actor (params / optimizer / jitted fns), reference (only with a KL term), critic (PPO)
         self._build_actor()
         self._build_reference()
+        self._build_teacher()  # on-policy distillation (distillation.enabled), else nothing
         self._build_critic()
 
         # ---- algorithm state
@@ -215,6 +222,12 @@ class RLTrainer(RolesMixin, RolloutMixin, UpdatesMixin, CheckpointMixin):
                     b["ref_log_prob"] = self._forward(
                         self._ref_log_prob, ref, b, micro, self.ref_spec, self.actor_frozen
                     )[0]
+            if self.teacher_params is not None:
+                with _timer("teacher", timing):
+                    b["teacher_log_prob"] = self._teacher_forward(b)
+                student = b["old_log_probs"] if "old_log_probs" in b else b["rollout_log_probs"]
+                loss_mode = cfg.distillation.distillation_loss.loss_mode
+                metrics.update(kl_to_teacher_metrics(student, b["teacher_log_prob"], train_mask, loss_mode))
             if self.use_critic:
                 with _timer("values", timing):
                     b["values"] = self._forward(
