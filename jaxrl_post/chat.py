@@ -53,9 +53,12 @@ class Chat:
     """A conversation: `reply(text)` appends the user turn, samples the answer and appends it.
 
     Args:
-      model / tokenizer: as `load_chat_model` returns them.
+      model: the `Transformer`, as `load_chat_model` returns it.
+      tokenizer: its tokenizer (with a chat template, or plain text is used).
       max_new_tokens: response length R (a reply is cut there).
-      temperature / top_p / top_k: sampling (`rollout.SamplingParams`; temperature 0: greedy).
+      temperature: sampling temperature (`rollout.SamplingParams`; 0: greedy).
+      top_p: nucleus sampling mass (1.0: off).
+      top_k: top-k sampling (-1: off).
       seed: base seed; turn i samples with seed + i.
       system: optional system message.
     """
