@@ -2,7 +2,7 @@
 
 Reads the ml_collections config (the only entry point that does), validates it before anything is
 compiled, builds the trainer its top-level `trainer_type` names (`rl`: `RLTrainer`, the default; `sft`:
-`SFTTrainer`) and runs `fit()`. SIGINT / SIGTERM stop the run cleanly
+`SFTTrainer`; `dpo`: `DPOTrainer`) and runs `fit()`. SIGINT / SIGTERM stop the run cleanly
 (`trainer/interrupt.py`): the last completed step is checkpointed, one line says where, and the exit
 code is 130 / 143; rerunning the same command resumes. Metrics go to the console and to
 `<trainer.default_local_dir>/metrics.jsonl`; the resolved config to `config.json` there.
@@ -223,11 +223,16 @@ def main(argv) -> None:
     from jaxrl_post.rewards.manager import RewardFunctionError
     from jaxrl_post.trainer.checkpoint import CheckpointError
     from jaxrl_post.trainer.config_check import ConfigError
+    from jaxrl_post.trainer.dpo import DPOTrainer
     from jaxrl_post.trainer.interrupt import GracefulStop, exit_now
     from jaxrl_post.trainer.sft import SFTTrainer
     from jaxrl_post.trainer.trainer import RLTrainer, summarize
 
-    trainers = {"rl": RLTrainer, "sft": SFTTrainer}  # chosen by the top-level key trainer_type (default 'rl')
+    trainers = {
+        "rl": RLTrainer,
+        "sft": SFTTrainer,
+        "dpo": DPOTrainer,
+    }  # chosen by the top-level key trainer_type (default 'rl')
 
     stop = _STOP if _STOP is not None else GracefulStop()  # `run()` installs it; a bare one installs nothing
     try:  # jax.distributed first (trainer.distributed.*; auto-detected on pods/SLURM), before any other JAX call

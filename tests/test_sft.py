@@ -410,12 +410,12 @@ def test_main_dispatches_on_trainer_type(tmp_path, monkeypatch, capsys):
     from jaxrl_post import main as main_mod
 
     cfg = _tiny_config(tmp_path, str(tmp_path / "missing.jsonl"))
-    cfg.trainer_type = "dpo"
+    cfg.trainer_type = "ppo_sft"
     monkeypatch.setattr(main_mod, "_CONFIG", type("F", (), {"value": cfg})())
     with pytest.raises(SystemExit) as e:
         main_mod.main([])
     assert e.value.code == 2
-    assert "config.trainer_type='dpo': must be one of ['rl', 'sft']" in capsys.readouterr().err
+    assert "config.trainer_type='ppo_sft': must be one of ['dpo', 'rl', 'sft']" in capsys.readouterr().err
 
 
 def test_sgd_step_moves_params_by_the_gradient(tiny, grads_fn):

@@ -118,8 +118,10 @@ class SFTTrainer(RolesMixin, CheckpointMixin):
       CheckpointError: the checkpoint to resume from cannot be read or does not match the config.
     """
 
+    TRAINER_TYPE = "sft"  # main.py's trainer_type; checkpoints record it (a DPO run cannot resume an SFT one)
+
     def __init__(self, config, *, tracker: Tracking | None = None, console_write: Callable[[str], None] | None = None):
-        validate_sft_config(config)
+        self.validate_config(config)
         self.config = cfg = config
         self.workdir = cfg.trainer.default_local_dir
         self.trace_counts: dict[str, int] = {}
@@ -141,8 +143,7 @@ class SFTTrainer(RolesMixin, CheckpointMixin):
         if d.val_files:
             self.val_data = self._load_data(d.val_files, "val_files")
             if d.max_val_samples:
-                v, k = self.val_data, int(d.max_val_samples)
-                v.input_ids, v.loss_mask, v.where = v.input_ids[:k], v.loss_mask[:k], v.where[:k]
+                self.val_data = self._head(self.val_data, int(d.max_val_samples))
         self.train_loader = SFTBatches(len(self.train_data), self.batch_size, seed=int(d.seed), shuffle=bool(d.shuffle))
         self.total_training_steps = int(
             cfg.trainer.total_training_steps or int(cfg.trainer.total_epochs) * self.train_loader.batches_per_epoch
@@ -172,9 +173,7 @@ class SFTTrainer(RolesMixin, CheckpointMixin):
         self.tx = steps.make_optimizer(self.optim_cfg)
         self.lr_fn = steps.make_lr_schedule(self.optim_cfg)
         self.actor_opt_state = self._commit(init_opt_state(self.tx, self.actor_params, self._opt_mesh()))
-        update = sft_step.make_sft_update(graphdef, rest, self.tx, on_trace=self._tracer("update"))
-        self._update = self._jit_update(update, self.actor_params, self.actor_opt_state)
-        self._eval = jax.jit(sft_step.make_sft_eval(graphdef, rest, on_trace=self._tracer("eval")))
+        self._build_steps(graphdef, rest)
 
         # ---- host state, loggers, checkpoints / resume
         self.global_steps = 0
@@ -192,6 +191,21 @@ class SFTTrainer(RolesMixin, CheckpointMixin):
             config=config_to_dict(cfg),
         )
         self._open_run_dir()  # CheckpointMixin: resume, metrics.jsonl, config.json
+
+    # ------------------------------------------------------------------------------------ hooks (DPOTrainer)
+    validate_config = staticmethod(validate_sft_config)
+
+    @staticmethod
+    def _head(data, k: int):
+        """The first `k` examples of `data` (`data.max_val_samples`)."""
+        data.input_ids, data.loss_mask, data.where = data.input_ids[:k], data.loss_mask[:k], data.where[:k]
+        return data
+
+    def _build_steps(self, graphdef, rest) -> None:
+        """The jitted update and eval functions (before a resume loads the checkpoint)."""
+        update = sft_step.make_sft_update(graphdef, rest, self.tx, on_trace=self._tracer("update"))
+        self._update = self._jit_update(update, self.actor_params, self.actor_opt_state)
+        self._eval = jax.jit(sft_step.make_sft_eval(graphdef, rest, on_trace=self._tracer("eval")))
 
     # ------------------------------------------------------------------------------------ data
     def _load_data(self, spec: str, key: str):
@@ -289,7 +303,7 @@ class SFTTrainer(RolesMixin, CheckpointMixin):
         call; `stop`: `interrupt.GracefulStop`, the step is checkpointed and the loop returns).
         Raises NonFiniteError (`trainer.max_consecutive_nonfinite` skipped updates in a row), CheckpointError.
         """
-        result = loop.fit(self, max_steps, stop=stop, desc="sft")
+        result = loop.fit(self, max_steps, stop=stop, desc=self.TRAINER_TYPE)
         cfg = self.config
         if self.global_steps >= self.total_training_steps and cfg.trainer.export_hf:
             result["exported_to"] = self.export_hf()
@@ -350,7 +364,7 @@ class SFTTrainer(RolesMixin, CheckpointMixin):
         return {
             "actor": {"params": self.actor_params, "opt_state": self.actor_opt_state},
             "host": {
-                "trainer_type": "sft",
+                "trainer_type": self.TRAINER_TYPE,
                 "global_steps": self.global_steps,
                 "num_tokens": self.num_tokens,
                 "data_iter": self.train_loader.get_state(),
@@ -370,9 +384,10 @@ class SFTTrainer(RolesMixin, CheckpointMixin):
         """Inverse of `state_dict` (arrays placed like the current ones). Raises CheckpointError for a
         checkpoint that is not an SFT one (an RL run's checkpoints hold other state)."""
         host = state["host"]
-        if host.get("trainer_type") != "sft":
+        if host.get("trainer_type") != self.TRAINER_TYPE:
             raise ckpt.CheckpointError(
-                "the checkpoint to resume from was not written by SFTTrainer (an RL run's?); point "
+                f"the checkpoint to resume from was not written by {type(self).__name__} (trainer_type "
+                f"{host.get('trainer_type', 'rl')!r}); point "
                 "trainer.default_local_dir at a new directory or pass --config.trainer.resume_mode=disable"
             )
         place = lambda new, like: jax.tree.map(lambda n, l: jax.device_put(n, l.sharding), new, like)
