@@ -2,9 +2,9 @@
 
 Reads the ml_collections config (the only entry point that does), validates it before anything is
 compiled, builds the trainer its top-level `trainer_type` names (`rl`: `RLTrainer`, the default; `sft`:
-`SFTTrainer`; `dpo`: `DPOTrainer`) and runs `fit()`. SIGINT / SIGTERM stop the run cleanly
-(`trainer/interrupt.py`): the last completed step is checkpointed, one line says where, and the exit
-code is 130 / 143; rerunning the same command resumes. Metrics go to the console and to
+`SFTTrainer`; `dpo`: `DPOTrainer`; `reward_model`: `RewardModelTrainer`) and runs `fit()`. SIGINT / SIGTERM
+stop the run cleanly (`trainer/interrupt.py`): the last completed step is checkpointed, one line says where,
+and the exit code is 130 / 143; rerunning the same command resumes. Metrics go to the console and to
 `<trainer.default_local_dir>/metrics.jsonl`; the resolved config to `config.json` there.
 """
 
@@ -225,6 +225,7 @@ def main(argv) -> None:
     from jaxrl_post.trainer.config_check import ConfigError
     from jaxrl_post.trainer.dpo import DPOTrainer
     from jaxrl_post.trainer.interrupt import GracefulStop, exit_now
+    from jaxrl_post.trainer.reward_model import RewardModelTrainer
     from jaxrl_post.trainer.sft import SFTTrainer
     from jaxrl_post.trainer.trainer import RLTrainer, summarize
 
@@ -232,6 +233,7 @@ def main(argv) -> None:
         "rl": RLTrainer,
         "sft": SFTTrainer,
         "dpo": DPOTrainer,
+        "reward_model": RewardModelTrainer,
     }  # chosen by the top-level key trainer_type (default 'rl')
 
     stop = _STOP if _STOP is not None else GracefulStop()  # `run()` installs it; a bare one installs nothing
