@@ -169,3 +169,47 @@ def test_tiny_run_via_main_resumes_exactly_and_exports_for_the_rl_loop(tmp_path,
     rl.reward_model.enable, rl.reward_model.model.path = True, str(tmp_path / "a")
     scorer = build_rm_scorer(rl, None, load_tokenizer("char"))
     assert not scorer.rerender  # same char tokenizer and template
+
+
+def test_margin_column_is_read_per_pair_and_checked():
+    from jaxrl_post.data.preference import tokenize_pairs
+    from jaxrl_post.data.rows import MalformedRowError
+    from jaxrl_post.trainer.char_tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    rows = [
+        ("f, row 0", {"prompt": "1+1=", "chosen": "2", "rejected": "3", "margin": 1.5}),
+        ("f, row 1", {"prompt": "1+2=", "chosen": "3", "rejected": "4"}),
+    ]
+    data = tokenize_pairs(rows, tok, max_length=16)
+    assert [p.margin for p in data.pairs] == [1.5, None]
+    lay = rm_step.layout_pairs(data.pairs, n_micro=1, pairs_per_micro=2, row_len=16)
+    np.testing.assert_allclose(lay["margin"], [[1.5, 0.0]])
+    bad = [("f, row 7", {"prompt": "1+1=", "chosen": "2", "rejected": "3", "margin": "big"})]
+    with pytest.raises(MalformedRowError, match=r"f, row 7.*margin"):
+        tokenize_pairs(bad, tok, max_length=16)
+
+
+@pytest.mark.slow  # a LoRA trainer's compile and an export (~40-80 s on this loaded machine)
+def test_lora_trains_adapters_and_score_head_and_exports_merged(tmp_path):
+    from jaxrl_post.models.hf_io import load_reward_model
+    from jaxrl_post.trainer.reward_model import RewardModelTrainer
+
+    cfg = _tiny(tmp_path, "lora", model__lora_rank=4, model__lora_alpha=8.0, model__target_modules="all-linear")
+    cfg.trainer.total_training_steps, cfg.trainer.val_before_train, cfg.trainer.val_at_end = 2, False, False
+    t = RewardModelTrainer(cfg)
+    init_params = jax.tree.map(np.asarray, t.actor_params)
+    init_frozen = jax.tree.map(np.asarray, t.actor_frozen)
+    assert "score" in init_params  # trained with the adapters (modules_to_save)
+    t.fit()
+    t.close()
+    moved = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - b).max()), t.actor_params, init_params)
+    assert moved["score"].get_value() > 0
+    assert max(jax.tree.leaves(moved)) > 0
+    for a, b in zip(jax.tree.leaves(t.actor_frozen), jax.tree.leaves(init_frozen)):
+        np.testing.assert_array_equal(np.asarray(a), b)  # the base weights never train
+    exported = load_reward_model(tmp_path / "lora" / "huggingface")
+    ids = np.array([[5, 6, 7, 8, 2, 2], [9, 10, 11, 12, 13, 14]], np.int32)
+    mask = np.array([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]], np.int32)
+    t.sync_weights()
+    np.testing.assert_allclose(np.asarray(exported(ids, mask)), np.asarray(t.actor_model(ids, mask)), atol=1e-5)
