@@ -221,3 +221,43 @@ def test_reward_model_config_errors_name_the_key(tmp_path):
     c.reward_model.micro_batch_size_per_gpu = 0
     with pytest.raises(ConfigError, match="reward_model.micro_batch_size_per_gpu"):
         validate_config(c)
+
+
+_SHARDED = """
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import sys
+sys.path.insert(0, {repo!r})
+import numpy as np
+from flax import nnx
+from jaxrl_post.models.reward_model import RewardModel
+from jaxrl_post.protocol import DataProto
+from jaxrl_post.rewards.rm_scorer import RewardModelScorer
+from jaxrl_post.sharding import make_mesh
+from jaxrl_post.trainer.char_tokenizer import build_char_tokenizer
+from tests.test_rm_scoring import TINY_RM
+
+tok = build_char_tokenizer()
+rng = np.random.RandomState(0)
+ids = rng.randint(4, 100, (6, 12)).astype(np.int32)
+mask = np.ones((6, 12), np.int32)
+mask[0, :3] = 0
+mask[1, 8:] = 0
+d = DataProto({{"input_ids": ids, "attention_mask": mask}}, {{}})
+one = RewardModelScorer(RewardModel(TINY_RM, rngs=nnx.Rngs(0)), tok, micro_batch_size=2)(d)
+mesh = make_mesh(data=4, fsdp=2, tensor=1)
+many = RewardModelScorer(RewardModel(TINY_RM, rngs=nnx.Rngs(0)), tok, micro_batch_size=1, mesh=mesh)(d)
+assert many.shape == (6,) and np.abs(one - many).max() < 1e-5, (one, many)
+print("OK")
+"""
+
+
+@pytest.mark.slow  # a fresh process with 8 fake devices and two compiles: ~40 s on this loaded machine
+def test_sharded_scoring_equals_one_device():
+    """8 fake CPU devices (data 4 x fsdp 2): 6 rows padded to 8, params sharded -> the one-device scores."""
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, "-c", _SHARDED.format(repo=REPO)], capture_output=True, text=True, timeout=600, cwd=REPO
+    )
+    assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
