@@ -183,6 +183,10 @@ def test_margin_column_is_read_per_pair_and_checked():
     ]
     data = tokenize_pairs(rows, tok, max_length=16)
     assert [p.margin for p in data.pairs] == [1.5, None]
+    from jaxrl_post.trainer.reward_model import RewardModelTrainer
+
+    assert [p.margin for p in RewardModelTrainer._head(data, 1).pairs] == [1.5]  # data.max_val_samples
+    data = tokenize_pairs(rows, tok, max_length=16)
     lay = rm_step.layout_pairs(data.pairs, n_micro=1, pairs_per_micro=2, row_len=16)
     np.testing.assert_allclose(lay["margin"], [[1.5, 0.0]])
     bad = [("f, row 7", {"prompt": "1+1=", "chosen": "2", "rejected": "3", "margin": "big"})]

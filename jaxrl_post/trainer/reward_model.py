@@ -100,7 +100,7 @@ class RewardModelTrainer(SFTTrainer):
     TRAINER_TYPE = "reward_model"
     validate_config = staticmethod(validate_rm_config)
     _load_data = DPOTrainer._load_data
-    _head = DPOTrainer._head
+    _head = staticmethod(DPOTrainer._head)
 
     def _build_model(self):
         """`RewardModel` from `model.path`: an HF `*ForSequenceClassification` dir as it is, else the causal
