@@ -69,8 +69,12 @@ def test_seq_cls_logit_parity_left_and_right_padding(case, tmp_path):
     hf = _hf_rm(case, tmp_path)
     ours = load_reward_model(tmp_path)
     assert isinstance(ours, RewardModel) and ours.backbone.lm_head is None
-    for side in ("right", "left"):
-        ids, mask = _padded(ours.config.vocab_size, side)
+    assert ours.pad_token_id == PAD
+    for side in ("right", "left", "pad_is_eos"):
+        ids, mask = _padded(ours.config.vocab_size, "right" if side == "pad_is_eos" else side)
+        if side == "pad_is_eos":  # rows end with the pad id as a real token (pad = eos): both skip it
+            last = mask.sum(1) - 1
+            ids[np.arange(3), last] = PAD
         ref = _hf_scores(hf, ids, mask)
         got = np.asarray(_rm_forward(ours, ids, mask))
         assert got.shape == (3,) and got.dtype == np.float32

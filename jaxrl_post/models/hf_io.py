@@ -332,9 +332,11 @@ def save_reward_model(model, tokenizer, out_dir, *, pad_token_id: int | None = N
     """Write a `RewardModel` as an HF `<Family>ForSequenceClassification` directory (`num_labels=1`,
     `score.weight` `[1, D]`, no bias), loadable by transformers' `AutoModelForSequenceClassification`.
     pad_token_id: written into config.json (transformers pools at the last token != it; default the
-    tokenizer's pad id). Multi-host: as `save_pretrained`."""
+    model's `pad_token_id`, else the tokenizer's). Multi-host: as `save_pretrained`."""
     from jaxrl_post.models.reward_model import HF_SEQ_CLS_ARCH
 
+    if pad_token_id is None:
+        pad_token_id = getattr(model, "pad_token_id", None)
     if pad_token_id is None and tokenizer is not None:
         pad_token_id = tokenizer.pad_token_id
     updates = {

@@ -2,10 +2,10 @@
 
 The same model as transformers' `LlamaForSequenceClassification` / `Qwen2ForSequenceClassification` /
 ... with `num_labels=1`: `score = Linear(D, 1, bias=False)` on the final-normed hidden states, pooled at the
-last non-pad token. transformers finds that token as the rightmost `input_ids != pad_token_id`; we use the
-rightmost `attention_mask == 1` (the same token when padding is the only pad-id token, and right where the
-pad id is also the EOS the sequence ends with). Packed rows (`segment_ids`) give one score per segment, at
-its last token. HF checkpoints load/save through `models/hf_io.py` (`load_reward_model`,
+last non-pad token: the rightmost token with `attention_mask == 1` and `input_ids != pad_token_id`
+(transformers' rule; with the common pad = eos choice a final eos is skipped, as in transformers, so scores
+match an RM trained or used there). Packed rows (`segment_ids`) give one score per segment, at its last
+token. HF checkpoints load/save through `models/hf_io.py` (`load_reward_model`,
 `save_reward_model`).
 """
 
@@ -50,7 +50,8 @@ def segment_end_mask(segment_ids: jax.Array) -> jax.Array:
 class RewardModel(nnx.Module):
     """`Transformer` backbone (final-normed hidden states; no LM head) -> `score` `[D, 1]` float32, no bias.
 
-    `RewardModel(config, *, rngs, dtype=None, param_dtype=None, remat=False, backbone=None)`; the head is
+    `RewardModel(config, *, rngs, dtype=None, param_dtype=None, remat=False, backbone=None)`;
+    `pad_token_id` (default `config.pad_token_id`; None: only the mask counts) is the id the pooling skips. The head is
     initialised normal(0, 0.02), transformers' default `initializer_range` (`backbone`: reuse a
     `Transformer`, e.g. a policy's params, whose LM head is dropped). Raises ValueError with neither a
     config nor a backbone.
@@ -74,6 +75,7 @@ class RewardModel(nnx.Module):
         self.backbone = backbone
         self.config = backbone.config
         self.score = head_param(backbone.config.hidden_size, stddev=0.02, key=rngs.params())
+        self.pad_token_id = backbone.config.pad_token_id
 
     @classmethod
     def from_backbone(cls, model: Transformer, rngs: nnx.Rngs | None = None) -> RewardModel:
@@ -86,10 +88,13 @@ class RewardModel(nnx.Module):
         return scalar_head(h, self.score[...])
 
     def __call__(self, input_ids: jax.Array, attention_mask: jax.Array, positions=None) -> jax.Array:
-        """Rewards `[B] float32`: the score at each row's last real token.
+        """Rewards `[B] float32`: the score at each row's last real non-pad token (`pad_token_id`).
 
         input_ids `[B, T] int32`; attention_mask `[B, T]` (1 = real token; left or right padding);
         positions `[B, T] int32` or None (from the mask: `decoder.positions_from_mask`)."""
         scores = self.token_scores(input_ids, attention_mask, positions)
-        idx = last_token_index(attention_mask)
+        valid = jnp.asarray(attention_mask) != 0
+        if self.pad_token_id is not None:
+            valid &= jnp.asarray(input_ids) != self.pad_token_id
+        idx = last_token_index(valid)
         return jnp.take_along_axis(scores, idx[:, None], axis=1)[:, 0]

@@ -119,6 +119,7 @@ class RewardModelTrainer(SFTTrainer):
             rm = RewardModel(rngs=nnx.Rngs(int(cfg.trainer.seed) + 1), backbone=backbone)
             if cfg.model.lora_rank:  # PEFT modules_to_save=["score"]: the head trains with the adapters
                 rm.score = nnx.LoRAParam(rm.score.get_value(), out_sharding=("embed", None), eager_sharding=False)
+        rm.pad_token_id = self.tokenizer.pad_token_id  # pooled as transformers will with the exported config
         if self.pack:
             log.warning("reward model: packed pairs are not implemented; model.use_remove_padding is ignored")
         return rm
