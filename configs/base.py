@@ -375,6 +375,14 @@ def get_base_config() -> mlc.ConfigDict:
     c.reward_model.judge.normalize = True  # reward = parsed score / max_score
     c.reward_model.judge.default_score = 0.0  # reward of an unparseable verdict (counted: judge/num_unparseable)
     c.reward_model.judge.batch_size = 64  # judge prompts per generate call
+    # A reward model (docs/rlhf.md) scores every trajectory; its score reaches the reward function as
+    # extra_info['rm_score'], and is the reward itself when custom_reward_function.path is unset.
+    c.reward_model.enable = False  # score trajectories with the reward model at reward_model.model.path
+    c.reward_model.model = mlc.ConfigDict()
+    c.reward_model.model.path = _opt_str()  # HF *ForSequenceClassification dir, or a reward_model run directory
+    c.reward_model.model.dtype = _opt_str()  # the RM's params and compute dtype; None -> model.dtype
+    c.reward_model.micro_batch_size_per_gpu = 8  # sequences per device per RM forward micro-batch
+    c.reward_model.max_length = _opt_int()  # RM tokens of a re-rendered trajectory (other tokenizer); None -> P + R
     c.custom_reward_function = mlc.ConfigDict()
     c.custom_reward_function.path = _opt_str()  # python file with a scoring function (overrides dispatch)
     c.custom_reward_function.name = "compute_score"  # function name inside that file
@@ -454,6 +462,7 @@ _VERL_KEYS_TEXT = """
     algorithm.filter_groups.enable algorithm.filter_groups.metric algorithm.filter_groups.max_num_gen_batches
     reward_model.overlong_buffer.enable reward_model.overlong_buffer.len reward_model.overlong_buffer.penalty_factor
     reward_model.overlong_buffer.log
+    reward_model.enable reward_model.model.path reward_model.micro_batch_size_per_gpu reward_model.max_length
     algorithm.rollout_correction.rollout_is algorithm.rollout_correction.rollout_is_threshold
     algorithm.rollout_correction.rollout_is_batch_normalize algorithm.rollout_correction.rollout_rs
     algorithm.rollout_correction.rollout_rs_threshold

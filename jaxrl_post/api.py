@@ -31,6 +31,7 @@ TRAINERS = {
     "rl": "jaxrl_post.trainer.trainer:RLTrainer",
     "sft": "jaxrl_post.trainer.sft:SFTTrainer",
     "dpo": "jaxrl_post.trainer.dpo:DPOTrainer",
+    "reward_model": "jaxrl_post.trainer.reward_model:RewardModelTrainer",
 }
 
 

@@ -2,9 +2,9 @@
 
 Reads the ml_collections config (the only entry point that does), validates it before anything is
 compiled, builds the trainer its top-level `trainer_type` names (`rl`: `RLTrainer`, the default; `sft`:
-`SFTTrainer`; `dpo`: `DPOTrainer`) and runs `fit()`. SIGINT / SIGTERM stop the run cleanly
-(`trainer/interrupt.py`): the last completed step is checkpointed, one line says where, and the exit
-code is 130 / 143; rerunning the same command resumes. Metrics go to the console and to
+`SFTTrainer`; `dpo`: `DPOTrainer`; `reward_model`: `RewardModelTrainer`) and runs `fit()`. SIGINT / SIGTERM
+stop the run cleanly (`trainer/interrupt.py`): the last completed step is checkpointed, one line says where,
+and the exit code is 130 / 143; rerunning the same command resumes. Metrics go to the console and to
 `<trainer.default_local_dir>/metrics.jsonl`; the resolved config to `config.json` there.
 """
 

@@ -41,7 +41,7 @@ def test_trainer_class_follows_trainer_type():
     cfg = api.load_config(GRPO)
     with cfg.unlocked():
         cfg.trainer_type = "nope"
-    with pytest.raises(ConfigError, match=r"trainer_type='nope'.*one of \['dpo', 'rl', 'sft'"):
+    with pytest.raises(ConfigError, match=r"trainer_type='nope'.*one of \['dpo', 'reward_model', 'rl', 'sft'"):
         api.trainer_class(cfg)
 
 

@@ -415,7 +415,8 @@ def test_main_dispatches_on_trainer_type(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         main_mod.main([])
     assert e.value.code == 2
-    assert "config.trainer_type='ppo_sft': must be one of ['dpo', 'rl', 'sft']" in capsys.readouterr().err
+    want = "config.trainer_type='ppo_sft': must be one of ['dpo', 'reward_model', 'rl', 'sft']"
+    assert want in capsys.readouterr().err
 
 
 def test_sgd_step_moves_params_by_the_gradient(tiny, grads_fn):

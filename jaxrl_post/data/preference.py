@@ -82,12 +82,14 @@ PREFERENCE_BATCH_KEYS = ("input_ids", "attention_mask", "positions", "loss_mask"
 @dataclasses.dataclass(frozen=True)
 class PreferencePair:
     """One tokenized preference pair: `prompt_ids [P]`, `chosen_ids [C]`, `rejected_ids [R]` int32 (P >= 1;
-    C, R >= 1, ending with eos / end-of-turn unless truncated) and `where`, the row's origin."""
+    C, R >= 1, ending with eos / end-of-turn unless truncated), `where`, the row's origin, and `margin`, the
+    row's optional numeric `margin` column (TRL `RewardTrainer`'s per-pair margin; None without one)."""
 
     prompt_ids: np.ndarray
     chosen_ids: np.ndarray
     rejected_ids: np.ndarray
     where: str = ""
+    margin: float | None = None
 
 
 @dataclasses.dataclass
@@ -237,6 +239,16 @@ def _fit(p, c, r, *, max_length, max_prompt_length, truncation) -> tuple[list, l
     return p, c, r, cut
 
 
+def _margin(row) -> float | None:
+    """The row's `margin` (a finite number) or None. Raises ValueError for a non-numeric or non-finite one."""
+    if not isinstance(row, dict) or row.get("margin") is None:
+        return None
+    m = row["margin"]
+    if isinstance(m, bool) or not isinstance(m, (int, float, np.integer, np.floating)) or not np.isfinite(m):
+        raise ValueError(f"'margin' must be a finite number, got {m!r}")
+    return float(m)
+
+
 def tokenize_pairs(
     items: Iterable[tuple[str, Any]],
     tokenizer,
@@ -268,6 +280,7 @@ def tokenize_pairs(
             if isinstance(row, Exception):
                 raise ValueError(str(row))
             p, c, r = pair_ids(tokenizer, row)
+            margin = _margin(row)
         except (ValueError, KeyError, TypeError) as e:
             if not skip_malformed:
                 raise MalformedRowError(f"{where}: malformed preference row: {e}. {SKIP_MALFORMED_HINT}") from e
@@ -288,7 +301,7 @@ def tokenize_pairs(
                 "'keep_end', or data.filter_overlong=True (skip and count such pairs)"
             ) from e
         truncated += int(cut)
-        pairs.append(PreferencePair(*(np.asarray(x, np.int32) for x in (p, c, r)), where=where))
+        pairs.append(PreferencePair(*(np.asarray(x, np.int32) for x in (p, c, r)), where=where, margin=margin))
     stats = {
         "data/num_pairs": len(pairs),
         "data/num_skipped_malformed": skipped,

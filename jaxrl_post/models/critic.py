@@ -8,6 +8,7 @@ from flax import nnx
 
 from jaxrl_post.models.config import ModelConfig
 from jaxrl_post.models.decoder import Transformer
+from jaxrl_post.models.scalar_head import head_param, scalar_head
 
 
 class CriticModel(nnx.Module):
@@ -36,7 +37,7 @@ class CriticModel(nnx.Module):
         self.backbone = backbone
         self.config = backbone.config
         d = backbone.config.hidden_size
-        self.value_head = nnx.Param(jnp.zeros((d, 1), jnp.float32), out_sharding=("embed", None), eager_sharding=False)
+        self.value_head = head_param(d)
         self.value_bias = nnx.Param(jnp.zeros((1,), jnp.float32), out_sharding=(None,), eager_sharding=False)
 
     @classmethod
@@ -47,6 +48,4 @@ class CriticModel(nnx.Module):
     def __call__(self, input_ids: jax.Array, attention_mask: jax.Array, positions=None, segment_ids=None) -> jax.Array:
         """values [B, T] float32; `segment_ids` [B, T] int32: packed rows (see `Transformer.hidden_states`)."""
         h = self.backbone.hidden_states(input_ids, attention_mask, positions, segment_ids=segment_ids)
-        h = h.astype(jnp.float32)
-        values = jnp.einsum("BTD,DO->BTO", h, self.value_head[...]) + self.value_bias[...]
-        return values[..., 0]
+        return scalar_head(h, self.value_head[...], self.value_bias[...])

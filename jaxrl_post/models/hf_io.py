@@ -120,15 +120,20 @@ def empty_model(config: ModelConfig, *, dtype="float32", mesh=None, param_dtype=
     )
 
 
-def load_state_dict_into(model: Transformer, hf_named_tensors: Iterable[tuple[str, np.ndarray]], mesh=None):
+def load_state_dict_into(
+    model: Transformer, hf_named_tensors: Iterable[tuple[str, np.ndarray]], mesh=None, *, mapping=None
+):
     """Set every param of `model` from (HF name, array) pairs, one tensor at a time; returns the model.
+
+    mapping: HF name -> (param path, hf->ours, ours->hf) (default `param_map(model.config)`; a reward model
+    passes `reward_param_map`).
 
     Each array is reshaped/transposed to our layout, cast to the param's dtype on the host and placed onto
     its sharding (from the logical names when `mesh` is given, else the param's current sharding, else the
     default device). A tied `lm_head.weight` is ignored. Raises ValueError listing missing tensors,
     unexpected tensors and shape mismatches (after the iterator is exhausted).
     """
-    mapping = param_map(model.config)
+    mapping = param_map(model.config) if mapping is None else mapping
     seen, unexpected, bad_shape = set(), [], []
     for raw_name, array in hf_named_tensors:
         name = _normalize_name(raw_name)
@@ -211,21 +216,31 @@ def _to_host(x: jax.Array) -> np.ndarray:
     return np.asarray(jax.device_get(x))
 
 
-def save_pretrained(model: Transformer, tokenizer, out_dir, *, max_shard_bytes: int = 2 * 1024**3) -> None:
+def save_pretrained(
+    model: Transformer,
+    tokenizer,
+    out_dir,
+    *,
+    max_shard_bytes: int = 2 * 1024**3,
+    mapping=None,
+    hf_config_updates: dict | None = None,
+) -> None:
     """Write an HF directory: config.json, generation_config.json, model.safetensors (or shards + index),
     tokenizer files (`tokenizer.save_pretrained`, skipped when tokenizer is None).
 
     Params are written in their own dtype; a projection with a LoRA adapter is written merged
     (`W + (alpha / r) A B`; `models.lora.save_peft_adapter` writes the adapter alone). Tensors are fetched to
     the host one shard-file at a time. On multi-host runs every process must call this (gathers are
-    collective); only process 0 writes.
+    collective); only process 0 writes. `mapping` (default `param_map(model.config)`) and
+    `hf_config_updates` (merged into config.json) let a reward model write its own tensors and architecture
+    (`save_reward_model`).
     """
     from safetensors.numpy import save_file
 
     config: ModelConfig = model.config
     os.makedirs(out_dir, exist_ok=True)
     write = jax.process_index() == 0
-    mapping = param_map(config)
+    mapping = param_map(config) if mapping is None else mapping
     # plan shard files from shapes, then materialize one file at a time
     shards, cur, cur_bytes = [], [], 0
     for name, (path, _, _) in mapping.items():
@@ -259,7 +274,9 @@ def save_pretrained(model: Transformer, tokenizer, out_dir, *, max_shard_bytes: 
         with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     hf_cfg = config.to_hf_config()
-    hf_cfg["torch_dtype"] = hf_cfg["dtype"] = str(jnp.dtype(model.param_dtype))
+    hf_cfg.update(hf_config_updates or {})
+    param_dtype = getattr(model, "param_dtype", None) or model.backbone.param_dtype
+    hf_cfg["torch_dtype"] = hf_cfg["dtype"] = str(jnp.dtype(param_dtype))
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(hf_cfg, f, indent=2)
     gen = {k: hf_cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if hf_cfg.get(k) is not None}
@@ -267,3 +284,67 @@ def save_pretrained(model: Transformer, tokenizer, out_dir, *, max_shard_bytes: 
         json.dump(gen, f, indent=2)
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
+
+
+# ------------------------------------------------------------------------------------ reward models
+def reward_param_map(config: ModelConfig) -> dict[str, tuple[tuple, Callable, Callable]]:
+    """`param_map` of a `RewardModel` (HF `*ForSequenceClassification`): the backbone's tensors under
+    `backbone`, no LM head, and `score.weight` `[1, D]` <-> our `score` `[D, 1]`."""
+    out = {
+        name: (("backbone", *path), to_ours, to_hf)
+        for name, (path, to_ours, to_hf) in param_map(config).items()
+        if name != "lm_head.weight"
+    }
+    out["score.weight"] = (("score",), lambda w: w.T, lambda w: w.T)
+    return out
+
+
+def _check_seq_cls_config(path: str) -> None:
+    with open(os.path.join(path, "config.json")) as f:
+        hf = json.load(f)
+    archs = hf.get("architectures") or []
+    if archs and not any(a.endswith("ForSequenceClassification") for a in archs):
+        raise ValueError(
+            f"{path}: config.json architectures {archs} is not a *ForSequenceClassification reward model "
+            "(to start a reward model from a causal LM, use RewardModel.from_backbone)"
+        )
+    n = hf.get("num_labels", len(hf.get("id2label") or {}) or 1)
+    if int(n) != 1:
+        raise ValueError(f"{path}: a reward model has num_labels=1, this checkpoint has {n}")
+
+
+def load_reward_model(path, dtype="float32", mesh=None, *, param_dtype=None, remat=False):
+    """`RewardModel` from an HF `*ForSequenceClassification` directory (config.json + safetensors).
+
+    Raises ValueError: config.json names another architecture or `num_labels != 1`, or the tensors do not
+    match (missing `score.weight`, ...); FileNotFoundError: no safetensors."""
+    from jaxrl_post.models.reward_model import RewardModel
+
+    path = os.fspath(path)
+    _check_seq_cls_config(path)
+    config = ModelConfig.from_hf_config(os.path.join(path, "config.json"))
+    pdt = param_dtype or dtype
+    model = nnx.eval_shape(lambda: RewardModel(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=pdt, remat=remat))
+    return load_state_dict_into(model, iter_safetensors(path), mesh, mapping=reward_param_map(config))
+
+
+def save_reward_model(model, tokenizer, out_dir, *, pad_token_id: int | None = None) -> None:
+    """Write a `RewardModel` as an HF `<Family>ForSequenceClassification` directory (`num_labels=1`,
+    `score.weight` `[1, D]`, no bias), loadable by transformers' `AutoModelForSequenceClassification`.
+    pad_token_id: written into config.json (transformers pools at the last token != it; default the
+    model's `pad_token_id`, else the tokenizer's). Multi-host: as `save_pretrained`."""
+    from jaxrl_post.models.reward_model import HF_SEQ_CLS_ARCH
+
+    if pad_token_id is None:
+        pad_token_id = getattr(model, "pad_token_id", None)
+    if pad_token_id is None and tokenizer is not None:
+        pad_token_id = tokenizer.pad_token_id
+    updates = {
+        "architectures": [HF_SEQ_CLS_ARCH[model.config.family]],
+        "num_labels": 1,
+        "id2label": {"0": "LABEL_0"},
+        "label2id": {"LABEL_0": 0},
+    }
+    if pad_token_id is not None:
+        updates["pad_token_id"] = int(pad_token_id)
+    save_pretrained(model, tokenizer, out_dir, mapping=reward_param_map(model.config), hf_config_updates=updates)

@@ -29,7 +29,7 @@ import numpy as np
 from jaxrl_post.rewards.inprocess import ThreadCaller, call_safely
 from jaxrl_post.rewards.pool import CallResult, RewardWorkerPool
 
-__all__ = ["RewardFunctionError", "RewardManager", "RewardOutput"]
+__all__ = ["RewardFunctionError", "RewardManager", "RewardOutput", "rm_score"]
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,16 @@ class RewardFunctionError(RuntimeError):
     process, the original exception (with its traceback) is `__cause__`; from a worker process, the message
     ends with the worker's traceback text.
     """
+
+
+def rm_score(data_source, solution_str, ground_truth, extra_info=None):
+    """The reward model's score as the reward: `extra_info['rm_score']` (the reward function used when
+    `reward_model.enable` and no `custom_reward_function` is set; verl's reward manager then returns
+    `rm_scores` as they are). Raises KeyError when the row has no RM score."""
+    del data_source, solution_str, ground_truth
+    if not extra_info or "rm_score" not in extra_info:
+        raise KeyError("rm_score: no 'rm_score' in extra_info (is reward_model.enable on?)")
+    return float(extra_info["rm_score"])
 
 
 def _fn_label(fn: Any) -> str:
@@ -96,6 +106,11 @@ class RewardManager:
       overlong_penalty_factor: the penalty at `max_response_length` tokens (>= 0).
       max_response_length: `data.max_response_length` (needed with `overlong_buffer_len`).
       overlong_log: add the `overlong_reward` / `overlong` extra infos.
+      rm_scorer: optional reward-model role, `fn(data) -> rm_scores [B] float32`
+        (`rewards.rm_scorer.RewardModelScorer`), called once per batch unless the batch already carries
+        `rm_scores` (verl's key: a reward model scored it upstream). Each row's score reaches the reward
+        function as `extra_info['rm_score']` (so a custom function can combine it with a rule score; `rm_score`
+        returns it as the reward) and the metrics gain `reward_model/score_{mean,max,min}`.
     Raises (at construction): TypeError if `compute_score` is not picklable and num_workers > 0;
       ValueError if `max_error_fraction` is not in [0, 1], `timeout_s` is not > 0, or
       `overlong_buffer_len` is not in (0, max_response_length] (or the factor < 0).
@@ -115,6 +130,7 @@ class RewardManager:
         overlong_penalty_factor: float = 0.0,
         max_response_length: int | None = None,
         overlong_log: bool = False,
+        rm_scorer: Callable[[Any], np.ndarray] | None = None,
     ):
         if compute_score is None:
             from jaxrl_post.rewards import default_compute_score
@@ -147,6 +163,7 @@ class RewardManager:
         self.max_response_length = max_response_length
         self.overlong_log = bool(overlong_log)
         self._batched = callable(getattr(compute_score, "score_batch", None))
+        self.rm_scorer = rm_scorer
         self._pool = (
             RewardWorkerPool(compute_score, self.num_workers, timeout_s, mp_context)
             if self.num_workers > 0 and not self._batched
@@ -231,6 +248,9 @@ class RewardManager:
         sources = list(nt["data_source"])
         gts = self._ground_truths(data)
         infos = list(nt["extra_info"]) if "extra_info" in nt else [None] * B
+        rm_scores, rm_metrics = self._rm_scores(data, B)
+        if rm_scores is not None:  # a copy per row: the batch's own extra_info dicts are left as they are
+            infos = [dict(info or {}, rm_score=float(s)) for info, s in zip(infos, rm_scores)]
         args = [(sources[i], texts[i], gts[i], infos[i]) for i in range(B)]
 
         batch_metrics: dict[str, float] = {}
@@ -310,6 +330,7 @@ class RewardManager:
             "reward/num_errors": float(n_err),
             "reward/num_timeouts": float(n_timeout),
             **batch_metrics,
+            **rm_metrics,
         }
         for k, vals in extra.items():
             try:
@@ -326,6 +347,31 @@ class RewardManager:
                 log.info("[reward example] source=%s gt=%r score=%.3f\n%s", sources[i], gts[i], scores[i], texts[i])
             self._examined = self.num_examine
         return RewardOutput(token_level, scores, metrics, extra_infos, errors, function_scores)
+
+    def _rm_scores(self, data, B: int) -> tuple[np.ndarray | None, dict[str, float]]:
+        """`(rm_scores [B] float32 or None, reward_model/* metrics)`: the batch's `rm_scores`, else the
+        `rm_scorer`'s. Raises ValueError when their shape is not [B] or a score is not finite."""
+        if "rm_scores" in data.batch:
+            scores, metrics = np.asarray(data.batch["rm_scores"], np.float32), {}
+        elif self.rm_scorer is not None:
+            scores = np.asarray(self.rm_scorer(data), np.float32)
+            metrics = dict(getattr(self.rm_scorer, "last_metrics", {}) or {})
+        else:
+            return None, {}
+        if scores.shape != (B,):
+            raise ValueError(f"rm_scores: expected shape ({B},), got {scores.shape}")
+        if not np.isfinite(scores).all():
+            raise ValueError(
+                f"rm_scores: {int((~np.isfinite(scores)).sum())} of {B} reward-model scores are not finite"
+            )
+        metrics.update(
+            {
+                "reward_model/score_mean": float(scores.mean()),
+                "reward_model/score_max": float(scores.max()),
+                "reward_model/score_min": float(scores.min()),
+            }
+        )
+        return scores, metrics
 
     def _raise_failed(self, first: tuple[int, CallResult], sources: list, n_err: int, n_timeout: int, B: int):
         i, res = first

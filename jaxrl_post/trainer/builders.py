@@ -240,12 +240,13 @@ class DataRows:
 
 
 def _check_reward_sources(cfg: Any, data: DataRows) -> None:
-    """Without a custom reward function, every row's data_source must have a scorer in the reward registry;
-    with one, it must load (`load_custom_reward`; kept in `data.custom_reward_fn` for the reward manager)."""
+    """Without a custom reward function, every row's data_source must have a scorer in the reward registry
+    (unless the reward model is the reward, `reward_model.enable`); with one, it must load
+    (`load_custom_reward`; kept in `data.custom_reward_fn` for the reward manager)."""
     if cfg.custom_reward_function.path:
         data.custom_reward_fn = load_custom_reward(cfg)
         return
-    if cfg.reward_model.remote.url or cfg.reward_model.judge.path:  # the service / the judge scores any source
+    if cfg.reward_model.remote.url or cfg.reward_model.judge.path or cfg.reward_model.enable:
         return
     from jaxrl_post.rewards import UnknownDataSourceError, check_data_sources
 
@@ -367,19 +368,22 @@ def build_dataloaders(cfg: Any, data: DataRows, tokenizer, pad_token_id: int):
     return train, val, stats
 
 
-def build_reward_manager(cfg: Any, tokenizer, custom_reward_fn=None):
+def build_reward_manager(cfg: Any, tokenizer, custom_reward_fn=None, rm_scorer=None):
     """RewardManager scoring with the remote reward service (`reward_model.remote.url`, its own
     `max_error_fraction`), else the generative judge (`reward_model.judge.path`), else
-    `custom_reward_function` (if set) or `default_compute_score`, with DAPO's overlong reward shaping when
+    `custom_reward_function` (if set), else the reward model's score (`rewards.manager.rm_score`) when
+    `rm_scorer` is given, else `default_compute_score`; with DAPO's overlong reward shaping when
     `reward_model.overlong_buffer.enable` (training and validation, as verl).
 
     Args:
       custom_reward_fn: the function `load_data_rows` already loaded (`DataRows.custom_reward_fn`), so the
         user's file is imported once; None -> loaded here when `custom_reward_function.path` is set.
+      rm_scorer: the reward-model role (`build_rm_scorer`), or None.
 
     Raises: ConfigError: the custom reward function cannot be loaded (see `load_custom_reward`).
     """
     from jaxrl_post.rewards import RewardManager
+    from jaxrl_post.rewards.manager import rm_score
 
     rm = cfg.reward_model
     ob = rm.overlong_buffer
@@ -402,6 +406,8 @@ def build_reward_manager(cfg: Any, tokenizer, custom_reward_fn=None):
         fn = build_judge(cfg)
     else:
         fn = custom_reward_fn if custom_reward_fn is not None else load_custom_reward(cfg)
+        if fn is None and rm_scorer is not None:
+            fn = rm_score
     return RewardManager(
         fn,
         tokenizer,
@@ -412,6 +418,7 @@ def build_reward_manager(cfg: Any, tokenizer, custom_reward_fn=None):
         overlong_penalty_factor=float(ob.penalty_factor),
         max_response_length=int(cfg.data.max_response_length),
         overlong_log=bool(ob.log),
+        rm_scorer=rm_scorer,
     )
 
 
@@ -448,6 +455,39 @@ def build_judge(cfg: Any, mesh: jax.sharding.Mesh | None = None):
         batch_size=int(jc.batch_size),
         mesh=mesh,
     )
+
+
+def build_rm_scorer(cfg: Any, mesh, tokenizer):
+    """The frozen reward-model role of `reward_model.enable` (None when off): `load_reward_model` of
+    `reward_model.model.path` (or its `huggingface/` export, a reward_model run directory) in
+    `reward_model.model.dtype` (None: `model.dtype`), its tokenizer if the directory has one.
+
+    Raises: ConfigError: a multi-process run, or a directory that is not a reward model (names the key)."""
+    rc = cfg.reward_model
+    if not rc.enable:
+        return None
+    from jaxrl_post.models.hf_io import has_tokenizer_files, load_reward_model
+    from jaxrl_post.rewards.rm_scorer import RewardModelScorer
+
+    if jax.process_count() > 1:
+        raise ConfigError("reward_model.enable: reward-model scoring runs in one process only (multi-process runs)")
+    path = os.path.expanduser(rc.model.path)
+    if os.path.isfile(os.path.join(path, "huggingface", "config.json")):
+        path = os.path.join(path, "huggingface")
+    dtype = rc.model.dtype or cfg.model.dtype
+    try:
+        model = load_reward_model(path, dtype, mesh=mesh if mesh is not None and mesh.size > 1 else None)
+        rm_tok = load_tokenizer(path) if has_tokenizer_files(path) else None
+        return RewardModelScorer(
+            model,
+            tokenizer,
+            rm_tokenizer=rm_tok,
+            micro_batch_size=int(rc.micro_batch_size_per_gpu),
+            mesh=mesh,
+            max_length=None if rc.max_length is None else int(rc.max_length),
+        )
+    except (ValueError, FileNotFoundError) as e:
+        raise ConfigError(f"config.reward_model.model.path={rc.model.path!r}: {e}") from e
 
 
 def build_agent_loop(cfg: Any, generator, tokenizer):

@@ -19,7 +19,13 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from jaxrl_post.trainer.config_features import check_dapo, check_distillation, check_lora, check_multi_turn
+from jaxrl_post.trainer.config_features import (
+    check_dapo,
+    check_distillation,
+    check_lora,
+    check_multi_turn,
+    check_reward_model_scoring,
+)
 
 KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full")
 WARMUP_STYLES = ("constant", "cosine")
@@ -397,6 +403,7 @@ def validate_config(cfg: Any, n_devices: int | None = None) -> None:
     check("reward_model.max_error_fraction", lambda v: is_num(v) and 0 <= v <= 1, "must be in [0, 1] (1 = never stop)")
     check_dapo(cfg, check, err, is_int, is_num)
     check_remote_reward(cfg, check, err, is_int, is_num)
+    check_reward_model_scoring(cfg, check, err, is_int, is_num)
     path = cfg.custom_reward_function.path
     if path and not os.path.exists(path):
         err("custom_reward_function.path", "file not found")

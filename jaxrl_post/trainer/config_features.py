@@ -1,6 +1,7 @@
 """Config checks of the optional features, called by `config_check.validate_config` with its `check` / `err`
-helpers: DAPO (`algorithm.filter_groups.*`, `reward_model.overlong_buffer.*`), LoRA (`model.lora_*`) and
-multi-turn rollouts (`rollout.multi_turn.*`), on-policy distillation (`distillation.*`)."""
+helpers: DAPO (`algorithm.filter_groups.*`, `reward_model.overlong_buffer.*`), LoRA (`model.lora_*`),
+multi-turn rollouts (`rollout.multi_turn.*`), on-policy distillation (`distillation.*`) and reward-model
+scoring (`reward_model.enable`, ...)."""
 
 from __future__ import annotations
 
@@ -152,3 +153,24 @@ def check_distillation(cfg: Any, check, err, is_int, is_num) -> None:
     check(f"{lk}.clip_ratio", lambda v: is_num(v) and v >= 0, "must be >= 0")
     for k in ("clip_ratio_low", "clip_ratio_high"):
         check(f"{lk}.{k}", lambda v: v is None or (is_num(v) and v >= 0), "must be None or >= 0")
+
+
+def check_reward_model_scoring(cfg: Any, check, err, is_int, is_num) -> None:
+    """`reward_model.enable` and its keys (reward-model scoring in the RL loop, `rewards/rm_scorer.py`)."""
+    del is_num
+    rm = cfg.reward_model
+    check("reward_model.enable", lambda v: isinstance(v, bool), "must be a bool")
+    if rm.enable is not True:
+        return
+    path = rm.model.path
+    if not path:
+        err("reward_model.model.path", "required with reward_model.enable: an HF *ForSequenceClassification dir")
+    elif not os.path.isdir(os.path.expanduser(path)):
+        err("reward_model.model.path", f"not a directory: {path}")
+    check(
+        "reward_model.model.dtype",
+        lambda v: v is None or v in ("float32", "bfloat16", "float16"),
+        "valid: None (= model.dtype), float32, bfloat16, float16",
+    )
+    check("reward_model.micro_batch_size_per_gpu", lambda v: is_int(v) and v >= 1, "must be an int >= 1")
+    check("reward_model.max_length", lambda v: v is None or (is_int(v) and v >= 1), "must be None or an int >= 1")

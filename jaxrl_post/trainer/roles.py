@@ -284,7 +284,10 @@ class RolesMixin:
             fns["teacher"] = self._teacher_log_prob
         if self.use_critic:
             fns.update(update_critic=self._critic_update, values=self._values)
-        return {k: f._cache_size() for k, f in fns.items()}
+        out = {k: f._cache_size() for k, f in fns.items()}
+        if getattr(self, "rm_scorer", None) is not None:
+            out["rm"] = self.rm_scorer.compile_count()
+        return out
 
     # ------------------------------------------------------------------------------------ rollout
     def sampling_params(self, *, validate: bool, seed: int = 0):

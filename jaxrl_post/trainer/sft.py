@@ -156,7 +156,7 @@ class SFTTrainer(RolesMixin, CheckpointMixin):
         # ---- devices, model (LoRA: adapters trained, base frozen), optimizer, jitted fns
         self.mesh = builders.build_mesh(cfg)
         self.n_devices = jax.device_count()
-        self.actor_model, _ = builders.build_actor_and_tokenizer(cfg, self.mesh)  # self.tokenizer made the data
+        self.actor_model = self._build_model()
         self.lora = lora_config_of(self.actor_model)
         if self.lora is not None:
             graphdef, params, frozen, rest = steps.split_lora_model(self.actor_model)
@@ -196,6 +196,11 @@ class SFTTrainer(RolesMixin, CheckpointMixin):
 
     # ------------------------------------------------------------------------------------ hooks (DPOTrainer)
     validate_config = staticmethod(validate_sft_config)
+
+    def _build_model(self):
+        """The trained model (`builders.build_actor_and_tokenizer`; `self.tokenizer` already made the data);
+        the reward-model trainer wraps it in a `RewardModel`."""
+        return builders.build_actor_and_tokenizer(self.config, self.mesh)[0]
 
     @staticmethod
     def _head(data, k: int):

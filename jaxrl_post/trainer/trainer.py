@@ -3,7 +3,8 @@
 Per training step (`train_step`):
 
     prompts -> generate rollout.n each, interleaved, one prefill per prompt           timing_s/gen
-    -> reward (RewardManager; score on the last valid response token)               timing_s/reward
+    -> reward (RewardManager; score on the last valid response token; with           timing_s/reward
+       reward_model.enable the frozen reward model scores each trajectory first: rm_scores)
        [DAPO overlong shaping (reward_model.overlong_buffer) inside the RewardManager; DAPO dynamic sampling
        (algorithm.filter_groups, dynamic_sampling.py): drop groups whose metric does not vary, generate and
        score further prompt batches until data.train_batch_size groups are kept]
@@ -122,7 +123,10 @@ class RLTrainer(RolesMixin, TeacherMixin, RolloutMixin, UpdatesMixin, Checkpoint
             self.process_local = distributed.shard_loader(self.train_loader, self.mesh, int(cfg.rollout.n))
         except ValueError as e:  # shares that are not whole prompt groups, a tensor axis across processes
             raise ConfigError(str(e)) from e
-        self.reward_fn = builders.build_reward_manager(cfg, self.tokenizer, data_rows.custom_reward_fn)
+        self.rm_scorer = builders.build_rm_scorer(cfg, self.mesh, self.tokenizer)  # None without reward_model.enable
+        self.reward_fn = builders.build_reward_manager(
+            cfg, self.tokenizer, data_rows.custom_reward_fn, rm_scorer=self.rm_scorer
+        )
         self.total_training_steps = int(
             cfg.trainer.total_training_steps or cfg.trainer.total_epochs * len(self.train_loader)
         )

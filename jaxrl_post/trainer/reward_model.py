@@ -1,0 +1,229 @@
+"""`RewardModelTrainer`: Bradley-Terry reward-model training on preference pairs (TRL `RewardTrainer`).
+
+    python -m jaxrl_post.main --config=configs/reward_model.py          (config key trainer_type = 'reward_model')
+
+Per training step: the next `data.train_batch_size` preference pairs (`data/preference.py`, the DPO trainer's
+data: TRL prompt / chosen / rejected rows, plain or conversational, an optional numeric `margin` column; grain:
+shuffled each epoch, the position is checkpointed) -> `rm_step.layout_pairs` (right-padded `prompt + chosen`
+and `prompt + rejected` rows per micro-batch) -> one jitted update (`rm_step.make_rm_update`: the
+Bradley-Terry loss, mean over the step's pairs, micro-batches accumulated inside the jit) -> metrics (TRL
+names: `loss`, `accuracy`, `margin`, `min_reward`, `mean_reward`, `max_reward`, `grad_norm`,
+`learning_rate`, `num_tokens`, `epoch`). Validation: the same over `data.val_files` as `val/loss`,
+`val/accuracy`, ... (held-out pair accuracy).
+
+The model is a `models.RewardModel`: the backbone of `model.path` (a causal LM: the policy or its SFT; its LM
+head is dropped, the `score` head starts at normal(0, 0.02) as transformers') or an HF
+`*ForSequenceClassification` reward model to train further. With LoRA the adapters and the `score` head
+train (PEFT's `modules_to_save=["score"]`, as TRL does for reward models). After the last step the model is
+exported as an HF `<Family>ForSequenceClassification` directory `<run dir>/huggingface/`, which
+`reward_model.model.path` of an RL run reads (`rewards/rm_scorer.py`).
+
+Everything else is `SFTTrainer`'s (subclassed): mesh, optimizer and LR schedule, the shared loop, checkpoints
+and exact resume, the non-finite guard, `metrics.jsonl`. Packing (chosen and rejected sharing one prompt copy)
+is not implemented: `model.use_remove_padding` is ignored (padded rows).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxrl_post.trainer import builders, rm_step
+from jaxrl_post.trainer import checkpoint as ckpt
+from jaxrl_post.trainer.config_check import ConfigError
+from jaxrl_post.trainer.dpo import DPOTrainer
+from jaxrl_post.trainer.sft import HF_EXPORT_SUBDIR, SFTTrainer
+
+log = logging.getLogger(__name__)
+
+
+def validate_rm_config(cfg) -> None:
+    """Raise one `ConfigError` naming every bad key (batch geometry, lengths, truncation, the loss options)."""
+    from jaxrl_post.data.preference import TRUNCATIONS
+
+    d, r, bad = cfg.data, cfg.rm, []
+    is_pos = lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0
+    for key in ("train_batch_size", "micro_batch_size", "max_length"):
+        if not is_pos(d[key]):
+            bad.append(f"data.{key}={d[key]!r}: must be an int > 0")
+    if not bad and d.train_batch_size % d.micro_batch_size:
+        bad.append(
+            f"data.train_batch_size={d.train_batch_size} must be a multiple of data.micro_batch_size="
+            f"{d.micro_batch_size}"
+        )
+    if d.max_prompt_length is not None and not (is_pos(d.max_prompt_length) and d.max_prompt_length < d.max_length):
+        bad.append(f"data.max_prompt_length={d.max_prompt_length!r}: must be None or an int in [1, data.max_length)")
+    if d.truncation not in TRUNCATIONS:
+        bad.append(f"data.truncation={d.truncation!r}: must be one of {list(TRUNCATIONS)} for preference data")
+    if not d.train_files:
+        bad.append("data.train_files: no training data given (a .jsonl of prompt / chosen / rejected rows)")
+    c = r.center_rewards_coefficient
+    if c is not None and not (isinstance(c, (int, float)) and not isinstance(c, bool) and c >= 0):
+        bad.append(f"rm.center_rewards_coefficient={c!r}: must be None or a number >= 0")
+    if cfg.trainer.total_training_steps is None and not is_pos(cfg.trainer.total_epochs):
+        bad.append(f"trainer.total_epochs={cfg.trainer.total_epochs!r}: must be an int > 0")
+    if cfg.trainer.resume_mode not in ckpt.RESUME_MODES:
+        bad.append(f"trainer.resume_mode={cfg.trainer.resume_mode!r}: must be one of {list(ckpt.RESUME_MODES)}")
+    if bad:
+        raise ConfigError("invalid reward-model config:\n  " + "\n  ".join(f"config.{b}" for b in bad))
+
+
+def _is_seq_cls_dir(path) -> bool:
+    cfg_file = os.path.join(os.path.expanduser(str(path or "")), "config.json")
+    if not os.path.isfile(cfg_file):
+        return False
+    with open(cfg_file) as f:
+        archs = json.load(f).get("architectures") or []
+    return any(a.endswith("ForSequenceClassification") for a in archs)
+
+
+class RewardModelTrainer(SFTTrainer):
+    """Bradley-Terry reward-model training driven by a job ConfigDict (configs/reward_model.py).
+
+    Args: as `SFTTrainer` (config, tracker, console_write).
+
+    Raises:
+      ConfigError: invalid config (`validate_rm_config`), an unusable working directory, a missing data file,
+        fewer pairs than `data.train_batch_size`; LoRA on a `*ForSequenceClassification` start.
+      MalformedRowError: a malformed preference row (a non-numeric `margin` included) or an overlong pair
+        (file and row named), before the model loads.
+      CheckpointError: the checkpoint to resume from cannot be read or was not written by this trainer.
+    """
+
+    TRAINER_TYPE = "reward_model"
+    validate_config = staticmethod(validate_rm_config)
+    _load_data = DPOTrainer._load_data
+    _head = staticmethod(DPOTrainer._head)
+
+    def _build_model(self):
+        """`RewardModel` from `model.path`: an HF `*ForSequenceClassification` dir as it is, else the causal
+        LM's backbone with a fresh `score` head (seeded by `trainer.seed`). LoRA: `score` trains too."""
+        from jaxrl_post.models.hf_io import load_reward_model
+        from jaxrl_post.models.reward_model import RewardModel
+
+        cfg = self.config
+        if not cfg.model.random_init and _is_seq_cls_dir(cfg.model.path):
+            if cfg.model.lora_rank:
+                raise ConfigError("model.lora_rank: LoRA on a *ForSequenceClassification start is not supported")
+            mesh = self.mesh if self.mesh.size > 1 else None
+            rm = load_reward_model(cfg.model.path, cfg.model.dtype, mesh, param_dtype=cfg.model.param_dtype)
+        else:
+            backbone = builders.build_actor_and_tokenizer(cfg, self.mesh)[0]
+            rm = RewardModel(rngs=nnx.Rngs(int(cfg.trainer.seed) + 1), backbone=backbone)
+            if cfg.model.lora_rank:  # PEFT modules_to_save=["score"]: the head trains with the adapters
+                rm.score = nnx.LoRAParam(rm.score.get_value(), out_sharding=("embed", None), eager_sharding=False)
+        rm.pad_token_id = self.tokenizer.pad_token_id  # pooled as transformers will with the exported config
+        if self.pack:
+            log.warning("reward model: packed pairs are not implemented; model.use_remove_padding is ignored")
+        return rm
+
+    def _build_steps(self, graphdef, rest) -> None:
+        c = self.config.rm.center_rewards_coefficient
+        kw = dict(center_coef=None if c is None else float(c))
+        update = rm_step.make_rm_update(graphdef, rest, self.tx, on_trace=self._tracer("update"), **kw)
+        self._update = self._jit_update(update, self.actor_params, self.actor_opt_state)
+        self._eval = jax.jit(rm_step.make_rm_eval(graphdef, rest, on_trace=self._tracer("eval"), **kw))
+        self.pairs_per_micro = int(self.config.data.micro_batch_size)
+
+    # ------------------------------------------------------------------------------------ batches
+    def _layout(self, pairs) -> dict[str, jax.Array]:
+        n_micro = -(-len(pairs) // self.pairs_per_micro)
+        pad = n_micro * self.pairs_per_micro - len(pairs)
+        if pad:  # a last validation batch: pairs repeated, their sums removed by the caller
+            pairs = list(pairs) + [pairs[0]] * pad
+        arrays = rm_step.layout_pairs(
+            pairs,
+            n_micro=n_micro,
+            pairs_per_micro=self.pairs_per_micro,
+            row_len=self.row_len,
+            pad_id=int(self.tokenizer.pad_token_id or 0),
+        )
+        if self.n_devices == 1:
+            return {k: jnp.asarray(v) for k, v in arrays.items()}
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        from jaxrl_post.sharding import LOGICAL_AXIS_RULES
+
+        rows = NamedSharding(self.mesh, PartitionSpec(None, LOGICAL_AXIS_RULES["batch"], None))
+        rep = NamedSharding(self.mesh, PartitionSpec())
+        return {k: jax.device_put(v, rows if k in rm_step.RM_TOKEN_KEYS else rep) for k, v in arrays.items()}
+
+    # ------------------------------------------------------------------------------------ steps
+    def train_step(self) -> dict[str, float]:
+        """One optimizer step on the next `data.train_batch_size` pairs; returns its metrics."""
+        t0 = time.perf_counter()
+        idx = next(self.train_loader)
+        pairs = [self.train_data.pairs[i] for i in idx]
+        batch = self._layout(pairs)
+        lr = float(self.lr_fn(self.global_steps))
+        self.actor_params, self.actor_opt_state, out = self._update(
+            self.actor_params, self.actor_opt_state, batch, *self._frozen()
+        )
+        m = {k: float(v) for k, v in jax.device_get(out).items()}
+        self.global_steps += 1
+        self.num_tokens += int(sum(2 * len(x.prompt_ids) + len(x.chosen_ids) + len(x.rejected_ids) for x in pairs))
+        m.update(self.guard.observe([m.pop("update_skipped")], step=self.global_steps))
+        m.update(
+            learning_rate=lr,
+            num_tokens=float(self.num_tokens),
+            epoch=self.global_steps / self.train_loader.batches_per_epoch,
+        )
+        m["timing_s/step"] = time.perf_counter() - t0
+        return m
+
+    def validate(self) -> dict[str, float]:
+        """`val/loss`, `val/accuracy` (held-out pair accuracy), `val/margin`, `val/mean_reward`,
+        `val/min_reward`, `val/max_reward` over every pair of `data.val_files` (first `data.max_val_samples`),
+        and `timing_s/testing`. Raises RuntimeError without validation data."""
+        if self.val_data is None:
+            raise RuntimeError("no validation data: set data.val_files")
+        t0 = time.perf_counter()
+        v = self.val_data
+        loss = acc = margin = rsum = 0.0
+        lo_r, hi_r = np.inf, -np.inf
+        for lo in range(0, len(v), self.batch_size):
+            chunk = v.pairs[lo : lo + self.batch_size]
+            if len(chunk) % self.pairs_per_micro:  # a ragged last batch: score its pairs one micro-batch at a time
+                parts = [chunk[i : i + 1] * self.pairs_per_micro for i in range(len(chunk))]
+                scale = 1.0 / self.pairs_per_micro
+            else:
+                parts, scale = [chunk], 1.0
+            for part in parts:
+                l_sum, s = jax.device_get(self._eval(self.actor_params, self._layout(part), *self._frozen()))
+                loss += float(l_sum) * scale
+                acc += float(s["accuracy"]) * scale
+                margin += float(s["margin"]) * scale
+                rsum += float(s["reward_sum"]) * scale
+                lo_r, hi_r = min(lo_r, float(s["min_reward"])), max(hi_r, float(s["max_reward"]))
+        n = max(len(v), 1)
+        return {
+            "val/loss": loss / n,
+            "val/accuracy": acc / n,
+            "val/margin": margin / n,
+            "val/mean_reward": rsum / (2 * n),
+            "val/min_reward": lo_r,
+            "val/max_reward": hi_r,
+            "timing_s/testing": time.perf_counter() - t0,
+        }
+
+    def export_hf(self, out_dir: str | None = None) -> str:
+        """Write the reward model as an HF `*ForSequenceClassification` directory (default
+        `<run dir>/huggingface/`; LoRA: merged weights) with the tokenizer; returns its path."""
+        from jaxrl_post.models.hf_io import save_reward_model
+
+        out_dir = out_dir or os.path.join(self.workdir, HF_EXPORT_SUBDIR)
+        self.sync_weights()
+        save_reward_model(self.actor_model, self.tokenizer, out_dir)
+        self._say(f"exported the reward model to {out_dir} (use it as reward_model.model.path={self.workdir})")
+        return out_dir
+
+    @staticmethod
+    def progress_postfix(metrics) -> dict[str, str]:
+        return {"loss": f"{metrics['loss']:.4f}", "acc": f"{metrics.get('accuracy', float('nan')):.3f}"}
