@@ -81,10 +81,30 @@ def _set(cfg, dotted: str, value) -> None:
     node = cfg
     for part in parents:
         node = node[part]
-    node[last] = value
+    if hasattr(node, "ignore_type"):  # a resolved copy (`copy_and_resolve_references`) types "auto" as str
+        with node.ignore_type():
+            node[last] = value
+    else:
+        node[last] = value
 
 
-def resolve_config(cfg, platform: str | None = None) -> dict[str, tuple[Any, str]]:
+def resolve_value(key: str, value: Any, platform: str | None = None) -> Any:
+    """`value`, or the platform's default for `key` (a `DEFAULTS` key such as "model.dtype") when it is "auto"
+    (for code handed a config that `resolve_config` has not seen, e.g. a role's dtype falling back to
+    `model.dtype`)."""
+    if isinstance(value, str) and value == AUTO:
+        return DEFAULTS[platform_name(platform)][key]
+    return value
+
+
+def log_resolved(resolved: dict[str, tuple[Any, str]], platform: str | None = None) -> None:
+    """The one log line of `resolve_config(..., log=False)`'s result (trainers log it once the run directory
+    and the data passed their checks, so a start-up error stays the only line)."""
+    shown = ", ".join(f"{k}={v!r}" + (" (auto)" if s == "auto" else "") for k, (v, s) in resolved.items())
+    log.info("platform defaults on %s: %s", platform_name(platform), shown)
+
+
+def resolve_config(cfg, platform: str | None = None, *, log_line: bool = True) -> dict[str, tuple[Any, str]]:
     """Replace every "auto" among the `DEFAULTS` keys of `cfg` (an ml_collections ConfigDict or nested dict)
     by the platform's value, in place, and log one line. Idempotent. Keys missing from `cfg` are skipped.
 
@@ -115,8 +135,8 @@ def resolve_config(cfg, platform: str | None = None) -> dict[str, tuple[Any, str
         pass
     seg = cache_segment_len(p)
     out["rollout.cache_segment_len"] = ("one segment" if seg else "an eighth of the cache", "auto")
-    shown = ", ".join(f"{k}={v!r}" + (" (auto)" if s == "auto" else "") for k, (v, s) in out.items())
-    log.info("platform defaults on %s: %s", p, shown)
+    if log_line:
+        log_resolved(out, p)
     return out
 
 

@@ -474,7 +474,9 @@ def build_rm_scorer(cfg: Any, mesh, tokenizer):
     path = os.path.expanduser(rc.model.path)
     if os.path.isfile(os.path.join(path, "huggingface", "config.json")):
         path = os.path.join(path, "huggingface")
-    dtype = rc.model.dtype or cfg.model.dtype
+    from jaxrl_post.platform_defaults import resolve_value
+
+    dtype = resolve_value("model.dtype", rc.model.dtype or cfg.model.dtype)
     try:
         model = load_reward_model(path, dtype, mesh=mesh if mesh is not None and mesh.size > 1 else None)
         rm_tok = load_tokenizer(path) if has_tokenizer_files(path) else None

@@ -36,7 +36,7 @@ import numpy as np
 from flax import nnx
 
 from jaxrl_post.models.lora import lora_config_of
-from jaxrl_post.platform_defaults import resolve_config
+from jaxrl_post.platform_defaults import log_resolved, resolve_config
 from jaxrl_post.sharding import init_opt_state
 from jaxrl_post.trainer import builders, loop, preflight, sft_step, steps
 from jaxrl_post.trainer import checkpoint as ckpt
@@ -123,7 +123,7 @@ class SFTTrainer(RolesMixin, CheckpointMixin):
 
     def __init__(self, config, *, tracker: Tracking | None = None, console_write: Callable[[str], None] | None = None):
         self.validate_config(config)  # accepts "auto"; errors come before any other line
-        resolve_config(config)  # "auto" values by platform (platform_defaults.py), logged
+        resolved = resolve_config(config, log_line=False)  # "auto" values by platform (platform_defaults.py)
         self.config = cfg = config
         self.workdir = cfg.trainer.default_local_dir
         self.trace_counts: dict[str, int] = {}
@@ -153,6 +153,7 @@ class SFTTrainer(RolesMixin, CheckpointMixin):
         self.n_micro, self.rows = sft_step.micro_geometry(self.batch_size, int(d.micro_batch_size))
         self.row_len, self.pack = int(d.max_length), bool(cfg.model.use_remove_padding)
 
+        log_resolved(resolved)  # after the run-directory, model-path and data checks (an error there is one line)
         # ---- devices, model (LoRA: adapters trained, base frozen), optimizer, jitted fns
         self.mesh = builders.build_mesh(cfg)
         self.n_devices = jax.device_count()

@@ -113,9 +113,10 @@ def build_teacher(cfg: Any, mesh, student_tokenizer, student_vocab: int):
     """
     from jaxrl_post.models import init_model, load_pretrained
     from jaxrl_post.models.attention import resolve_attention_impl
+    from jaxrl_post.platform_defaults import resolve_value
 
     t = cfg.distillation.teacher_models.teacher_model
-    dtype = t.dtype or cfg.model.dtype
+    dtype = resolve_value("model.dtype", t.dtype or cfg.model.dtype)
     if t.random_init:
         from jaxrl_post.models import get_preset
 

@@ -50,7 +50,7 @@ import numpy as np
 
 from jaxrl_post import core_algos, distributed
 from jaxrl_post.models.lora import lora_config_of
-from jaxrl_post.platform_defaults import resolve_config
+from jaxrl_post.platform_defaults import log_resolved, resolve_config
 from jaxrl_post.protocol import DataProto
 from jaxrl_post.trainer import builders, loop, preflight, steps
 from jaxrl_post.trainer import metrics as metrics_lib
@@ -92,7 +92,7 @@ class RLTrainer(RolesMixin, TeacherMixin, RolloutMixin, UpdatesMixin, Checkpoint
 
     def __init__(self, config, *, tracker: Tracking | None = None, console_write: Callable[[str], None] | None = None):
         validate_config(config)  # accepts "auto"; errors come before any other line
-        resolve_config(config)  # "auto" values by platform (platform_defaults.py), logged
+        resolved = resolve_config(config, log_line=False)  # "auto" values by platform (platform_defaults.py)
         self.config = cfg = config
         self.workdir = cfg.trainer.default_local_dir
         self.trace_counts: dict[str, int] = {}
@@ -105,6 +105,7 @@ class RLTrainer(RolesMixin, TeacherMixin, RolloutMixin, UpdatesMixin, Checkpoint
         preflight.check_model_path(cfg)  # a missing model: one line now, not a traceback from the loader
         check_teacher_path(cfg)  # the same for a distillation teacher
 
+        log_resolved(resolved)  # after the run-directory / model-path checks (an error there stays one line)
         # ---- devices, model, tokenizer
         self.mesh = builders.build_mesh(cfg)
         self.actor_model, self.tokenizer = builders.build_actor_and_tokenizer(cfg, self.mesh)
