@@ -228,6 +228,8 @@ def make_packed_actor_update(
     """
     c = loss_cfg
     ent_mode = losses.entropy_mode(c.entropy_coeff)
+    if c.distillation is not None and c.distillation.is_topk:
+        raise ValueError("top-k distillation is implemented on the padded layout only (model.use_remove_padding=False)")
 
     def loss_fn(params, mb, mb_seqs, counts, frozen=None):
         model = _merge(graphdef, params, frozen, rest)
