@@ -105,6 +105,7 @@ def test_tail_of_a_full_vocabulary_is_the_exact_forward_kl():
 
 
 # ----------------------------------------------------------------------------------------- the teacher forward
+@pytest.mark.slow  # ~30 s on a loaded 2-core CPU: one jit of the teacher forward + 4 eager reference forwards
 def test_teacher_topk_equals_top_k_of_its_own_log_softmax():
     """The teacher's padded forward with topk = K: ids and log-probs of the K largest entries of its own
     log_softmax (one unpadded sequence at a time, float64 numpy), at every existing response position."""
@@ -141,6 +142,7 @@ def _own_full_log_softmax(model, b, temperature=1.0):
 
 
 # ----------------------------------------------------------------------------------------- the student update
+@pytest.mark.slow  # ~20 s: one jit of the actor update (forward + backward) + 4 eager reference forwards
 def test_student_topk_log_probs_in_the_padded_update_equal_a_dense_reference():
     """The padded actor update (2 micro-batches, temperature 0.7): its `distillation/loss` and `student_mass`
     equal numpy on the student's dense log_softmax gathered at the teacher's ids; the packed update refuses."""
@@ -194,6 +196,7 @@ def test_actor_loss_routes_topk_inputs():
 
 
 # ----------------------------------------------------------------------------------------- end to end
+@pytest.mark.slow  # ~70 s on a loaded 2-core CPU: trainer compiles (rollout, teacher, update) + 3 steps
 def test_tiny_topk_opd_run(tmp_path):
     """`configs/opd.py:tiny_topk` (forward_kl_topk, K = 8, padded) for 3 steps through the RL trainer: finite
     distillation metrics every step, teacher masses in (0, 1], one compile of the teacher and the update."""
