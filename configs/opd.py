@@ -8,7 +8,7 @@ Variants (`--config=configs/opd.py:VARIANT`):
   (default)  tiny: a random 2-layer student and a random 2-layer teacher (another seed) on the character
              tokenizer; 3 steps in seconds on a CPU (tests, smoke runs).
   tiny_topk  tiny with verl's GKD-style top-k forward KL (`loss_mode=forward_kl_topk`, K = 8, supervised,
-             `log_prob_min_clamp=-10`, padded layout: `model.use_remove_padding=False`).
+             `log_prob_min_clamp=-10`).
   smollm2    student SmolLM2-135M-Instruct, teacher the GRPO-trained SmolLM2 of `configs/grpo.py` exported with
              `python scripts/export_hf.py --checkpoint=runs/grpo --out=exported/grpo_smollm2` (or any model of
              the same tokenizer: `--config.distillation.teacher_models.teacher_model.model_path=...`); the GRPO
@@ -63,9 +63,8 @@ def _tiny(c):
 
 
 def _tiny_topk(c):
-    """`tiny` with verl's GKD-style top-k forward KL (supervised, padded layout) instead of PG OPD."""
+    """`tiny` with verl's GKD-style top-k forward KL (supervised) instead of PG OPD."""
     _tiny(c)
-    c.model.use_remove_padding = False  # the top-k modes run on the padded layout
     d = c.distillation.distillation_loss
     d.loss_mode = "forward_kl_topk"
     d.use_policy_gradient = False

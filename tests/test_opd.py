@@ -142,13 +142,13 @@ def test_config_refuses_what_verl_refuses(tmp_path):
     msg = str(e.value)
     assert "distillation.distillation_loss.loss_mode='k1'" in msg and "use_policy_gradient=True" in msg
     assert "loss_max_clamp=-1.0" in msg and "policy_loss_mode='gspo'" in msg
-    c = opd.get_config()  # PG + packed: a top-k mode is supervised and (here) padded-only
+    c = opd.get_config()  # PG: a top-k mode is a supervised loss
     c.distillation.distillation_loss.loss_mode = "forward_kl_topk"
     c.distillation.distillation_loss.log_prob_min_clamp = 1.0
     with pytest.raises(ConfigError) as e:
         validate_config(c, n_devices=1)
     msg = str(e.value)
-    assert "use_policy_gradient" in msg and "model.use_remove_padding=False" in msg and "log_prob_min_clamp" in msg
+    assert "use_policy_gradient" in msg and "log_prob_min_clamp=1.0" in msg
     validate_config(opd.get_config("tiny_topk"), n_devices=1)
 
 

@@ -1,7 +1,7 @@
 """Top-k forward-KL on-policy distillation (verl `forward_kl_topk` / `forward_kl_topk_tail`): the loss by hand
 (numpy) with mask holes, the tail bucket and `log_prob_min_clamp`; the teacher's top-k ids / log-probs against
-its own log_softmax; the student's log-probs at those ids inside the padded actor update against a dense
-reference; the packed layout refused; a tiny end-to-end run through the RL trainer."""
+its own log_softmax (packed == padded); the student's log-probs at those ids inside the actor update against a
+dense reference (packed == padded); a tiny end-to-end run through the RL trainer (packed, the default)."""
 
 import json
 
@@ -106,7 +106,7 @@ def test_tail_of_a_full_vocabulary_is_the_exact_forward_kl():
 
 # ----------------------------------------------------------------------------------------- the teacher forward
 @pytest.mark.slow  # ~30 s on a loaded 2-core CPU: one jit of the teacher forward + 4 eager reference forwards
-def test_teacher_topk_equals_top_k_of_its_own_log_softmax():
+def test_teacher_topk_equals_top_k_of_its_own_log_softmax(monkeypatch):
     """The teacher's padded forward with topk = K: ids and log-probs of the K largest entries of its own
     log_softmax (one unpadded sequence at a time, float64 numpy), at every existing response position."""
     model = _peaked_model()
@@ -123,6 +123,17 @@ def test_teacher_topk_equals_top_k_of_its_own_log_softmax():
     want_lp = np.take_along_axis(full, want_ids, -1)
     np.testing.assert_allclose(np.asarray(t_lp)[mask], want_lp[mask], rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(np.asarray(lp)[mask], _own_forward(model, b)[mask], rtol=1e-4, atol=1e-4)
+
+    # packed (2 micro-batches, several sequences per row) == padded, at every existing response position
+    from jaxrl_post.trainer import packed_steps, packing
+
+    monkeypatch.setattr(packed_steps, "TOPK_HEAD_CHUNK", 3)  # 10 slots: 4 chunks, the last one padded
+    spec = packing.make_pack_spec(4, rows=1, prompt_length=6, response_length=5, row_len=22, n_micro=2)
+    pk = dict(b, **packing.pack_batch(b, spec))
+    pfn = jax.jit(packed_steps.make_packed_log_prob_fn(g, rest, temperature=1.0, with_entropy=False, topk=k))
+    _, _, p_lp, p_ids = pfn(params, {kk: jnp.asarray(v) for kk, v in pk.items()})
+    np.testing.assert_array_equal(np.asarray(p_ids)[mask], np.asarray(t_ids)[mask])
+    np.testing.assert_allclose(np.asarray(p_lp)[mask], np.asarray(t_lp)[mask], rtol=1e-5, atol=1e-5)
 
 
 def _own_full_log_softmax(model, b, temperature=1.0):
@@ -143,9 +154,10 @@ def _own_full_log_softmax(model, b, temperature=1.0):
 
 # ----------------------------------------------------------------------------------------- the student update
 @pytest.mark.slow  # ~20 s: one jit of the actor update (forward + backward) + 4 eager reference forwards
-def test_student_topk_log_probs_in_the_padded_update_equal_a_dense_reference():
+def test_student_topk_log_probs_in_the_padded_update_equal_a_dense_reference(monkeypatch):
     """The padded actor update (2 micro-batches, temperature 0.7): its `distillation/loss` and `student_mass`
-    equal numpy on the student's dense log_softmax gathered at the teacher's ids; the packed update refuses."""
+    equal numpy on the student's dense log_softmax gathered at the teacher's ids; the packed update (chunked
+    head) gives the same."""
     student = _peaked_model(seed=5)
     g, params, rest = steps.split_model(student)
     b = _rollout_batch(n=4)
@@ -169,10 +181,16 @@ def test_student_topk_log_probs_in_the_padded_update_equal_a_dense_reference():
     assert float(m["loss"]) == pytest.approx(want, rel=1e-4)  # use_task_rewards=False: the distillation alone
     assert float(m["distillation/student_mass"]) == pytest.approx(np.exp(s_dense).sum(-1)[mask > 0].mean(), rel=1e-4)
 
-    from jaxrl_post.trainer import packed_steps
+    # the packed update (2 micro-batches) on the same sequences: the same loss and masses
+    from jaxrl_post.trainer import packed_steps, packing
 
-    with pytest.raises(ValueError, match="padded layout only"):
-        packed_steps.make_packed_actor_update(g, rest, optax.sgd(0.0), c)
+    monkeypatch.setattr(packed_steps, "TOPK_HEAD_CHUNK", 3)  # 10 slots: 4 chunks, the last one padded
+    spec = packing.make_pack_spec(4, rows=1, prompt_length=6, response_length=5, row_len=22, n_micro=2)
+    pk = dict(batch, **packing.pack_batch(batch, spec))
+    pfn = jax.jit(packed_steps.make_packed_actor_update(g, rest, optax.sgd(0.0), c))
+    _, _, pm = pfn(params, optax.sgd(0.0).init(params), {kk: jnp.asarray(v) for kk, v in pk.items()})
+    for key in ("distillation/loss", "distillation/student_mass", "distillation/teacher_mass", "loss"):
+        assert float(pm[key]) == pytest.approx(float(m[key]), rel=1e-4), key
 
 
 def test_actor_loss_routes_topk_inputs():
@@ -198,7 +216,7 @@ def test_actor_loss_routes_topk_inputs():
 # ----------------------------------------------------------------------------------------- end to end
 @pytest.mark.slow  # ~70 s on a loaded 2-core CPU: trainer compiles (rollout, teacher, update) + 3 steps
 def test_tiny_topk_opd_run(tmp_path):
-    """`configs/opd.py:tiny_topk` (forward_kl_topk, K = 8, padded) for 3 steps through the RL trainer: finite
+    """`configs/opd.py:tiny_topk` (forward_kl_topk, K = 8, packed) for 3 steps through the RL trainer: finite
     distillation metrics every step, teacher masses in (0, 1], one compile of the teacher and the update."""
     from configs import opd
     from jaxrl_post.trainer.trainer import RLTrainer

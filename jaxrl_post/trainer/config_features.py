@@ -112,7 +112,7 @@ def check_multi_turn(cfg: Any, check, err, is_int, is_num) -> None:
 def check_distillation(cfg: Any, check, err, is_int, is_num) -> None:
     """`distillation.*` (on-policy distillation, verl's keys and checks): a teacher model_path (or a random
     teacher), a single-sample estimator loss_mode or a top-k mode (positive `topk`, `log_prob_min_clamp` None or
-    < 0, supervised only, padded layout only), no `k1` without
+    < 0, supervised only), no `k1` without
     `use_policy_gradient` (verl refuses it: its gradient does not reach the teacher), only the 'vanilla'
     policy loss, non-negative clip ratios and coefficient, a positive `loss_max_clamp`, one teacher."""
     if (
@@ -142,11 +142,6 @@ def check_distillation(cfg: Any, check, err, is_int, is_num) -> None:
             err(
                 f"{lk}.use_policy_gradient",
                 f"the top-k mode {mode!r} is a supervised (GKD-style) loss: set it False, or use k1 for PG OPD",
-            )
-        if cfg.model.use_remove_padding is True:
-            err(
-                f"{lk}.loss_mode",
-                f"the top-k mode {mode!r} is implemented on the padded layout only: set model.use_remove_padding=False",
             )
     elif mode not in DISTILLATION_LOSS_MODES:
         err(f"{lk}.loss_mode", f"valid: {[*DISTILLATION_LOSS_MODES, *TOPK_LOSS_MODES]}")

@@ -4,10 +4,10 @@
 `distillation.teacher_models.teacher_model` (any supported family: an HF dir, a .gguf, an alias or an
 exported run dir at `model_path`; or a random model for tests), in its own dtype, sharded on the trainer's
 mesh like the reference, and checks up front that it shares the student's tokenizer. Each step it computes
-`teacher_log_prob [B, R] float32` (and, in the top-k modes, its top-k log-probs and ids `[B, R, K]`, padded
-layout only) with the same packed / padded log-prob forward as the reference
-(`steps.make_log_prob_fn` / `packed_steps.make_packed_log_prob_fn` on the teacher's graph), at temperature
-1.0 (verl forces the teacher's temperature to 1.0: it scores fixed tokens, it does not sample).
+`teacher_log_prob [B, R] float32` (and, in the top-k modes, its top-k log-probs and ids `[B, R, K]`) with
+the same packed / padded log-prob forward as the reference (`steps.make_log_prob_fn` /
+`packed_steps.make_packed_log_prob_fn` on the teacher's graph), at temperature 1.0 (verl forces the
+teacher's temperature to 1.0: it scores fixed tokens, it does not sample).
 
 Vocabulary: the tokenizers must be equal (same token -> id map and special tokens); the embedding tables may
 be padded differently. A teacher whose table is larger than the student's has its head sliced to the
@@ -206,9 +206,7 @@ class TeacherMixin:
                 f"({self.actor_model.config.vocab_size} ids)"
             )
         if self.teacher_spec is not None:
-            if self.teacher_topk:  # the config refuses it first (config_features.check_distillation)
-                raise ConfigError("top-k distillation needs model.use_remove_padding=False (packed: not implemented)")
-            fn = packed_steps.make_packed_log_prob_fn(g, rest, **kw)
+            fn = packed_steps.make_packed_log_prob_fn(g, rest, topk=self.teacher_topk, **kw)
         else:
             fn = steps.make_log_prob_fn(g, rest, micro_batch_size=micro, topk=self.teacher_topk, **kw)
         self._teacher_log_prob = jax.jit(fn)
