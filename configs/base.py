@@ -319,7 +319,7 @@ def get_base_config() -> mlc.ConfigDict:
     c.distillation.distillation_loss = mlc.ConfigDict()
     # Per-token loss D: a reverse-KL estimator of log pi_student vs log pi_teacher on the sampled token: k1 (kl),
     # k3 (low_var_kl), abs, k2 (mse); or verl's GKD-style forward KL on the teacher's top-k tokens:
-    # forward_kl_topk, forward_kl_topk_tail (+ a tail bucket); padded layout (model.use_remove_padding=False).
+    # forward_kl_topk, forward_kl_topk_tail (+ a tail bucket), supervised (use_policy_gradient=False).
     # per-token divergence: k1 | k3 | kl | low_var_kl | abs | k2 | mse | forward_kl_topk | forward_kl_topk_tail
     c.distillation.distillation_loss.loss_mode = "k3"
     # K of the top-k modes: the teacher's K most likely tokens per response position
