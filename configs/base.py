@@ -317,10 +317,15 @@ def get_base_config() -> mlc.ConfigDict:
     c.distillation.teacher_models.teacher_model.arch.head_dim = _opt_int()  # as model.arch.head_dim
     c.distillation.teacher_models.teacher_model.arch.vocab_size = _opt_int()  # as model.arch.vocab_size
     c.distillation.distillation_loss = mlc.ConfigDict()
-    # Per-token loss D on the sampled token: a reverse-KL estimator of log pi_student vs log pi_teacher: k1 (kl),
-    # k3 (low_var_kl), abs, k2 (mse). verl's top-k forward-KL modes need teacher top-k log-probs: not implemented.
-    # per-token divergence estimator: k1 | k3 | kl | low_var_kl | abs | k2 | mse
+    # Per-token loss D: a reverse-KL estimator of log pi_student vs log pi_teacher on the sampled token: k1 (kl),
+    # k3 (low_var_kl), abs, k2 (mse); or verl's GKD-style forward KL on the teacher's top-k tokens:
+    # forward_kl_topk, forward_kl_topk_tail (+ a tail bucket), supervised (use_policy_gradient=False).
+    # per-token divergence: k1 | k3 | kl | low_var_kl | abs | k2 | mse | forward_kl_topk | forward_kl_topk_tail
     c.distillation.distillation_loss.loss_mode = "k3"
+    # K of the top-k modes: the teacher's K most likely tokens per response position
+    c.distillation.distillation_loss.topk = 32
+    # top-k modes: student and teacher log-probs clamped from below at this value (verl); None = off
+    c.distillation.distillation_loss.log_prob_min_clamp = mlc.FieldReference(None, field_type=float)
     # loss = task policy loss + distillation_loss_coef * distillation loss; False: distillation only
     c.distillation.distillation_loss.use_task_rewards = True
     # weight of the distillation loss when use_task_rewards
@@ -472,6 +477,7 @@ _VERL_KEYS_TEXT = """
     trainer.resume_mode trainer.resume_from_path trainer.max_actor_ckpt_to_keep
     distillation.enabled distillation.teacher_models.teacher_model.model_path
     distillation.distillation_loss.loss_mode distillation.distillation_loss.use_task_rewards
+    distillation.distillation_loss.topk distillation.distillation_loss.log_prob_min_clamp
     distillation.distillation_loss.distillation_loss_coef distillation.distillation_loss.loss_max_clamp
     distillation.distillation_loss.use_policy_gradient distillation.distillation_loss.policy_loss_mode
     distillation.distillation_loss.clip_ratio distillation.distillation_loss.clip_ratio_low

@@ -7,6 +7,8 @@ The student (the actor) samples `rollout.n` responses per prompt; the frozen tea
 Variants (`--config=configs/opd.py:VARIANT`):
   (default)  tiny: a random 2-layer student and a random 2-layer teacher (another seed) on the character
              tokenizer; 3 steps in seconds on a CPU (tests, smoke runs).
+  tiny_topk  tiny with verl's GKD-style top-k forward KL (`loss_mode=forward_kl_topk`, K = 8, supervised,
+             `log_prob_min_clamp=-10`).
   smollm2    student SmolLM2-135M-Instruct, teacher the GRPO-trained SmolLM2 of `configs/grpo.py` exported with
              `python scripts/export_hf.py --checkpoint=runs/grpo --out=exported/grpo_smollm2` (or any model of
              the same tokenizer: `--config.distillation.teacher_models.teacher_model.model_path=...`); the GRPO
@@ -60,6 +62,17 @@ def _tiny(c):
     return _opd(c)
 
 
+def _tiny_topk(c):
+    """`tiny` with verl's GKD-style top-k forward KL (supervised) instead of PG OPD."""
+    _tiny(c)
+    d = c.distillation.distillation_loss
+    d.loss_mode = "forward_kl_topk"
+    d.use_policy_gradient = False
+    d.topk = 8
+    d.log_prob_min_clamp = -10.0
+    return c
+
+
 def _smollm2(c):
     grpo._default(c)  # the GRPO default run's task, prompts, batch, lr and steps
     c.trainer.experiment_name = "opd_smollm2_rg"
@@ -74,7 +87,7 @@ def get_config(arg=None):
     c.algorithm.adv_estimator = "grpo"
     c.critic.enable = False
     variant = arg or "tiny"
-    fns = {"tiny": _tiny, "smollm2": _smollm2}
+    fns = {"tiny": _tiny, "tiny_topk": _tiny_topk, "smollm2": _smollm2}
     if variant not in fns:
         raise ValueError(f"configs/opd.py: unknown variant {variant!r}; valid: {sorted(fns)}")
     return fns[variant](c)

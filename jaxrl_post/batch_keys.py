@@ -1,6 +1,7 @@
 """The one table of batch keys: every array a training step's host batch carries, with its shape, dtype and meaning.
 
-Shape letters: B rows (prompts x rollout.n), P prompt length, R response length, T = P + R. Response fields are
+Shape letters: B rows (prompts x rollout.n), P prompt length, R response length, T = P + R, K
+`distillation.distillation_loss.topk`. Response fields are
 right-aligned with `responses`: position t of a `[B, R]` field belongs to response token t.
 
 The key tuples below (which keys each jit boundary takes) are the only lists of batch keys in the package: the
@@ -47,6 +48,8 @@ BATCH_KEYS: dict[str, BatchKey] = {
         BatchKey("old_log_probs", "[B, R]", "float32", "actor forward", "behaviour policy log-probs"),
         BatchKey("ref_log_prob", "[B, R]", "float32", "reference forward", "reference policy log-probs"),
         BatchKey("teacher_log_prob", "[B, R]", "float32", "teacher forward", "distillation teacher's log-probs"),
+        BatchKey("teacher_topk_log_probs", "[B, R, K]", "float32", "teacher forward", "teacher's top-k log-probs"),
+        BatchKey("teacher_topk_ids", "[B, R, K]", "int32", "teacher forward", "ids of the teacher's top-k tokens"),
         BatchKey("values", "[B, R]", "float32", "critic forward", "critic values at rollout time"),
         BatchKey("rollout_is_weights", "[B, R]", "float32", "rollout correction", "truncated IS weights"),
         BatchKey("token_level_rewards", "[B, R]", "float32", "advantage", "scores minus KL penalty (KL in reward)"),
@@ -66,6 +69,8 @@ ACTOR_RESPONSE_KEYS = (
     "old_log_probs",
     "ref_log_prob",
     "teacher_log_prob",
+    "teacher_topk_log_probs",
+    "teacher_topk_ids",
     "rollout_log_probs",
     "rollout_is_weights",
 )

@@ -42,8 +42,8 @@ __all__ = [
     "distillation_loss",
 ]
 
-# verl's single-sample estimator modes (`DistillationLossSettings(use_estimator=True)`); the top-k forward-KL
-# modes (`forward_kl_topk`, `forward_kl_topk_tail`) need the teacher's top-k log-probs: not implemented here.
+# verl's single-sample estimator modes (`DistillationLossSettings(use_estimator=True)`) and its top-k forward-KL
+# modes (GKD-style, on the teacher's top-k ids: `distillation_topk.py`).
 DISTILLATION_LOSS_MODES = tuple(KL_PENALTIES)
 TOPK_LOSS_MODES = ("forward_kl_topk", "forward_kl_topk_tail")
 
@@ -60,6 +60,13 @@ class DistillationLossConfig:
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
     clip_ratio_c: float = 3.0  # verl's vanilla default (its distillation config has no key for it)
+    topk: int = 32  # K of the top-k modes (verl `distillation_loss.topk`)
+    log_prob_min_clamp: float | None = None  # top-k modes: log-probs clamped from below (verl)
+
+    @property
+    def is_topk(self) -> bool:
+        """True for the top-k forward-KL modes (they read the teacher's top-k ids / log-probs)."""
+        return self.loss_mode in TOPK_LOSS_MODES
 
 
 def compute_distillation_losses(
@@ -75,14 +82,14 @@ def compute_distillation_losses(
       loss_max_clamp: None or c > 0.
 
     Raises:
-      ValueError: an unknown ``loss_mode`` (a top-k mode says it is not implemented).
+      ValueError: an unknown ``loss_mode`` (a top-k mode says to use ``distillation_topk``).
 
     Source: verl ``compute_distillation_loss_reverse_kl_estimator`` + the clamp in ``distillation_loss``.
     """
     if loss_mode in TOPK_LOSS_MODES:
         raise ValueError(
-            f"distillation loss_mode={loss_mode!r} needs the teacher's top-k log-probs, which are not implemented; "
-            f"valid: {list(DISTILLATION_LOSS_MODES)}"
+            f"distillation loss_mode={loss_mode!r} is a top-k mode: its per-token losses are "
+            f"`distillation_topk.compute_topk_distillation_losses`; valid here: {list(DISTILLATION_LOSS_MODES)}"
         )
     if loss_mode not in DISTILLATION_LOSS_MODES:
         raise ValueError(f"unknown distillation loss_mode={loss_mode!r}; valid: {list(DISTILLATION_LOSS_MODES)}")

@@ -142,10 +142,14 @@ def test_config_refuses_what_verl_refuses(tmp_path):
     msg = str(e.value)
     assert "distillation.distillation_loss.loss_mode='k1'" in msg and "use_policy_gradient=True" in msg
     assert "loss_max_clamp=-1.0" in msg and "policy_loss_mode='gspo'" in msg
-    c = opd.get_config()
+    c = opd.get_config()  # PG: a top-k mode is a supervised loss
     c.distillation.distillation_loss.loss_mode = "forward_kl_topk"
-    with pytest.raises(ConfigError, match="top-k .* not implemented"):
+    c.distillation.distillation_loss.log_prob_min_clamp = 1.0
+    with pytest.raises(ConfigError) as e:
         validate_config(c, n_devices=1)
+    msg = str(e.value)
+    assert "use_policy_gradient" in msg and "log_prob_min_clamp=1.0" in msg
+    validate_config(opd.get_config("tiny_topk"), n_devices=1)
 
 
 # ----------------------------------------------------------------------------------------- the teacher
@@ -308,7 +312,7 @@ def test_tiny_opd_run_moves_the_student_toward_the_teacher(tmp_path):
     assert trainer.teacher_model.config.vocab_size == 128  # the 160-row table was sliced to the student's ids
 
     b = _rollout_batch(n=trainer.batch_size, p=int(c.data.max_prompt_length), r=trainer.response_length)
-    got = trainer._teacher_forward(b)
+    got = trainer._teacher_forward(b)["teacher_log_prob"]
     assert trainer.teacher_spec is not None  # packed: the trainer's default path
     want = _own_forward(trainer.teacher_model, {k: v[:4] for k, v in b.items()})  # 4 rows: eager is slow
     mask = b["attention_mask"][:, -trainer.response_length :] > 0

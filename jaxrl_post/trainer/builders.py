@@ -617,6 +617,8 @@ def distillation_loss_config(cfg: Any):
         use_policy_gradient=bool(d.use_policy_gradient),
         clip_ratio_low=float(low),
         clip_ratio_high=float(high),
+        topk=int(d.topk),
+        log_prob_min_clamp=None if d.log_prob_min_clamp is None else float(d.log_prob_min_clamp),
     )
 
 

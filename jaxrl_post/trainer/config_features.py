@@ -112,7 +112,8 @@ def check_multi_turn(cfg: Any, check, err, is_int, is_num) -> None:
 
 def check_distillation(cfg: Any, check, err, is_int, is_num) -> None:
     """`distillation.*` (on-policy distillation, verl's keys and checks): a teacher model_path (or a random
-    teacher), a single-sample estimator loss_mode (the top-k modes are not implemented), no `k1` without
+    teacher), a single-sample estimator loss_mode or a top-k mode (positive `topk`, `log_prob_min_clamp` None or
+    < 0, supervised only), no `k1` without
     `use_policy_gradient` (verl refuses it: its gradient does not reach the teacher), only the 'vanilla'
     policy loss, non-negative clip ratios and coefficient, a positive `loss_max_clamp`, one teacher."""
     if (
@@ -136,9 +137,15 @@ def check_distillation(cfg: Any, check, err, is_int, is_num) -> None:
     lk, dl = "distillation.distillation_loss", cfg.distillation.distillation_loss
     mode = dl.loss_mode
     if mode in TOPK_LOSS_MODES:
-        err(f"{lk}.loss_mode", "the top-k forward-KL modes need teacher top-k log-probs: not implemented")
+        check(f"{lk}.topk", lambda v: is_int(v) and v > 0, "must be a positive int")
+        check(f"{lk}.log_prob_min_clamp", lambda v: v is None or (is_num(v) and v < 0), "must be None or < 0")
+        if dl.use_policy_gradient is True:
+            err(
+                f"{lk}.use_policy_gradient",
+                f"the top-k mode {mode!r} is a supervised (GKD-style) loss: set it False, or use k1 for PG OPD",
+            )
     elif mode not in DISTILLATION_LOSS_MODES:
-        err(f"{lk}.loss_mode", f"valid: {list(DISTILLATION_LOSS_MODES)}")
+        err(f"{lk}.loss_mode", f"valid: {[*DISTILLATION_LOSS_MODES, *TOPK_LOSS_MODES]}")
     elif mode in ("k1", "kl") and dl.use_policy_gradient is False:
         err(
             f"{lk}.loss_mode",

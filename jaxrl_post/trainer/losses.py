@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxrl_post import core_algos, distillation
+from jaxrl_post import core_algos, distillation, distillation_topk
 
 
 def token_log_probs(logits, tokens, temperature: float, entropy: str, threshold=None):
@@ -49,7 +49,8 @@ def actor_loss(c, log_prob, entropy, mb, counts):
 
     c: `steps.ActorLossConfig`; log_prob, entropy: `[b, R] float32` (current policy); mb: `loss_mask`
     (loss mask), `advantages`, `old_log_probs` (unless c.on_policy), `ref_log_prob` (use_kl_loss),
-    `teacher_log_prob` (c.distillation), optional `rollout_log_probs` and `rollout_is_weights`, all
+    `teacher_log_prob` (c.distillation; a top-k mode reads `student_topk_log_probs` and `teacher_topk_log_probs`
+    `[b, R, K]` instead), optional `rollout_log_probs` and `rollout_is_weights`, all
     `[b, R]`; counts: `core_algos.global_batch_info` of the whole mini-batch.
     Mean-type metrics are pre-multiplied by this micro-batch's token share, so summing them over the
     micro-batches gives mini-batch means. With `c.distillation`, the distillation term is added as verl's
@@ -98,16 +99,21 @@ def _add_distillation(c, loss, log_prob, old, mb, counts, w, m):
     distillation loss alone (the task policy loss, its entropy and KL terms dropped). Adds the
     `distillation/*` metrics (means pre-multiplied by the token share `w`, as the others)."""
     d = c.distillation
-    distill, dm = distillation.distillation_loss(
-        d,
-        log_prob,
-        old,
-        mb["teacher_log_prob"],
-        mb["loss_mask"],
-        c.loss_agg_mode,
-        rollout_is_weights=mb.get("rollout_is_weights"),
-        **counts,
-    )
+    if d.is_topk:  # GKD-style forward KL on the teacher's top-k ids (distillation_topk.py)
+        distill, dm = distillation_topk.distillation_loss_topk(
+            d, mb["student_topk_log_probs"], mb["teacher_topk_log_probs"], mb["loss_mask"], c.loss_agg_mode, **counts
+        )
+    else:
+        distill, dm = distillation.distillation_loss(
+            d,
+            log_prob,
+            old,
+            mb["teacher_log_prob"],
+            mb["loss_mask"],
+            c.loss_agg_mode,
+            rollout_is_weights=mb.get("rollout_is_weights"),
+            **counts,
+        )
     for k, v in dm.items():  # loss / pg_loss are aggregated with global counts: they sum over micro-batches
         m[f"distillation/{k}"] = v if k in ("loss", "pg_loss") else v * w
     return loss + d.distillation_loss_coef * distill if d.use_task_rewards else distill

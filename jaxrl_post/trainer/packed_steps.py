@@ -37,6 +37,7 @@ from flax import nnx
 
 from jaxrl_post import core_algos
 from jaxrl_post.batch_keys import ACTOR_RESPONSE_KEYS, CRITIC_RESPONSE_KEYS
+from jaxrl_post.distillation_topk import gather_log_probs, teacher_topk
 from jaxrl_post.models.lora import set_lora_enabled
 from jaxrl_post.trainer import losses
 from jaxrl_post.trainer.steps import ActorLossConfig, CriticLossConfig, _apply, _merge
@@ -65,15 +66,68 @@ def gather_seq(x: jax.Array, seq_index: jax.Array) -> jax.Array:
     return jnp.where(valid, x[jnp.maximum(seq_index, 0)], jnp.zeros((), x.dtype))
 
 
-def packed_log_probs(model, mb, temperature: float, entropy: str):
+def to_seq_k(x_q: jax.Array, seq_slot: jax.Array) -> jax.Array:
+    """Slot rows `[Q, K]` -> per-sequence `[S, R, K]` (0 where `seq_slot < 0`)."""
+    return jnp.where((seq_slot >= 0)[..., None], x_q[jnp.maximum(seq_slot, 0)], jnp.zeros((), x_q.dtype))
+
+
+def to_slots_k(x_seq: jax.Array, seq_slot: jax.Array, n_slots: int) -> jax.Array:
+    """Per-sequence `[S, R, K]` -> slot rows `[Q, K]` (inverse of `to_seq_k`; unused slots 0)."""
+    idx = jnp.where(seq_slot >= 0, seq_slot, n_slots)  # entries without a slot go out of range: dropped
+    out = jnp.zeros((n_slots,) + x_seq.shape[2:], x_seq.dtype)
+    return out.at[idx].set(x_seq, mode="drop")
+
+
+TOPK_HEAD_CHUNK = 512  # slots per chunk of the top-k distillation head (the `[chunk, V]` float32 temporaries)
+
+
+def _chunked_head(model, h: jax.Array, fn: Callable, extra: jax.Array | None):
+    """`fn(logits [c, V] float32, extra [c, ...]) -> pytree of [c, ...]` over the slots in chunks of
+    `TOPK_HEAD_CHUNK`: only one chunk's logits are live, and under a gradient each chunk's logits are recomputed
+    (checkpoint). All Q slots are computed (unused ones give values that `to_seq_k` drops)."""
+    q = h.shape[0]
+    c = min(TOPK_HEAD_CHUNK, q)
+    n = -(-q // c)
+    pad = n * c - q
+    hp = jnp.pad(h, ((0, pad), (0, 0))).reshape(n, c, h.shape[-1])
+    ep = None if extra is None else jnp.pad(extra, ((0, pad),) + ((0, 0),) * (extra.ndim - 1))
+    ep = None if ep is None else ep.reshape((n, c) + extra.shape[1:])
+
+    @jax.checkpoint
+    def one(args):
+        hc, ec = args
+        return fn(model.logits_from_hidden(hc[None])[0], ec)
+
+    out = jax.lax.map(one, (hp, ep))
+    return jax.tree.map(lambda x: x.reshape((n * c,) + x.shape[2:])[:q], out)
+
+
+def packed_teacher_topk(model, mb, k: int, temperature: float = 1.0, h=None):
+    """The teacher's top-k per response position of one packed micro-batch: `(log_probs [S, R, K] float32,
+    ids [S, R, K] int32)` (`distillation_topk.teacher_topk`, chunked over the slots; 0 where no token)."""
+    h = _hidden_at_slots(model, mb) if h is None else h
+    lp, ids = _chunked_head(model, h, lambda logits, _: teacher_topk(logits, k, temperature), None)
+    return to_seq_k(lp, mb["seq_slot"]), to_seq_k(ids, mb["seq_slot"])
+
+
+def packed_gather_log_probs(model, mb, ids_seq: jax.Array, temperature: float, h=None) -> jax.Array:
+    """The student's log-probs at `ids_seq [S, R, K]` (the teacher's top-k ids of the micro-batch's
+    sequences): `[S, R, K] float32`, differentiable, chunked over the slots (no `[Q, V]` array)."""
+    h = _hidden_at_slots(model, mb) if h is None else h
+    ids_q = to_slots_k(ids_seq.astype(jnp.int32), mb["seq_slot"], h.shape[0])
+    lp = _chunked_head(model, h, lambda logits, ids: gather_log_probs(logits, ids, temperature), ids_q)
+    return to_seq_k(lp, mb["seq_slot"])
+
+
+def packed_log_probs(model, mb, temperature: float, entropy: str, h=None):
     """log pi of the response tokens `[S, R] float32` (+ entropy `[S, R]` or None) of one packed micro-batch.
 
     entropy: a `losses.token_log_probs` mode. Padding / empty entries are 0. The LM head and the float32
     log-softmax run on the used response slots only, in chunks and without a `[Q, V]` logits array
     (`Transformer.token_stats_from_hidden`); with sampling-mask replay (`slot_threshold`), on all `Q` slots
-    through the full logits.
+    through the full logits. `h`: the micro-batch's slot hidden states `[Q, D]` when already computed.
     """
-    h = _hidden_at_slots(model, mb)
+    h = _hidden_at_slots(model, mb) if h is None else h
     th = mb.get("slot_threshold")
     if th is None:  # fused chunked head over the used slots only (a prefix: the packer fills slots in order)
         n_used = jnp.sum((mb["seq_slot"] >= 0).astype(jnp.int32))
@@ -111,10 +165,12 @@ def _micro(pack, i):
 # ------------------------------------------------------------------------------------------ forward
 
 
-def _make_forward(graphdef, rest, per_micro: Callable, n_out: int, on_trace, adapters: bool = True):
+def _make_forward(graphdef, rest, per_micro: Callable, n_out: int, on_trace, adapters: bool = True, trail=None):
     """fn(params, batch, frozen=None) -> tuple of n_out `[M, R] float32` arrays: per_micro(model, mb) -> n_out
     `[S, R]`, scattered back to the mini-batch rows (`seq_index`); rows never packed stay 0. `frozen`: a LoRA
-    model's base params; `adapters=False` runs it with its adapters off."""
+    model's base params; `adapters=False` runs it with its adapters off. `trail`: per output `(shape, dtype)`
+    of the trailing dims (default `((), float32)`: `[M, R] float32`)."""
+    trail = trail or (((), jnp.float32),) * n_out
 
     def fn(params, batch, frozen=None):
         if on_trace is not None:
@@ -124,7 +180,7 @@ def _make_forward(graphdef, rest, per_micro: Callable, n_out: int, on_trace, ada
         model = _merge(graphdef, params, frozen, rest)
         if not adapters:
             set_lora_enabled(model, False)
-        init = tuple(jnp.zeros((m + 1, r), jnp.float32) for _ in range(n_out))
+        init = tuple(jnp.zeros((m + 1, r) + tuple(shape), dtype) for shape, dtype in trail)
 
         def body(i, outs):  # a while loop over the used micro-batches only (dynamic trip count)
             mb = _micro(pack, i)
@@ -145,9 +201,11 @@ def make_packed_log_prob_fn(
     with_entropy: bool,
     adapters: bool = True,
     on_trace: Callable[[], None] | None = None,
+    topk: int = 0,
 ) -> Callable:
     """Pure `fn(params, batch, frozen=None) -> (log_probs [M, R] float32, entropy [M, R] | None)`; wrap with
-    `jax.jit`.
+    `jax.jit`. With `topk` K > 0 (the top-k distillation teacher): `(log_probs, entropy | None, topk_log_probs
+    [M, R, K] float32, topk_ids [M, R, K] int32)`, as `steps.make_log_prob_fn` (`packed_teacher_topk`).
 
     batch: the `packing.pack_batch` arrays (spec with `seqs = M`) + `responses [M, R]` (for the shape).
     Response padding positions are 0 (the padded path returns the model's value there; both are masked).
@@ -155,15 +213,21 @@ def make_packed_log_prob_fn(
     """
     mode = "loss" if with_entropy else "none"
 
-    def per_micro(model, mb):
-        lp, ent = packed_log_probs(model, mb, temperature, mode)
-        return (lp, ent) if with_entropy else (lp,)
+    n = 2 if with_entropy else 1
 
-    inner = _make_forward(graphdef, rest, per_micro, 2 if with_entropy else 1, on_trace, adapters)
+    def per_micro(model, mb):
+        h = _hidden_at_slots(model, mb)
+        lp, ent = packed_log_probs(model, mb, temperature, mode, h)
+        out = (lp, ent) if with_entropy else (lp,)
+        return out + (packed_teacher_topk(model, mb, topk, temperature, h) if topk else ())
+
+    trail = (((), jnp.float32),) * n + ((((topk,), jnp.float32), ((topk,), jnp.int32)) if topk else ())
+    inner = _make_forward(graphdef, rest, per_micro, len(trail), on_trace, adapters, trail)
 
     def fn(params, batch, frozen=None):
         outs = inner(params, batch, frozen)
-        return (outs[0], outs[1]) if with_entropy else (outs[0], None)
+        res = (outs[0], outs[1]) if with_entropy else (outs[0], None)
+        return res + tuple(outs[n:]) if topk else res
 
     return fn
 
@@ -228,10 +292,15 @@ def make_packed_actor_update(
     """
     c = loss_cfg
     ent_mode = losses.entropy_mode(c.entropy_coeff)
+    topk = c.distillation is not None and c.distillation.is_topk
 
     def loss_fn(params, mb, mb_seqs, counts, frozen=None):
         model = _merge(graphdef, params, frozen, rest)
-        log_prob, entropy = packed_log_probs(model, mb, c.temperature, ent_mode)
+        h = _hidden_at_slots(model, mb)
+        log_prob, entropy = packed_log_probs(model, mb, c.temperature, ent_mode, h)
+        if topk:  # the student's log-probs at the teacher's top-k ids of each slot
+            s_topk = packed_gather_log_probs(model, mb, mb_seqs["teacher_topk_ids"], c.temperature, h)
+            mb_seqs = dict(mb_seqs, student_topk_log_probs=s_topk)
         return losses.actor_loss(c, log_prob, entropy, mb_seqs, counts)
 
     def fn(params, opt_state, batch, frozen=None):

@@ -35,6 +35,7 @@ from flax import nnx
 from jaxrl_post import core_algos
 from jaxrl_post.batch_keys import ACTOR_UPDATE_KEYS, CRITIC_UPDATE_KEYS, FORWARD_KEYS
 from jaxrl_post.distillation import DistillationLossConfig
+from jaxrl_post.distillation_topk import gather_log_probs, teacher_topk
 from jaxrl_post.models.lora import set_lora_enabled
 from jaxrl_post.trainer import losses
 
@@ -164,13 +165,21 @@ def response_log_probs(
     Only the R + 1 last positions go through the LM head: logits at T-R-1 .. T-2 score response tokens.
     with_entropy: False / True (= 'loss'), or a `losses.token_log_probs` mode ('none', 'metric', 'loss').
     """
-    responses = batch["responses"]
-    r = responses.shape[1]
-    logits = model(
+    return _log_probs_of_logits(response_logits(model, batch), batch, temperature, with_entropy)
+
+
+def response_logits(model: nnx.Module, batch: dict[str, jax.Array]) -> jax.Array:
+    """The logits that score the response tokens, `[b, R, V]` (model dtype): only the R + 1 last positions go
+    through the LM head; position t predicts `responses[:, t]`."""
+    r = batch["responses"].shape[1]
+    return model(
         batch["input_ids"], batch["attention_mask"], positions=batch.get("position_ids"), logits_to_keep=r + 1
     )[:, :-1]
+
+
+def _log_probs_of_logits(logits, batch, temperature: float, with_entropy: bool | str):
     mode = {False: "none", True: "loss"}.get(with_entropy, with_entropy)
-    return losses.token_log_probs(logits, responses, temperature, mode, batch.get("sampling_logit_threshold"))
+    return losses.token_log_probs(logits, batch["responses"], temperature, mode, batch.get("sampling_logit_threshold"))
 
 
 def response_values(critic: nnx.Module, batch: dict[str, jax.Array]) -> jax.Array:
@@ -203,8 +212,13 @@ def make_log_prob_fn(
     with_entropy: bool,
     adapters: bool = True,
     on_trace: Callable[[], None] | None = None,
+    topk: int = 0,
 ) -> Callable:
     """Pure `fn(params, batch, frozen=None) -> (log_probs [B, R], entropy [B, R] | None)`; wrap with `jax.jit`.
+
+    With `topk` K > 0 (the top-k distillation teacher) it returns `(log_probs, entropy | None, topk_log_probs
+    [B, R, K] float32, topk_ids [B, R, K] int32)`: the K most likely tokens of each response position under
+    `logits / temperature` (`distillation_topk.teacher_topk`), from the same micro-batch's logits.
 
     `batch`: `input_ids`, `attention_mask`, `position_ids` `[B, T]`, `responses` `[B, R]`; B must be a
     multiple of `micro_batch_size` (the trainer pads). `frozen`: the frozen base params of a LoRA model
@@ -224,12 +238,15 @@ def make_log_prob_fn(
         micro = jax.tree.map(lambda x: to_micro(x, n_micro), batch)
 
         def one(mb):
-            lp, ent = response_log_probs(model, mb, temperature, with_entropy)
-            return (lp, ent) if with_entropy else (lp,)
+            logits = response_logits(model, mb)
+            lp, ent = _log_probs_of_logits(logits, mb, temperature, with_entropy)
+            out = (lp, ent) if with_entropy else (lp,)
+            return out + (teacher_topk(logits, topk, temperature) if topk else ())
 
         outs = jax.lax.map(one, micro)
         outs = tuple(from_micro(o) for o in outs)
-        return (outs[0], outs[1]) if with_entropy else (outs[0], None)
+        res = (outs[0], outs[1]) if with_entropy else (outs[0], None)
+        return res + tuple(outs[-2:]) if topk else res
 
     return fn
 
@@ -295,8 +312,9 @@ def make_actor_update(
     batch (mini-batch, M rows): `input_ids`, `attention_mask`, `position_ids` `[M, T]`; `responses`,
     `loss_mask` (the tokens to train) `[M, R]`; `advantages [M, R] float32`; `old_log_probs [M, R]` unless
     `loss_cfg.on_policy`; `ref_log_prob [M, R]` when `use_kl_loss`; `teacher_log_prob [M, R]` with
-    `loss_cfg.distillation`; optional `rollout_log_probs [M, R]` (only for the `training/rollout_probs_diff_*`
-    diagnostics).
+    `loss_cfg.distillation` (a top-k mode: `teacher_topk_log_probs`, `teacher_topk_ids` `[M, R, K]` instead; the
+    student's log-probs at those ids are gathered from the micro-batch's logits); optional
+    `rollout_log_probs [M, R]` (only for the `training/rollout_probs_diff_*` diagnostics).
 
     loss = policy_loss + kl_loss_coef * kl_loss (use_kl_loss) - entropy_coeff * entropy, each aggregated
     with `loss_agg_mode` over the whole mini-batch; with distillation see `losses.actor_loss`. Metrics (float32
@@ -307,15 +325,22 @@ def make_actor_update(
     c = loss_cfg
     ent_mode = losses.entropy_mode(c.entropy_coeff)
 
+    topk = c.distillation is not None and c.distillation.is_topk
+
     def loss_fn(params, mb, counts, frozen=None):
         model = _merge(graphdef, params, frozen, rest)
-        log_prob, entropy = response_log_probs(model, mb, c.temperature, ent_mode)
+        logits = response_logits(model, mb)
+        log_prob, entropy = _log_probs_of_logits(logits, mb, c.temperature, ent_mode)
+        if topk:  # the student's log-probs at the teacher's top-k ids, from the same logits
+            mb = dict(mb, student_topk_log_probs=gather_log_probs(logits, mb["teacher_topk_ids"], c.temperature))
         return losses.actor_loss(c, log_prob, entropy, mb, counts)
 
     def fn(params, opt_state, batch, frozen=None):
         if on_trace is not None:
             on_trace()
         batch = {k: batch[k] for k in ACTOR_UPDATE_KEYS if k in batch}
+        if topk and "teacher_topk_ids" not in batch:
+            raise ValueError("top-k distillation: the actor update needs teacher_topk_ids / teacher_topk_log_probs")
         loss, aux, grads, _ = _accumulate(partial(loss_fn, frozen=frozen), params, batch, n_micro)
         params, opt_state, grad_norm, finite = _apply(tx, params, opt_state, grads, loss)
         aux = dict(aux, loss=loss, grad_norm=grad_norm, update_skipped=1.0 - finite.astype(jnp.float32))

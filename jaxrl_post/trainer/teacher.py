@@ -4,9 +4,10 @@
 `distillation.teacher_models.teacher_model` (any supported family: an HF dir, a .gguf, an alias or an
 exported run dir at `model_path`; or a random model for tests), in its own dtype, sharded on the trainer's
 mesh like the reference, and checks up front that it shares the student's tokenizer. Each step it computes
-`teacher_log_prob [B, R] float32` with the same packed / padded log-prob forward as the reference
-(`steps.make_log_prob_fn` / `packed_steps.make_packed_log_prob_fn` on the teacher's graph), at temperature
-1.0 (verl forces the teacher's temperature to 1.0: it scores fixed tokens, it does not sample).
+`teacher_log_prob [B, R] float32` (and, in the top-k modes, its top-k log-probs and ids `[B, R, K]`) with
+the same packed / padded log-prob forward as the reference (`steps.make_log_prob_fn` /
+`packed_steps.make_packed_log_prob_fn` on the teacher's graph), at temperature 1.0 (verl forces the
+teacher's temperature to 1.0: it scores fixed tokens, it does not sample).
 
 Vocabulary: the tokenizers must be equal (same token -> id map and special tokens); the embedding tables may
 be padded differently. A teacher whose table is larger than the student's has its head sliced to the
@@ -26,6 +27,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxrl_post.distillation import TOPK_LOSS_MODES
 from jaxrl_post.trainer import builders, packed_steps, steps
 from jaxrl_post.trainer.config_check import ConfigError
 
@@ -153,7 +155,8 @@ def build_teacher(cfg: Any, mesh, student_tokenizer, student_vocab: int):
 
 def kl_to_teacher_metrics(student_log_prob, teacher_log_prob, mask, loss_mode: str) -> dict[str, float]:
     """Host metrics of the step's samples (`[B, R]` arrays, rollout-time student log-probs): per-token
-    distillation loss range before any clamp (verl `actor/distillation/loss_min` / `loss_max`), and ours:
+    distillation loss range before any clamp (verl `actor/distillation/loss_min` / `loss_max`; not in the top-k
+    modes, whose losses need the student's top-k log-probs of the update), and ours:
     `actor/distillation/teacher_log_prob` (mean teacher log-prob of the sampled tokens) and
     `actor/distillation/reverse_kl` (mean k1 = log pi_student - log pi_teacher, the per-token reverse-KL
     estimate), both over `mask`."""
@@ -163,13 +166,14 @@ def kl_to_teacher_metrics(student_log_prob, teacher_log_prob, mask, loss_mode: s
     if not m.any():
         return {}
     s, t = np.asarray(student_log_prob, np.float32), np.asarray(teacher_log_prob, np.float32)
-    d = np.asarray(compute_distillation_losses(s, t, loss_mode))[m]
-    return {
-        "actor/distillation/loss_min": float(d.min()),
-        "actor/distillation/loss_max": float(d.max()),
+    out = {
         "actor/distillation/teacher_log_prob": float(t[m].mean()),
         "actor/distillation/reverse_kl": float((s - t)[m].mean()),
     }
+    if loss_mode in TOPK_LOSS_MODES:  # the top-k losses need the student's top-k log-probs: update metrics only
+        return out
+    d = np.asarray(compute_distillation_losses(s, t, loss_mode))[m]
+    return {"actor/distillation/loss_min": float(d.min()), "actor/distillation/loss_max": float(d.max()), **out}
 
 
 class TeacherMixin:
@@ -195,13 +199,26 @@ class TeacherMixin:
         self.teacher_micro = micro
         self.teacher_spec = self._pack_spec("ref", self.batch_size, micro)
         kw = dict(temperature=1.0, with_entropy=False, on_trace=self._tracer("teacher"))
+        dl = cfg.distillation.distillation_loss
+        self.teacher_topk = int(dl.topk) if dl.loss_mode in TOPK_LOSS_MODES else 0
+        if self.teacher_topk > self.actor_model.config.vocab_size:
+            raise ConfigError(
+                f"config.distillation.distillation_loss.topk={self.teacher_topk} exceeds the vocabulary "
+                f"({self.actor_model.config.vocab_size} ids)"
+            )
         if self.teacher_spec is not None:
-            fn = packed_steps.make_packed_log_prob_fn(g, rest, **kw)
+            fn = packed_steps.make_packed_log_prob_fn(g, rest, topk=self.teacher_topk, **kw)
         else:
-            fn = steps.make_log_prob_fn(g, rest, micro_batch_size=micro, **kw)
+            fn = steps.make_log_prob_fn(g, rest, micro_batch_size=micro, topk=self.teacher_topk, **kw)
         self._teacher_log_prob = jax.jit(fn)
 
-    def _teacher_forward(self, b: dict[str, np.ndarray]) -> np.ndarray:
-        """`teacher_log_prob [B, R] float32` of the batch's response tokens (0 at packed padding)."""
+    def _teacher_forward(self, b: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The teacher's batch fields: `teacher_log_prob [B, R] float32` of the response tokens (0 at packed
+        padding) and, in a top-k mode, `teacher_topk_log_probs [B, R, K] float32` / `teacher_topk_ids
+        [B, R, K] int32` (`distillation_topk.teacher_topk`, every response position)."""
         out = self._forward(self._teacher_log_prob, self.teacher_params, b, self.teacher_micro, self.teacher_spec)
-        return np.asarray(out[0], np.float32)
+        res = {"teacher_log_prob": np.asarray(out[0], np.float32)}
+        if self.teacher_topk:
+            res["teacher_topk_log_probs"] = np.asarray(out[2], np.float32)
+            res["teacher_topk_ids"] = np.asarray(out[3], np.int32)
+        return res

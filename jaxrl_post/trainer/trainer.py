@@ -229,7 +229,7 @@ class RLTrainer(RolesMixin, TeacherMixin, RolloutMixin, UpdatesMixin, Checkpoint
                     )[0]
             if self.teacher_params is not None:
                 with _timer("teacher", timing):
-                    b["teacher_log_prob"] = self._teacher_forward(b)
+                    b.update(self._teacher_forward(b))
                 student = b["old_log_probs"] if "old_log_probs" in b else b["rollout_log_probs"]
                 loss_mode = cfg.distillation.distillation_loss.loss_mode
                 metrics.update(kl_to_teacher_metrics(student, b["teacher_log_prob"], train_mask, loss_mode))
