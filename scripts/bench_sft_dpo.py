@@ -132,9 +132,10 @@ def main(argv=None) -> dict:
         )
     t.train_loader = _Counting(t.train_loader, count)
     out = t.fit()
+    compiles = dict(t.compile_counts())  # traces per jitted function: > 1 means a step recompiled
     t.close()
     steps = [m["timing_s/step"] for m in out["history"]]
-    res = summarize(a, steps, t.train_loader.per_step, last_loss=out["last"].get("loss"))
+    res = summarize(a, steps, t.train_loader.per_step, last_loss=out["last"].get("loss"), compile_counts=compiles)
     print("RESULT " + json.dumps(res), flush=True)
     return res
 
