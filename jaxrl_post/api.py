@@ -47,7 +47,7 @@ def load_config(spec: str, overrides: Mapping[str, object] | None = None):
       FileNotFoundError: no such config file.
       ConfigFileError: its `get_config(variant)` refused the variant.
       UnknownConfigKeyError: an override names no field (with a suggestion, verl names included).
-      TypeError: an override's value has the wrong type for its field (ml_collections' message).
+      ConfigError: an override's value has the wrong type for its field (names the key and both types).
     """
     from jaxrl_post.main import UnknownConfigKeyError, _all_keys, _load_config_file, _suggest
 
@@ -64,7 +64,12 @@ def load_config(spec: str, overrides: Mapping[str, object] | None = None):
             with node.ignore_type():
                 node[leaf] = None
         else:
-            node[leaf] = value
+            try:
+                node[leaf] = value
+            except TypeError as e:
+                from jaxrl_post.trainer.config_check import ConfigError
+
+                raise ConfigError(f"config.{key}={value!r}: {e}") from e
     return cfg
 
 

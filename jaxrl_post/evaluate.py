@@ -30,6 +30,13 @@ def _evaluate(cfg, checkpoint: str | None, step: int | None, workdir: str) -> di
     from jaxrl_post.trainer import checkpoint as ckpt
     from jaxrl_post.trainer.trainer import RLTrainer
 
+    if cfg.get("trainer_type", "rl") != "rl":
+        from jaxrl_post.trainer.config_check import ConfigError
+
+        raise ConfigError(
+            f"config.trainer_type={cfg.trainer_type!r}: evaluate runs the RL validation (sampled answers scored by "
+            "the reward); SFT, DPO and reward-model runs report val/loss (and their metrics) in metrics.jsonl"
+        )
     cfg = cfg.copy_and_resolve_references()
     cfg.trainer.default_local_dir = workdir
     cfg.trainer.resume_mode = "disable"

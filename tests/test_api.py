@@ -26,7 +26,7 @@ def test_load_config_applies_overrides_like_the_command_line():
         api.load_config(GRPO, {"actor.optim.lrr": 1.0})
     with pytest.raises(UnknownConfigKeyError, match=r"verl's actor_rollout_ref\.rollout\.n"):
         api.load_config(GRPO, {"actor_rollout_ref.rollout.n": 4})
-    with pytest.raises(TypeError):
+    with pytest.raises(ConfigError, match=r"config\.rollout\.n='four'"):
         api.load_config(GRPO, {"rollout.n": "four"})
     with pytest.raises(FileNotFoundError):
         api.load_config("configs/nope.py")

@@ -376,3 +376,13 @@ def test_tiny_opd_on_8_fake_devices(tmp_path):
     assert out["counts"]["teacher"] == 1 and set(out["counts"].values()) == {1}
     for k in ("actor/distillation/loss", "actor/distillation/reverse_kl", "actor/distillation/teacher_log_prob"):
         assert np.isfinite(out["last"][k]), k
+
+
+def test_teacher_path_with_a_random_teacher_is_refused_not_ignored():
+    from configs import opd
+    from jaxrl_post.trainer.config_check import validate_config
+
+    c = opd.get_config()  # tiny: a random teacher
+    c.distillation.teacher_models.teacher_model.model_path = "exported/grpo_smollm2"
+    with pytest.raises(ConfigError, match=r"teacher_model\.model_path.*ignored.*random_init=True"):
+        validate_config(c, n_devices=1)

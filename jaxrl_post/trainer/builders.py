@@ -408,6 +408,12 @@ def build_reward_manager(cfg: Any, tokenizer, custom_reward_fn=None, rm_scorer=N
         fn = custom_reward_fn if custom_reward_fn is not None else load_custom_reward(cfg)
         if fn is None and rm_scorer is not None:
             fn = rm_score
+        elif rm_scorer is not None:
+            log.warning(
+                "reward_model.enable with custom_reward_function.path=%s: the reward is that function's return; "
+                "it gets the RM score as extra_info['rm_score'] (unset the path for the RM score alone)",
+                cfg.custom_reward_function.path,
+            )
     return RewardManager(
         fn,
         tokenizer,

@@ -131,6 +131,8 @@ def check_distillation(cfg: Any, check, err, is_int, is_num) -> None:
     check(f"{tk}.random_init", lambda v: isinstance(v, bool), "must be a bool")
     if not t.random_init:
         check(f"{tk}.model_path", lambda v: isinstance(v, str) and v, "required: the teacher (dir, .gguf, alias)")
+    elif t.model_path:
+        err(f"{tk}.model_path", f"would be ignored: {tk}.random_init=True (a random teacher); set it to False")
     dtypes = ("float32", "bfloat16", "float16")
     check(f"{tk}.dtype", lambda v: v is None or v in dtypes, "valid: None (= model.dtype), float32, bfloat16, float16")
     check(f"{tk}.log_prob_micro_batch_size", lambda v: is_int(v) and v > 0, "must be a positive int")
