@@ -260,6 +260,7 @@ def _own_forward(model, b, vocab=None):
     return out
 
 
+@pytest.mark.slow
 def test_vocab_slice_gives_the_first_logits_log_softmax():
     from jaxrl_post.trainer.teacher import slice_vocab
 

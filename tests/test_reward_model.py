@@ -83,6 +83,7 @@ def test_seq_cls_logit_parity_left_and_right_padding(case, tmp_path):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+@pytest.mark.slow
 def test_save_reward_model_loads_in_transformers(family, tmp_path):
     kw = {"llama": dict(tie_word_embeddings=False), "qwen3": dict(qk_norm=True), "gemma3": {}}[family]
     cfg = _tiny(family, **kw)
@@ -113,6 +114,7 @@ def test_load_reward_model_refuses_a_causal_lm(tmp_path):
         load_reward_model(tmp_path)
 
 
+@pytest.mark.slow
 def test_last_token_and_packed_segment_scores():
     mask = np.array([[0, 0, 1, 1, 1], [1, 1, 1, 0, 0], [0, 0, 0, 0, 0]])
     np.testing.assert_array_equal(np.asarray(last_token_index(mask)), [4, 2, 0])
