@@ -40,11 +40,12 @@ log = logging.getLogger(__name__)
 DPO_KEYS = ("beta", "loss_type", "label_smoothing", "precompute_ref_log_probs")
 
 
-def validate_dpo_config(cfg) -> None:
-    """Raise one `ConfigError` naming every bad DPO key (batch geometry, lengths, truncation, loss)."""
+def pair_config_errors(cfg) -> list[str]:
+    """The checks DPO and reward-model training share (they read the same preference pairs): batch geometry,
+    lengths, truncation, training files, epochs, resume mode. Returns one `key=value: what is wrong` per bad key."""
     from jaxrl_post.data.preference import TRUNCATIONS
 
-    d, p, bad = cfg.data, cfg.dpo, []
+    d, bad = cfg.data, []
     is_pos = lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0
     for key in ("train_batch_size", "micro_batch_size", "max_length"):
         if not is_pos(d[key]):
@@ -57,9 +58,19 @@ def validate_dpo_config(cfg) -> None:
     if d.max_prompt_length is not None and not (is_pos(d.max_prompt_length) and d.max_prompt_length < d.max_length):
         bad.append(f"data.max_prompt_length={d.max_prompt_length!r}: must be None or an int in [1, data.max_length)")
     if d.truncation not in TRUNCATIONS:
-        bad.append(f"data.truncation={d.truncation!r}: must be one of {list(TRUNCATIONS)} for DPO")
+        bad.append(f"data.truncation={d.truncation!r}: must be one of {list(TRUNCATIONS)} for preference data")
     if not d.train_files:
         bad.append("data.train_files: no training data given (a .jsonl of prompt / chosen / rejected rows)")
+    if cfg.trainer.total_training_steps is None and not is_pos(cfg.trainer.total_epochs):
+        bad.append(f"trainer.total_epochs={cfg.trainer.total_epochs!r}: must be an int > 0")
+    if cfg.trainer.resume_mode not in ckpt.RESUME_MODES:
+        bad.append(f"trainer.resume_mode={cfg.trainer.resume_mode!r}: must be one of {list(ckpt.RESUME_MODES)}")
+    return bad
+
+
+def validate_dpo_config(cfg) -> None:
+    """Raise one `ConfigError` naming every bad DPO key (`pair_config_errors`, then the loss options)."""
+    p, bad = cfg.dpo, pair_config_errors(cfg)
     if p.loss_type not in dpo_step.LOSS_TYPES:
         bad.append(f"dpo.loss_type={p.loss_type!r}: must be one of {list(dpo_step.LOSS_TYPES)}")
     if not (isinstance(p.beta, (int, float)) and p.beta > 0):
@@ -68,10 +79,6 @@ def validate_dpo_config(cfg) -> None:
         bad.append(f"dpo.label_smoothing={p.label_smoothing!r}: must be in [0, 0.5)")
     elif p.loss_type == "ipo" and p.label_smoothing:
         bad.append("dpo.label_smoothing: not used by loss_type='ipo'; set it to 0 (or use 'sigmoid' / 'robust')")
-    if cfg.trainer.total_training_steps is None and not is_pos(cfg.trainer.total_epochs):
-        bad.append(f"trainer.total_epochs={cfg.trainer.total_epochs!r}: must be an int > 0")
-    if cfg.trainer.resume_mode not in ckpt.RESUME_MODES:
-        bad.append(f"trainer.resume_mode={cfg.trainer.resume_mode!r}: must be one of {list(ckpt.RESUME_MODES)}")
     if bad:
         raise ConfigError("invalid DPO config:\n  " + "\n  ".join(f"config.{b}" for b in bad))
 

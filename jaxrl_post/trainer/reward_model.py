@@ -36,41 +36,19 @@ import numpy as np
 from flax import nnx
 
 from jaxrl_post.trainer import builders, rm_step
-from jaxrl_post.trainer import checkpoint as ckpt
 from jaxrl_post.trainer.config_check import ConfigError
-from jaxrl_post.trainer.dpo import DPOTrainer
+from jaxrl_post.trainer.dpo import DPOTrainer, pair_config_errors
 from jaxrl_post.trainer.sft import HF_EXPORT_SUBDIR, SFTTrainer
 
 log = logging.getLogger(__name__)
 
 
 def validate_rm_config(cfg) -> None:
-    """Raise one `ConfigError` naming every bad key (batch geometry, lengths, truncation, the loss options)."""
-    from jaxrl_post.data.preference import TRUNCATIONS
-
-    d, r, bad = cfg.data, cfg.rm, []
-    is_pos = lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0
-    for key in ("train_batch_size", "micro_batch_size", "max_length"):
-        if not is_pos(d[key]):
-            bad.append(f"data.{key}={d[key]!r}: must be an int > 0")
-    if not bad and d.train_batch_size % d.micro_batch_size:
-        bad.append(
-            f"data.train_batch_size={d.train_batch_size} must be a multiple of data.micro_batch_size="
-            f"{d.micro_batch_size}"
-        )
-    if d.max_prompt_length is not None and not (is_pos(d.max_prompt_length) and d.max_prompt_length < d.max_length):
-        bad.append(f"data.max_prompt_length={d.max_prompt_length!r}: must be None or an int in [1, data.max_length)")
-    if d.truncation not in TRUNCATIONS:
-        bad.append(f"data.truncation={d.truncation!r}: must be one of {list(TRUNCATIONS)} for preference data")
-    if not d.train_files:
-        bad.append("data.train_files: no training data given (a .jsonl of prompt / chosen / rejected rows)")
+    """Raise one `ConfigError` naming every bad key (`dpo.pair_config_errors`, then the loss options)."""
+    r, bad = cfg.rm, pair_config_errors(cfg)
     c = r.center_rewards_coefficient
     if c is not None and not (isinstance(c, (int, float)) and not isinstance(c, bool) and c >= 0):
         bad.append(f"rm.center_rewards_coefficient={c!r}: must be None or a number >= 0")
-    if cfg.trainer.total_training_steps is None and not is_pos(cfg.trainer.total_epochs):
-        bad.append(f"trainer.total_epochs={cfg.trainer.total_epochs!r}: must be an int > 0")
-    if cfg.trainer.resume_mode not in ckpt.RESUME_MODES:
-        bad.append(f"trainer.resume_mode={cfg.trainer.resume_mode!r}: must be one of {list(ckpt.RESUME_MODES)}")
     if bad:
         raise ConfigError("invalid reward-model config:\n  " + "\n  ".join(f"config.{b}" for b in bad))
 
