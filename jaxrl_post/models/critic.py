@@ -8,7 +8,7 @@ from flax import nnx
 
 from jaxrl_post.models.config import ModelConfig
 from jaxrl_post.models.decoder import Transformer
-from jaxrl_post.models.scalar_head import head_param, scalar_head
+from jaxrl_post.models.scalar_head import head_param, headless_backbone, scalar_head
 
 
 class CriticModel(nnx.Module):
@@ -29,11 +29,9 @@ class CriticModel(nnx.Module):
         remat=False,
         backbone: Transformer | None = None,
     ):
-        if backbone is None:
-            if config is None:
-                raise ValueError("CriticModel needs a config or a backbone")
-            backbone = Transformer(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype, remat=remat)
-        backbone.lm_head = None
+        backbone = headless_backbone(
+            "CriticModel", config, backbone, rngs=rngs, dtype=dtype, param_dtype=param_dtype, remat=remat
+        )
         self.backbone = backbone
         self.config = backbone.config
         d = backbone.config.hidden_size

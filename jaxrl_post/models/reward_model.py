@@ -17,7 +17,7 @@ from flax import nnx
 
 from jaxrl_post.models.config import ModelConfig
 from jaxrl_post.models.decoder import SEGMENT_SUB_BITS, Transformer
-from jaxrl_post.models.scalar_head import head_param, scalar_head
+from jaxrl_post.models.scalar_head import head_param, headless_backbone, scalar_head
 
 # family -> HF sequence-classification class (written into config.json `architectures`)
 HF_SEQ_CLS_ARCH = {
@@ -67,11 +67,9 @@ class RewardModel(nnx.Module):
         remat=False,
         backbone: Transformer | None = None,
     ):
-        if backbone is None:
-            if config is None:
-                raise ValueError("RewardModel needs a config or a backbone")
-            backbone = Transformer(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype, remat=remat)
-        backbone.lm_head = None
+        backbone = headless_backbone(
+            "RewardModel", config, backbone, rngs=rngs, dtype=dtype, param_dtype=param_dtype, remat=remat
+        )
         self.backbone = backbone
         self.config = backbone.config
         self.score = head_param(backbone.config.hidden_size, stddev=0.02, key=rngs.params())

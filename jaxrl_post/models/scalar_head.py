@@ -12,6 +12,19 @@ import jax.numpy as jnp
 from flax import nnx
 
 
+def headless_backbone(owner: str, config, backbone, *, rngs, dtype=None, param_dtype=None, remat=False):
+    """The `Transformer` a scalar-head model sits on: `backbone` (e.g. a copy of the policy) or a new one from
+    `config`, with its LM head dropped (unused). Raises ValueError (naming `owner`) with neither."""
+    if backbone is None:
+        if config is None:
+            raise ValueError(f"{owner} needs a config or a backbone")
+        from jaxrl_post.models.decoder import Transformer
+
+        backbone = Transformer(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype, remat=remat)
+    backbone.lm_head = None
+    return backbone
+
+
 def head_param(d: int, *, stddev: float = 0.0, key: jax.Array | None = None) -> nnx.Param:
     """`[D, 1] float32` head kernel (logical axes ('embed', None)): zeros, or normal(0, stddev) from `key`."""
     if stddev and key is None:
