@@ -40,6 +40,11 @@ log = logging.getLogger(__name__)
 DPO_KEYS = ("beta", "loss_type", "label_smoothing", "precompute_ref_log_probs")
 
 
+def pair_tokens(pairs) -> int:
+    """Input tokens of `pairs` as the two sequences of a pair (prompt + chosen, prompt + rejected)."""
+    return int(sum(2 * len(x.prompt_ids) + len(x.chosen_ids) + len(x.rejected_ids) for x in pairs))
+
+
 def pair_config_errors(cfg) -> list[str]:
     """The checks DPO and reward-model training share (they read the same preference pairs): batch geometry,
     lengths, truncation, training files, epochs, resume mode. Returns one `key=value: what is wrong` per bad key."""
@@ -200,21 +205,12 @@ class DPOTrainer(SFTTrainer):
         pairs = [self.train_data.pairs[i] for i in idx]
         ref = self.reference_logps("train")[idx] if self.precompute else None
         batch = self._layout(pairs, ref)
-        lr = float(self.lr_fn(self.global_steps))
-        self.actor_params, self.actor_opt_state, out = self._update(
-            self.actor_params, self.actor_opt_state, batch, *self._ref_args()
+        return self._apply_update(
+            batch,
+            self._ref_args(),
+            pair_tokens(pairs),
+            t0,
         )
-        m = {k: float(v) for k, v in jax.device_get(out).items()}
-        self.global_steps += 1
-        self.num_tokens += int(sum(2 * len(x.prompt_ids) + len(x.chosen_ids) + len(x.rejected_ids) for x in pairs))
-        m.update(self.guard.observe([m.pop("update_skipped")], step=self.global_steps))
-        m.update(
-            learning_rate=lr,
-            num_tokens=float(self.num_tokens),
-            epoch=self.global_steps / self.train_loader.batches_per_epoch,
-        )
-        m["timing_s/step"] = time.perf_counter() - t0
-        return m
 
     def validate(self) -> dict[str, float]:
         """`val/loss` and `val/<metric>` (`dpo_step.METRIC_KEYS`): means over every pair of `data.val_files`

@@ -37,7 +37,7 @@ from flax import nnx
 
 from jaxrl_post.trainer import builders, rm_step
 from jaxrl_post.trainer.config_check import ConfigError
-from jaxrl_post.trainer.dpo import DPOTrainer, pair_config_errors
+from jaxrl_post.trainer.dpo import DPOTrainer, pair_config_errors, pair_tokens
 from jaxrl_post.trainer.sft import HF_EXPORT_SUBDIR, SFTTrainer
 
 log = logging.getLogger(__name__)
@@ -140,21 +140,12 @@ class RewardModelTrainer(SFTTrainer):
         idx = next(self.train_loader)
         pairs = [self.train_data.pairs[i] for i in idx]
         batch = self._layout(pairs)
-        lr = float(self.lr_fn(self.global_steps))
-        self.actor_params, self.actor_opt_state, out = self._update(
-            self.actor_params, self.actor_opt_state, batch, *self._frozen()
+        return self._apply_update(
+            batch,
+            self._frozen(),
+            pair_tokens(pairs),
+            t0,
         )
-        m = {k: float(v) for k, v in jax.device_get(out).items()}
-        self.global_steps += 1
-        self.num_tokens += int(sum(2 * len(x.prompt_ids) + len(x.chosen_ids) + len(x.rejected_ids) for x in pairs))
-        m.update(self.guard.observe([m.pop("update_skipped")], step=self.global_steps))
-        m.update(
-            learning_rate=lr,
-            num_tokens=float(self.num_tokens),
-            epoch=self.global_steps / self.train_loader.batches_per_epoch,
-        )
-        m["timing_s/step"] = time.perf_counter() - t0
-        return m
 
     def validate(self) -> dict[str, float]:
         """`val/loss`, `val/accuracy` (held-out pair accuracy), `val/margin`, `val/mean_reward`,

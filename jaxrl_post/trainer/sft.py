@@ -265,13 +265,19 @@ class SFTTrainer(RolesMixin, CheckpointMixin):
         idx = next(self.train_loader)
         ids = [self.train_data.input_ids[i] for i in idx]
         batch = self._batch(ids, [self.train_data.loss_mask[i] for i in idx])
-        lr = float(self.lr_fn(self.global_steps))  # one update per step: the schedule's count is the step
+        return self._apply_update(batch, self._frozen(), int(sum(len(x) for x in ids)), t0)
+
+    def _apply_update(self, batch, extra_args: tuple, n_tokens: int, t0: float) -> dict[str, float]:
+        """One jitted update on `batch` (the learning rate of this step: one update per step), then the step's
+        metrics: the update's, the non-finite guard's, `learning_rate`, `num_tokens` (input tokens so far,
+        `n_tokens` of them this step), `epoch` and `timing_s/step` (since `t0`). Shared by SFT, DPO and RM."""
+        lr = float(self.lr_fn(self.global_steps))
         self.actor_params, self.actor_opt_state, out = self._update(
-            self.actor_params, self.actor_opt_state, batch, *self._frozen()
+            self.actor_params, self.actor_opt_state, batch, *extra_args
         )
         m = {k: float(v) for k, v in jax.device_get(out).items()}
         self.global_steps += 1
-        self.num_tokens += int(sum(len(x) for x in ids))
+        self.num_tokens += n_tokens
         m.update(self.guard.observe([m.pop("update_skipped")], step=self.global_steps))
         m.update(
             learning_rate=lr,
