@@ -424,3 +424,61 @@ def test_serve_reward_script_refuses_bad_flags(capsys, tmp_path):
     assert "not both" in capsys.readouterr().err
     assert serve.main(["--judge_path", str(tmp_path / "no_model")]) == 2
     assert "--judge_path=" in capsys.readouterr().err
+
+
+def test_unreachable_service_is_one_config_error_at_start(tmp_path):
+    """A remote URL nobody listens on: the preflight probe names the key, host and port (after its retries),
+    before any model load; a listening server passes; a bad port is a ConfigError too."""
+    from configs import grpo
+    from jaxrl_post.trainer.config_check import ConfigError
+    from jaxrl_post.trainer.preflight import check_remote_reward
+
+    c = grpo.get_config("tiny")
+    check_remote_reward(c)  # no remote URL: nothing to check
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    c.reward_model.remote.url = f"http://127.0.0.1:{port}/get_reward"
+    c.reward_model.remote.max_retries, c.reward_model.remote.backoff_s = 2, 0.01
+    with pytest.raises(ConfigError) as e:
+        check_remote_reward(c)
+    msg = str(e.value)
+    assert msg.startswith(f"config.reward_model.remote.url='http://127.0.0.1:{port}/get_reward'")
+    assert f"cannot connect to 127.0.0.1:{port}" in msg and "3 attempts" in msg
+    c.reward_model.remote.url = "http://127.0.0.1:notaport/get_reward"
+    with pytest.raises(ConfigError, match="not a valid URL"):
+        check_remote_reward(c)
+    server = make_reward_server(load_custom_reward_fn(TINY_REWARD))
+    serve_in_thread(server)
+    try:
+        c.reward_model.remote.url = f"http://127.0.0.1:{server.server_address[1]}/get_reward"
+        check_remote_reward(c)  # listening: passes
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_trainer_with_unreachable_service_stops_before_the_model_load(tmp_path, monkeypatch):
+    """RLTrainer(...) with a dead remote URL: the ConfigError comes from the data/reward pre-flight, before
+    the model loader is ever called."""
+    from configs import grpo
+    from jaxrl_post.trainer import builders
+    from jaxrl_post.trainer.config_check import ConfigError
+    from jaxrl_post.trainer.trainer import RLTrainer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    c = grpo.get_config("tiny")
+    c.trainer.default_local_dir = str(tmp_path / "run")
+    c.custom_reward_function.path = None
+    c.reward_model.remote.url = f"http://127.0.0.1:{port}/get_reward"
+    c.reward_model.remote.max_retries = 0
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the remote URL was checked")
+
+    monkeypatch.setattr(builders, "build_actor_and_tokenizer", no_load)
+    with pytest.raises(ConfigError, match=f"cannot connect to 127.0.0.1:{port}"):
+        RLTrainer(c, console_write=lambda _: None)
+    assert not (tmp_path / "run").exists()  # a failed start leaves no directory behind

@@ -23,6 +23,7 @@ from jaxrl_post.trainer import steps
 from jaxrl_post.trainer.config_check import ConfigError, validation_enabled
 from jaxrl_post.trainer.preflight import (
     check_reasoning_gym_task,
+    check_remote_reward,
     load_custom_reward,
     not_enough_prompts_message,
 )
@@ -242,7 +243,9 @@ class DataRows:
 def _check_reward_sources(cfg: Any, data: DataRows) -> None:
     """Without a custom reward function, every row's data_source must have a scorer in the reward registry
     (unless the reward model is the reward, `reward_model.enable`); with one, it must load
-    (`load_custom_reward`; kept in `data.custom_reward_fn` for the reward manager)."""
+    (`load_custom_reward`; kept in `data.custom_reward_fn` for the reward manager). A remote reward service
+    must accept connections (`preflight.check_remote_reward`)."""
+    check_remote_reward(cfg)  # nothing without reward_model.remote.url
     if cfg.custom_reward_function.path:
         data.custom_reward_fn = load_custom_reward(cfg)
         return
@@ -272,7 +275,8 @@ def load_data_rows(cfg: Any) -> DataRows:
       MalformedRowError: a malformed row (file, row, problem; suggests `data.skip_malformed=True`).
       ConfigError: a data_source with no reward function and no `custom_reward_function.path` (lists the
         known ones); a `custom_reward_function.path/name` that does not load (`load_custom_reward`); no rows
-        or an unknown reasoning-gym task (`load_split_rows`); every validation prompt also occurs in the
+        or an unknown reasoning-gym task (`load_split_rows`); a remote reward service that does not accept
+        connections (`preflight.check_remote_reward`); every validation prompt also occurs in the
         training data while validation is on
         (`trainer.val_before_train`, `trainer.val_at_end`, `trainer.test_freq > 0`). With validation off
         such a val set is dropped with a warning (`trainer.validate()` then raises).

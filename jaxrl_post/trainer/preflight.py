@@ -14,6 +14,7 @@ from jaxrl_post.trainer.config_check import ConfigError
 __all__ = [
     "critic_warmup_warning",
     "check_model_path",
+    "check_remote_reward",
     "check_reasoning_gym_task",
     "check_workdir",
     "load_custom_reward",
@@ -87,6 +88,46 @@ def check_model_path(cfg: Any) -> None:
         resolve_model_path(name)
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(f"{key}: {e}") from e
+
+
+def check_remote_reward(cfg: Any) -> None:
+    """Check, before the model is loaded, that the remote reward service of `reward_model.remote.url` accepts
+    TCP connections (a wrong host or port, or a server not started, is found here, not at the first reward).
+    Tries `max_retries + 1` times, `timeout_s` each, with the client's backoff (a server still starting gets
+    that long). The path and the protocol are checked by the first request (an HTTP 4xx stops the run then):
+    a generic service need not answer anything but its scoring endpoint.
+
+    Raises:
+      ConfigError: naming `reward_model.remote.url`, the host and port, and the last connection error.
+    """
+    import socket
+    import time
+    from urllib.parse import urlsplit
+
+    rr = cfg.reward_model.remote
+    if not rr.url:
+        return
+    key = f"config.reward_model.remote.url={rr.url!r}"
+    try:
+        parts = urlsplit(str(rr.url))
+        host, port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError as e:  # a port that is not a number
+        raise ConfigError(f"{key}: not a valid URL ({e})") from e
+    if parts.scheme not in ("http", "https") or not host:
+        raise ConfigError(f"{key}: not an http:// or https:// URL with a host")
+    tries = int(rr.max_retries) + 1
+    for k in range(tries):
+        if k:
+            time.sleep(min(float(rr.backoff_s) * 2 ** (k - 1), float(rr.backoff_max_s)))
+        try:
+            socket.create_connection((host, port), timeout=float(rr.timeout_s)).close()
+            return
+        except OSError as e:
+            error = e.strerror or str(e) or type(e).__name__
+    raise ConfigError(
+        f"{key}: cannot connect to {host}:{port} ({error}; {tries} attempts); start the reward service first "
+        "(python scripts/serve_reward.py --reward_fn FILE.py --port PORT) or fix the URL"
+    )
 
 
 def critic_warmup_warning(critic_warmup: int, total_training_steps: int) -> str | None:
