@@ -78,3 +78,14 @@ def test_critic_warmup_covering_the_run_warns():
         "warning: trainer.critic_warmup=30 >= total_training_steps=30: the actor never updates (only the critic "
         "trains); lower --config.trainer.critic_warmup"
     )
+
+
+def test_dpo_and_reward_model_lines_show_their_trl_metrics():
+    """A DPO step line shows TRL's preference metrics, a reward-model one its pair accuracy and margin (the
+    metric names their step functions log: dpo_step / rm_step), not only the loss."""
+    dpo = {"loss": 0.6, "rewards/accuracies": 0.75, "rewards/margins": 0.125, "grad_norm": 2.5, "timing_s/step": 1.0}
+    assert ConsoleLogger.format(dpo, 3) == (
+        "step 3 | loss=0.6 | rew_acc=0.75 | rew_margin=0.125 | grad_norm=2.5 | step_s=1"
+    )
+    rm = {"loss": 0.5, "accuracy": 0.875, "margin": 1.5, "val/accuracy": 0.5}
+    assert ConsoleLogger.format(rm, 2) == "step 2 | loss=0.5 | pair_acc=0.875 | margin=1.5 | val_pair_acc=0.5"

@@ -25,6 +25,13 @@ _CONSOLE_KEYS = (
     ("mean_token_accuracy", "acc"),
     ("val/loss", "val_loss"),
     ("val/perplexity", "val_ppl"),
+    ("rewards/accuracies", "rew_acc"),  # DPO (TRL names)
+    ("rewards/margins", "rew_margin"),
+    ("val/rewards/accuracies", "val_rew_acc"),
+    ("accuracy", "pair_acc"),  # reward model (TRL names)
+    ("margin", "margin"),
+    ("val/accuracy", "val_pair_acc"),
+    ("grad_norm", "grad_norm"),  # SFT / DPO / reward model
     ("val-core/*", None),
     ("critic/rewards/mean", "reward"),
     ("critic/vf_explained_var", "vf_ev"),
@@ -53,6 +60,13 @@ CONSOLE_LEGEND = (
     ("acc", "mean_token_accuracy (SFT): share of trained tokens the model's argmax predicts"),
     ("val_loss", "val/loss (SFT): mean negative log-likelihood per trained token on the held-out set"),
     ("val_ppl", "val/perplexity (SFT): exp(val/loss)"),
+    ("rew_acc", "rewards/accuracies (DPO): share of pairs whose implicit reward of chosen > rejected"),
+    ("rew_margin", "rewards/margins (DPO): mean implicit reward of chosen minus rejected (beta * log-ratio gap)"),
+    ("val_rew_acc", "val/rewards/accuracies (DPO): rewards/accuracies on the held-out pairs"),
+    ("pair_acc", "accuracy (reward model): share of pairs scored chosen > rejected"),
+    ("margin", "margin (reward model): mean score of chosen minus rejected"),
+    ("val_pair_acc", "val/accuracy (reward model): accuracy on the held-out pairs"),
+    ("grad_norm", "grad_norm (SFT/DPO/RM): the gradient norm before clipping"),
     ("val-core/...", "validation score on the held-out set (verl's val-core/<data_source>/<metric>)"),
     ("reward", "critic/rewards/mean: mean reward per response after the KL-in-reward penalty (PPO)"),
     ("vf_ev", "critic/vf_explained_var (PPO): 1 - Var(returns - values) / Var(returns); n/a if returns are constant"),
