@@ -26,7 +26,8 @@ def load_chat_model(model: str, *, tokenizer: str | None = None, step: int | Non
     `tokenizer` replaces the model's own tokenizer; `step` picks a checkpoint step (default: the latest).
 
     Raises:
-      CheckpointError: a checkpoint path with nothing complete, or no model metadata.
+      CheckpointError: a checkpoint path with nothing complete, no model metadata, or a reward model (see
+        `export.load_actor`).
       FileNotFoundError / ValueError: what `models.load_pretrained` raises for a bad path or name.
       ValueError: no tokenizer found (pass `--tokenizer`).
     """

@@ -6,7 +6,9 @@ A checkpoint path is a run working directory, its `checkpoints/` directory (late
 tokenizer source come from the checkpoint's host metadata (`host['model']`, written by the trainer). A LoRA
 checkpoint holds the adapters only: the base weights are rebuilt from where the run took them
 (`host['model']['base']`: its `model.path`, or the random init of `trainer.seed`); the export then holds the
-merged weights (W + alpha/r A B) and `<out>/adapter/` the PEFT adapter.
+merged weights (W + alpha/r A B) and `<out>/adapter/` the PEFT adapter. A reward-model run's checkpoint
+(`host['trainer_type'] == 'reward_model'`) is a `models.RewardModel` and exports as an HF
+`<Family>ForSequenceClassification` directory; it cannot be chatted with (no LM head).
 """
 
 from __future__ import annotations
@@ -19,13 +21,25 @@ def load_actor(checkpoint: str, *, step: int | None = None, mesh=None):
     LoRA checkpoint's model is the rebuilt base with the adapters attached.
 
     Raises:
-      CheckpointError: nothing complete at `checkpoint`, or a checkpoint without model metadata.
+      CheckpointError: nothing complete at `checkpoint`, a checkpoint without model metadata, or a reward
+        model's checkpoint (a `RewardModel` has no LM head: export it, or score with it as
+        `reward_model.model.path`).
     """
-    return _load_actor(checkpoint, step=step, mesh=mesh)[:3]
+    model, tokenizer, step, meta = _load_actor(checkpoint, step=step, mesh=mesh)
+    if meta.get("trainer_type") == "reward_model":
+        from jaxrl_post.trainer.checkpoint import CheckpointError
+
+        raise CheckpointError(
+            f"{checkpoint} is a reward model's checkpoint (trainer_type reward_model): it scores text, it does not "
+            "generate; export it (scripts/export_hf.py) or score with it (--config.reward_model.enable=True "
+            f"--config.reward_model.model.path={checkpoint})"
+        )
+    return model, tokenizer, step
 
 
 def _load_actor(checkpoint: str, *, step: int | None = None, mesh=None):
-    """`load_actor` plus the checkpoint's `host['model']` metadata."""
+    """`load_actor` plus the checkpoint's `host['model']` metadata (with `trainer_type` from the host state);
+    a reward model's checkpoint gives a `RewardModel` (built as `RewardModelTrainer` builds it)."""
     from flax import nnx
 
     from jaxrl_post.models import init_model
@@ -40,16 +54,14 @@ def _load_actor(checkpoint: str, *, step: int | None = None, mesh=None):
         raise ckpt.CheckpointError(
             f'{c.step_path(step)} has no model metadata (host["model"]); it was not written by jaxrl_post.trainer'
         )
+    meta = {**meta, "trainer_type": host.get("trainer_type")}
     mcfg = ckpt.model_config_from_metadata(meta)
-    if meta.get("lora"):  # adapters only: rebuild the base the run started from, then attach them
-        from jaxrl_post.models import load_pretrained
+    if meta["trainer_type"] == "reward_model":
+        model, params = _reward_model_like(meta, mcfg, mesh)
+    elif meta.get("lora"):  # adapters only: rebuild the base the run started from, then attach them
         from jaxrl_post.models.lora import LoRAConfig, apply_lora
 
-        base = meta.get("base") or {}
-        if base.get("random_init"):
-            model = init_model(mcfg, seed=int(base.get("seed") or 0), dtype=mcfg.dtype, mesh=mesh)
-        else:
-            model = load_pretrained(base["model_path"], dtype=mcfg.dtype, mesh=mesh)[0]
+        model = _base_model(meta, mcfg, mesh)
         lo = meta["lora"]
         apply_lora(model, LoRAConfig(int(lo["rank"]), float(lo["alpha"]), tuple(lo["target_modules"])))
         params = nnx.state(model, nnx.LoRAParam)
@@ -63,8 +75,41 @@ def _load_actor(checkpoint: str, *, step: int | None = None, mesh=None):
         from jaxrl_post.trainer.builders import load_tokenizer
 
         tokenizer = load_tokenizer(meta["tokenizer"])
+    if meta["trainer_type"] == "reward_model" and tokenizer is not None:
+        model.pad_token_id = tokenizer.pad_token_id  # pooled as the trainer did (RewardModelTrainer._build_model)
     c.close()
     return model, tokenizer, step, meta
+
+
+def _base_model(meta, mcfg, mesh):
+    """The model a LoRA run started from (`host['model']['base']`): `model.path`, or the seeded random init."""
+    from jaxrl_post.models import init_model, load_pretrained
+
+    base = meta.get("base") or {}
+    if base.get("random_init"):
+        return init_model(mcfg, seed=int(base.get("seed") or 0), dtype=mcfg.dtype, mesh=mesh)
+    return load_pretrained(base["model_path"], dtype=mcfg.dtype, mesh=mesh)[0]
+
+
+def _reward_model_like(meta, mcfg, mesh):
+    """(RewardModel shaped like a reward-model run's, its trained params) to restore into: LoRA -> the base
+    backbone with the adapters and a LoRA `score` head (PEFT `modules_to_save`), else all `nnx.Param`."""
+    from flax import nnx
+
+    from jaxrl_post.models import init_model
+    from jaxrl_post.models.reward_model import RewardModel
+
+    if not meta.get("lora"):
+        backbone = init_model(mcfg, seed=0, dtype=mcfg.dtype, param_dtype=mcfg.param_dtype, mesh=mesh)
+        rm = RewardModel(rngs=nnx.Rngs(0), backbone=backbone)
+        return rm, nnx.state(rm, nnx.Param)
+    from jaxrl_post.models.lora import LoRAConfig, apply_lora
+
+    backbone, lo = _base_model(meta, mcfg, mesh), meta["lora"]
+    apply_lora(backbone, LoRAConfig(int(lo["rank"]), float(lo["alpha"]), tuple(lo["target_modules"])))
+    rm = RewardModel(rngs=nnx.Rngs(0), backbone=backbone)
+    rm.score = nnx.LoRAParam(rm.score.get_value(), out_sharding=("embed", None), eager_sharding=False)
+    return rm, nnx.state(rm, nnx.LoRAParam)
 
 
 ADAPTER_SUBDIR = "adapter"  # PEFT adapter of a LoRA checkpoint (not next to config.json: transformers would load it)
@@ -111,9 +156,14 @@ def export(checkpoint: str, out_dir: str, *, step: int | None = None, overwrite:
     from jaxrl_post.models.lora import lora_config_of, save_peft_adapter
 
     model, tokenizer, step, meta = _load_actor(checkpoint, step=step)
-    save_pretrained(model, tokenizer, out_dir)  # LoRA: merged weights
     adapter_dir = os.path.join(out_dir, ADAPTER_SUBDIR)
-    if lora_config_of(model) is not None:
+    if meta["trainer_type"] == "reward_model":  # <Family>ForSequenceClassification (LoRA: merged weights)
+        from jaxrl_post.models.hf_io import save_reward_model
+
+        save_reward_model(model, tokenizer, out_dir)
+    else:
+        save_pretrained(model, tokenizer, out_dir)  # LoRA: merged weights
+    if lora_config_of(model) is not None and meta["trainer_type"] != "reward_model":
         base_path = (meta.get("base") or {}).get("model_path")
         save_peft_adapter(model, adapter_dir, base_model_name_or_path=base_path)
         _fix_file_modes(adapter_dir)
