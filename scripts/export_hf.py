@@ -10,7 +10,8 @@ and the tokenizer source come from the checkpoint's host metadata (`host['model'
 trainer). Writes config.json, generation_config.json, model.safetensors and the tokenizer files with
 `jaxrl_post.models.save_pretrained` (all with the same file mode), then prints the step, the number of
 parameters and the files. A reward-model run's checkpoint is written as an HF
-`<Family>ForSequenceClassification` directory (`hf_io.save_reward_model`). `--out` must be a new or empty directory unless `--overwrite` is given.
+`<Family>ForSequenceClassification` directory (`hf_io.save_reward_model`). `--out` must be a new or empty
+directory unless `--overwrite` is given.
 
 A LoRA checkpoint holds the adapters only: the base weights are rebuilt from where the run took them
 (`host['model']['base']`: its `model.path`, or the random init of `trainer.seed`). `--out` then gets the
