@@ -108,7 +108,7 @@ def _reward_model_like(meta, mcfg, mesh):
     backbone, lo = _base_model(meta, mcfg, mesh), meta["lora"]
     apply_lora(backbone, LoRAConfig(int(lo["rank"]), float(lo["alpha"]), tuple(lo["target_modules"])))
     rm = RewardModel(rngs=nnx.Rngs(0), backbone=backbone)
-    rm.score = nnx.LoRAParam(rm.score.get_value(), out_sharding=("embed", None), eager_sharding=False)
+    rm.train_score_with_adapters()  # as RewardModelTrainer built it
     return rm, nnx.state(rm, nnx.LoRAParam)
 
 
@@ -163,10 +163,10 @@ def export(checkpoint: str, out_dir: str, *, step: int | None = None, overwrite:
         save_reward_model(model, tokenizer, out_dir)
     else:
         save_pretrained(model, tokenizer, out_dir)  # LoRA: merged weights
-    if lora_config_of(model) is not None and meta["trainer_type"] != "reward_model":
-        base_path = (meta.get("base") or {}).get("model_path")
-        save_peft_adapter(model, adapter_dir, base_model_name_or_path=base_path)
-        _fix_file_modes(adapter_dir)
+        if lora_config_of(model) is not None:
+            base_path = (meta.get("base") or {}).get("model_path")
+            save_peft_adapter(model, adapter_dir, base_model_name_or_path=base_path)
+            _fix_file_modes(adapter_dir)
     _fix_file_modes(out_dir)
     if say is not None:
         n_params = sum(int(x.size) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))

@@ -80,6 +80,11 @@ class RewardModel(nnx.Module):
         """Reward model whose backbone is a copy of `model`'s params (`model` is left untouched)."""
         return cls(rngs=rngs or nnx.Rngs(0), backbone=nnx.clone(model))
 
+    def train_score_with_adapters(self) -> None:
+        """LoRA: make the `score` head trainable beside the adapters (PEFT `modules_to_save=["score"]`, as TRL
+        trains reward models): it becomes an `nnx.LoRAParam`, so `nnx.state(model, nnx.LoRAParam)` holds it."""
+        self.score = nnx.LoRAParam(self.score.get_value(), out_sharding=("embed", None), eager_sharding=False)
+
     def token_scores(self, input_ids, attention_mask, positions=None, segment_ids=None) -> jax.Array:
         """The head at every token: `[B, T] float32` (inputs as `Transformer.hidden_states`)."""
         h = self.backbone.hidden_states(input_ids, attention_mask, positions, segment_ids=segment_ids)

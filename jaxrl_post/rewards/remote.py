@@ -44,7 +44,7 @@ import requests
 
 from jaxrl_post.rewards.pool import CallResult
 
-__all__ = ["RemoteRewardClient", "RemoteRewardError", "build_request"]
+__all__ = ["RemoteRewardClient", "RemoteRewardError", "build_request", "retry_delay"]
 
 RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 
@@ -77,6 +77,11 @@ def build_request(args: Sequence[tuple], prompts: Sequence[str] | None = None) -
         "data_sources": [a[0] for a in args],
         "extra_infos": [a[3] if len(a) > 3 else None for a in args],
     }
+
+
+def retry_delay(attempt: int, backoff_s: float, backoff_max_s: float) -> float:
+    """Seconds to sleep before retry `attempt` (0, 1, ...): `min(backoff_s * 2**attempt, backoff_max_s)`."""
+    return min(float(backoff_s) * 2**attempt, float(backoff_max_s))
 
 
 def _finite_number(x: Any) -> float | None:
@@ -203,7 +208,7 @@ class RemoteRewardClient:
         for attempt in range(self.max_retries + 1):
             if attempt:
                 stats["retries"] += 1
-                time.sleep(min(self.backoff_s * 2 ** (attempt - 1), self.backoff_max_s))
+                time.sleep(retry_delay(attempt - 1, self.backoff_s, self.backoff_max_s))
             body = build_request([args[i] for i in pending], [prompts[i] for i in pending] if prompts else None)
             stats["requests"] += 1
             t0 = time.monotonic()

@@ -104,6 +104,8 @@ def check_remote_reward(cfg: Any) -> None:
     import time
     from urllib.parse import urlsplit
 
+    from jaxrl_post.rewards.remote import retry_delay
+
     rr = cfg.reward_model.remote
     if not rr.url:
         return
@@ -118,7 +120,7 @@ def check_remote_reward(cfg: Any) -> None:
     tries = int(rr.max_retries) + 1
     for k in range(tries):
         if k:
-            time.sleep(min(float(rr.backoff_s) * 2 ** (k - 1), float(rr.backoff_max_s)))
+            time.sleep(retry_delay(k - 1, rr.backoff_s, rr.backoff_max_s))
         try:
             socket.create_connection((host, port), timeout=float(rr.timeout_s)).close()
             return

@@ -96,7 +96,7 @@ class RewardModelTrainer(SFTTrainer):
             backbone = builders.build_actor_and_tokenizer(cfg, self.mesh)[0]
             rm = RewardModel(rngs=nnx.Rngs(int(cfg.trainer.seed) + 1), backbone=backbone)
             if cfg.model.lora_rank:  # PEFT modules_to_save=["score"]: the head trains with the adapters
-                rm.score = nnx.LoRAParam(rm.score.get_value(), out_sharding=("embed", None), eager_sharding=False)
+                rm.train_score_with_adapters()
         rm.pad_token_id = self.tokenizer.pad_token_id  # pooled as transformers will with the exported config
         if self.pack:
             log.warning("reward model: packed pairs are not implemented; model.use_remove_padding is ignored")
