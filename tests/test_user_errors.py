@@ -239,6 +239,48 @@ def test_missing_model_path_is_one_error_before_any_load(tmp_path, monkeypatch):
     assert secs < 60 and not (tmp_path / "run").exists()
 
 
+def test_reward_model_export_as_the_policy_is_one_error_before_any_load(tmp_path, monkeypatch):
+    """An exported reward model (*ForSequenceClassification: score head, no LM head) given where a generating
+    model is needed: one ConfigError naming the key before any load, and the loader itself says the same."""
+    from flax import nnx
+
+    from jaxrl_post.models import get_preset, hf_io, load_pretrained
+    from jaxrl_post.models.reward_model import RewardModel
+    from jaxrl_post.trainer.trainer import RLTrainer
+
+    mcfg = get_preset("smollm2_135m").replace(
+        num_layers=1, hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=1, head_dim=16, vocab_size=64
+    )
+    rm_dir = tmp_path / "rm_export"
+    rm = RewardModel(mcfg, rngs=nnx.Rngs(0), dtype="float32", param_dtype="float32")
+    hf_io.save_reward_model(rm, None, str(rm_dir), pad_token_id=0)
+    with pytest.raises(ValueError, match=r"is a reward model \(config.json architectures \['LlamaForSequenceClass"):
+        load_pretrained(str(rm_dir))
+
+    def no_load(*a, **k):
+        raise AssertionError("the model loader was called")
+
+    monkeypatch.setattr(builders, "build_actor_and_tokenizer", no_load)
+    monkeypatch.setattr(builders, "build_mesh", no_load)
+    c = _unloadable_model_config(tmp_path, _write(tmp_path / "t.jsonl", [_row(i) for i in range(4)]))
+    c.model.path = str(rm_dir)
+    with pytest.raises(
+        ConfigError, match=r"^config\.model\.path=.*rm_export.* is a reward model .*reward_model\.model\.path"
+    ):
+        RLTrainer(c)
+    # the reward-model trainer may start from an exported reward model: its pre-flight accepts the directory
+    import ml_collections
+
+    from jaxrl_post.trainer import preflight
+
+    rm_cfg = ml_collections.ConfigDict({"trainer_type": "reward_model", "model": {"random_init": False}})
+    rm_cfg.model.path = str(rm_dir)
+    preflight.check_model_path(rm_cfg)
+    rm_cfg.trainer_type = "sft"
+    with pytest.raises(ConfigError, match="is a reward model"):
+        preflight.check_model_path(rm_cfg)
+
+
 def test_workdir_on_a_file_system_that_cannot_hold_it(tmp_path):
     from jaxrl_post.trainer.preflight import check_workdir
 

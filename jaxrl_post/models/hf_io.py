@@ -193,12 +193,36 @@ def iter_safetensors(path: str) -> Iterator[tuple[str, np.ndarray]]:
                 yield name, f.get_tensor(name)
 
 
+def check_causal_lm_dir(path) -> None:
+    """Refuse an HF directory whose config.json names a `*ForSequenceClassification` architecture (a reward
+    model: a score head, no LM head) where a generating model is needed (actor, reference, teacher, chat).
+
+    Raises:
+      ValueError: naming the directory and the architecture, and where a reward model is used instead
+        (`reward_model.model.path`).
+    """
+    cfg_path = os.path.join(os.fspath(path), "config.json")
+    try:
+        with open(cfg_path) as f:
+            archs = json.load(f).get("architectures") or []
+    except (OSError, ValueError):
+        return  # a missing or unreadable config.json is reported by the loader itself
+    seq_cls = [a for a in archs if str(a).endswith("ForSequenceClassification")]
+    if seq_cls:
+        raise ValueError(
+            f"{path} is a reward model (config.json architectures {seq_cls}): it has a score head and no LM head, "
+            "so it cannot generate or give token log-probs; use it as --config.reward_model.model.path, or pass a "
+            "*ForCausalLM directory here"
+        )
+
+
 def load_hf_dir(path, dtype="float32", mesh=None, *, param_dtype=None, remat=False) -> Transformer:
     """Transformer from an HF directory (config.json + safetensors), params placed on `mesh` if given.
 
     dtype: compute dtype (and param dtype unless `param_dtype` is given), e.g. 'float32', 'bfloat16'.
     """
     path = os.fspath(path)
+    check_causal_lm_dir(path)
     config = ModelConfig.from_hf_config(os.path.join(path, "config.json"))
     model = empty_model(config, dtype=dtype, mesh=mesh, param_dtype=param_dtype, remat=remat)
     return load_state_dict_into(model, iter_safetensors(path), mesh)

@@ -71,10 +71,12 @@ def check_model_path(cfg: Any) -> None:
 
     Raises:
       ConfigError: naming `model.path` (missing path, a directory that is not a checkpoint, a file that is
-        not a .gguf, an alias whose package is not installed, or no model.path at all).
+        not a .gguf, an alias whose package is not installed, a reward model's *ForSequenceClassification
+        directory except for the reward-model trainer, or no model.path at all).
     """
     if cfg.model.random_init:
         return
+    from jaxrl_post.models.hf_io import check_causal_lm_dir
     from jaxrl_post.models.resolve import _HUB_GGUF_RE, _HUB_ID_RE, resolve_model_path
 
     given = cfg.model.path
@@ -85,7 +87,9 @@ def check_model_path(cfg: Any) -> None:
     if not os.path.exists(name) and (_HUB_ID_RE.match(name) or _HUB_GGUF_RE.match(name)):
         return
     try:
-        resolve_model_path(name)
+        kind, local = resolve_model_path(name)
+        if kind == "hf_dir" and cfg.get("trainer_type", "rl") != "reward_model":  # a reward model may start from one
+            check_causal_lm_dir(local)
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(f"{key}: {e}") from e
 
