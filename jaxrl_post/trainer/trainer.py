@@ -294,14 +294,14 @@ class RLTrainer:
             rng = np.random.default_rng(shuffle_seed)
             if self.critic is not None:
                 with _timer("update_critic", timing):
-                    self.state, m = updates.update_critic(
-                        cfg, self.critic, g, self.state, self.host, b, train_mask, rng
-                    )
-                    metrics.update(m)
+                    args = (cfg, self.critic, g, self.state, self.host, b, train_mask, rng)
+                    self.state, out = updates.update_critic(*args)  # the state first: NonFiniteError below
+                    metrics.update(updates.critic_metrics(self.critic, self.host, out))
             if self.host.global_steps >= int(cfg.trainer.critic_warmup):
                 with _timer("update_actor", timing):
-                    self.state, m = updates.update_actor(cfg, self.policy, g, self.state, self.host, b, train_mask, rng)
-                    metrics.update(m)
+                    args = (cfg, self.policy, g, self.state, self.host, b, train_mask, rng)
+                    self.state, out = updates.update_actor(*args)
+                    metrics.update(updates.actor_metrics(cfg, self.policy, self.host, out))
                 self.sync_weights()
 
         self.host.global_steps += 1

@@ -31,10 +31,10 @@ def minibatches(n_rows: int, mini: int, epochs: int, shuffle: bool, rng: np.rand
 
 def update_actor(
     cfg, policy, geometry: StepGeometry, state: TrainState, host: HostState, b: dict[str, np.ndarray], train_mask, rng
-) -> tuple[TrainState, dict[str, float]]:
+) -> tuple[TrainState, list]:
     """Actor updates (`policy.update`) over shuffled mini-batches of `b`, training the tokens of
-    `train_mask [B, R]`; `rng` (`np.random.Generator`) shuffles. Returns the new state and the `actor/*`
-    metrics. Raises NonFiniteError after `trainer.max_consecutive_nonfinite` skipped updates in a row."""
+    `train_mask [B, R]`; `rng` (`np.random.Generator`) shuffles. Returns the new state (the old one's arrays
+    are donated) and the updates' device metrics with their update counts, for `actor_metrics`."""
     a = cfg.actor
     skip = {"loss_mask"} | ({"old_log_probs"} if geometry.on_policy else set())
     skip |= set() if a.use_kl_loss else {"ref_log_prob"}  # KL in reward only: the update does not need it
@@ -46,9 +46,15 @@ def update_actor(
         actor, m = policy.update(actor, mb)
         out.append((m, host.actor_update_count))
         host.actor_update_count += 1
-    state = state.replace(actor=actor)
     # no host sync inside the loop (the next mini-batch is packed while the device runs this one)
-    out = [dict(jax.device_get(m), lr=float(policy.lr(n))) for m, n in out]
+    return state.replace(actor=actor), out
+
+
+def actor_metrics(cfg, policy, host: HostState, pending: list) -> dict[str, float]:
+    """The `actor/*` metrics of `update_actor`'s updates (`pending`; the first host sync of the loop).
+    Raises NonFiniteError after `trainer.max_consecutive_nonfinite` skipped updates in a row."""
+    a = cfg.actor
+    out = [dict(jax.device_get(m), lr=float(policy.lr(n))) for m, n in pending]
     guard = host.actor_guard.observe([m["update_skipped"] for m in out], step=host.global_steps + 1)
     red = metrics_lib.reduce_metrics(out)
     res = {f"actor/{k}": v for k, v in red.items() if k not in ("rollout_probs_diff_mean", "loss")}
@@ -57,7 +63,7 @@ def update_actor(
         res["training/rollout_probs_diff_mean"] = red["rollout_probs_diff_mean"]
     if a.use_kl_loss:
         res["actor/kl_coef"] = float(a.kl_loss_coef)
-    return state, res
+    return res
 
 
 def rollout_correction(cfg, b: dict[str, np.ndarray], train_mask: np.ndarray) -> tuple[np.ndarray, dict]:
@@ -88,9 +94,10 @@ def rollout_correction(cfg, b: dict[str, np.ndarray], train_mask: np.ndarray) ->
 
 def update_critic(
     cfg, critic, geometry: StepGeometry, state: TrainState, host: HostState, b: dict[str, np.ndarray], train_mask, rng
-) -> tuple[TrainState, dict[str, float]]:
+) -> tuple[TrainState, list]:
     """Critic updates (`critic.update`) over shuffled mini-batches of `b`, fitting values on the tokens of
-    `train_mask`. Returns the new state and the `critic/*` metrics."""
+    `train_mask`. Returns the new state (the old one's arrays are donated) and the device metrics with their
+    update counts, for `critic_metrics`."""
     c = cfg.critic
     keys = [k for k in CRITIC_UPDATE_KEYS if k != "loss_mask"]
     params, out = state.critic, []
@@ -100,12 +107,16 @@ def update_critic(
         params, m = critic.update(params, mb)
         out.append((m, host.critic_update_count))
         host.critic_update_count += 1
-    state = state.replace(critic=params)
     # no host sync inside the loop (the next mini-batch is packed while the device runs this one)
-    out = [dict(jax.device_get(m), lr=float(critic.lr(n))) for m, n in out]
+    return state.replace(critic=params), out
+
+
+def critic_metrics(critic, host: HostState, pending: list) -> dict[str, float]:
+    """The `critic/*` metrics of `update_critic`'s updates. Raises NonFiniteError (see `actor_metrics`)."""
+    out = [dict(jax.device_get(m), lr=float(critic.lr(n))) for m, n in pending]
     guard = host.critic_guard.observe([m["update_skipped"] for m in out], step=host.global_steps + 1)
     red = metrics_lib.reduce_metrics(out)
-    return state, dict({f"critic/{k}": v for k, v in red.items()}, **guard)
+    return dict({f"critic/{k}": v for k, v in red.items()}, **guard)
 
 
 def step_metrics(
