@@ -4,7 +4,7 @@
 
 On 8 fake host devices (`--xla_force_host_platform_device_count=8`, set here before jax is imported) and a
 tiny random model on a (data 1, fsdp 4, tensor 2) mesh, builds the trainer's jitted programs as the trainer
-builds them (`RolesMixin._jit_update` / `_put_packed` / `_commit`, the packed steps of `packed_steps.py`,
+builds them (`placement.Placement.jit_update` / `put_packed` / `commit`, the packed steps of `packed_steps.py`,
 the rollout's `_prefill` / `_decode` recorded from a real `Generator.generate` call):
 
 * generate (prefill + decode), old log-prob (packed forward), actor update, critic update;
@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from jaxrl_post.models import CriticModel, ModelConfig, init_model
 from jaxrl_post.sharding import make_mesh
 from jaxrl_post.trainer import packed_steps, packing, steps
-from jaxrl_post.trainer.roles import RolesMixin
+from jaxrl_post.trainer.placement import Placement
 
 MESH = dict(data=1, fsdp=4, tensor=2)
 # distinctive sizes, so the LM head's dots are found by shape: vocab / tensor = 192, hidden 96 (24 per fsdp)
@@ -66,11 +66,9 @@ TINY = ModelConfig(
 M, P_LEN, R_LEN, MICRO = 16, 8, 8, 8  # mini-batch, prompt, response, rows per packed micro-batch
 
 
-class _Placer(RolesMixin):
-    """The trainer's placement and jit helpers (`RolesMixin`) on a bare mesh."""
-
-    def __init__(self, mesh):
-        self.mesh, self.n_devices = mesh, mesh.size
+def _Placer(mesh) -> Placement:
+    """The trainer's placement and jit helpers (`placement.Placement`) on a bare mesh."""
+    return Placement(mesh, n_devices=mesh.size)
 
 
 def all_gathers(hlo: str) -> dict:
@@ -152,11 +150,11 @@ def trainer_programs(mesh, scan: bool) -> dict:
     model = init_model(TINY, seed=0, mesh=mesh)
     model.scan_layers = scan
     graphdef, params, rest = steps.split_model(model)
-    params = placer._commit(params)
+    params = placer.commit(params)
     tx = steps.make_optimizer(steps.OptimConfig(lr=1e-6))
     from jaxrl_post.sharding import init_opt_state
 
-    opt = placer._commit(init_opt_state(tx, params, mesh))
+    opt = placer.commit(init_opt_state(tx, params, mesh))
     rows, row_len = packing.micro_geometry(
         micro_batch_size=MICRO,
         use_dynamic_bsz=False,
@@ -167,21 +165,21 @@ def trainer_programs(mesh, scan: bool) -> dict:
         n_seqs=M,
     )
     spec = packing.make_pack_spec(M, rows, P_LEN, R_LEN, row_len=row_len)
-    batch = placer._put_packed(placer._pack(fake_batch(np.random.default_rng(0)), spec))
+    batch = placer.put_packed(placer.pack(fake_batch(np.random.default_rng(0)), spec))
     out = {"slots": spec.slots}
     lp = jax.jit(packed_steps.make_packed_log_prob_fn(graphdef, rest, temperature=1.0, with_entropy=False))
     out["old_log_prob"] = inspect("old_log_prob", lp, (params, batch), mesh, head=True)
     loss_cfg = steps.ActorLossConfig()
-    upd = placer._jit_update(packed_steps.make_packed_actor_update(graphdef, rest, tx, loss_cfg), params, opt)
+    upd = placer.jit_update(packed_steps.make_packed_actor_update(graphdef, rest, tx, loss_cfg), params, opt)
     out["update_actor"] = inspect("update_actor", upd._fn, (params, opt, batch), mesh, head=True)
     critic = CriticModel.from_actor(model, nnx.Rngs(1))
     cg, cp, cr = steps.split_model(critic)
     from jaxrl_post.sharding import shard_params
 
-    cp = placer._commit(shard_params(cp, mesh))
-    copt = placer._commit(init_opt_state(tx, cp, mesh))
+    cp = placer.commit(shard_params(cp, mesh))
+    copt = placer.commit(init_opt_state(tx, cp, mesh))
     closs = steps.CriticLossConfig(0.5, "token-mean")
-    cupd = placer._jit_update(packed_steps.make_packed_critic_update(cg, cr, tx, closs), cp, copt)
+    cupd = placer.jit_update(packed_steps.make_packed_critic_update(cg, cr, tx, closs), cp, copt)
     out["update_critic"] = inspect("update_critic", cupd._fn, (cp, copt, batch), mesh)
     return out
 

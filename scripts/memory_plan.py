@@ -5,7 +5,7 @@
 
 No weights and no accelerator: the model is built abstractly (`nnx.eval_shape`), the REAL packed update
 (`packed_steps.make_packed_actor_update`, the trainer's `update` boundary, with the shardings of
-`roles._jit_update` / `_put_packed` and `sharding.init_opt_state`) is lowered with `jax.ShapeDtypeStruct`
+`placement.Placement.jit_update` / `put_packed` and `sharding.init_opt_state`) is lowered with `jax.ShapeDtypeStruct`
 arguments on a fake mesh of host devices (`--xla_force_host_platform_device_count=8`, set here before jax is
 imported) and compiled by XLA:CPU; `compiled.memory_analysis()` gives per-device bytes of arguments,
 outputs, aliased (donated) buffers and temporaries. Total = arguments + outputs - aliased + temporaries.
@@ -169,7 +169,7 @@ def build(plan: Plan, layers: int | None):
 
 def packed_inputs(plan: Plan, mesh, vocab: int) -> dict:
     """Abstract packed mini-batch (shapes of `packing.pack_batch` + the `[M, R]` fields), placed as
-    `RolesMixin._put_packed` places it."""
+    `placement.Placement.put_packed` places it."""
     m = plan.n_prompts * plan.n
     t = plan.prompt_len + plan.response_len
     rows, row_len = packing.micro_geometry(

@@ -48,9 +48,15 @@ def _run(name: str, module, tweak=None) -> dict:
         res = trainer.fit()
         drop = ("timing", "perf/")
         hist = [{k: v for k, v in m.items() if not k.startswith(drop)} for m in res["history"]]
-        out = {"history": hist, "actor": _digest(trainer.actor_params)}
-        if getattr(trainer, "critic_params", None) is not None:
-            out["critic"] = _digest(trainer.critic_params)
+        state = getattr(trainer, "state", None)  # TrainState (train_state.py); older trainers: attributes
+        actor = state.actor.params if state is not None else trainer.actor_params
+        if state is not None:
+            critic = state.critic.params if state.critic is not None else None
+        else:
+            critic = getattr(trainer, "critic_params", None)
+        out = {"history": hist, "actor": _digest(actor)}
+        if critic is not None:
+            out["critic"] = _digest(critic)
         return out
     finally:
         trainer.close()

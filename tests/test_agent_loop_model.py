@@ -116,7 +116,7 @@ def test_tiny_grpo_with_calculator_trains_two_steps(tmp_path):
     c.data.max_response_length = 24
     trainer = RLTrainer(c)
     try:
-        assert trainer.agent_loop is not None and trainer.agent_loop.inject_tools
+        assert trainer.rollout.agent_loop is not None and trainer.rollout.agent_loop.inject_tools
         result = trainer.fit()
     finally:
         trainer.close()
@@ -136,7 +136,7 @@ def test_tiny_grpo_multi_turn_game_trains_on_turns_with_feedback(tmp_path):
     c.custom_reward_function.name = "guess_number_score"
     trainer = RLTrainer(c)
     try:
-        emb = trainer.actor_params["embedding"]
+        emb = trainer.state.actor.params["embedding"]
         w = np.array(emb[...])
         w[EOT] = 0.0
         w[EOT, 0] = 8.0  # as _model(): the model ends turns often, so there are second and third turns

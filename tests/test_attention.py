@@ -339,7 +339,7 @@ def test_config_selects_backend_and_splash_turns_shared_prompts_off(caplog):
     from configs import grpo
     from jaxrl_post.trainer import builders
     from jaxrl_post.trainer.config_check import ConfigError
-    from jaxrl_post.trainer.roles import RolesMixin
+    from jaxrl_post.trainer.placement import pack_spec
 
     c = grpo.get_config("tiny")
     assert c.model.attention_impl == "auto" and c.model.pack_shared_prompts and c.rollout.n > 1
@@ -360,7 +360,7 @@ def test_config_selects_backend_and_splash_turns_shared_prompts_off(caplog):
             mesh=SimpleNamespace(shape={"data": 1, "fsdp": 1, "tensor": 1}),
             actor_model=SimpleNamespace(attention_impl=impl),
         )
-        return RolesMixin._pack_spec(fake, "actor", 8, 4)
+        return pack_spec(c, "actor", 8, 4, mesh=fake.mesh, response_length=fake.response_length, attention_impl=impl)
 
     assert spec("xla").share_prompts and spec("cudnn").share_prompts
     assert not spec("splash").share_prompts

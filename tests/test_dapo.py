@@ -304,15 +304,16 @@ def jax_cache(tmp_path_factory):
 def dapo_run(jax_cache, tmp_path_factory):
     """configs/dapo.py:tiny, 2 steps (checkpoint after each), every update's batch recorded."""
     from jaxrl_post.rollout import TRACE_COUNTS
+    from jaxrl_post.trainer import updates
     from jaxrl_post.trainer.trainer import RLTrainer
 
     workdir = tmp_path_factory.mktemp("dapo")
     t = RLTrainer(_tiny(workdir), console_write=lambda s: None)
     batches = []
-    update = t._update_actor
-    t._update_actor = lambda b, mask, rng: (
+    update = updates.update_actor  # the trainer calls `updates.update_actor(cfg, policy, geometry, state, ...)`
+    updates.update_actor = lambda cfg, policy, geometry, state, host, b, mask, rng: (
         batches.append(dict({k: np.copy(v) for k, v in b.items()}, train_mask=np.copy(mask))),
-        update(b, mask, rng),
+        update(cfg, policy, geometry, state, host, b, mask, rng),
     )[1]
     try:
         result = t.fit()
@@ -320,14 +321,15 @@ def dapo_run(jax_cache, tmp_path_factory):
             "workdir": str(workdir),
             "result": result,
             "batches": batches,
-            "data_state": t.train_loader.get_state(),
-            "params": _host(t.actor_params),
+            "data_state": t.data.train_loader.get_state(),
+            "params": _host(t.state.actor.params),
             "counts": (t.compile_counts(), dict(t.trace_counts)),
         }
         before = (dict(t.trace_counts), dict(TRACE_COUNTS), t.compile_counts())
-        t.train_step(next(t.train_loader))  # a third step (more generation batches possible) compiles nothing
+        t.train_step(next(t.data.train_loader))  # a third step (more generation batches possible) compiles nothing
         out["third_step_compiles"] = before != (dict(t.trace_counts), dict(TRACE_COUNTS), t.compile_counts())
     finally:
+        updates.update_actor = update
         t.close()
     return out
 
@@ -393,18 +395,18 @@ def test_dapo_resume_is_exact_and_max_num_gen_batches_stops_cleanly(dapo_run, tm
         (m2,) = t.fit(max_steps=1)["history"]
         keep = lambda m: {k: v for k, v in m.items() if not k.startswith(_TIME_KEYS) and not k.startswith("val-")}
         assert keep(m2) == keep(dapo_run["result"]["history"][1])
-        assert t.train_loader.get_state() == dapo_run["data_state"]
-        for x, y in zip(jax.tree.leaves(_host(t.actor_params)), jax.tree.leaves(dapo_run["params"])):
+        assert t.data.train_loader.get_state() == dapo_run["data_state"]
+        for x, y in zip(jax.tree.leaves(_host(t.state.actor.params)), jax.tree.leaves(dapo_run["params"])):
             assert x.tobytes() == y.tobytes()
 
         # step 3: every group's metric is made identical -> 2 generation batches, then the error
         monkeypatch.setattr(dynamic_sampling, "filter_metric_values", lambda metric, **kw: np.ones(16))
         t.config.algorithm.filter_groups.max_num_gen_batches = 2
-        data_state, rng = t.train_loader.get_state(), np.asarray(jax.random.key_data(t.rng))
+        data_state, rng = t.data.train_loader.get_state(), np.asarray(jax.random.key_data(t.state.rng))
         with pytest.raises(FilterGroupsError, match=r"2 generation batches gave 0 of the data\.train_batch_size=4"):
             t.fit()
-        assert t.global_steps == 2 and t.train_loader.get_state() == data_state
-        assert np.array_equal(np.asarray(jax.random.key_data(t.rng)), rng)
+        assert t.global_steps == 2 and t.data.train_loader.get_state() == data_state
+        assert np.array_equal(np.asarray(jax.random.key_data(t.state.rng)), rng)
         assert lines[-1].startswith("stopped by an error in step 3; checkpoint of step 2 is ")
     finally:
         t.close()

@@ -74,7 +74,7 @@ def test_reward_failure_saves_the_last_step_and_resume_is_exact(straight_run, tm
     try:
         assert t2.global_steps == 2
         h2 = t2.fit()["history"]
-        params, opt_state = _host(t2.actor_params), _host(t2.actor_opt_state)
+        params, opt_state = _host(t2.state.actor.params), _host(t2.state.actor.opt_state)
     finally:
         t2.close()
     a = straight_run

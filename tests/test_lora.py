@@ -307,11 +307,15 @@ def test_grpo_tiny_lora_learns_reference_is_base_checkpoint_holds_adapters_and_e
     c.trainer.default_local_dir = str(tmp_path / "run")
     trainer = RLTrainer(c, console_write=lambda line: None)
     try:
-        assert trainer.lora == LoRAConfig(8, 16.0) and trainer.ref_params is None and trainer.use_ref
+        assert (
+            trainer.policy.lora == LoRAConfig(8, 16.0)
+            and trainer.reference.params is None
+            and trainer.reference is not None
+        )
         # trained state: the 28 A/B arrays; AdamW moments only for them
-        shapes = sorted(x.shape for x in jax.tree.leaves(trainer.actor_params))
+        shapes = sorted(x.shape for x in jax.tree.leaves(trainer.state.actor.params))
         assert len(shapes) == 2 * 7 * 2 and all(8 in s for s in shapes)
-        moments = sorted(x.shape for x in jax.tree.leaves(trainer.actor_opt_state) if x.ndim)
+        moments = sorted(x.shape for x in jax.tree.leaves(trainer.state.actor.opt_state) if x.ndim)
         assert moments == sorted(shapes * 2)
         # reference = initial actor = the base model without adapters, bit for bit
         rng = np.random.RandomState(0)
@@ -320,29 +324,29 @@ def test_grpo_tiny_lora_learns_reference_is_base_checkpoint_holds_adapters_and_e
         b["position_ids"] = np.tile(np.arange(t, dtype=np.int32), (n, 1))
         b["responses"] = b["input_ids"][:, -r:]
 
-        assert trainer.actor_spec is not None and trainer.ref_spec is not None  # packing on (the default)
-        assert b["input_ids"].shape[0] == trainer.batch_size  # the packed forwards' static geometry
+        assert trainer.policy.spec is not None and trainer.reference.spec is not None  # packing on (the default)
+        assert b["input_ids"].shape[0] == trainer.geometry.batch_size  # the packed forwards' static geometry
 
         def log_probs(fn):
-            spec = trainer.ref_spec if fn is trainer._ref_log_prob else trainer.old_log_prob_spec
-            return trainer._forward(fn, trainer.actor_params, b, 8, spec, trainer.actor_frozen)[0]
+            spec = trainer.reference.spec if fn is trainer.reference.log_prob_fn else trainer.policy.old_log_prob_spec
+            return trainer.placement.forward(fn, trainer.state.actor.params, b, 8, spec, trainer.policy.frozen)[0]
 
-        ref0, actor0 = log_probs(trainer._ref_log_prob), log_probs(trainer._old_log_prob)
+        ref0, actor0 = log_probs(trainer.reference.log_prob_fn), log_probs(trainer.policy.old_log_prob_fn)
         np.testing.assert_array_equal(ref0, actor0)
         logits = jax.jit(lambda m, ids, mask, pos: m(ids, mask, pos))
         base_logits = logits(load_hf_dir(base_dir), b["input_ids"][:2], b["attention_mask"][:2], b["position_ids"][:2])
-        own = logits(trainer.actor_model, b["input_ids"][:2], b["attention_mask"][:2], b["position_ids"][:2])
+        own = logits(trainer.policy.model, b["input_ids"][:2], b["attention_mask"][:2], b["position_ids"][:2])
         np.testing.assert_array_equal(np.asarray(own), np.asarray(base_logits))
-        frozen0 = jax.tree.map(np.asarray, trainer.actor_frozen)
+        frozen0 = jax.tree.map(np.asarray, trainer.policy.frozen)
 
         hist = trainer.fit()["history"]
         scores = [m["critic/score/mean"] for m in hist]
         assert len(scores) == 20 and np.mean(scores[-5:]) > np.mean(scores[:5]) + 0.08, scores  # it learns
         # the base never moved; the reference still is the base, the actor is not
-        assert jax.tree.all(jax.tree.map(np.array_equal, frozen0, jax.tree.map(np.asarray, trainer.actor_frozen)))
-        np.testing.assert_array_equal(log_probs(trainer._ref_log_prob), ref0)
-        assert np.abs(log_probs(trainer._old_log_prob) - actor0).max() > 0.1
-        trained = jax.tree.map(np.asarray, trainer.actor_params)
+        assert jax.tree.all(jax.tree.map(np.array_equal, frozen0, jax.tree.map(np.asarray, trainer.policy.frozen)))
+        np.testing.assert_array_equal(log_probs(trainer.reference.log_prob_fn), ref0)
+        assert np.abs(log_probs(trainer.policy.old_log_prob_fn) - actor0).max() > 0.1
+        trained = jax.tree.map(np.asarray, trainer.state.actor.params)
     finally:
         trainer.close()
 
@@ -355,8 +359,10 @@ def test_grpo_tiny_lora_learns_reference_is_base_checkpoint_holds_adapters_and_e
     again = RLTrainer(c, console_write=lambda line: None)
     try:
         assert again.resumed_from == step_dir and again.global_steps == 20
-        assert jax.tree.all(jax.tree.map(np.array_equal, trained, jax.tree.map(np.asarray, again.actor_params)))
-        ours = np.asarray(logits(again.actor_model, b["input_ids"][:2], b["attention_mask"][:2], b["position_ids"][:2]))
+        assert jax.tree.all(jax.tree.map(np.array_equal, trained, jax.tree.map(np.asarray, again.state.actor.params)))
+        ours = np.asarray(
+            logits(again.policy.model, b["input_ids"][:2], b["attention_mask"][:2], b["position_ids"][:2])
+        )
     finally:
         again.close()
     c.model.lora_rank = 4
@@ -403,32 +409,34 @@ def test_lora_bf16_rollout_copy_holds_merged_kernels_and_matches_the_adapted_act
     c.trainer.default_local_dir = str(tmp_path / "run")
     trainer = RLTrainer(c, console_write=lambda line: None)
     try:
-        assert trainer.lora == LoRAConfig(4, 8.0) and trainer.rollout_copy and trainer.actor_spec is not None
-        assert trainer.generator.model is trainer.rollout_model and lora_config_of(trainer.rollout_model) is None
+        assert trainer.policy.lora == LoRAConfig(4, 8.0) and trainer.rollout.copy and trainer.policy.spec is not None
+        assert (
+            trainer.rollout.generator.model is trainer.rollout.model and lora_config_of(trainer.rollout.model) is None
+        )
         hist = trainer.fit()["history"]
         assert len(hist) == 3 and all(np.isfinite(list(m.values())).all() for m in hist)
         checked = 0
-        for i, parent, name, lin in iter_projections(trainer.actor_model):
+        for i, parent, name, lin in iter_projections(trainer.policy.model):
             w = np.asarray(lin.kernel[...], np.float32)
             a, b = np.asarray(lin.lora_a[...]), np.asarray(lin.lora_b[...])
             want = w + lin.lora_scale * np.tensordot(a, b, axes=1)
-            got = getattr(getattr(trainer.rollout_model.layers[i], parent), name).kernel[...]
+            got = getattr(getattr(trainer.rollout.model.layers[i], parent), name).kernel[...]
             assert got.dtype == jnp.bfloat16
             assert np.abs(want - w).max() > 4 * 2.0**-8 * np.abs(w).max()  # B moved: a copy of W would fail below
             np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2.0**-8, atol=1e-30)
             checked += 1
         assert checked == 2 * 7
-        emb = np.asarray(trainer.rollout_model.embedding[...], np.float32)
+        emb = np.asarray(trainer.rollout.model.embedding[...], np.float32)
         np.testing.assert_array_equal(
-            emb, np.asarray(trainer.actor_model.embedding[...].astype(jnp.bfloat16), np.float32)
+            emb, np.asarray(trainer.policy.model.embedding[...].astype(jnp.bfloat16), np.float32)
         )
 
         ids = jnp.asarray(np.random.default_rng(0).integers(3, 100, (2, 9)), jnp.int32)
         mask = jnp.ones((2, 9), jnp.int32)
         fwd = nnx.jit(lambda m: m(ids, mask))
-        rollout, actor = np.asarray(fwd(trainer.rollout_model)), np.asarray(fwd(trainer.actor_model))
-        base = np.asarray(fwd(set_lora_enabled(trainer.actor_model, False)))
-        set_lora_enabled(trainer.actor_model, True)
+        rollout, actor = np.asarray(fwd(trainer.rollout.model)), np.asarray(fwd(trainer.policy.model))
+        base = np.asarray(fwd(set_lora_enabled(trainer.policy.model, False)))
+        set_lora_enabled(trainer.policy.model, True)
         gap, effect = np.abs(rollout - actor).max(), np.abs(base - actor).max()
         assert gap <= 0.05 * effect and gap <= 2.0**-6 * np.abs(actor).max(), (gap, effect)
     finally:
@@ -453,12 +461,12 @@ t = RLTrainer(c, console_write=lambda s: None)
 hist = t.fit()["history"]
 specs = lambda tree: {str(k): str(v.sharding.spec) for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
 merged_ok = []
-for i, parent, name, lin in iter_projections(t.actor_model):
+for i, parent, name, lin in iter_projections(t.policy.model):
     w = np.asarray(lin.kernel[...], np.float32)
     want = w + lin.lora_scale * np.tensordot(np.asarray(lin.lora_a[...]), np.asarray(lin.lora_b[...]), axes=1)
-    got = np.asarray(getattr(getattr(t.rollout_model.layers[i], parent), name).kernel[...], np.float32)
+    got = np.asarray(getattr(getattr(t.rollout.model.layers[i], parent), name).kernel[...], np.float32)
     merged_ok.append(bool(np.allclose(got, want, rtol=2.0**-8, atol=1e-30)) and float(np.abs(want - w).max()) > 0)
-out = dict(frozen=specs(t.actor_frozen), rollout=specs(t.rollout_params), merged_ok=merged_ok,
+out = dict(frozen=specs(t.policy.frozen), rollout=specs(t.state.rollout), merged_ok=merged_ok,
            counts=t.compile_counts(), pg_loss=[m["actor/pg_loss"] for m in hist])
 t.close()
 print("RESULT" + json.dumps(out))

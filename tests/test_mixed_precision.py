@@ -75,19 +75,21 @@ def test_bf16_compute_f32_master_tiny_grpo_trains_with_a_bf16_rollout_copy(tmp_p
     c.model.dtype = "bfloat16"
     trainer = RLTrainer(c, console_write=lambda s: None)
     try:
-        assert trainer.rollout_copy and trainer.generator.model is trainer.rollout_model
+        assert trainer.rollout.copy and trainer.rollout.generator.model is trainer.rollout.model
         hist = trainer.fit()["history"]
-        assert {x.dtype for x in jax.tree.leaves(trainer.actor_params)} == {jnp.dtype("float32")}
-        rollout = jax.tree.leaves(trainer.rollout_params)
+        assert {x.dtype for x in jax.tree.leaves(trainer.state.actor.params)} == {jnp.dtype("float32")}
+        rollout = jax.tree.leaves(trainer.state.rollout)
         assert {x.dtype for x in rollout} == {jnp.dtype("bfloat16")}
-        for a, r in zip(jax.tree.leaves(trainer.actor_params), rollout):  # refreshed after the last update
+        for a, r in zip(jax.tree.leaves(trainer.state.actor.params), rollout):  # refreshed after the last update
             np.testing.assert_array_equal(np.asarray(a.astype(jnp.bfloat16)), np.asarray(r))
         ids = jnp.asarray(np.random.default_rng(0).integers(3, 100, (2, 9)), jnp.int32)
         mask = jnp.ones((2, 9), jnp.int32)
         fwd = nnx.jit(lambda m: m(ids, mask))
-        np.testing.assert_array_equal(np.asarray(fwd(trainer.rollout_model)), np.asarray(fwd(trainer.actor_model)))
+        np.testing.assert_array_equal(np.asarray(fwd(trainer.rollout.model)), np.asarray(fwd(trainer.policy.model)))
         # the frozen reference (KL loss on) is held in bf16, norm scales as stored
-        assert trainer.use_ref and {(x.ndim >= 2, x.dtype.name) for x in jax.tree.leaves(trainer.ref_params)} == {
+        assert trainer.reference is not None and {
+            (x.ndim >= 2, x.dtype.name) for x in jax.tree.leaves(trainer.reference.params)
+        } == {
             (True, "bfloat16"),
             (False, "float32"),
         }
@@ -113,11 +115,11 @@ def test_sampling_mask_replay_old_log_probs_equal_rollout_log_probs(tmp_path, pa
     c.model.use_remove_padding = packed
     trainer = RLTrainer(c, console_write=lambda s: None)
     try:
-        b, _, _ = trainer._generate_and_score(next(trainer.train_loader), 5, {})
+        b, _, _ = trainer.rollout.generate_and_score(next(trainer.data.train_loader), 5, {}, trainer.reward_fn)
         mask = b["response_attention_mask"].astype(bool)
         assert np.isfinite(b["sampling_logit_threshold"][mask]).all()
-        fwd = lambda batch: trainer._forward(
-            trainer._old_log_prob, trainer.actor_params, batch, 8, trainer.old_log_prob_spec
+        fwd = lambda batch: trainer.placement.forward(
+            trainer.policy.old_log_prob_fn, trainer.state.actor.params, batch, 8, trainer.policy.old_log_prob_spec
         )[0]
         old = fwd(b)
         np.testing.assert_allclose(old[mask], b["rollout_log_probs"][mask], atol=2e-5)
@@ -212,7 +214,7 @@ def test_no_kl_term_builds_no_reference(tmp_path):
     c.algorithm.use_kl_in_reward = False
     trainer = RLTrainer(c, console_write=lambda s: None)
     try:
-        assert not trainer.use_ref and trainer.ref_params is None and not hasattr(trainer, "_ref_log_prob")
+        assert trainer.reference is None  # no reference role: no params, no log-prob fn
         assert "ref" not in trainer.compile_counts()
     finally:
         trainer.close()

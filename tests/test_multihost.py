@@ -116,13 +116,13 @@ def run(job):
         raw = ckpt.Checkpointer(os.path.dirname(job["resume"]), read_only=True).restore_raw("actor.params", 1)
         raw = {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(raw)}
         norm = lambda k: re.sub(r"\['?value'?\]|\.value|'", "", k)
-        got = {norm(k): v for k, v in flat(t.actor_params).items()}
+        got = {norm(k): v for k, v in flat(t.state.actor.params).items()}
         raw = {norm(k): v for k, v in raw.items()}
         out["restored_keys_match"] = sorted(raw) == sorted(got)
         out["restored_bitwise"] = all(np.array_equal(raw[k], got[k]) for k in raw) and len(raw) > 0
         out["global_steps_after_restore"] = t.global_steps
     if job.get("shard_stats"):  # bytes of params + optimizer state held by one device vs the whole
-        leaves = jax.tree_util.tree_leaves_with_path((t.actor_params, t.actor_opt_state))
+        leaves = jax.tree_util.tree_leaves_with_path((t.state.actor.params, t.state.actor.opt_state))
         arrays = {jax.tree_util.keystr(p): x for p, x in leaves if hasattr(x, "addressable_shards") and x.ndim >= 1}
         dev = jax.devices()[0]
         local = lambda x: sum(s.data.nbytes for s in x.addressable_shards if s.device == dev)
@@ -132,7 +132,7 @@ def run(job):
     res = t.fit()
     out["history"] = res["history"]
     out["constrain_calls"], out["constrain_with_mesh"] = len(seen), sum(seen)
-    params = flat(t.actor_params)
+    params = flat(t.state.actor.params)
     t.close()
     if jax.process_index() == 0:
         np.savez(job["out"] + ".npz", **params)

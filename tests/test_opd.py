@@ -181,7 +181,7 @@ def test_tokenizer_mismatch_is_one_clear_error_naming_both(tmp_path):
     from configs import opd
     from jaxrl_post.models.hf_io import save_pretrained
     from jaxrl_post.trainer.char_tokenizer import build_char_tokenizer
-    from jaxrl_post.trainer.teacher import build_teacher, check_tokenizers_match
+    from jaxrl_post.trainer.roles.teacher import build_teacher, check_tokenizers_match
 
     char = build_char_tokenizer()
     check_tokenizers_match(char, char)  # the same tokenizer passes
@@ -262,7 +262,7 @@ def _own_forward(model, b, vocab=None):
 
 @pytest.mark.slow
 def test_vocab_slice_gives_the_first_logits_log_softmax():
-    from jaxrl_post.trainer.teacher import slice_vocab
+    from jaxrl_post.trainer.roles.teacher import slice_vocab
 
     big = _peaked_model(vocab=160)
     b = _rollout_batch(n=3)
@@ -310,18 +310,20 @@ def test_tiny_opd_run_moves_the_student_toward_the_teacher(tmp_path):
     assert np.mean(kl[-2:]) < 0.5 * np.mean(kl[:2])  # the student moved toward the teacher
     assert np.mean(tlp[-2:]) > np.mean(tlp[:2])  # its samples got likelier under the teacher
     assert trainer.compile_counts()["teacher"] == 1
-    assert trainer.teacher_model.config.vocab_size == 128  # the 160-row table was sliced to the student's ids
+    assert trainer.teacher.model.config.vocab_size == 128  # the 160-row table was sliced to the student's ids
 
-    b = _rollout_batch(n=trainer.batch_size, p=int(c.data.max_prompt_length), r=trainer.response_length)
-    got = trainer._teacher_forward(b)["teacher_log_prob"]
-    assert trainer.teacher_spec is not None  # packed: the trainer's default path
-    want = _own_forward(trainer.teacher_model, {k: v[:4] for k, v in b.items()})  # 4 rows: eager is slow
-    mask = b["attention_mask"][:, -trainer.response_length :] > 0
+    b = _rollout_batch(
+        n=trainer.geometry.batch_size, p=int(c.data.max_prompt_length), r=trainer.geometry.response_length
+    )
+    got = trainer.teacher.forward(b)["teacher_log_prob"]
+    assert trainer.teacher.spec is not None  # packed: the trainer's default path
+    want = _own_forward(trainer.teacher.model, {k: v[:4] for k, v in b.items()})  # 4 rows: eager is slow
+    mask = b["attention_mask"][:, -trainer.geometry.response_length :] > 0
     np.testing.assert_allclose(got[:4][mask[:4]], want[mask[:4]], rtol=1e-4, atol=1e-4)
     padded = steps.make_log_prob_fn(
-        trainer.teacher_graphdef, trainer.teacher_rest, micro_batch_size=8, temperature=1.0, with_entropy=False
+        trainer.teacher.graphdef, trainer.teacher.rest, micro_batch_size=8, temperature=1.0, with_entropy=False
     )
-    lp_pad = np.asarray(jax.jit(padded)(trainer.teacher_params, {k: jnp.asarray(v) for k, v in b.items()})[0])
+    lp_pad = np.asarray(jax.jit(padded)(trainer.teacher.params, {k: jnp.asarray(v) for k, v in b.items()})[0])
     np.testing.assert_allclose(got[mask], lp_pad[mask], rtol=1e-4, atol=1e-4)
 
 
@@ -341,7 +343,7 @@ c.distillation.teacher_models.teacher_model.arch.vocab_size = 160
 c.distillation.teacher_models.teacher_model.dtype = "bfloat16"
 trainer = RLTrainer(c, console_write=lambda line: None)
 last = trainer.fit()["last"]
-emb = trainer.teacher_params["embedding"][...]
+emb = trainer.teacher.params["embedding"][...]
 out = dict(shape=list(emb.shape), dtype=str(emb.dtype), spec=str(emb.sharding.spec), counts=trainer.compile_counts(),
            last={k: v for k, v in last.items() if "distillation" in k})
 print("RESULT" + json.dumps(out))

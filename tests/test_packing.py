@@ -374,11 +374,11 @@ def test_tiny_ppo_step_same_metrics_packed_and_padded(tmp_path):
         c.trainer.val_before_train = c.trainer.val_at_end = False
         c.trainer.save_freq = -1
         trainer = RLTrainer(c)
-        assert (trainer.actor_spec is not None) == packed
-        assert not packed or trainer.actor_spec.share_prompts  # the default, rollout.n = 4: shared prompts
+        assert (trainer.policy.spec is not None) == packed
+        assert not packed or trainer.policy.spec.share_prompts  # the default, rollout.n = 4: shared prompts
         try:
-            m = trainer.train_step(next(trainer.train_loader))
-            results[packed] = (m, jax.tree.map(np.asarray, trainer.actor_params), trainer.compile_counts())
+            m = trainer.train_step(next(trainer.data.train_loader))
+            results[packed] = (m, jax.tree.map(np.asarray, trainer.state.actor.params), trainer.compile_counts())
         finally:
             trainer.close()
     (mp, pp, cp), (mu, pu, cu) = results[True], results[False]
@@ -400,7 +400,7 @@ def test_pack_spec_shares_prompts_only_with_several_samples(n, key, shared):
     from types import SimpleNamespace
 
     from configs import grpo
-    from jaxrl_post.trainer.roles import RolesMixin
+    from jaxrl_post.trainer.placement import pack_spec
 
     c = grpo.get_config()
     assert c.model.pack_shared_prompts  # the default
@@ -411,7 +411,15 @@ def test_pack_spec_shares_prompts_only_with_several_samples(n, key, shared):
         mesh=SimpleNamespace(shape={"data": 1, "fsdp": 1}),
         actor_model=SimpleNamespace(attention_impl="xla"),
     )
-    spec = RolesMixin._pack_spec(fake, "actor", 32, 4)
+    spec = pack_spec(
+        c,
+        "actor",
+        32,
+        4,
+        mesh=fake.mesh,
+        response_length=fake.response_length,
+        attention_impl=fake.actor_model.attention_impl,
+    )
     assert spec.share_prompts == shared
     assert spec.slots == (2 * 208 if shared else 2 * 2 * 48)  # rows x row_len, or rows x k x R
 

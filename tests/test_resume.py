@@ -99,16 +99,16 @@ def straight_run(jax_cache, tmp_path_factory):
     t = RLTrainer(
         _cfg(workdir, **{"trainer.logger": ("console", "jsonl", "tensorboard")}), console_write=lambda s: None
     )
-    init = _host(t.actor_params)
+    init = _host(t.state.actor.params)
     try:
         hist = t.fit()["history"]
         out = {
             "workdir": str(workdir),
             "history": hist,
             "init": init,
-            "params": _host(t.actor_params),
-            "opt_state": _host(t.actor_opt_state),
-            "model_config": t.actor_model.config,
+            "params": _host(t.state.actor.params),
+            "opt_state": _host(t.state.actor.opt_state),
+            "model_config": t.policy.model.config,
         }
     finally:
         t.close()
@@ -137,7 +137,7 @@ def test_exact_resume_bitwise(straight_run, tmp_path):
         assert b2.resumed_from == os.path.join(str(tmp_path), "checkpoints", "global_step_2")
         assert any("resumed from" in s for s in lines)
         h2 = b2.fit()["history"]
-        params, opt_state = _host(b2.actor_params), _host(b2.actor_opt_state)
+        params, opt_state = _host(b2.state.actor.params), _host(b2.state.actor.opt_state)
         assert set(b2.compile_counts().values()) == {1}  # restored arrays keep the compiled signature
     finally:
         b2.close()
@@ -177,7 +177,7 @@ def test_resume_modes(straight_run, tmp_path):
     )
     try:
         assert t.global_steps == 2 and t.resumed_from == src
-        assert t.train_loader.get_state() == ckpt.Checkpointer(os.path.dirname(src)).read_host(2)["data_iter"]
+        assert t.data.train_loader.get_state() == ckpt.Checkpointer(os.path.dirname(src)).read_host(2)["data_iter"]
     finally:
         t.close()
     # a fresh run in a used working dir (a copy of the straight run's): the earlier run's checkpoints and
@@ -189,7 +189,7 @@ def test_resume_modes(straight_run, tmp_path):
     t = RLTrainer(_cfg(fresh, **{"trainer.resume_mode": "disable"}), console_write=lines.append)
     try:
         assert t.global_steps == 0 and t.resumed_from is None
-        _assert_bitwise(_host(t.actor_params), straight_run["init"])
+        _assert_bitwise(_host(t.state.actor.params), straight_run["init"])
         t.fit(max_steps=2)
     finally:
         t.close()
@@ -279,13 +279,13 @@ def test_nonfinite_updates_stop_the_run_and_keep_the_checkpoint(jax_cache, tmp_p
         **{"custom_reward_function.path": str(reward), "trainer.save_freq": 1, "trainer.max_consecutive_nonfinite": 3},
     )
     t = RLTrainer(c, console_write=lambda s: None)
-    init = _host(t.actor_params)
-    init_opt = _host(t.actor_opt_state)
+    init = _host(t.state.actor.params)
+    init_opt = _host(t.state.actor.opt_state)
     try:
         with pytest.raises(NonFiniteError, match=r"3 consecutive actor .*training step 2.*max_consecutive_nonfinite=3"):
             t.fit()
-        _assert_bitwise(_host(t.actor_params), init)  # every update was skipped
-        _assert_bitwise(_host(t.actor_opt_state), init_opt)
+        _assert_bitwise(_host(t.state.actor.params), init)  # every update was skipped
+        _assert_bitwise(_host(t.state.actor.opt_state), init_opt)
     finally:
         t.close()
     root = os.path.join(tmp_path, "run", "checkpoints")

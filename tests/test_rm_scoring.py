@@ -81,7 +81,7 @@ def test_grpo_tiny_with_the_reward_model_as_the_only_reward(tmp_path):
     trainer.reward_fn.compute = spy
     try:
         hist = trainer.fit()["history"]
-        assert trainer.rm_scorer is not None and not trainer.rm_scorer.rerender
+        assert trainer.reward_fn.rm_scorer is not None and not trainer.reward_fn.rm_scorer.rerender
         assert trainer.compile_counts()["rm"] == 1
     finally:
         trainer.close()

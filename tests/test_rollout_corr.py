@@ -516,6 +516,7 @@ def test_trainer_applies_rollout_correction_to_a_bf16_rollout(tmp_path):
     weights and token_k1 rejection are computed from the actual mismatch, rejected tokens leave the loss
     mask, and the metrics are logged under verl's names."""
     from configs import grpo
+    from jaxrl_post.trainer import updates
     from jaxrl_post.trainer.trainer import RLTrainer
 
     c = grpo.get_config("tiny")
@@ -529,13 +530,13 @@ def test_trainer_applies_rollout_correction_to_a_bf16_rollout(tmp_path):
     rc.rollout_rs, rc.rollout_rs_threshold = "token_k1", "0.999_1.001"
     trainer = RLTrainer(c, console_write=lambda s: None)
     try:
-        assert trainer.rollout_copy and trainer.use_rollout_corr and not trainer.on_policy
-        b, _, _ = trainer._generate_and_score(next(trainer.train_loader), 3, {})
-        b["old_log_probs"] = trainer._forward(
-            trainer._old_log_prob, trainer.actor_params, b, 8, trainer.old_log_prob_spec
+        assert trainer.rollout.copy and trainer.geometry.use_rollout_corr and not trainer.geometry.on_policy
+        b, _, _ = trainer.rollout.generate_and_score(next(trainer.data.train_loader), 3, {}, trainer.reward_fn)
+        b["old_log_probs"] = trainer.placement.forward(
+            trainer.policy.old_log_prob_fn, trainer.state.actor.params, b, 8, trainer.policy.old_log_prob_spec
         )[0]
         before = b["loss_mask"].astype(np.int32)
-        kept, m = trainer._rollout_correction(b, before.copy())
+        kept, m = updates.rollout_correction(trainer.config, b, before.copy())
         log_ratio = b["old_log_probs"] - b["rollout_log_probs"]  # bf16 sampler vs f32 training: |.| ~1e-3
         valid = before.astype(bool)
         lo, hi = np.log(0.999), np.log(1.001)  # verl's token_k1 keeps tokens with -log_ratio in [log lo, log hi]

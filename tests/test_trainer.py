@@ -346,7 +346,7 @@ def _assert_third_step_compiles_nothing(trainer):
     from jaxrl_post.rollout import TRACE_COUNTS
 
     before = (dict(trainer.trace_counts), dict(TRACE_COUNTS), trainer.compile_counts())
-    trainer.train_step(next(trainer.train_loader))
+    trainer.train_step(next(trainer.data.train_loader))
     assert (dict(trainer.trace_counts), dict(TRACE_COUNTS), trainer.compile_counts()) == before
 
 
@@ -357,8 +357,8 @@ def test_grpo_tiny_two_steps_end_to_end(tmp_path):
     c = _tiny(grpo, tmp_path, "grpo")
     lines = []
     trainer = RLTrainer(c, console_write=lines.append)
-    assert not trainer.on_policy and trainer.use_ref and not trainer.use_critic
-    init_params = jax.tree.map(np.asarray, trainer.actor_params)
+    assert not trainer.geometry.on_policy and trainer.reference is not None and trainer.critic is None
+    init_params = jax.tree.map(np.asarray, trainer.state.actor.params)
     try:
         result = trainer.fit()
         hist = result["history"]
@@ -371,11 +371,11 @@ def test_grpo_tiny_two_steps_end_to_end(tmp_path):
         # 16 responses with a toy reward that varies inside groups -> non-zero GRPO advantages
         assert hist[0]["critic/advantages/max"] > 0 > hist[0]["critic/advantages/min"]
         # params moved; the reference stayed the initial actor; the rollout model sees the new params
-        assert _max_diff(trainer.actor_params, init_params) > 0
-        assert _max_diff(trainer.ref_params, init_params) == 0
+        assert _max_diff(trainer.state.actor.params, init_params) > 0
+        assert _max_diff(trainer.reference.params, init_params) == 0
         from flax import nnx
 
-        assert _max_diff(nnx.state(trainer.actor_model, nnx.Param), trainer.actor_params) == 0
+        assert _max_diff(nnx.state(trainer.policy.model, nnx.Param), trainer.state.actor.params) == 0
         assert any(line.startswith("step 2 | score=") for line in lines)
         assert os.path.exists(os.path.join(c.trainer.default_local_dir, "config.json"))
         _assert_third_step_compiles_nothing(trainer)
@@ -389,9 +389,9 @@ def test_ppo_tiny_two_steps_end_to_end(tmp_path):
 
     c = _tiny(ppo, tmp_path, "ppo")
     trainer = RLTrainer(c)
-    assert trainer.use_critic and trainer.use_ref
-    init_actor = jax.tree.map(np.asarray, trainer.actor_params)
-    init_critic = jax.tree.map(np.asarray, trainer.critic_params)
+    assert trainer.critic is not None and trainer.reference is not None
+    init_actor = jax.tree.map(np.asarray, trainer.state.actor.params)
+    init_critic = jax.tree.map(np.asarray, trainer.state.critic.params)
     try:
         result = trainer.fit()
         h1, h2 = result["history"]
@@ -414,11 +414,11 @@ def test_ppo_tiny_two_steps_end_to_end(tmp_path):
                 "timing_s/update_critic",
             ):
                 assert k in m, k
-        assert _max_diff(trainer.critic_params, init_critic) > 0
-        assert _max_diff(trainer.actor_params, init_actor) > 0
+        assert _max_diff(trainer.state.critic.params, init_critic) > 0
+        assert _max_diff(trainer.state.actor.params, init_actor) > 0
         _assert_third_step_compiles_nothing(trainer)
         # the actor moved in step 2, so step 3's KL-in-reward is non-zero and the adaptive beta moved
-        assert trainer.kl_ctrl.value != pytest.approx(0.01, abs=0)
+        assert trainer.host.kl_ctrl.value != pytest.approx(0.01, abs=0)
     finally:
         trainer.close()
 
@@ -452,18 +452,18 @@ def test_verl_mini_batch_sizes_count_prompts(tmp_path):
 
         return wrapped
 
-    trainer._actor_update = spy("actor", trainer._actor_update)
-    trainer._critic_update = spy("critic", trainer._critic_update)
+    trainer.policy.update_fn = spy("actor", trainer.policy.update_fn)
+    trainer.critic.update_fn = spy("critic", trainer.critic.update_fn)
     try:
-        m = trainer.train_step(next(trainer.train_loader))
+        m = trainer.train_step(next(trainer.data.train_loader))
         for role in ("actor", "critic"):
             assert len(seen[role]) == 2, seen[role]
             assert all(set(rows.values()) == {16} for rows in seen[role]), seen[role]
-        assert (trainer.actor_update_count, trainer.critic_update_count) == (2, 2)
-        assert not trainer.on_policy and "timing_s/old_log_prob" in m  # 2 mini-batches: old log-probs needed
+        assert (trainer.host.actor_update_count, trainer.host.critic_update_count) == (2, 2)
+        assert not trainer.geometry.on_policy and "timing_s/old_log_prob" in m  # 2 mini-batches: old log-probs needed
         kl, target = m["actor/reward_kl_penalty"], c.algorithm.kl_ctrl.target_kl
         err = min(max(kl / target - 1.0, -0.2), 0.2)
-        assert trainer.kl_ctrl.value == pytest.approx(0.01 * (1.0 + err * 32 / 1000), rel=1e-12)
+        assert trainer.host.kl_ctrl.value == pytest.approx(0.01 * (1.0 + err * 32 / 1000), rel=1e-12)
     finally:
         trainer.close()
 
@@ -520,7 +520,7 @@ def main():
   c.trainer.mesh.data, c.trainer.mesh.fsdp, c.trainer.mesh.tensor = 2, 2, 2
   c.trainer.val_before_train = False
   trainer = RLTrainer(c)
-  emb = trainer.actor_params['embedding'][...]
+  emb = trainer.state.actor.params['embedding'][...]
   result = trainer.fit()
   out = {'spec': str(emb.sharding.spec), 'counts': trainer.compile_counts(), 'last': result['last']}
   trainer.close()

@@ -1,6 +1,6 @@
 """Config -> objects: mesh, tokenizer, actor/critic models, data loaders, reward manager, optimizers.
 
-The only place besides the trainer (`trainer.py` and its parts: roles.py, updates.py, state.py,
+The only place besides the trainer (`trainer.py` and its parts: roles/, placement.py, updates.py, run_dir.py,
 validation_loop.py) and `main.py` that reads the ConfigDict; everything it returns takes
 typed arguments.
 """

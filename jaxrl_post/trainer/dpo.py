@@ -140,7 +140,9 @@ class DPOTrainer(SFTTrainer):
         self.pair_row_len = 2 * self.row_len if self.pack else self.row_len  # packed: any pair fits one row
         self.ref_params = None
         if self.lora is None:
-            self.ref_params = self._commit(builders.reference_params(self.actor_params, self.actor_model.dtype))
+            self.ref_params = self.placement.commit(
+                builders.reference_params(self.actor_params, self.actor_model.dtype)
+            )
         self.precompute = bool(p.precompute_ref_log_probs)
         kw = dict(
             beta=float(p.beta),
@@ -148,10 +150,10 @@ class DPOTrainer(SFTTrainer):
             label_smoothing=float(p.label_smoothing),
             precomputed=self.precompute,
         )
-        update = dpo_step.make_dpo_update(graphdef, rest, self.tx, on_trace=self._tracer("update"), **kw)
-        self._update = self._jit_update(update, self.actor_params, self.actor_opt_state)
-        self._eval = jax.jit(dpo_step.make_dpo_eval(graphdef, rest, on_trace=self._tracer("eval"), **kw))
-        self._ref_fn = jax.jit(dpo_step.make_ref_logps(graphdef, rest, on_trace=self._tracer("ref")))
+        update = dpo_step.make_dpo_update(graphdef, rest, self.tx, on_trace=self.placement.tracer("update"), **kw)
+        self._update = self.placement.jit_update(update, self.actor_params, self.actor_opt_state)
+        self._eval = jax.jit(dpo_step.make_dpo_eval(graphdef, rest, on_trace=self.placement.tracer("eval"), **kw))
+        self._ref_fn = jax.jit(dpo_step.make_ref_logps(graphdef, rest, on_trace=self.placement.tracer("ref")))
         self._ref_cache: dict[str, np.ndarray] = {}
 
     # ------------------------------------------------------------------------------------ batches

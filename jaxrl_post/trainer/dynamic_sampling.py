@@ -14,8 +14,8 @@ section 3.2 "Dynamic Sampling"):
   have been generated in this step, `FilterGroupsError` is raised (verl raises ValueError).
 
 `GroupCollector` holds that state for one training step (plain numpy, no jax); `filter_metric_values`
-resolves the metric name on one scored generation batch. `RolloutMixin` (mixed into `RLTrainer`) runs one
-generation batch (generate + reward) and, with `filter_groups.enable`, the loop over generation batches.
+resolves the metric name on one scored generation batch. `FilteredRollout` wraps any rollout (the trainer's
+`roles.RolloutRole`) with the loop over generation batches.
 
 Only the training step is filtered; validation never is. Every generation batch has the shape of a
 training batch (`data.train_batch_size` prompts x `rollout.n`), and the update gets exactly
@@ -32,13 +32,10 @@ from typing import Any
 
 import numpy as np
 
-from jaxrl_post.registry import adv_estimator_needs
-from jaxrl_post.trainer.roles import to_numpy
-
 __all__ = [
     "FilterGroupsError",
     "GroupCollector",
-    "RolloutMixin",
+    "FilteredRollout",
     "filter_metric_values",
     "kept_groups",
     "merge_reward_metrics",
@@ -259,72 +256,31 @@ def score_everywhere(reward_fn, data, local: bool):
     return res
 
 
-class RolloutMixin:
-    """One generation batch of `RLTrainer` (generate + reward) and the dynamic-sampling loop over them."""
+class FilteredRollout:
+    """DAPO's dynamic sampling around any rollout (`algorithm.filter_groups.enable`): `collect` generates and
+    scores prompt batches with `inner.generate_and_score` until `data.train_batch_size` groups with a varying
+    `algorithm.filter_groups.metric` are kept. Every other attribute (`sync`, `sampling_params`, `engine`,
+    `generator`, ...) is the inner rollout's.
 
-    def _generate_and_score(self, prompts, seed: int, timing: dict[str, float]):
-        """Generate `rollout.n` responses per prompt and score them.
+    Args:
+      cfg: the job ConfigDict (`algorithm.filter_groups`, `data.train_batch_size`, `rollout.n`).
+      inner: the rollout to filter (`roles.RolloutRole` or anything with its `generate_and_score`).
+    """
 
-        Returns `(b, nt, reward_output)`: `b` the host arrays of the batch (`[B, ...]`, B = prompts x n,
-        with `token_level_scores [B, R]`, and `reward_baselines [B]`, the scores of one greedy response per
-        prompt, when the estimator declares that input, as ReMax), `nt` its non-tensor batch.
-        Raises RewardFunctionError (see `RewardManager.compute`).
-        """
-        from jaxrl_post.distributed import gather_reward, gather_rows
+    def __init__(self, cfg, inner):
+        self.config, self.inner = cfg, inner
 
-        n = int(self.config.rollout.n)
-        local = bool(getattr(self, "process_local", False))  # multi-process: `prompts` are this process's share
-        engine = self.generator if self.agent_loop is None else self.agent_loop  # multi-turn: the agent loop
-        with timer("gen", timing):
-            params = self.sampling_params(validate=False, seed=seed)
-            out = engine.generate(prompts, params, process_local=local, n=n)  # interleaved; one prefill each
-        if self.agent_loop is not None:
-            self._multi_turn_stats.append(dict(self.agent_loop.last_stats))
-        b = {k: to_numpy(v) for k, v in out.batch.items()}
-        if not self.config.rollout.sampling_mask_replay:  # the forwards score the full softmax
-            b.pop("sampling_logit_threshold", None)
-        with timer("reward", timing):
-            res = score_everywhere(self.reward_fn, out, local)  # this process's rows only
-        b["token_level_scores"] = np.asarray(res.token_level_scores, np.float32)
-        if "reward_baselines" in adv_estimator_needs(self.config.algorithm.adv_estimator):
-            with timer("gen_max", timing):
-                greedy = engine.generate(prompts, self.sampling_params(validate=True), process_local=local)
-                base = self.reward_fn.compute(greedy).token_level_scores.sum(-1)
-                b["reward_baselines"] = np.repeat(np.asarray(base, np.float32), n)
-        nt = dict(out.non_tensor_batch)
-        if local:  # every process continues with the same global batch
-            b, nt, res = gather_rows(b), gather_rows(nt), gather_reward(res)
-        return b, nt, res
+    def __getattr__(self, name):
+        return getattr(self.__dict__["inner"], name)
 
-    agent_loop = None  # the multi-turn AgentLoop (roles._build_rollout), None: single-turn
-    _multi_turn_stats: list  # agent-loop counts of each generation batch of the current step
-
-    def multi_turn_metrics(self, nt, b) -> dict[str, float]:
-        """The multi-turn metrics of a step's training batch (`agent_loop.rollout_metrics`: `num_turns/*`,
-        `tool_calls/mean`, `response/observation_fraction`) with the tool error counts summed over the step's
-        generation batches (`tool/errors`, `tool/format_errors`, `tool/timeouts`); {} when single-turn. Resets
-        the counts."""
-        if self.agent_loop is None:
-            return {}
-        from jaxrl_post.protocol import DataProto
-        from jaxrl_post.rollout.agent_loop import rollout_metrics
-
-        stats = getattr(self, "_multi_turn_stats", [])
-        total = {k: sum(s.get(k, 0) for s in stats) for k in ("tool_errors", "tool_format_errors", "tool_timeouts")}
-        self._multi_turn_stats = []
-        batch = {k: b[k] for k in ("response_attention_mask", "loss_mask")}
-        return rollout_metrics(DataProto(batch, {k: nt[k] for k in ("num_turns", "tool_calls")}), total)
-
-    def _collect_filtered_batch(
-        self, prompts, seed: int, timing: dict[str, float], next_prompts: Callable[[], Any]
-    ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, float], Any]:
+    def collect(self, prompts, seed: int, timing: dict[str, float], reward_fn, rng, next_prompts: Callable[[], Any]):
         """verl's dynamic-sampling loop for one training step: generate + score `prompts`, then further
-        prompt batches from `next_prompts()` (seeded from the trainer's RNG), until
-        `data.train_batch_size` groups with a varying `algorithm.filter_groups.metric` are kept.
+        prompt batches from `next_prompts()` (each seeded from `rng`, which is split once per extra batch),
+        until `data.train_batch_size` groups with a varying `algorithm.filter_groups.metric` are kept.
 
-        Returns `(b, nt, metrics, last_prompts)`: the training batch (exactly train_batch_size x n rows),
+        Returns `(b, nt, metrics, last_prompts, rng)`: the training batch (exactly train_batch_size x n rows),
         its non-tensor batch, the reward metrics over all scored responses plus `train/num_gen_batches`,
-        `train/num_kept_groups`, `train/num_dropped_groups`, and the last prompt batch read.
+        `train/num_kept_groups`, `train/num_dropped_groups`, the last prompt batch read, and the advanced key.
 
         Raises:
           FilterGroupsError: `max_num_gen_batches` reached. ValueError: unknown metric.
@@ -339,7 +295,7 @@ class RolloutMixin:
         )
         outputs = []
         while True:
-            b, nt, res = self._generate_and_score(prompts, seed, timing)
+            b, nt, res = self.inner.generate_and_score(prompts, seed, timing, reward_fn)
             outputs.append(res)
             values = filter_metric_values(
                 fg.metric,
@@ -351,11 +307,11 @@ class RolloutMixin:
             if collector.add(rows, np.asarray(nt["uid"]), values):
                 break
             prompts = next_prompts()
-            self.rng, key = jax.random.split(self.rng)
+            rng, key = jax.random.split(rng)
             seed = int(jax.random.randint(key, (), 0, 2**31 - 1))
         rows = collector.batch()
         b = {k: v for k, v in rows.items() if not k.startswith("nt/")}
         nt = {k[3:]: v for k, v in rows.items() if k.startswith("nt/")}
         metrics = merge_reward_metrics(outputs)
         metrics.update(collector.metrics())
-        return b, nt, metrics, prompts
+        return b, nt, metrics, prompts, rng

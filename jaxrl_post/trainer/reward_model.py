@@ -105,9 +105,9 @@ class RewardModelTrainer(SFTTrainer):
     def _build_steps(self, graphdef, rest) -> None:
         c = self.config.rm.center_rewards_coefficient
         kw = dict(center_coef=None if c is None else float(c))
-        update = rm_step.make_rm_update(graphdef, rest, self.tx, on_trace=self._tracer("update"), **kw)
-        self._update = self._jit_update(update, self.actor_params, self.actor_opt_state)
-        self._eval = jax.jit(rm_step.make_rm_eval(graphdef, rest, on_trace=self._tracer("eval"), **kw))
+        update = rm_step.make_rm_update(graphdef, rest, self.tx, on_trace=self.placement.tracer("update"), **kw)
+        self._update = self.placement.jit_update(update, self.actor_params, self.actor_opt_state)
+        self._eval = jax.jit(rm_step.make_rm_eval(graphdef, rest, on_trace=self.placement.tracer("eval"), **kw))
         self.pairs_per_micro = int(self.config.data.micro_batch_size)
 
     # ------------------------------------------------------------------------------------ batches

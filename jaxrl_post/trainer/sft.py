@@ -12,10 +12,11 @@ metrics.jsonl (`Tracking`). Validation (`trainer.test_freq`, before / after trai
 
 What is shared with `RLTrainer` (not copied): the model, tokenizer, LoRA and mesh (`builders`), the
 optimizer and LR schedule (`steps.make_optimizer`, `builders.optim_config`), the non-finite guard, the jit
-helpers (`RolesMixin._commit` / `_jit_update` / `_tracer`), checkpoints and resume (`CheckpointMixin`:
+helpers (`placement.Placement`: `commit` / `jit_update` / `tracer`), checkpoints and resume (`run_dir.RunDir`:
 `<trainer.default_local_dir>/checkpoints/global_step_<N>`, `trainer.resume_mode`; this class supplies
-`state_dict` / `load_state_dict`), `metrics.jsonl` / `config.json` handling and the SIGINT/SIGTERM stop of
-`main.py`. Resuming is exact: params, optimizer state, step, data position and the `num_tokens` count.
+`state_dict` / `load_state_dict` / `load_checkpoint`), `metrics.jsonl` / `config.json` handling and the
+SIGINT/SIGTERM stop of `main.py`. Resuming is exact: params, optimizer state, step, data position and the
+`num_tokens` count.
 
 A model source for RL: after the last step (`trainer.export_hf`) the model is written as a Hugging Face
 directory `<trainer.default_local_dir>/huggingface/` (LoRA: merged weights); `model.path=<that run dir>`
@@ -43,8 +44,8 @@ from jaxrl_post.trainer import checkpoint as ckpt
 from jaxrl_post.trainer.config_check import ConfigError
 from jaxrl_post.trainer.loggers import config_to_dict
 from jaxrl_post.trainer.nonfinite import NonFiniteGuard
-from jaxrl_post.trainer.roles import RolesMixin
-from jaxrl_post.trainer.state import CheckpointMixin
+from jaxrl_post.trainer.placement import Placement
+from jaxrl_post.trainer.run_dir import RunDir
 from jaxrl_post.trainer.tracking import Tracking
 
 HF_EXPORT_SUBDIR = "huggingface"  # <run dir>/huggingface/: the exported model (verl's checkpoint subdir name)
@@ -104,7 +105,7 @@ class SFTBatches:
         self._iter.set_state(dict(state))
 
 
-class SFTTrainer(RolesMixin, CheckpointMixin):
+class SFTTrainer:
     """Supervised fine-tuning driven by a job ConfigDict (configs/sft.py).
 
     Args:
@@ -126,8 +127,6 @@ class SFTTrainer(RolesMixin, CheckpointMixin):
         resolved = resolve_config(config, log_line=False)  # "auto" values by platform (platform_defaults.py)
         self.config = cfg = config
         self.workdir = cfg.trainer.default_local_dir
-        self.trace_counts: dict[str, int] = {}
-        self.use_ref = self.use_critic = False  # CheckpointMixin: no reference or critic here
         preflight.check_workdir(cfg)
         preflight.check_model_path(cfg)  # one line naming model.path, before anything loads
 
@@ -157,16 +156,18 @@ class SFTTrainer(RolesMixin, CheckpointMixin):
         # ---- devices, model (LoRA: adapters trained, base frozen), optimizer, jitted fns
         self.mesh = builders.build_mesh(cfg)
         self.n_devices = jax.device_count()
+        self.placement = Placement(self.mesh, self.n_devices)  # commit / jit helpers, trace counts
+        self.trace_counts = self.placement.trace_counts
         self.actor_model = self._build_model()
         self.lora = lora_config_of(self.actor_model)
         if self.lora is not None:
             graphdef, params, frozen, rest = steps.split_lora_model(self.actor_model)
-            self.actor_frozen = self._commit(frozen)
+            self.actor_frozen = self.placement.commit(frozen)
         else:
             graphdef, params, rest = steps.split_model(self.actor_model)
             self.actor_frozen = None
         self.actor_graphdef, self.actor_rest = graphdef, rest
-        self.actor_params = self._commit(params)
+        self.actor_params = self.placement.commit(params)
         self.optim_cfg = builders.optim_config(
             cfg.optim,
             grad_clip=float(cfg.optim.clip_grad),
@@ -175,7 +176,9 @@ class SFTTrainer(RolesMixin, CheckpointMixin):
         )
         self.tx = steps.make_optimizer(self.optim_cfg)
         self.lr_fn = steps.make_lr_schedule(self.optim_cfg)
-        self.actor_opt_state = self._commit(init_opt_state(self.tx, self.actor_params, self._opt_mesh()))
+        self.actor_opt_state = self.placement.commit(
+            init_opt_state(self.tx, self.actor_params, self.placement.opt_mesh())
+        )
         self._build_steps(graphdef, rest)
 
         # ---- host state, loggers, checkpoints / resume
@@ -193,7 +196,10 @@ class SFTTrainer(RolesMixin, CheckpointMixin):
             experiment=cfg.trainer.experiment_name,
             config=config_to_dict(cfg),
         )
-        self._open_run_dir()  # CheckpointMixin: resume, metrics.jsonl, config.json
+        self.val_before_metrics: dict[str, float] | None = None  # the run's step-0 validation (kept on resume)
+        self.run = RunDir(cfg, self._say, self.tracker)
+        self.run.open(self)  # lock, resume (`load_checkpoint`), metrics.jsonl, config.json
+        self.checkpointer = self.run.checkpointer
 
     # ------------------------------------------------------------------------------------ hooks (DPOTrainer)
     validate_config = staticmethod(validate_sft_config)
@@ -211,9 +217,9 @@ class SFTTrainer(RolesMixin, CheckpointMixin):
 
     def _build_steps(self, graphdef, rest) -> None:
         """The jitted update and eval functions (before a resume loads the checkpoint)."""
-        update = sft_step.make_sft_update(graphdef, rest, self.tx, on_trace=self._tracer("update"))
-        self._update = self._jit_update(update, self.actor_params, self.actor_opt_state)
-        self._eval = jax.jit(sft_step.make_sft_eval(graphdef, rest, on_trace=self._tracer("eval")))
+        update = sft_step.make_sft_update(graphdef, rest, self.tx, on_trace=self.placement.tracer("update"))
+        self._update = self.placement.jit_update(update, self.actor_params, self.actor_opt_state)
+        self._eval = jax.jit(sft_step.make_sft_eval(graphdef, rest, on_trace=self.placement.tracer("eval")))
 
     # ------------------------------------------------------------------------------------ data
     def _load_data(self, spec: str, key: str):
@@ -361,6 +367,19 @@ class SFTTrainer(RolesMixin, CheckpointMixin):
         nnx.update(self.actor_model, self.actor_params)
         if self.actor_frozen is not None:
             nnx.update(self.actor_model, self.actor_frozen)
+
+    resumed_from = property(lambda self: self.run.resumed_from, doc="The step directory resumed from, or None.")
+
+    def save_checkpoint(self) -> bool:
+        """Start an (async) checkpoint of the current state as step `global_steps`; False if one exists."""
+        return self.checkpointer.save(self.global_steps, self.state_dict())
+
+    def load_checkpoint(self, root: str, step: int) -> None:
+        """Restore `<root>/global_step_<step>` into this trainer. Raises CheckpointError (`RunDir.restore`)."""
+        like = lambda items: {k: v for k, v in self.state_dict().items() if k != "host"}
+        self.load_state_dict(self.run.restore(root, step, like, model_config=self.actor_model.config, lora=self.lora))
+        n, total = self.global_steps, self.total_training_steps
+        self._say(f"resumed from step {n}{f' of {total}' if n < total else ''} ({self.run.resumed_from})")
 
     def compile_counts(self) -> dict[str, int]:
         """Compiled executables per jitted function (1 each after any number of same-shaped steps)."""

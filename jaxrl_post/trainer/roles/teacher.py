@@ -1,6 +1,6 @@
 """The on-policy distillation teacher: a frozen model scoring the student's sampled tokens.
 
-`TeacherMixin` is mixed into `RLTrainer` (trainer.py). With `distillation.enabled` it builds the teacher of
+`TeacherRole` is composed into `RLTrainer` (trainer.py). With `distillation.enabled` it builds the teacher of
 `distillation.teacher_models.teacher_model` (any supported family: an HF dir, a .gguf, an alias or an
 exported run dir at `model_path`; or a random model for tests), in its own dtype, sharded on the trainer's
 mesh like the reference, and checks up front that it shares the student's tokenizer. Each step it computes
@@ -176,49 +176,56 @@ def kl_to_teacher_metrics(student_log_prob, teacher_log_prob, mask, loss_mode: s
     return {"actor/distillation/loss_min": float(d.min()), "actor/distillation/loss_max": float(d.max()), **out}
 
 
-class TeacherMixin:
-    """The teacher role of `RLTrainer` (see the module docstring)."""
+class TeacherRole:
+    """The frozen teacher (see the module docstring). Build with `TeacherRole.build` (None without
+    `distillation.enabled`).
 
-    def _build_teacher(self) -> None:
-        """Nothing without `distillation.enabled`; else the frozen teacher params (fresh buffers), its pack
-        spec (the reference's geometry, `teacher_model.log_prob_micro_batch_size`) and jitted log-prob fn."""
-        cfg = self.config
-        self.teacher_params = None
+    Attributes: `model`, `graphdef` / `rest`, `params` (frozen, fresh buffers), `micro`
+    (`teacher_model.log_prob_micro_batch_size`), `spec` (the reference's packing geometry), `topk` (K of the
+    top-k loss modes, else 0), `log_prob_fn` (jitted).
+    """
+
+    @classmethod
+    def build(cls, cfg, policy, placement, tokenizer) -> TeacherRole | None:
+        """None without `distillation.enabled`; else the teacher (`build_teacher`) with its jitted log-prob fn.
+        Raises ConfigError (see `build_teacher`; also a top-k larger than the vocabulary)."""
         if not cfg.distillation.enabled:
-            return
-        model = build_teacher(cfg, self.mesh, self.tokenizer, self.actor_model.config.vocab_size)
+            return None
+        self = cls()
+        self.placement = placement
+        vocab = policy.model.config.vocab_size
+        model = build_teacher(cfg, placement.mesh, tokenizer, vocab)
         g, params, rest = steps.split_model(model)
-        if self.n_devices > 1:
+        if placement.n_devices > 1:
             from jaxrl_post.sharding import shard_params
 
-            params = shard_params(params, self.mesh)
-        self.teacher_graphdef, self.teacher_rest = g, rest
-        self.teacher_params = self._commit(params)
-        self.teacher_model = model
-        micro = int(cfg.distillation.teacher_models.teacher_model.log_prob_micro_batch_size)
-        self.teacher_micro = micro
-        self.teacher_spec = self._pack_spec("ref", self.batch_size, micro)
-        kw = dict(temperature=1.0, with_entropy=False, on_trace=self._tracer("teacher"))
+            params = shard_params(params, placement.mesh)
+        self.graphdef, self.rest = g, rest
+        self.params = placement.commit(params)
+        self.model = model
+        self.micro = int(cfg.distillation.teacher_models.teacher_model.log_prob_micro_batch_size)
+        self.spec = policy.pack_spec("ref", policy.geometry.batch_size, self.micro)
+        kw = dict(temperature=1.0, with_entropy=False, on_trace=placement.tracer("teacher"))
         dl = cfg.distillation.distillation_loss
-        self.teacher_topk = int(dl.topk) if dl.loss_mode in TOPK_LOSS_MODES else 0
-        if self.teacher_topk > self.actor_model.config.vocab_size:
+        self.topk = int(dl.topk) if dl.loss_mode in TOPK_LOSS_MODES else 0
+        if self.topk > vocab:
             raise ConfigError(
-                f"config.distillation.distillation_loss.topk={self.teacher_topk} exceeds the vocabulary "
-                f"({self.actor_model.config.vocab_size} ids)"
+                f"config.distillation.distillation_loss.topk={self.topk} exceeds the vocabulary ({vocab} ids)"
             )
-        if self.teacher_spec is not None:
-            fn = packed_steps.make_packed_log_prob_fn(g, rest, topk=self.teacher_topk, **kw)
+        if self.spec is not None:
+            fn = packed_steps.make_packed_log_prob_fn(g, rest, topk=self.topk, **kw)
         else:
-            fn = steps.make_log_prob_fn(g, rest, micro_batch_size=micro, topk=self.teacher_topk, **kw)
-        self._teacher_log_prob = jax.jit(fn)
+            fn = steps.make_log_prob_fn(g, rest, micro_batch_size=self.micro, topk=self.topk, **kw)
+        self.log_prob_fn = jax.jit(fn)
+        return self
 
-    def _teacher_forward(self, b: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def forward(self, b: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The teacher's batch fields: `teacher_log_prob [B, R] float32` of the response tokens (0 at packed
         padding) and, in a top-k mode, `teacher_topk_log_probs [B, R, K] float32` / `teacher_topk_ids
         [B, R, K] int32` (`distillation_topk.teacher_topk`, every response position)."""
-        out = self._forward(self._teacher_log_prob, self.teacher_params, b, self.teacher_micro, self.teacher_spec)
+        out = self.placement.forward(self.log_prob_fn, self.params, b, self.micro, self.spec)
         res = {"teacher_log_prob": np.asarray(out[0], np.float32)}
-        if self.teacher_topk:
+        if self.topk:
             res["teacher_topk_log_probs"] = np.asarray(out[2], np.float32)
             res["teacher_topk_ids"] = np.asarray(out[3], np.int32)
         return res
