@@ -55,6 +55,15 @@ BATCH_KEYS: dict[str, BatchKey] = {
         BatchKey("token_level_rewards", "[B, R]", "float32", "advantage", "scores minus KL penalty (KL in reward)"),
         BatchKey("advantages", "[B, R]", "float32", "advantage", "per-token advantages (0 outside loss_mask)"),
         BatchKey("returns", "[B, R]", "float32", "advantage", "value targets (0 outside loss_mask)"),
+        # the packed layout (trainer/packing.py; n micro-batches, S sequence / Q response slots, L row length);
+        # its `input_ids` are `[n, rows, L]` rows of real tokens
+        BatchKey("segment_ids", "[n, rows, L]", "int32", "packer", "1, 2, ... per sequence in a row; 0 = padding"),
+        BatchKey("positions", "[n, rows, L]", "int32", "packer", "position of each token within its sequence"),
+        BatchKey("slot_pos", "[n, Q]", "int32", "packer", "flat row index of the state predicting a response token"),
+        BatchKey("slot_tokens", "[n, Q]", "int32", "packer", "the response token of each slot"),
+        BatchKey("seq_slot", "[n, S, R]", "int32", "packer", "slot of each sequence's response token (-1 = none)"),
+        BatchKey("seq_index", "[n, S]", "int32", "packer", "mini-batch row of each sequence slot (-1 = empty)"),
+        BatchKey("slot_threshold", "[n, Q]", "float32", "packer", "sampling_logit_threshold per slot (replay)"),
     )
 }
 
@@ -75,6 +84,9 @@ ACTOR_RESPONSE_KEYS = (
     "rollout_is_weights",
 )
 CRITIC_RESPONSE_KEYS = ("loss_mask", "values", "returns")
+# the packed layout's token fields (replace TOKEN_KEYS), and its optional ones (rollout.sampling_mask_replay)
+PACK_KEYS = ("input_ids", "segment_ids", "positions", "slot_pos", "slot_tokens", "seq_slot", "seq_index")
+OPTIONAL_PACK_KEYS = ("slot_threshold",)
 # the padded updates' inputs
 ACTOR_UPDATE_KEYS = (*FORWARD_KEYS, *ACTOR_RESPONSE_KEYS)
 CRITIC_UPDATE_KEYS = (*TOKEN_KEYS, "responses", *CRITIC_RESPONSE_KEYS)
@@ -88,7 +100,7 @@ def describe(name: str) -> BatchKey:
 
 
 def _check_table() -> None:
-    for group in (FORWARD_KEYS, ACTOR_UPDATE_KEYS, CRITIC_UPDATE_KEYS):
+    for group in (FORWARD_KEYS, ACTOR_UPDATE_KEYS, CRITIC_UPDATE_KEYS, PACK_KEYS, OPTIONAL_PACK_KEYS):
         for k in group:
             describe(k)
 

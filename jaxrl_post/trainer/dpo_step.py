@@ -50,7 +50,7 @@ from flax import nnx
 
 from jaxrl_post.models.decoder import SEGMENT_SUB_BITS
 from jaxrl_post.models.lora import set_lora_enabled
-from jaxrl_post.trainer.steps import _apply, _merge
+from jaxrl_post.trainer.update_core import apply_update, merge_model, micro_at, n_used, sum_over_used
 
 LOSS_TYPES = ("sigmoid", "ipo", "robust")
 TOKEN_KEYS = ("input_ids", "segment_ids", "positions")
@@ -181,13 +181,12 @@ def layout_pairs(
 
 
 # ------------------------------------------------------------------------------------------ jitted
-def _micro(batch, i):
-    return {k: jax.lax.dynamic_index_in_dim(v, i, keepdims=False) for k, v in batch.items()}
+_micro = micro_at
 
 
 def _n_used(batch) -> jax.Array:
     """Micro-batches holding pairs (a prefix: the layout fills them in order), int32 scalar."""
-    return jnp.sum(jnp.any(batch["pair_mask"] != 0, axis=1).astype(jnp.int32))
+    return n_used(batch["pair_mask"])
 
 
 def sequence_logps(model, mb: dict[str, jax.Array], chunk: int = 512) -> tuple[jax.Array, jax.Array]:
@@ -243,11 +242,11 @@ def dpo_pair_losses(
 def _models(graphdef, rest, params, frozen, ref_params):
     """(policy, reference) modules: the reference is a frozen copy (`ref_params`), or with `ref_params=None`
     the same LoRA weights with the adapters off."""
-    policy = _merge(graphdef, params, frozen, rest)
+    policy = merge_model(graphdef, params, frozen, rest)
     if ref_params is None:
-        ref = set_lora_enabled(_merge(graphdef, jax.lax.stop_gradient(params), frozen, rest), False)
+        ref = set_lora_enabled(merge_model(graphdef, jax.lax.stop_gradient(params), frozen, rest), False)
     else:
-        ref = _merge(graphdef, ref_params, None, rest)
+        ref = merge_model(graphdef, ref_params, None, rest)
     return policy, ref
 
 
@@ -288,14 +287,11 @@ def make_dpo_grads(
     def fn(params, batch, ref_params=None, frozen=None):
         n_pairs = jnp.maximum(jnp.sum(batch["pair_mask"]).astype(jnp.float32), 1.0)
 
-        def body(i, carry):
-            grads, loss, sums = carry
-            (l, s), g = grad_fn(params, _micro(batch, i), n_pairs, ref_params, frozen)
-            return jax.tree.map(jnp.add, grads, g), loss + l, jax.tree.map(jnp.add, sums, s)
+        def grads_at(i):
+            (loss, sums), grads = grad_fn(params, _micro(batch, i), n_pairs, ref_params, frozen)
+            return grads, loss, sums
 
-        zero = jnp.zeros((), jnp.float32)
-        init = (jax.tree.map(jnp.zeros_like, params), zero, dict.fromkeys(METRIC_KEYS, zero))
-        grads, loss, sums = jax.lax.fori_loop(0, _n_used(batch), body, init)
+        grads, loss, sums = sum_over_used(grads_at, _n_used(batch))
         return loss, sums, grads
 
     return fn
@@ -319,10 +315,7 @@ def make_dpo_update(
         if on_trace is not None:
             on_trace()
         loss, sums, grads = grads_fn(params, batch, ref_params, frozen)
-        params, opt_state, grad_norm, finite = _apply(tx, params, opt_state, grads, loss)
-        metrics = {"loss": loss, **sums, "grad_norm": grad_norm}
-        metrics["update_skipped"] = 1.0 - finite.astype(jnp.float32)
-        return params, opt_state, metrics
+        return apply_update(tx, params, opt_state, grads, loss, {"loss": loss, **sums})
 
     return fn
 

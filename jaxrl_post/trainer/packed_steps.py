@@ -1,4 +1,5 @@
-"""Packed (padding-free) versions of the `forward` and `update` jit boundaries of `steps.py`.
+"""The packed (padding-free) layout of the `forward` and `update` jit boundaries (`PACKED`, an `update_core`
+layout) and the public packed factories; the losses, accumulation, guard and optimizer step are `update_core`'s.
 
 Inputs come from `packing.pack_batch` (static `PackSpec` shapes, n = micro-batches, S = sequence slots,
 Q = response slots, L = row_len) plus the usual per-sequence fields, unpacked, `[M, R]`:
@@ -27,25 +28,17 @@ Source: verl `dp_actor` / `dp_critic` with `use_remove_padding` (unpad + varlen 
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 
 import jax
-import jax.extend.core as jax_core
 import jax.numpy as jnp
 import optax
 from flax import nnx
 
 from jaxrl_post import core_algos
-from jaxrl_post.batch_keys import ACTOR_RESPONSE_KEYS, CRITIC_RESPONSE_KEYS
+from jaxrl_post.batch_keys import OPTIONAL_PACK_KEYS, PACK_KEYS
 from jaxrl_post.distillation_topk import gather_log_probs, teacher_topk
-from jaxrl_post.models.lora import set_lora_enabled
-from jaxrl_post.trainer import losses
-from jaxrl_post.trainer.steps import ActorLossConfig, CriticLossConfig, _apply, _merge
-
-PACK_KEYS = ("input_ids", "segment_ids", "positions", "slot_pos", "slot_tokens", "seq_slot", "seq_index")
-OPTIONAL_PACK_KEYS = ("slot_threshold",)  # rollout.sampling_mask_replay
-ACTOR_SEQ_KEYS = ACTOR_RESPONSE_KEYS
-CRITIC_SEQ_KEYS = CRITIC_RESPONSE_KEYS
+from jaxrl_post.trainer import losses, update_core
+from jaxrl_post.trainer.steps import ActorLossConfig, CriticLossConfig
 
 
 def _hidden_at_slots(backbone, mb) -> jax.Array:
@@ -147,50 +140,71 @@ def packed_values(critic, mb) -> jax.Array:
     return to_seq(v, mb["seq_slot"])
 
 
-def _split(batch, seq_keys):
-    pack = {k: batch[k] for k in PACK_KEYS + OPTIONAL_PACK_KEYS if k in batch}
-    seqs = {k: batch[k] for k in seq_keys if k in batch}
-    return pack, seqs
-
-
 def _n_used(pack) -> jax.Array:
     """Micro-batches holding tokens (int32 scalar); the packer fills them first, so they are a prefix."""
-    return jnp.sum(jnp.any(pack["segment_ids"] != 0, axis=(1, 2)).astype(jnp.int32))
+    return update_core.n_used(pack["segment_ids"])
 
 
-def _micro(pack, i):
-    return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), pack)
+# ------------------------------------------------------------------------------------------ layout
 
 
-# ------------------------------------------------------------------------------------------ forward
+class PackedLayout:
+    """The packed batch layout of `update_core` (module docstring): micro-batches are the packer's `[n, ...]`
+    rows, only those holding tokens run (`lax.fori_loop` with a traced trip count); the `[M, R]` response fields
+    are gathered per micro-batch into `[S, R]` by sequence index, and results scattered back to `[M, R]`."""
 
+    name = "packed"
 
-def _make_forward(graphdef, rest, per_micro: Callable, n_out: int, on_trace, adapters: bool = True, trail=None):
-    """fn(params, batch, frozen=None) -> tuple of n_out `[M, R] float32` arrays: per_micro(model, mb) -> n_out
-    `[S, R]`, scattered back to the mini-batch rows (`seq_index`); rows never packed stay 0. `frozen`: a LoRA
-    model's base params; `adapters=False` runs it with its adapters off. `trail`: per output `(shape, dtype)`
-    of the trailing dims (default `((), float32)`: `[M, R] float32`)."""
-    trail = trail or (((), jnp.float32),) * n_out
+    def head(self, model, mb):
+        return _hidden_at_slots(model, mb)
 
-    def fn(params, batch, frozen=None):
-        if on_trace is not None:
-            on_trace()
+    def log_probs(self, model, mb, head, temperature, entropy):
+        return packed_log_probs(model, mb, temperature, entropy, head)
+
+    def gather_log_probs(self, model, mb, head, ids, temperature):
+        return packed_gather_log_probs(model, mb, ids, temperature, head)
+
+    def teacher_topk(self, model, mb, head, k, temperature):
+        return packed_teacher_topk(model, mb, k, temperature, head)
+
+    def values(self, critic, mb):
+        return packed_values(critic, mb)
+
+    def forward(self, per_micro, batch, trail):
+        """`per_micro(mb)` -> per-sequence `[S, R, ...]` outputs, scattered back to the mini-batch rows
+        (`seq_index`); rows never packed stay 0. `trail`: per output `(trailing shape, dtype)`."""
         pack = {k: batch[k] for k in PACK_KEYS + OPTIONAL_PACK_KEYS if k in batch}
         m, r = batch["responses"].shape
-        model = _merge(graphdef, params, frozen, rest)
-        if not adapters:
-            set_lora_enabled(model, False)
         init = tuple(jnp.zeros((m + 1, r) + tuple(shape), dtype) for shape, dtype in trail)
 
         def body(i, outs):  # a while loop over the used micro-batches only (dynamic trip count)
-            mb = _micro(pack, i)
+            mb = update_core.micro_at(pack, i)
             idx = jnp.where(mb["seq_index"] >= 0, mb["seq_index"], m)  # empty slots -> spare row m
-            return tuple(o.at[idx].set(v) for o, v in zip(outs, per_micro(model, mb)))
+            return tuple(o.at[idx].set(v) for o, v in zip(outs, per_micro(mb)))
 
         outs = jax.lax.fori_loop(0, _n_used(pack), body, init)
         return tuple(o[:m] for o in outs)
 
-    return fn
+    def accumulate(self, loss_fn, params, batch, keys: update_core.UpdateKeys):
+        pack = {k: batch[k] for k in PACK_KEYS + OPTIONAL_PACK_KEYS if k in batch}
+        seqs = {k: batch[k] for k in keys.response if k in batch}
+        counts = core_algos.global_batch_info(seqs["loss_mask"])
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+        def grads_at(i):
+            mb = update_core.micro_at(pack, i)
+            mb = dict(mb, **{k: gather_seq(v, mb["seq_index"]) for k, v in seqs.items()})
+            (loss, aux), grads = grad_fn(params, mb, counts)
+            return grads, loss, aux
+
+        grads, loss, aux = update_core.sum_over_used(grads_at, _n_used(pack))
+        return loss, aux, grads
+
+
+PACKED = PackedLayout()
+
+
+# ------------------------------------------------------------------------------------------ forward
 
 
 def make_packed_log_prob_fn(
@@ -211,67 +225,18 @@ def make_packed_log_prob_fn(
     Response padding positions are 0 (the padded path returns the model's value there; both are masked).
     `frozen` / `adapters`: as `steps.make_log_prob_fn` (a LoRA model's base params; adapters off = reference).
     """
-    mode = "loss" if with_entropy else "none"
-
-    n = 2 if with_entropy else 1
-
-    def per_micro(model, mb):
-        h = _hidden_at_slots(model, mb)
-        lp, ent = packed_log_probs(model, mb, temperature, mode, h)
-        out = (lp, ent) if with_entropy else (lp,)
-        return out + (packed_teacher_topk(model, mb, topk, temperature, h) if topk else ())
-
-    trail = (((), jnp.float32),) * n + ((((topk,), jnp.float32), ((topk,), jnp.int32)) if topk else ())
-    inner = _make_forward(graphdef, rest, per_micro, len(trail), on_trace, adapters, trail)
-
-    def fn(params, batch, frozen=None):
-        outs = inner(params, batch, frozen)
-        res = (outs[0], outs[1]) if with_entropy else (outs[0], None)
-        return res + tuple(outs[n:]) if topk else res
-
-    return fn
+    kw = dict(temperature=temperature, with_entropy=with_entropy, adapters=adapters, on_trace=on_trace, topk=topk)
+    return update_core.make_log_prob_fn(PACKED, graphdef, rest, **kw)
 
 
 def make_packed_value_fn(
     graphdef: nnx.GraphDef, rest: nnx.State, *, on_trace: Callable[[], None] | None = None
 ) -> Callable:
     """Pure `fn(params, batch) -> values [M, R] float32` (critic) on a packed batch, as the log-prob fn."""
-    inner = _make_forward(graphdef, rest, lambda critic, mb: (packed_values(critic, mb),), 1, on_trace)
-    return lambda params, batch: inner(params, batch)[0]
+    return update_core.make_value_fn(PACKED, graphdef, rest, on_trace=on_trace)
 
 
 # ------------------------------------------------------------------------------------------ update
-
-
-def _accumulate_packed(loss_fn: Callable, params, batch, seq_keys):
-    """Sum of `grad(loss_fn)(params, micro, seqs, counts)` and of its aux metrics over the packed
-    micro-batches that hold tokens: a `lax.fori_loop` with a traced trip count (a while loop), so empty
-    micro-batches cost nothing and every shape stays static (no `lax.cond`: on XLA:CPU its branches each
-    keep their own gradient buffers)."""
-    pack, seqs = _split(batch, seq_keys)
-    counts = core_algos.global_batch_info(seqs["loss_mask"])
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-
-    def grads_of(mb):
-        mb_seqs = {k: gather_seq(v, mb["seq_index"]) for k, v in seqs.items()}
-        return grad_fn(params, mb, mb_seqs, counts)
-
-    def grads_at(i):
-        (loss, aux), grads = grads_of(_micro(pack, i))
-        return grads, loss, aux
-
-    # Trace forward + backward once: the jaxpr gives the carry's shapes and is the loop body (tracing the
-    # body again for the shapes, e.g. with `jax.eval_shape`, doubled the update's trace time).
-    closed, shapes = jax.make_jaxpr(grads_at, return_shape=True)(jnp.int32(0))
-    run, treedef = jax_core.jaxpr_as_fun(closed), jax.tree.structure(shapes)
-
-    def body(i, carry):
-        out = jax.tree.unflatten(treedef, run(jnp.asarray(i, jnp.int32)))
-        return jax.tree.map(jnp.add, carry, out)
-
-    init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-    grads, loss, aux = jax.lax.fori_loop(0, _n_used(pack), body, init)
-    return loss, aux, grads
 
 
 def make_packed_actor_update(
@@ -290,28 +255,7 @@ def make_packed_actor_update(
     `advantages`, `old_log_probs` (unless on_policy), `ref_log_prob` (use_kl_loss), optional
     `rollout_log_probs`. With `entropy_coeff == 0` the entropy is a metric only (no backward graph).
     """
-    c = loss_cfg
-    ent_mode = losses.entropy_mode(c.entropy_coeff)
-    topk = c.distillation is not None and c.distillation.is_topk
-
-    def loss_fn(params, mb, mb_seqs, counts, frozen=None):
-        model = _merge(graphdef, params, frozen, rest)
-        h = _hidden_at_slots(model, mb)
-        log_prob, entropy = packed_log_probs(model, mb, c.temperature, ent_mode, h)
-        if topk:  # the student's log-probs at the teacher's top-k ids of each slot
-            s_topk = packed_gather_log_probs(model, mb, mb_seqs["teacher_topk_ids"], c.temperature, h)
-            mb_seqs = dict(mb_seqs, student_topk_log_probs=s_topk)
-        return losses.actor_loss(c, log_prob, entropy, mb_seqs, counts)
-
-    def fn(params, opt_state, batch, frozen=None):
-        if on_trace is not None:
-            on_trace()
-        loss, aux, grads = _accumulate_packed(partial(loss_fn, frozen=frozen), params, batch, ACTOR_SEQ_KEYS)
-        params, opt_state, grad_norm, finite = _apply(tx, params, opt_state, grads, loss)
-        aux = dict(aux, loss=loss, grad_norm=grad_norm, update_skipped=1.0 - finite.astype(jnp.float32))
-        return params, opt_state, aux
-
-    return fn
+    return update_core.make_actor_update(PACKED, graphdef, rest, tx, loss_cfg, on_trace=on_trace)
 
 
 def make_packed_critic_update(
@@ -324,18 +268,4 @@ def make_packed_critic_update(
 ) -> Callable:
     """Pure `fn(params, opt_state, batch) -> (params, opt_state, metrics)`: `steps.make_critic_update` on a
     packed mini-batch. batch: `packing.pack_batch` arrays + `[M, R]` `loss_mask`, `values`, `returns`."""
-    c = loss_cfg
-
-    def loss_fn(params, mb, mb_seqs, counts):
-        critic = nnx.merge(graphdef, params, rest)
-        return losses.critic_loss(c, packed_values(critic, mb), mb_seqs, counts)
-
-    def fn(params, opt_state, batch):
-        if on_trace is not None:
-            on_trace()
-        loss, aux, grads = _accumulate_packed(loss_fn, params, batch, CRITIC_SEQ_KEYS)
-        params, opt_state, grad_norm, finite = _apply(tx, params, opt_state, grads, loss)
-        aux = dict(aux, grad_norm=grad_norm, update_skipped=1.0 - finite.astype(jnp.float32))
-        return params, opt_state, aux
-
-    return fn
+    return update_core.make_critic_update(PACKED, graphdef, rest, tx, loss_cfg, on_trace=on_trace)

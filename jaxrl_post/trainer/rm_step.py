@@ -25,7 +25,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxrl_post.trainer.steps import _apply, _merge
+from jaxrl_post.trainer.update_core import apply_update, merge_model
 
 RM_TOKEN_KEYS = ("input_ids", "attention_mask")
 METRIC_KEYS = ("accuracy", "margin", "min_reward", "mean_reward", "max_reward")
@@ -116,7 +116,7 @@ def make_rm_grads(graphdef: nnx.GraphDef, rest: nnx.State, *, center_coef: float
         n_pairs = n_micro * (two_m // 2)
 
         def loss_fn(p, ids, mask, margin):
-            loss, stats = _micro_sums(_merge(graphdef, p, frozen, rest), ids, mask, margin, center_coef)
+            loss, stats = _micro_sums(merge_model(graphdef, p, frozen, rest), ids, mask, margin, center_coef)
             return loss / n_pairs, stats
 
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
@@ -154,9 +154,7 @@ def make_rm_update(
         if on_trace is not None:
             on_trace()
         loss, metrics, grads = grads_fn(params, batch, frozen)
-        params, opt_state, grad_norm, finite = _apply(tx, params, opt_state, grads, loss)
-        out = dict(metrics, loss=loss, grad_norm=grad_norm, update_skipped=1.0 - finite.astype(jnp.float32))
-        return params, opt_state, out
+        return apply_update(tx, params, opt_state, grads, loss, dict(metrics, loss=loss))
 
     return fn
 
@@ -174,7 +172,7 @@ def make_rm_eval(
     def fn(params, batch, frozen=None):
         if on_trace is not None:
             on_trace()
-        model = _merge(graphdef, params, frozen, rest)
+        model = merge_model(graphdef, params, frozen, rest)
 
         def one(mb):
             return _micro_sums(model, mb["input_ids"], mb["attention_mask"], mb["margin"], center_coef)

@@ -33,7 +33,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxrl_post.trainer.steps import _apply, _merge
+from jaxrl_post.trainer.update_core import apply_update, merge_model, micro_at, n_used, sum_over_used
 
 LAYOUT_KEYS = ("input_ids", "segment_ids", "positions", "labels", "loss_mask")
 
@@ -150,11 +150,11 @@ def micro_stats(model, mb: dict[str, jax.Array], chunk: int = 512) -> tuple[jax.
 
 def _n_used(batch) -> jax.Array:
     """Micro-batches holding tokens (a prefix: the layout fills them in order), int32 scalar."""
-    return jnp.sum(jnp.any(batch["segment_ids"] != 0, axis=(1, 2)).astype(jnp.int32))
+    return n_used(batch["segment_ids"])
 
 
 def _micro(batch, i):
-    return {k: jax.lax.dynamic_index_in_dim(batch[k], i, keepdims=False) for k in LAYOUT_KEYS}
+    return micro_at({k: batch[k] for k in LAYOUT_KEYS}, i)
 
 
 def make_sft_grads(graphdef: nnx.GraphDef, rest: nnx.State, *, chunk: int = 512) -> Callable:
@@ -164,7 +164,7 @@ def make_sft_grads(graphdef: nnx.GraphDef, rest: nnx.State, *, chunk: int = 512)
     over the used micro-batches. `frozen`: a LoRA model's base params (`steps.split_lora_model`)."""
 
     def loss_fn(params, mb, denom, frozen):
-        model = _merge(graphdef, params, frozen, rest)
+        model = merge_model(graphdef, params, frozen, rest)
         nll, hits, _ = micro_stats(model, mb, chunk)
         return nll / denom, hits
 
@@ -174,14 +174,11 @@ def make_sft_grads(graphdef: nnx.GraphDef, rest: nnx.State, *, chunk: int = 512)
         n_total = jnp.sum(batch["loss_mask"]).astype(jnp.float32)
         denom = jnp.maximum(n_total, 1.0)
 
-        def body(i, carry):
-            grads, loss, hits = carry
-            (l, h), g = grad_fn(params, _micro(batch, i), denom, frozen)
-            return jax.tree.map(jnp.add, grads, g), loss + l, hits + h
+        def grads_at(i):
+            (loss, hits), grads = grad_fn(params, _micro(batch, i), denom, frozen)
+            return grads, loss, hits
 
-        zero = jnp.zeros((), jnp.float32)
-        init = (jax.tree.map(jnp.zeros_like, params), zero, zero)
-        grads, loss, hits = jax.lax.fori_loop(0, _n_used(batch), body, init)
+        grads, loss, hits = sum_over_used(grads_at, _n_used(batch))
         return loss, hits, n_total, grads
 
     return fn
@@ -209,15 +206,8 @@ def make_sft_update(
         if on_trace is not None:
             on_trace()
         loss, hits, n_total, grads = grads_fn(params, batch, frozen)
-        params, opt_state, grad_norm, finite = _apply(tx, params, opt_state, grads, loss)
-        metrics = {
-            "loss": loss,
-            "mean_token_accuracy": hits / jnp.maximum(n_total, 1.0),
-            "grad_norm": grad_norm,
-            "num_loss_tokens": n_total,
-            "update_skipped": 1.0 - finite.astype(jnp.float32),
-        }
-        return params, opt_state, metrics
+        metrics = {"loss": loss, "mean_token_accuracy": hits / jnp.maximum(n_total, 1.0), "num_loss_tokens": n_total}
+        return apply_update(tx, params, opt_state, grads, loss, metrics)
 
     return fn
 
@@ -231,7 +221,7 @@ def make_sft_eval(
     def fn(params, batch, frozen=None):
         if on_trace is not None:
             on_trace()
-        model = _merge(graphdef, params, frozen, rest)
+        model = merge_model(graphdef, params, frozen, rest)
 
         def body(i, acc):
             return tuple(a + b for a, b in zip(acc, micro_stats(model, _micro(batch, i), chunk)))

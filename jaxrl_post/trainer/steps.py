@@ -13,8 +13,9 @@ same-shaped arrays, so each compiles exactly once per run.
   loss is aggregated with the *mini-batch's* token / sequence counts (`core_algos.global_batch_info`),
   so the summed loss and gradient equal those of the un-split mini-batch (`agg_loss` docstring).
 
-These are the padded versions (`model.use_remove_padding=False`); the default packed ones, on rows of real
-tokens with the same losses (`losses.py`), are in `packed_steps.py`.
+The math is written once in `update_core.py` (forward and update builders for any layout); this file owns the
+padded layout (`PaddedLayout`, `model.use_remove_padding=False`) and the public padded factories; the default
+packed layout, on rows of real tokens with the same losses (`losses.py`), is in `packed_steps.py`.
 
 Shape letters: B batch (responses), M mini-batch, mb micro-batch, P prompt, R response, T = P + R, V vocab.
 Sources: verl `dp_actor.DataParallelPPOActor.{compute_log_prob,update_policy}`,
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -33,11 +33,10 @@ import optax
 from flax import nnx
 
 from jaxrl_post import core_algos
-from jaxrl_post.batch_keys import ACTOR_UPDATE_KEYS, CRITIC_UPDATE_KEYS, FORWARD_KEYS
+from jaxrl_post.batch_keys import FORWARD_KEYS
 from jaxrl_post.distillation import DistillationLossConfig
 from jaxrl_post.distillation_topk import gather_log_probs, teacher_topk
-from jaxrl_post.models.lora import set_lora_enabled
-from jaxrl_post.trainer import losses
+from jaxrl_post.trainer import losses, update_core
 
 # ------------------------------------------------------------------------------------------ configs
 
@@ -136,10 +135,6 @@ def split_lora_model(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.St
     return nnx.split(model, nnx.LoRAParam, nnx.Param, ...)
 
 
-def _merge(graphdef: nnx.GraphDef, params, frozen, rest) -> nnx.Module:
-    return nnx.merge(graphdef, params, rest) if frozen is None else nnx.merge(graphdef, params, frozen, rest)
-
-
 def to_micro(x: jax.Array, n_micro: int) -> jax.Array:
     """`[M, ...] -> [n_micro, M // n_micro, ...]` with micro-batch k = rows k, k + n_micro, ...
 
@@ -200,6 +195,64 @@ def compute_loss_mask(loss_mask, truncated, drop_truncated: bool):
     return mask * (~jnp.asarray(truncated, bool))[:, None].astype(jnp.int32)
 
 
+# ------------------------------------------------------------------------------------------ layout
+
+
+@dataclasses.dataclass(frozen=True)
+class PaddedLayout:
+    """The padded batch layout of `update_core` (`model.use_remove_padding=False`): `[M, T]` token rows, `[M, R]`
+    response fields; the micro-batches are `to_micro` row slices, `n_micro` of them (or of `micro_batch_size`
+    rows), mapped with `lax.map` (forward) or scanned with `lax.scan` (update)."""
+
+    n_micro: int | None = None
+    micro_batch_size: int | None = None
+    name: str = "padded"
+
+    def _micro(self, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        rows = batch["input_ids"].shape[0]
+        n = self.n_micro if self.n_micro is not None else rows // self.micro_batch_size
+        return jax.tree.map(lambda x: to_micro(x, n), batch)
+
+    def head(self, model, mb):
+        return response_logits(model, mb)
+
+    def log_probs(self, model, mb, head, temperature, entropy):
+        return _log_probs_of_logits(head, mb, temperature, entropy)
+
+    def gather_log_probs(self, model, mb, head, ids, temperature):
+        return gather_log_probs(head, ids, temperature)
+
+    def teacher_topk(self, model, mb, head, k, temperature):
+        return teacher_topk(head, k, temperature)
+
+    def values(self, critic, mb):
+        return response_values(critic, mb)
+
+    def forward(self, per_micro, batch, trail):
+        micro = self._micro({k: batch[k] for k in FORWARD_KEYS if k in batch})
+        return tuple(from_micro(o) for o in jax.lax.map(per_micro, micro))
+
+    def accumulate(self, loss_fn, params, batch, keys: update_core.UpdateKeys):
+        batch = {k: batch[k] for k in keys.padded if k in batch}
+        counts = core_algos.global_batch_info(batch["loss_mask"])
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+        def body(carry, mb):
+            grads, loss = carry
+            (l, a), g = grad_fn(params, mb, counts)
+            return (jax.tree.map(jnp.add, grads, g), loss + l), a
+
+        init = (jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32))
+        (grads, loss), aux = jax.lax.scan(body, init, self._micro(batch))
+        return loss, jax.tree.map(lambda x: jnp.sum(x, axis=0), aux), grads
+
+
+def padded_layout(*, n_micro: int | None = None, micro_batch_size: int | None = None) -> PaddedLayout:
+    """The padded layout with `n_micro` micro-batches per mini-batch (updates) or micro-batches of
+    `micro_batch_size` rows (forwards; the batch rows must be a multiple)."""
+    return PaddedLayout(n_micro=n_micro, micro_batch_size=micro_batch_size)
+
+
 # ------------------------------------------------------------------------------------------ forward
 
 
@@ -224,77 +277,22 @@ def make_log_prob_fn(
     multiple of `micro_batch_size` (the trainer pads). `frozen`: the frozen base params of a LoRA model
     (`split_lora_model`). `adapters=False` runs the model with its LoRA adapters off (the reference policy
     of a LoRA actor: the base model, no second copy). `on_trace` is called each time the function is traced.
+    `update_core.make_log_prob_fn` on `padded_layout(micro_batch_size=...)`.
     """
-
-    def fn(params, batch, frozen=None):
-        if on_trace is not None:
-            on_trace()
-        batch = {k: batch[k] for k in FORWARD_KEYS if k in batch}
-        b = batch["input_ids"].shape[0]
-        n_micro = b // micro_batch_size
-        model = _merge(graphdef, params, frozen, rest)
-        if not adapters:
-            set_lora_enabled(model, False)
-        micro = jax.tree.map(lambda x: to_micro(x, n_micro), batch)
-
-        def one(mb):
-            logits = response_logits(model, mb)
-            lp, ent = _log_probs_of_logits(logits, mb, temperature, with_entropy)
-            out = (lp, ent) if with_entropy else (lp,)
-            return out + (teacher_topk(logits, topk, temperature) if topk else ())
-
-        outs = jax.lax.map(one, micro)
-        outs = tuple(from_micro(o) for o in outs)
-        res = (outs[0], outs[1]) if with_entropy else (outs[0], None)
-        return res + tuple(outs[-2:]) if topk else res
-
-    return fn
+    layout = padded_layout(micro_batch_size=micro_batch_size)
+    kw = dict(temperature=temperature, with_entropy=with_entropy, adapters=adapters, on_trace=on_trace, topk=topk)
+    return update_core.make_log_prob_fn(layout, graphdef, rest, **kw)
 
 
 def make_value_fn(
     graphdef: nnx.GraphDef, rest: nnx.State, *, micro_batch_size: int, on_trace: Callable[[], None] | None = None
 ) -> Callable:
     """Pure `fn(params, batch) -> values [B, R] float32` (critic), micro-batched like `make_log_prob_fn`."""
-
-    def fn(params, batch):
-        if on_trace is not None:
-            on_trace()
-        batch = {k: batch[k] for k in FORWARD_KEYS if k in batch}
-        n_micro = batch["input_ids"].shape[0] // micro_batch_size
-        critic = nnx.merge(graphdef, params, rest)
-        micro = jax.tree.map(lambda x: to_micro(x, n_micro), batch)
-        return from_micro(jax.lax.map(lambda mb: response_values(critic, mb), micro))
-
-    return fn
+    layout = padded_layout(micro_batch_size=micro_batch_size)
+    return update_core.make_value_fn(layout, graphdef, rest, on_trace=on_trace)
 
 
 # ------------------------------------------------------------------------------------------ update
-
-
-def _accumulate(loss_fn: Callable, params, batch: dict[str, jax.Array], n_micro: int):
-    """Sum of `grad(loss_fn)(params, micro, counts)` and of its aux metrics over `n_micro` micro-batches
-    (lax.scan); gradients only w.r.t. `params` (a LoRA model's frozen base is bound into `loss_fn`)."""
-    counts = core_algos.global_batch_info(batch["loss_mask"])
-    micro = jax.tree.map(lambda x: to_micro(x, n_micro), batch)
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-    zero_grads = jax.tree.map(jnp.zeros_like, params)
-
-    def body(carry, mb):
-        grads, loss = carry
-        (l, a), g = grad_fn(params, mb, counts)
-        return (jax.tree.map(jnp.add, grads, g), loss + l), a
-
-    (grads, loss), aux = jax.lax.scan(body, (zero_grads, jnp.zeros((), jnp.float32)), micro)
-    aux = jax.tree.map(lambda x: jnp.sum(x, axis=0), aux)
-    return loss, aux, grads, counts
-
-
-def _apply(tx: optax.GradientTransformation, params, opt_state, grads, loss):
-    """Optimizer step, skipped (params/state bitwise unchanged) when the loss or the gradients are not
-    finite (`nonfinite.apply_if_finite`). Returns (params, opt_state, grad_norm, finite)."""
-    from jaxrl_post.trainer.nonfinite import apply_if_finite
-
-    return apply_if_finite(tx, params, opt_state, grads, loss)
 
 
 def make_actor_update(
@@ -320,33 +318,11 @@ def make_actor_update(
     with `loss_agg_mode` over the whole mini-batch; with distillation see `losses.actor_loss`. Metrics (float32
     scalars, verl names without the `actor/` prefix): pg_loss, pg_clipfrac, pg_clipfrac_lower, ppo_kl, entropy,
     kl_loss, grad_norm, update_skipped; plus rollout_probs_diff_mean/max when `rollout_log_probs` is given;
-    `distillation/*` with distillation.
+    `distillation/*` with distillation. Raises ValueError (at trace time) when a top-k distillation batch lacks
+    `teacher_topk_ids`. `update_core.make_actor_update` on `padded_layout(n_micro=...)`.
     """
-    c = loss_cfg
-    ent_mode = losses.entropy_mode(c.entropy_coeff)
-
-    topk = c.distillation is not None and c.distillation.is_topk
-
-    def loss_fn(params, mb, counts, frozen=None):
-        model = _merge(graphdef, params, frozen, rest)
-        logits = response_logits(model, mb)
-        log_prob, entropy = _log_probs_of_logits(logits, mb, c.temperature, ent_mode)
-        if topk:  # the student's log-probs at the teacher's top-k ids, from the same logits
-            mb = dict(mb, student_topk_log_probs=gather_log_probs(logits, mb["teacher_topk_ids"], c.temperature))
-        return losses.actor_loss(c, log_prob, entropy, mb, counts)
-
-    def fn(params, opt_state, batch, frozen=None):
-        if on_trace is not None:
-            on_trace()
-        batch = {k: batch[k] for k in ACTOR_UPDATE_KEYS if k in batch}
-        if topk and "teacher_topk_ids" not in batch:
-            raise ValueError("top-k distillation: the actor update needs teacher_topk_ids / teacher_topk_log_probs")
-        loss, aux, grads, _ = _accumulate(partial(loss_fn, frozen=frozen), params, batch, n_micro)
-        params, opt_state, grad_norm, finite = _apply(tx, params, opt_state, grads, loss)
-        aux = dict(aux, loss=loss, grad_norm=grad_norm, update_skipped=1.0 - finite.astype(jnp.float32))
-        return params, opt_state, aux
-
-    return fn
+    layout = padded_layout(n_micro=n_micro)
+    return update_core.make_actor_update(layout, graphdef, rest, tx, loss_cfg, on_trace=on_trace)
 
 
 def make_critic_update(
@@ -364,22 +340,8 @@ def make_critic_update(
     `values` (rollout-time critic values), `returns` `[M, R]`. Metrics: vf_loss, vf_clipfrac, vpred_mean,
     grad_norm, update_skipped (verl `critic/*`).
     """
-    c = loss_cfg
-
-    def loss_fn(params, mb, counts):
-        critic = nnx.merge(graphdef, params, rest)
-        return losses.critic_loss(c, response_values(critic, mb), mb, counts)
-
-    def fn(params, opt_state, batch):
-        if on_trace is not None:
-            on_trace()
-        batch = {k: batch[k] for k in CRITIC_UPDATE_KEYS if k in batch}
-        loss, aux, grads, _ = _accumulate(loss_fn, params, batch, n_micro)
-        params, opt_state, grad_norm, finite = _apply(tx, params, opt_state, grads, loss)
-        aux = dict(aux, grad_norm=grad_norm, update_skipped=1.0 - finite.astype(jnp.float32))
-        return params, opt_state, aux
-
-    return fn
+    layout = padded_layout(n_micro=n_micro)
+    return update_core.make_critic_update(layout, graphdef, rest, tx, loss_cfg, on_trace=on_trace)
 
 
 # ------------------------------------------------------------------------------------------ advantages
