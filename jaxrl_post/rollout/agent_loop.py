@@ -1,7 +1,7 @@
 """Multi-turn rollouts: a batch of trajectories advances turn by turn (verl's `ToolAgentLoop`, token in, token out).
 
 Each trajectory has an environment (`environments.Environment`; a tool set is `ToolEnv`). Per turn, every
-trajectory still running is continued by the single-turn `Generator` until the model's end-of-turn token
+trajectory still running is continued by the rollout `Generator`'s model until the model's end-of-turn token
 (the chat template's, in `SamplingParams.eos_token_ids`); its text goes to the environment, whose answer
 (tool results, user feedback) is appended as the chat template renders it; trajectories that are done leave
 the batch. The model's sampled token ids are kept exactly as sampled (never decoded and re-encoded); only the
@@ -24,10 +24,13 @@ turns, verl's count without the prompt), ``tool_calls``, ``tool_errors`` and the
 / ``tool_rewards`` (also put into each row's ``extra_info`` dict, where the reward function sees them, as verl
 does). The budget ``R`` (``data.max_response_length``) covers all turns.
 
-This first version re-prefills the prompt and the trajectory so far at every turn (one `Generator.generate`
-call per turn over the running trajectories), so turn ``k`` pays a prefill of ``P + (tokens so far)``; the
-KV cache is not carried across turns. Every turn runs at the batch bucket of the whole call (finished rows are
-filler rows), so the compiled shapes vary only with the context length's bucket.
+Prefix caching (`enable_prefix_caching=True`, the default; vLLM's / verl's name): the batch's KV cache is kept
+between turns (`turn_cache.TurnCache`) and each turn prefills only what was appended since the row's last turn
+(the environment's tokens and the next assistant header) onto it, rows at different lengths each at their own
+cache slot; rows that are done leave the batch. With a fixed seed the trajectories equal those of
+`enable_prefix_caching=False`, which re-prefills the prompt and the trajectory so far at every turn (one
+`Generator.generate` call over the running rows at the batch bucket of the whole call; turn ``k`` pays a prefill
+of ``P + (tokens so far)``); a sharded generator (with a mesh) always takes that path.
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ def _extend(graphdef, state, cache, input_ids, attention_mask, index, lengths):
     return model.logits_from_hidden(h_last)[:, 0], cache.replace(index=index + lengths)
 
 
-@functools.partial(jax.jit, donate_argnames=("cache",))
+@jax.jit
 def _gather(cache, rows):
     """The cache's rows `rows` [b] int32, in that order (a smaller or equal batch)."""
     TRACE_COUNTS["gather"] += 1
@@ -97,6 +97,8 @@ class TurnCache:
         """
         gen = self.gen
         a = len(rows)
+        if not a or not all(appended):
+            raise ValueError("TurnCache.turn needs at least one row and appended tokens for every row")
         b = bucket_size(a, None)
         graphdef, state = nnx.split(gen.model)
         first = self.cache is None
