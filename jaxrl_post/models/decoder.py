@@ -22,7 +22,7 @@ from flax import nnx
 
 from jaxrl_post.models import attention as fused
 from jaxrl_post.models.config import ModelConfig
-from jaxrl_post.models.kv_cache import KVCache, write_slots
+from jaxrl_post.models.kv_cache import KVCache, per_row_index, write_slots, write_slots_per_row
 from jaxrl_post.models.layers import ParamInit, RMSNorm, _constrain, _rope_angles, apply_rope
 from jaxrl_post.models.linear import Linear
 from jaxrl_post.models.lm_head import head_token_stats
@@ -90,8 +90,8 @@ class Attention(nnx.Module):
 
     def __call__(self, x, positions, kv_mask, index, kv=None, segment_ids=None):
         """x [B, T, D]; positions [B, T] int32; kv_mask [B, S] bool (valid key slots, S = T without a cache);
-        index: slot of x[:, 0] (int32 scalar or Python int); kv: optional (k segments [B, N, K, S_j],
-        v segments [B, N, S_j, K]) of this layer's cache to write the new keys/values into;
+        index: slot of x[:, 0] (int32 scalar or Python int, or [B] int32 per row); kv: optional (k segments
+        [B, N, K, S_j], v segments [B, N, S_j, K]) of this layer's cache to write the new keys/values into;
         segment_ids: optional [B, T] int32 (packed rows, no cache): a key is visible only from its own
         segment or, as a shared prompt, from its responses (`segment_mask`); the sliding window then counts
         positions (= slots inside a contiguous segment).
@@ -108,17 +108,21 @@ class Attention(nnx.Module):
         q, k = apply_rope(q, angles), apply_rope(k, angles)
         keys = k.transpose(0, 2, 3, 1)  # [B, N, K, T]
         values = v.transpose(0, 2, 1, 3)  # [B, N, T, K]
+        row = per_row_index(index)  # [B] write slots (multi-turn cache): every row has its own query slots
         if kv is not None:
-            kv = (write_slots(kv[0], keys, index, axis=3), write_slots(kv[1], values, index, axis=2))
+            write = write_slots_per_row if row else write_slots
+            kv = (write(kv[0], keys, index, axis=3), write(kv[1], values, index, axis=2))
             k_segs, v_segs = kv
         else:
             k_segs, v_segs = (keys,), (values,)
         s = kv_mask.shape[1]
-        q_slot = index + jnp.arange(t)[:, None]  # [T, 1]
+        # [T, 1], or [B, T, 1] per row
+        q_slot = index[:, None, None] + jnp.arange(t)[None, :, None] if row else index + jnp.arange(t)[:, None]
         kv_slot = jnp.arange(s)[None, :]  # [1, S]
-        allowed = (kv_slot <= q_slot)[None] & kv_mask[:, None, :]  # [B, T, S]
+        lead = (lambda a: a) if row else (lambda a: a[None])
+        allowed = lead(kv_slot <= q_slot) & kv_mask[:, None, :]  # [B, T, S]
         if self.window is not None and segment_ids is None:  # HF: key is visible iff q_slot - window < kv_slot
-            allowed &= (kv_slot > q_slot - self.window)[None]
+            allowed &= lead(kv_slot > q_slot - self.window)
         if segment_ids is not None:
             allowed &= segment_mask(segment_ids)
             if self.window is not None:  # a packed sequence's distance is its positions' (shared prompts)
@@ -377,8 +381,9 @@ class Transformer(nnx.Module):
         else:
             index = cache.index
             s = cache.mask.shape[1]
-            prior = jnp.sum(cache.mask & (jnp.arange(s)[None] < index), axis=1)
-            kv_mask = write_slots((cache.mask,), mask, index, axis=1)[0]
+            row = per_row_index(index)
+            prior = jnp.sum(cache.mask & (jnp.arange(s)[None] < (index[:, None] if row else index)), axis=1)
+            kv_mask = (write_slots_per_row if row else write_slots)((cache.mask,), mask, index, axis=1)[0]
             new_k, new_v = list(cache.k), list(cache.v)
         if positions is None:
             positions = positions_from_mask(mask, prior)

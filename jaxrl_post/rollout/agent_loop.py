@@ -1,7 +1,7 @@
 """Multi-turn rollouts: a batch of trajectories advances turn by turn (verl's `ToolAgentLoop`, token in, token out).
 
 Each trajectory has an environment (`environments.Environment`; a tool set is `ToolEnv`). Per turn, every
-trajectory still running is continued by the single-turn `Generator` until the model's end-of-turn token
+trajectory still running is continued by the rollout `Generator`'s model until the model's end-of-turn token
 (the chat template's, in `SamplingParams.eos_token_ids`); its text goes to the environment, whose answer
 (tool results, user feedback) is appended as the chat template renders it; trajectories that are done leave
 the batch. The model's sampled token ids are kept exactly as sampled (never decoded and re-encoded); only the
@@ -24,10 +24,13 @@ turns, verl's count without the prompt), ``tool_calls``, ``tool_errors`` and the
 / ``tool_rewards`` (also put into each row's ``extra_info`` dict, where the reward function sees them, as verl
 does). The budget ``R`` (``data.max_response_length``) covers all turns.
 
-This first version re-prefills the prompt and the trajectory so far at every turn (one `Generator.generate`
-call per turn over the running trajectories), so turn ``k`` pays a prefill of ``P + (tokens so far)``; the
-KV cache is not carried across turns. Every turn runs at the batch bucket of the whole call (finished rows are
-filler rows), so the compiled shapes vary only with the context length's bucket.
+Prefix caching (`enable_prefix_caching=True`, the default; vLLM's / verl's name): the batch's KV cache is kept
+between turns (`turn_cache.TurnCache`) and each turn prefills only what was appended since the row's last turn
+(the environment's tokens and the next assistant header) onto it, rows at different lengths each at their own
+cache slot; rows that are done leave the batch. With a fixed seed the trajectories equal those of
+`enable_prefix_caching=False`, which re-prefills the prompt and the trajectory so far at every turn (one
+`Generator.generate` call over the running rows at the batch bucket of the whole call; turn ``k`` pays a prefill
+of ``P + (tokens so far)``); a sharded generator (with a mesh) always takes that path.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import numpy as np
 
 from jaxrl_post.protocol import DataProto
 from jaxrl_post.rollout.chat_suffix import _render, observation_suffix
+from jaxrl_post.rollout.trajectory import _Traj, assemble, rollout_metrics
 
 __all__ = ["AgentLoop", "MultiTurnLimits", "rollout_metrics"]
 
@@ -78,25 +82,6 @@ class MultiTurnLimits:
             )
 
 
-@dataclasses.dataclass
-class _Traj:
-    env: Any
-    messages: list[dict]
-    text: str
-    prompt_ids: list[int]
-    ids: list[int] = dataclasses.field(default_factory=list)
-    loss: list[int] = dataclasses.field(default_factory=list)
-    logp: list[float] = dataclasses.field(default_factory=list)
-    done: bool = False
-    truncated: bool = False
-    assistant_turns: int = 0
-    user_turns: int = 0
-    tool_calls: int = 0
-    tool_errors: int = 0
-    turn_scores: list[float] = dataclasses.field(default_factory=list)
-    tool_rewards: list[float] = dataclasses.field(default_factory=list)
-
-
 class AgentLoop:
     """Multi-turn rollout over environments with the single-turn `Generator`.
 
@@ -113,6 +98,9 @@ class AgentLoop:
       template_kwargs: extra chat-template arguments (e.g. `enable_thinking=False`).
       error_budget: a `tools.ToolErrorBudget` fed with the executed tool calls (checked once per call to
         `generate`); None = none.
+      enable_prefix_caching: keep the batch's KV cache between turns and prefill only the appended tokens
+        (`turn_cache.TurnCache`; vLLM's / verl's name). False, or a generator with a mesh or without a model:
+        every turn re-prefills the prompt and the trajectory so far through `Generator.generate`.
     """
 
     def __init__(
@@ -125,6 +113,7 @@ class AgentLoop:
         parser=None,
         template_kwargs: Mapping[str, Any] | None = None,
         error_budget=None,
+        enable_prefix_caching: bool = True,
     ):
         from jaxrl_post.rollout.tool_parser import get_tool_parser
 
@@ -136,6 +125,7 @@ class AgentLoop:
         self.parser = parser or get_tool_parser(self.limits.format)
         self.template_kwargs = dict(template_kwargs or {})
         self.error_budget = error_budget
+        self.enable_prefix_caching = bool(enable_prefix_caching)
         self.inject_tools = bool(self.tools) and self._template_ignores_tools()
         self.last_stats: dict[str, float] = {}
         self.closers: list[Callable[[], None]] = []  # called by close() (e.g. the tool executor's)
@@ -152,6 +142,16 @@ class AgentLoop:
         if rows not in self._pinned:
             self._pinned[rows] = dataclasses.replace(self.generator, batch_buckets=(rows,))
         return self._pinned[rows]
+
+    def _turn_cache(self, p: int, r: int):
+        """A fresh `TurnCache` for one `generate` call, or None (prefix caching off, or a generator it cannot
+        drive: a stand-in without a model, or a sharded one)."""
+        from jaxrl_post.rollout.turn_cache import TurnCache
+
+        g = self.generator
+        if not self.enable_prefix_caching or not hasattr(g, "model") or getattr(g, "mesh", None) is not None:
+            return None
+        return TurnCache(g, p, r)
 
     def close(self) -> None:
         """Stop what the loop owns (tool worker processes)."""
@@ -224,8 +224,6 @@ class AgentLoop:
           ValueError: a re-rendered prompt is longer than P. TemplateNotAppendOnlyError: see the module doc.
           tools.ToolError: the error budget is exceeded.
         """
-        from jaxrl_post.data.pipeline import compute_position_ids, left_pad
-
         if process_local:
             raise ValueError("multi-turn rollouts run in one process (process_local rollouts are not supported)")
         if params.truncated_log_probs:
@@ -255,6 +253,7 @@ class AgentLoop:
             trajs.append(_Traj(env, msgs, text, ids))
 
         base_seed = int(params.seed if seed is None else seed)
+        tc = self._turn_cache(p, r)
         stats = {"tool_calls": 0, "tool_errors": 0, "tool_format_errors": 0, "tool_timeouts": 0, "turns_run": 0}
         gen_calls = gen_tokens_in = 0
         turn = 0
@@ -263,23 +262,22 @@ class AgentLoop:
             if not active:
                 break
             budget = [r - len(t.ids) for t in active]
-            m = r  # one max_new_tokens (one compiled decode per shape); rows stop at EOS, extra tokens are cut
-            ctx = [t.prompt_ids + t.ids for t in active]
-            length = max(len(c) for c in ctx)
-            ids, mask = left_pad(ctx, length, params.pad_token_id)
-            batch = DataProto({"input_ids": ids, "attention_mask": mask, "position_ids": compute_position_ids(mask)})
             turn_seed = (base_seed * 1000003 + turn * 7919) % (2**31 - 1)
-            out = self._generator(b).generate(batch, dataclasses.replace(params, max_new_tokens=m), seed=turn_seed)
+            if tc is not None:
+                rows_ = [id(t) for t in active]
+                appended = [(t.prompt_ids + t.ids)[t.cached :] for t in active]
+                toks, exists, lps = tc.turn(rows_, appended, budget, params, turn_seed)
+                gen_tokens_in += sum(len(x) for x in appended)
+            else:
+                toks, exists, lps, n_in = self._reprefill_turn(active, b, params, turn_seed)
+                gen_tokens_in += n_in
             gen_calls += 1
-            gen_tokens_in += int(mask.sum())
-            toks = np.asarray(out.batch["responses"])
-            exists = np.asarray(out.batch["response_attention_mask"]).astype(bool)
-            lps = np.asarray(out.batch["rollout_log_probs"])
             stepping, actions = [], []
             for j, t in enumerate(active):
                 k = int(exists[j].sum())
                 new, new_lp = toks[j, :k].tolist()[: budget[j]], lps[j, :k].tolist()[: budget[j]]
                 t.ids += new
+                t.cached = len(t.prompt_ids) + len(t.ids)  # the turn cache holds the model's tokens
                 t.loss += [1] * len(new)
                 t.logp += new_lp
                 t.assistant_turns += 1
@@ -304,7 +302,20 @@ class AgentLoop:
         if self.error_budget is not None:
             self.error_budget.check()
         self.last_stats = dict(stats, generate_calls=gen_calls, prefill_tokens=gen_tokens_in)
-        return self._assemble(rows, trajs, p, r, params)
+        return assemble(rows, trajs, p, r, params)
+
+    def _reprefill_turn(self, active: list[_Traj], b: int, params, seed: int):
+        """One turn without prefix caching: prompt + trajectory so far of every running row, left-padded, through
+        `Generator.generate` (batch bucket pinned to `b`). Returns (tokens, exists, log_probs, prefilled tokens)."""
+        from jaxrl_post.data.pipeline import compute_position_ids, left_pad
+
+        # one max_new_tokens (one compiled decode per shape); rows stop at EOS, extra tokens are cut
+        ctx = [t.prompt_ids + t.ids for t in active]
+        ids, mask = left_pad(ctx, max(len(c) for c in ctx), params.pad_token_id)
+        batch = DataProto({"input_ids": ids, "attention_mask": mask, "position_ids": compute_position_ids(mask)})
+        out = self._generator(b).generate(batch, params, seed=seed)
+        exists = np.asarray(out.batch["response_attention_mask"]).astype(bool)
+        return np.asarray(out.batch["responses"]), exists, np.asarray(out.batch["rollout_log_probs"]), int(mask.sum())
 
     def _after_step(self, t: _Traj, action: str, res, r: int, stats: dict) -> None:
         info = res.info or {}
@@ -340,72 +351,3 @@ class AgentLoop:
         t.messages = [*t.messages, assistant, *res.messages]
         t.text = new_text
         t.user_turns += 1
-
-    def _assemble(self, rows: DataProto, trajs: list[_Traj], p: int, r: int, params) -> DataProto:
-        from jaxrl_post.data.pipeline import compute_position_ids, left_pad
-
-        b = len(trajs)
-        prompt_ids, prompt_mask = left_pad([t.prompt_ids for t in trajs], p, params.pad_token_id)
-        resp = np.full((b, r), params.pad_token_id, np.int32)
-        exists = np.zeros((b, r), np.int32)
-        loss = np.zeros((b, r), np.int32)
-        logp = np.zeros((b, r), np.float32)
-        for i, t in enumerate(trajs):
-            k = len(t.ids)
-            resp[i, :k], exists[i, :k], loss[i, :k], logp[i, :k] = t.ids, 1, t.loss, t.logp
-        ppos = compute_position_ids(prompt_mask)
-        rpos = ppos[:, -1:] + np.arange(1, r + 1, dtype=np.int32)[None]
-        batch = {
-            "prompts": prompt_ids,
-            "responses": resp,
-            "input_ids": np.concatenate([prompt_ids, resp], axis=1),
-            "attention_mask": np.concatenate([prompt_mask, exists], axis=1),
-            "position_ids": np.concatenate([ppos, rpos], axis=1),
-            "response_attention_mask": exists,
-            "loss_mask": loss,
-            "rollout_log_probs": logp,
-            "sampling_logit_threshold": np.full((b, r), -np.inf, np.float32),
-            "truncated": np.asarray([t.truncated for t in trajs], bool),
-        }
-        nt = dict(rows.non_tensor_batch)
-        obj = lambda xs: _object_array(xs)
-        nt["num_turns"] = np.asarray([t.assistant_turns + t.user_turns for t in trajs], np.int32)
-        nt["tool_calls"] = np.asarray([t.tool_calls for t in trajs], np.int32)
-        nt["tool_errors"] = np.asarray([t.tool_errors for t in trajs], np.int32)
-        nt["turn_scores"] = obj([list(t.turn_scores) for t in trajs])
-        nt["tool_rewards"] = obj([list(t.tool_rewards) for t in trajs])
-        infos = list(nt["extra_info"]) if "extra_info" in nt else [None] * b
-        new_infos = []
-        for info, t in zip(infos, trajs):
-            d = dict(info) if isinstance(info, Mapping) else {}
-            d.update(turn_scores=list(t.turn_scores), tool_rewards=list(t.tool_rewards))
-            d.update(num_turns=t.assistant_turns + t.user_turns, tool_calls=t.tool_calls)
-            new_infos.append(d)
-        nt["extra_info"] = obj(new_infos)
-        return DataProto(batch, nt, dict(rows.meta_info))
-
-
-def _object_array(values: Sequence[Any]) -> np.ndarray:
-    out = np.empty((len(values),), object)
-    for i, v in enumerate(values):
-        out[i] = v
-    return out
-
-
-def rollout_metrics(out: DataProto, stats: Mapping[str, float]) -> dict[str, float]:
-    """Step metrics of a multi-turn rollout: `num_turns/{mean,min,max}` (verl), `tool_calls/mean` (per
-    trajectory), `tool/errors`, `tool/format_errors`, `tool/timeouts` (counts in the step), and
-    `response/observation_fraction` (observation tokens / existing response tokens)."""
-    turns = np.asarray(out.non_tensor_batch["num_turns"], np.float64)
-    exists = np.asarray(out.batch["response_attention_mask"]).astype(bool)
-    loss = np.asarray(out.batch["loss_mask"]).astype(bool)
-    return {
-        "num_turns/mean": float(turns.mean()),
-        "num_turns/min": float(turns.min()),
-        "num_turns/max": float(turns.max()),
-        "tool_calls/mean": float(np.mean(np.asarray(out.non_tensor_batch["tool_calls"], np.float64))),
-        "tool/errors": float(stats.get("tool_errors", 0)),
-        "tool/format_errors": float(stats.get("tool_format_errors", 0)),
-        "tool/timeouts": float(stats.get("tool_timeouts", 0)),
-        "response/observation_fraction": float((exists & ~loss).sum() / max(1, exists.sum())),
-    }

@@ -87,12 +87,36 @@ def _compact(tree, done, size: int, groups: int):
     return jax.tree.map(take, tree)
 
 
+def _put_rows(full, cache, rows):
+    """``full`` (a cache of every row) with rows ``rows`` [b] replaced by ``cache``'s (b rows, in order)."""
+    put = lambda f, c: f.at[rows].set(c)
+    k, v, mask = jax.tree.map(put, (full.k, full.v, full.mask), (cache.k, cache.v, cache.mask))
+    index = full.index if jnp.ndim(full.index) == 0 else put(full.index, cache.index)
+    return full.replace(k=k, v=v, mask=mask, index=index)
+
+
 @functools.partial(
     jax.jit,
-    static_argnames=("graphdef", "params", "num_steps", "chunk", "sizes", "groups", "mesh"),
+    static_argnames=("graphdef", "params", "num_steps", "chunk", "sizes", "groups", "mesh", "keep_cache"),
     donate_argnames=("cache", "logits"),
 )
-def _decode(graphdef, state, cache, logits, row_done, key, *, params, num_steps, chunk, sizes, groups, mesh):
+def _decode(
+    graphdef,
+    state,
+    cache,
+    logits,
+    row_done,
+    key,
+    limit=None,
+    *,
+    params,
+    num_steps,
+    chunk,
+    sizes,
+    groups,
+    mesh,
+    keep_cache=False,
+):
     """Sample ``num_steps`` tokens (rounded up to whole chunks, early exit when all rows are done).
 
     cache: KVCache after prefill (donated); logits [B, V] float32 of the first response token (donated);
@@ -105,6 +129,9 @@ def _decode(graphdef, state, cache, logits, row_done, key, *, params, num_steps,
     sampling thresholds [B, n] float32 (`sample_tokens`; -inf there), stage_end [len(sizes)] int32 (steps
     run when each size's loop ended; n = num_steps rounded up to a multiple of chunk), the cache and
     logits at the end of the first (full-batch) stage.
+    Multi-turn (`rollout.turn_cache`): limit [B] int32 or None: row b is done after limit[b] tokens (its
+    remaining response budget); keep_cache: the returned cache is every row's at the end (rows compacted away
+    are written back to their place as each stage ends), in the input's row order, for the next turn.
     """
     TRACE_COUNTS["decode"] += 1
     model = nnx.merge(graphdef, state)
@@ -119,6 +146,8 @@ def _decode(graphdef, state, cache, logits, row_done, key, *, params, num_steps,
         lp = jnp.where(done, 0.0, lp)
         outs = tuple(o.at[rows, t].set(x) for o, x in zip(outs, (tok, lp, th), strict=True))
         done = done | is_eos(tok, params.eos_token_ids)
+        if limit is not None:
+            done = done | (t + 1 >= limit[rows])
         new_logits, cache = model(tok[:, None], jnp.ones((tok.shape[0], 1), jnp.int32), cache=cache)
         new_logits = _constrain_batch(new_logits[:, 0], mesh)
         return ((_constrain_cache(cache, mesh), new_logits, done, rows), t + 1, outs), None
@@ -141,18 +170,26 @@ def _decode(graphdef, state, cache, logits, row_done, key, *, params, num_steps,
     )
     rows = _constrain_batch(jnp.arange(batch, dtype=jnp.int32), mesh)
     carry, stage_end = ((cache, logits, row_done, rows), jnp.int32(0), outs), []
+    full = None  # keep_cache: every row's cache, updated from the running rows as each stage ends
     for i, size in enumerate(sizes):
         if i:
             (cache, logits, done, rows), t, outs = carry
+            if keep_cache and i > 1:  # after the first stage `full` is that stage's cache itself
+                full = _put_rows(full, cache, rows)
             k, v, mask, logits, done, rows = _compact(
                 (cache.k, cache.v, cache.mask, logits, done, rows), done, size, groups
             )
+            if jnp.ndim(cache.index) == 1:  # a per-row write slot (multi-turn) moves with its row
+                cache = cache.replace(index=_compact(cache.index, carry[0][2], size, groups))
             cache = _constrain_cache(cache.replace(k=k, v=v, mask=mask), mesh)
             carry = ((cache, *(_constrain_batch(x, mesh) for x in (logits, done, rows))), t, outs)
         carry = run_until(carry, sizes[i + 1] // groups if i + 1 < len(sizes) else 0)
         if i == 0:
             first_cache, first_logits = carry[0][:2]
+            full = first_cache
         stage_end.append(carry[1])
+    if keep_cache and len(sizes) > 1:
+        first_cache = _put_rows(full, carry[0][0], carry[0][3])
     # The cache/logits at the end of the full-batch stage are returned (and dropped by the caller) so the
     # donated input buffers alias them: XLA then updates the cache in place instead of copying it.
     outs = carry[2]
