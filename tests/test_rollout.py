@@ -170,9 +170,12 @@ def _prompts(seed, lengths=(6, 2, 9, 4), p=9):
     return ids, mask, DataProto.from_dict({"input_ids": ids, "attention_mask": mask})
 
 
+_forward = jax.jit(lambda model, ids, mask: model(ids, mask))  # the plain forward, compiled (eager: op by op)
+
+
 def _full_forward_logprobs(model, out, temperature):
     p = out.batch["prompts"].shape[1]
-    logits = model(jnp.asarray(out.batch["input_ids"]), jnp.asarray(out.batch["attention_mask"]))
+    logits = _forward(model, jnp.asarray(out.batch["input_ids"]), jnp.asarray(out.batch["attention_mask"]))
     return np.asarray(logprobs_from_logits(logits[:, p - 1 : -1], jnp.asarray(out.batch["responses"]), temperature))
 
 
