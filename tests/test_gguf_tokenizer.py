@@ -276,6 +276,7 @@ def test_tiny_gguf_roundtrip(kind, tmp_path):
     assert np.abs(out - ref)[valid].max() <= 1e-4 * max(1.0, np.abs(ref[valid]).max())
 
 
+@pytest.mark.slow  # a GGUF written, loaded by transformers and by us (36 s on 2 shared, loaded cores)
 def test_tiny_llama3_rope_freqs_recovered(tmp_path):
     """Llama 3 rope scaling lives in GGUF as a rope_freqs tensor; the config and logits come back."""
     scaling = {

@@ -315,7 +315,7 @@ def test_two_processes_equal_one_process(runs, algo):
     assert _param_diff(one8["params"], one1["params"]) > 0  # really different programs, not one cached result
 
 
-@pytest.mark.slow  # the module fixture `runs`: 6 multi-process/8-device tiny runs (~3 min on 2 cores)
+@pytest.mark.slow  # the module fixture `runs`: multi-process/8-device tiny runs (490 s on 2 shared, loaded cores)
 def test_cli_process_0_alone_prints(runs):
     stdout = runs["cli2"]["stdout"]  # process 0 alone prints the step lines (and writes metrics.jsonl)
     assert "step 2 | score=" in stdout[0] and "step 2 | score=" not in stdout[1]

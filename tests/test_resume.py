@@ -166,7 +166,7 @@ def test_exact_resume_bitwise(straight_run, tmp_path):
     ]
 
 
-@pytest.mark.slow  # the `straight_run` fixture: a tiny run end to end (~1 min on 2 cores)
+@pytest.mark.slow  # the `straight_run` fixture: a tiny run end to end (190 s on 2 shared, loaded cores)
 def test_resume_modes(straight_run, tmp_path):
     from jaxrl_post.trainer.config_check import ConfigError
     from jaxrl_post.trainer.trainer import RLTrainer
@@ -298,7 +298,7 @@ def test_nonfinite_updates_stop_the_run_and_keep_the_checkpoint(jax_cache, tmp_p
     assert line["step"] == 1 and line["actor/update_skipped"] == 1.0 and line["actor/num_nonfinite_skipped"] == 2.0
 
 
-@pytest.mark.slow  # a tiny trainer built and run (~12 s)
+@pytest.mark.slow  # a tiny trainer built and run (37 s on 2 shared, loaded cores)
 def test_reward_errors_and_timeouts_are_counted_and_the_step_completes(jax_cache, tmp_path):
     from jaxrl_post.trainer.trainer import RLTrainer
 

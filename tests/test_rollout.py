@@ -203,6 +203,7 @@ def test_rollout_log_probs_equal_training_path(tiny_model, params):
     assert np.all(b["rollout_log_probs"][rm] <= 0)
 
 
+@pytest.mark.slow  # rollout and replayed training-path compiles (33 s on 2 shared, loaded cores)
 def test_truncated_rollout_log_probs_equal_replayed_training_path(tiny_model):
     """Mask replay: with `truncated_log_probs`, the rollout's log-probs (of the truncated distribution it
     drew from) equal the training forward's `truncated_logprobs_from_logits` with the returned thresholds,
