@@ -39,6 +39,15 @@ def gsm8k_dir() -> pathlib.Path:
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """The controller removes the session's compilation cache (xdist workers inherit the directory, not this)."""
+    """The controller removes the session's compilation cache (xdist workers inherit the directory, not this).
+    With JAXRL_POST_RECORD_MODULES=DIR, each process (controller, xdist worker) writes the `jaxrl_post` modules
+    it imported to DIR/<worker>.txt (scripts/fast_tier_coverage.py lists the modules no selected test imports)."""
+    record = os.environ.get("JAXRL_POST_RECORD_MODULES")
+    if record:
+        import sys
+
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        names = sorted(m for m in sys.modules if m == "jaxrl_post" or m.startswith("jaxrl_post."))
+        pathlib.Path(record, f"{worker}.txt").write_text("\n".join(names) + "\n")
     if _SESSION_CACHE is not None:
         shutil.rmtree(_SESSION_CACHE, ignore_errors=True)

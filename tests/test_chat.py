@@ -4,6 +4,8 @@ template, matching an independent greedy loop (full forward per token, argmax, s
 import os
 import sys
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -45,11 +47,12 @@ def test_one_shot_prompt_matches_a_plain_greedy_loop(tmp_path, capsys):
     c.messages.append({"role": "user", "content": "2+2?"})
     assert c.prompt_ids() == ids  # what chat.py samples from (a random tiny model may not depend on it)
     eos, _ = eos_and_pad(tok)
+    forward = jax.jit(lambda m, x: m(x, jnp.ones_like(x)))  # the plain forward, compiled (eager: op by op)
     out = []
     seq = list(ids)
     for _ in range(R):
         x = np.asarray([seq], np.int32)
-        nxt = int(np.argmax(np.asarray(model(x, np.ones_like(x)))[0, -1]))
+        nxt = int(np.argmax(np.asarray(forward(model, x))[0, -1]))
         if nxt in eos:
             break
         out.append(nxt)

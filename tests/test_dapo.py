@@ -372,6 +372,7 @@ def test_dapo_tiny_end_to_end(dapo_run):
         assert "val-aux/reasoning_gym/basic_arithmetic/overlong_reward/mean@1" in v
 
 
+@pytest.mark.slow  # the `dapo_run` fixture: a tiny DAPO run end to end (104 s on 2 shared, loaded cores)
 def test_dapo_resume_is_exact_and_max_num_gen_batches_stops_cleanly(dapo_run, tmp_path, monkeypatch):
     """Resuming from step 1 repeats step 2 bit for bit (the data position includes the extra generation
     batches); a step that cannot fill its batch raises FilterGroupsError with the last step saved and the

@@ -91,6 +91,7 @@ def test_reward_failure_saves_the_last_step_and_resume_is_exact(straight_run, tm
     ]
 
 
+@pytest.mark.slow  # two tiny trainers built and run (66 s on 2 shared, loaded cores)
 def test_reward_failure_in_validation_logs_and_saves_the_step(jax_cache, tmp_path):
     from jaxrl_post.rewards import RewardFunctionError
     from jaxrl_post.trainer.trainer import RLTrainer

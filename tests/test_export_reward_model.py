@@ -37,6 +37,7 @@ def _run(tmp_path, name, **model):
 @pytest.mark.parametrize(
     "lora", [{}, {"lora_rank": 4, "lora_alpha": 8.0, "target_modules": "all-linear"}], ids=["full", "lora"]
 )
+@pytest.mark.slow  # a tiny reward-model run, its export and a transformers load (70-90 s on 2 shared, loaded cores)
 def test_reward_model_checkpoint_exports_as_seq_cls_and_refuses_chat(tmp_path, lora):
     from jaxrl_post.api import export, load_model
     from jaxrl_post.models.hf_io import load_reward_model

@@ -276,6 +276,7 @@ def test_tiny_gguf_roundtrip(kind, tmp_path):
     assert np.abs(out - ref)[valid].max() <= 1e-4 * max(1.0, np.abs(ref[valid]).max())
 
 
+@pytest.mark.slow  # a GGUF written, loaded by transformers and by us (36 s on 2 shared, loaded cores)
 def test_tiny_llama3_rope_freqs_recovered(tmp_path):
     """Llama 3 rope scaling lives in GGUF as a rope_freqs tensor; the config and logits come back."""
     scaling = {
@@ -619,3 +620,49 @@ def test_smollm2_logit_parity(smollm2_hf, smollm2_ours, smollm2_tok):
     valid = mask.astype(bool)
     assert np.array_equal(out.argmax(-1)[valid], ref.argmax(-1)[valid])
     assert np.abs(out - ref)[valid].max() <= 1e-3
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_matches_transformers(smollm2_hf, smollm2_ours, smollm2_tok):
+    """Rollout greedy decoding of the real model equals transformers' `generate`; its recorded log-probs equal
+    the training path's forward. (Moved from test_rollout.py: the models this file loads serve it too; one
+    load per worker instead of two. `load_pretrained` on a GGUF path is `load_gguf` + `load_tokenizer`.)"""
+    from jaxrl_post.protocol import DataProto
+    from jaxrl_post.rollout import SamplingParams, generate_sequences
+    from tests.test_rollout import _full_forward_logprobs
+
+    model, tok, hf = smollm2_ours[0], smollm2_tok, smollm2_hf
+    questions = [
+        "What is 2 + 3?",
+        "Name a color of the sky on a clear day, and explain why it looks that way.",
+        "Write one short sentence about cats.",
+    ]
+    rows = [tok_lib.apply_chat_template(tok, [{"role": "user", "content": q}]) for q in questions]
+    p = max(map(len, rows))
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    ids = np.full((3, p), pad, np.int32)
+    mask = np.zeros((3, p), np.int32)
+    for i, r in enumerate(rows):
+        ids[i, p - len(r) :], mask[i, p - len(r) :] = r, 1
+    eos = tuple(int(t) for t in ([tok.eos_token_id] if isinstance(tok.eos_token_id, int) else tok.eos_token_id))
+
+    with torch.no_grad():
+        ref = hf.generate(
+            input_ids=torch.from_numpy(ids).long(),
+            attention_mask=torch.from_numpy(mask).long(),
+            do_sample=False,
+            max_new_tokens=32,
+            pad_token_id=pad,
+            eos_token_id=list(eos),
+        ).numpy()[:, p:]
+    out = generate_sequences(
+        model,
+        DataProto.from_dict({"input_ids": ids, "attention_mask": mask}),
+        SamplingParams(max_new_tokens=32, do_sample=False, eos_token_ids=eos, pad_token_id=pad),
+    )
+    ours = out.batch["responses"][:, : ref.shape[1]]
+    np.testing.assert_array_equal(ours, ref)
+    # log-probs of the greedy path equal the training path on the real model too
+    lp = _full_forward_logprobs(model, out, 1.0)
+    rm = out.batch["response_attention_mask"].astype(bool)
+    np.testing.assert_allclose(out.batch["rollout_log_probs"][rm], lp[rm], atol=1e-4)

@@ -68,6 +68,7 @@ def test_values_and_grads_match_unfused_head(layout, softcap, n_valid):
         assert not np.any(np.asarray(grads_f[0]))
 
 
+@pytest.mark.slow  # compiles of the fused head per mode (30 s on 2 shared, loaded cores)
 def test_entropy_modes():
     h, w, labels, g_lp, g_ent = _inputs(1)
 

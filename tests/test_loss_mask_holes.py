@@ -241,13 +241,11 @@ def test_kl_in_reward_and_gae_skip_the_holes():
 def test_rollout_correction_reads_only_model_tokens():
     b = _batch(seed=4)
     kw = dict(rollout_is="token", rollout_is_threshold=2.0, rollout_rs="token_k1", rollout_rs_threshold="0.7_1.3")
-    w, keep, m = compute_rollout_correction_and_rejection_mask(
-        b["old_log_probs"], b["rollout_log_probs"], b["loss_mask"], **kw
-    )
+    # one compiled program for both calls (eager, its ~40 metric ops dispatch one by one: ~20 s on a loaded CPU)
+    corr = jax.jit(lambda old, rollout, mask: compute_rollout_correction_and_rejection_mask(old, rollout, mask, **kw))
+    w, keep, m = corr(b["old_log_probs"], b["rollout_log_probs"], b["loss_mask"])
     dirty = _garbage_in_holes(b, ("old_log_probs", "rollout_log_probs"))
-    w2, keep2, m2 = compute_rollout_correction_and_rejection_mask(
-        dirty["old_log_probs"], dirty["rollout_log_probs"], b["loss_mask"], **kw
-    )
+    w2, keep2, m2 = corr(dirty["old_log_probs"], dirty["rollout_log_probs"], b["loss_mask"])
     model = b["loss_mask"] != 0
     np.testing.assert_array_equal(np.asarray(w)[model], np.asarray(w2)[model])
     np.testing.assert_array_equal(np.asarray(keep), np.asarray(keep2))

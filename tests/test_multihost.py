@@ -315,12 +315,14 @@ def test_two_processes_equal_one_process(runs, algo):
     assert _param_diff(one8["params"], one1["params"]) > 0  # really different programs, not one cached result
 
 
+@pytest.mark.slow  # the module fixture `runs`: multi-process/8-device tiny runs (490 s on 2 shared, loaded cores)
 def test_cli_process_0_alone_prints(runs):
     stdout = runs["cli2"]["stdout"]  # process 0 alone prints the step lines (and writes metrics.jsonl)
     assert "step 2 | score=" in stdout[0] and "step 2 | score=" not in stdout[1]
 
 
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
+@pytest.mark.slow  # the `runs` fixture (multi-process tiny runs)
 def test_validation_is_process_local(runs, algo):
     """Each process generated and scored only its rows of each held-out batch (padding rows never), and the
     gathered validation metrics equal the 1-process ones and the mean of the logged scores."""
@@ -342,6 +344,7 @@ def test_validation_is_process_local(runs, algo):
     assert _metric_diff([m2], [m1], prefix="val-") <= TOL
 
 
+@pytest.mark.slow  # the `runs` fixture (multi-process tiny runs)
 def test_resume_on_one_process_with_another_mesh(runs):
     res, cli2, grpo8 = runs["resumed"], runs["cli2"], runs["grpo8"]
     assert res["devices"] == 8 and res["processes"] == 1
@@ -354,6 +357,7 @@ def test_resume_on_one_process_with_another_mesh(runs):
     assert _param_diff(res["params"], grpo8["params"]) <= PARAM_TOL
 
 
+@pytest.mark.slow  # the `runs` fixture (multi-process tiny runs)
 def test_fsdp_shards_params_and_optimizer_state_and_constraints_apply(runs):
     one8, one1 = runs["grpo8"], runs["grpo1"]
     # params + optimizer state: every leaf is split 8 ways (fsdp=8) except the norm scales

@@ -242,6 +242,11 @@ def _rollout_batch(n=6, p=6, r=5, vocab=101, seed=0, max_prompt=8):
     )
 
 
+# The reference forward, jitted: the same math as calling the model, one compiled program per shape instead of
+# every layer's ops dispatched one by one (eager, ~4x slower on a loaded 2-core CPU).
+_forward = jax.jit(lambda model, ids, mask: model(ids, mask))
+
+
 def _own_forward(model, b, vocab=None):
     """log_softmax of the model's logits at the sampled tokens, one unpadded sequence at a time."""
     p = b["input_ids"].shape[1] - b["responses"].shape[1]
@@ -249,7 +254,7 @@ def _own_forward(model, b, vocab=None):
     for i in range(b["input_ids"].shape[0]):
         keep = b["attention_mask"][i] > 0
         ids = b["input_ids"][i][keep][None]
-        logits = np.asarray(model(ids, np.ones_like(ids)), np.float64)[0]
+        logits = np.asarray(_forward(model, ids, np.ones_like(ids)), np.float64)[0]
         if vocab is not None:
             logits = logits[:, :vocab]
         mx = logits.max(-1, keepdims=True)

@@ -12,7 +12,7 @@ import pytest
 
 from jaxrl_post import core_algos, distillation, distillation_topk
 from jaxrl_post.trainer import losses, steps
-from tests.test_opd import _own_forward, _peaked_model, _rollout_batch
+from tests.test_opd import _forward, _own_forward, _peaked_model, _rollout_batch
 
 # ----------------------------------------------------------------------------------------- the math by hand
 # B = 2 responses of R = 3 tokens, K = 3; mask holes at (0, 2) and (1, 0) hold garbage that must not count
@@ -144,7 +144,7 @@ def _own_full_log_softmax(model, b, temperature=1.0):
     for i in range(n):
         keep = b["attention_mask"][i] > 0
         ids = b["input_ids"][i][keep][None]
-        logits = np.asarray(model(ids, np.ones_like(ids)), np.float64)[0] / temperature
+        logits = np.asarray(_forward(model, ids, np.ones_like(ids)), np.float64)[0] / temperature
         lsm = logits - logits.max(-1, keepdims=True)
         lsm = lsm - np.log(np.exp(lsm).sum(-1, keepdims=True))
         n_p, n_r = int(keep[:p].sum()), int(keep[p:].sum())

@@ -102,6 +102,7 @@ def test_timing_panel_is_stacked_to_step_time(tmp_path):
     plt.close(fig)
 
 
+@pytest.mark.slow  # a subprocess importing matplotlib and drawing every panel (74 s on 2 shared, loaded cores)
 def test_cli_writes_pngs(tmp_path):
     _write_run(tmp_path / "a")
     _write_run(tmp_path / "b", with_kl=False)

@@ -172,6 +172,7 @@ def test_trainer_logs_one_line_when_a_loss_fixes_its_aggregation(caplog):
     assert not [r for r in caplog.records if r.name == builders.log.name]
 
 
+@pytest.mark.slow  # a subprocess starting the package from scratch (27 s on 2 shared, loaded cores)
 def test_a_new_loss_is_one_file_in_the_package(tmp_path):
     """Drop a file into a copy of jaxrl_post/policy_losses/: the loss is registered, the config check accepts
     it and the docs generator lists it, with no other file edited."""

@@ -166,6 +166,7 @@ def test_exact_resume_bitwise(straight_run, tmp_path):
     ]
 
 
+@pytest.mark.slow  # the `straight_run` fixture: a tiny run end to end (190 s on 2 shared, loaded cores)
 def test_resume_modes(straight_run, tmp_path):
     from jaxrl_post.trainer.config_check import ConfigError
     from jaxrl_post.trainer.trainer import RLTrainer
@@ -297,6 +298,7 @@ def test_nonfinite_updates_stop_the_run_and_keep_the_checkpoint(jax_cache, tmp_p
     assert line["step"] == 1 and line["actor/update_skipped"] == 1.0 and line["actor/num_nonfinite_skipped"] == 2.0
 
 
+@pytest.mark.slow  # a tiny trainer built and run (37 s on 2 shared, loaded cores)
 def test_reward_errors_and_timeouts_are_counted_and_the_step_completes(jax_cache, tmp_path):
     from jaxrl_post.trainer.trainer import RLTrainer
 
@@ -369,6 +371,7 @@ def test_evaluate_checkpoint_and_sampled_validation(straight_run, tmp_path):
         assert f"val-core/{ds}/reward/mean@4" in json.loads(f.readline())
 
 
+@pytest.mark.slow  # the `straight_run` fixture and a transformers load
 def test_export_hf_loads_in_transformers(straight_run, tmp_path):
     import torch
     import transformers
@@ -402,6 +405,7 @@ def test_export_hf_loads_in_transformers(straight_run, tmp_path):
     np.testing.assert_allclose(got, want, atol=2e-4, rtol=1e-4)
 
 
+@pytest.mark.slow  # the `straight_run` fixture
 def test_tensorboard_and_config_files_of_the_run(straight_run):
     w = straight_run["workdir"]
     assert os.path.exists(os.path.join(w, "config.json")) and os.path.exists(os.path.join(w, "config.yaml"))

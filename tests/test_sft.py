@@ -204,7 +204,8 @@ def _reference_loss(model, ids, masks):
     x_pad = np.zeros((len(ids), 16), np.int32)
     for i, x in enumerate(ids):
         x_pad[i, : len(x)] = x
-    all_logits = np.asarray(model(jnp.asarray(x_pad), jnp.asarray(x_pad > 0, jnp.int32)), np.float64)
+    forward = jax.jit(lambda m, ids, mask: m(ids, mask))  # the plain forward, compiled (eager: op by op)
+    all_logits = np.asarray(forward(model, jnp.asarray(x_pad), jnp.asarray(x_pad > 0, jnp.int32)), np.float64)
     nll, hits, n = 0.0, 0, 0
     for x, m, logits in zip(ids, masks, all_logits):
         z = logits - logits.max(-1, keepdims=True)

@@ -176,6 +176,7 @@ def test_sharded_params_created_on_mesh(fake8):
     ]
 
 
+@pytest.mark.slow  # the `fake8` fixture: a subprocess on 8 fake devices (94 s on 2 shared, loaded cores)
 def test_sharded_forward_matches_single_device(fake8):
     tol = 1e-5 * max(1.0, fake8["scale"])
     assert fake8["fwd_diff"] <= tol
@@ -185,6 +186,7 @@ def test_sharded_forward_matches_single_device(fake8):
     assert fake8["lora_diff"] <= tol < fake8["lora_effect"]
 
 
+@pytest.mark.slow  # the `fake8` fixture: a subprocess on 8 fake devices
 def test_divisibility_errors_are_explicit(fake8):
     msg = fake8["div_error"]
     assert msg is not None and "layers.0.attn.k_proj.kernel" in msg and "dim 1 (size 1)" in msg and "'tensor'" in msg
