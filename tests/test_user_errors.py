@@ -279,6 +279,16 @@ def test_reward_model_export_as_the_policy_is_one_error_before_any_load(tmp_path
     rm_cfg.trainer_type = "sft"
     with pytest.raises(ConfigError, match="is a reward model"):
         preflight.check_model_path(rm_cfg)
+    # nor is it a teacher to distil from
+    from configs import opd
+    from jaxrl_post.trainer.roles.teacher import check_teacher_path
+
+    oc = opd.get_config("smollm2")
+    oc.distillation.teacher_models.teacher_model.model_path = str(rm_dir)
+    with pytest.raises(
+        ConfigError, match=r"^config\.distillation\.teacher_models\.teacher_model\.model_path=.* is a reward"
+    ):
+        check_teacher_path(oc)
 
 
 def test_workdir_on_a_file_system_that_cannot_hold_it(tmp_path):

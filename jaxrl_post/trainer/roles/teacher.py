@@ -91,13 +91,16 @@ def check_teacher_path(cfg: Any) -> None:
     t = cfg.distillation.teacher_models.teacher_model
     if not cfg.distillation.enabled or t.random_init:
         return
+    from jaxrl_post.models.hf_io import check_causal_lm_dir
     from jaxrl_post.models.resolve import _HUB_GGUF_RE, _HUB_ID_RE, resolve_model_path
 
     name = os.path.expanduser(str(t.model_path or ""))
     if name and not os.path.exists(name) and (_HUB_ID_RE.match(name) or _HUB_GGUF_RE.match(name)):
         return
     try:
-        resolve_model_path(name)
+        kind, local = resolve_model_path(name)
+        if kind == "hf_dir":
+            check_causal_lm_dir(local)  # a reward model's export has no LM head to distil from
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(
             f"config.{TEACHER_KEY}.model_path={t.model_path!r}: {e}. A trained run becomes a teacher with "
