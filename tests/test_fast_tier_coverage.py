@@ -21,6 +21,7 @@ def test_conftest_records_the_imported_package_modules(tmp_path):
     """One tiny test file run with JAXRL_POST_RECORD_MODULES: the file of the process lists what it imported."""
     (tmp_path / "test_one.py").write_text("def test_it():\n    import jaxrl_post.core_algos  # noqa: F401\n")
     env = dict(os.environ, JAXRL_POST_RECORD_MODULES=str(tmp_path), PYTHONPATH=REPO)
+    env.pop("PYTEST_XDIST_WORKER", None)  # under xdist the child would name its file after this worker
     cmd = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "--rootdir", REPO]
     cmd += ["-p", "tests.conftest", str(tmp_path / "test_one.py")]  # the file sits outside tests/: load its conftest
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
