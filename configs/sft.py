@@ -7,7 +7,8 @@ Variants (`--config=configs/sft.py:VARIANT`):
   gsm8k      SmolLM2-135M-Instruct on the GSM8K train solutions (`question` -> `answer`, verl's SFT keys) from
              `<repo>/../shared/data/gsm8k`, held-out loss on the test split; the result, exported to
              `runs/sft_gsm8k/huggingface/`, is a model source for RL (`--config.model.path=runs/sft_gsm8k`).
-  tiny       random 2-layer llama with the character tokenizer on a few generated rows (tests).
+  tiny       random 2-layer llama with the character tokenizer (tests); data.max_length is 96 characters, so pass
+             short rows of your own: --config.data.train_files=... --config.data.val_files=...
 
 The `model.*` and `trainer.*` sections are `configs/base.py`'s (same meanings; the RL-only keys removed);
 `data.*` and `optim.*` follow verl's `sft_trainer.yaml` (batch sizes count examples, global).

@@ -235,6 +235,10 @@ def test_prompt_too_long_is_refused(executor):
     loop = _tool_loop(ScriptedGenerator({0: []}), executor)
     with pytest.raises(ValueError, match=r"row 0: the prompt \(env.reset.* has .* > data.max_prompt_length=64"):
         loop.generate(_prompts(1, p=64), _params(10))
+    from jaxrl_post.trainer.config_check import ConfigError
+
+    with pytest.raises(ConfigError):  # main prints a ConfigError as one `error:` line, not a traceback
+        loop.generate(_prompts(1, p=64), _params(10))
 
 
 def test_multi_turn_config_errors_name_the_keys():

@@ -221,7 +221,8 @@ class AgentLoop:
           `turn_scores`, `tool_rewards` (per-row lists), and `extra_info` dicts (copies) holding those too.
           `self.last_stats` gets the step's counts (see `rollout_metrics`).
         Raises:
-          ValueError: a re-rendered prompt is longer than P. TemplateNotAppendOnlyError: see the module doc.
+          ConfigError (a ValueError) naming data.max_prompt_length: a re-rendered prompt is longer than P.
+          TemplateNotAppendOnlyError: see the module doc.
           tools.ToolError: the error budget is exceeded.
         """
         if process_local:
@@ -245,10 +246,13 @@ class AgentLoop:
             msgs = self._initial_messages(list(env.reset(row)))
             text = _render(self.tokenizer, msgs, True, self.tools, self.template_kwargs)
             ids = self._encode(text, first=True)
-            if len(ids) > p:
-                raise ValueError(
+            if len(ids) > p:  # a config error (main prints it as one `error:` line), not a crash
+                from jaxrl_post.trainer.config_check import ConfigError
+
+                raise ConfigError(
                     f"row {i}: the prompt (env.reset's messages rendered with the chat template and the tools) has "
-                    f"{len(ids)} tokens > data.max_prompt_length={p}; raise data.max_prompt_length"
+                    f"{len(ids)} tokens > data.max_prompt_length={p}; raise --config.data.max_prompt_length (the "
+                    "tools' schemas add hundreds of tokens, thousands with the character tokenizer)"
                 )
             trajs.append(_Traj(env, msgs, text, ids))
 
