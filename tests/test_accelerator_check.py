@@ -45,3 +45,8 @@ def test_tiny_mode_runs_every_stage_on_cpu():
     # the same weights greedy-decoded twice on the CPU: identical
     assert row["greedy_rows_equal"] == "2/2" and row["greedy_prefix_equal"] == 1.0
     assert row["peak_device_memory_gb"] is None  # CPU devices keep no memory stats
+    assert not [k for k in row if k.endswith("_error")]
+    # the kernel stage ran cuDNN's call in its CPU form on a row with shared prompts: equal to the dense path
+    kp = row["kernel_parity"]
+    assert kp["kernel"] == "cudnn" and kp["shared_prompt_segments"] and kp["kernel_ok"]
+    assert kp["kernel_lp_err"] < 1e-5 and kp["kernel_grad_err"] < 1e-5
