@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             break
         if line.strip() == "/reset":
             chat.reset()
+            print("(conversation cleared)", file=sys.stderr, flush=True)
             continue
         print(chat.reply(line), flush=True)
     return 0

@@ -66,7 +66,8 @@ def test_dropped_validation_prompts_are_said_in_words():
     stats = {"data/num_train_prompts": 64.0, "data/num_val_prompts": 12.0, "data/val_dropped_seen_in_train": 4.0}
     assert ConsoleLogger.format(stats, 0) == (
         "step 0 | data/num_train_prompts=64 | data/num_val_prompts=12 | "
-        "4 validation prompts dropped: they also occur in the training data"
+        "4 validation prompts left out: they also occur in the training data "
+        "(data/num_val_prompts counts the validation prompts used)"
     )
     stats["data/val_dropped_seen_in_train"] = 0.0
     assert ConsoleLogger.format(stats, 0) == "step 0 | data/num_train_prompts=64 | data/num_val_prompts=12"

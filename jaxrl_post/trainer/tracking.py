@@ -175,7 +175,10 @@ class ConsoleLogger:
                 f = _to_float(v)
                 if k == "data/val_dropped_seen_in_train":  # a count of what was done, not an error
                     if f:
-                        parts.append(f"{f:.0f} validation prompts dropped: they also occur in the training data")
+                        parts.append(
+                            f"{f:.0f} validation prompts left out: they also occur in the training data "
+                            "(data/num_val_prompts counts the validation prompts used)"
+                        )
                     continue
                 parts.append(f"{k}={_fmt(f)}" if f is not None else f"{k}={v}")
         return " | ".join(parts)
