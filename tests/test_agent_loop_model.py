@@ -121,7 +121,10 @@ def test_tiny_grpo_with_calculator_trains_two_steps(tmp_path):
     finally:
         trainer.close()
     _check_history(result["history"])  # a random model writes no tool call: every trajectory is one turn
-    assert "val-core/reasoning_gym/basic_arithmetic/reward/mean@1" in result["val_after"]
+    va = result["val_after"]
+    assert "val-core/reasoning_gym/basic_arithmetic/reward/mean@1" in va
+    assert va["val-aux/reasoning_gym/basic_arithmetic/tool_call_rate/mean@1"] == 0.0  # no call, as in training
+    assert va["val-aux/reasoning_gym/basic_arithmetic/num_turns/mean@1"] == 1.0
 
 
 @pytest.mark.slow  # ~100 s on a busy 2-core machine

@@ -136,3 +136,31 @@ def test_extract_answer():
     assert V.extract_answer("reasoning_gym/basic_arithmetic", "x <answer> 42 </answer>") == "42"
     assert V.extract_answer("lighteval/MATH", r"thus \boxed{\frac{1}{2}}") == r"\frac{1}{2}"
     assert V.extract_answer("unknown_source", "#### 3") is None
+
+
+def test_multi_turn_rows_report_tool_calls_rate_and_turns():
+    """`validation_loop._rows_of` on a multi-turn batch: tool calls per trajectory, the share of trajectories
+    that call a tool and the turns become `val-aux/{ds}/{key}/mean@1` (hand-computed below)."""
+    from types import SimpleNamespace
+
+    from jaxrl_post.protocol import DataProto
+    from jaxrl_post.trainer import validation_loop as VL
+
+    out = DataProto.from_dict(
+        {"response_attention_mask": np.ones((4, 3), np.int32)},
+        {
+            "data_source": np.array(["calc"] * 4, object),
+            "uid": np.array(["a", "b", "c", "d"], object),
+            "tool_calls": np.array([0, 2, 1, 0], np.int32),
+            "num_turns": np.array([1, 5, 3, 1], np.int32),
+        },
+    )
+    res = SimpleNamespace(scores=np.array([0.0, 1.0, 1.0, 0.0]), extra_infos={})
+    rows = VL._rows_of(out, res, reward_fn=None, n=1)
+    np.testing.assert_array_equal(rows["extras"]["tool_calls"], [0, 2, 1, 0])
+    np.testing.assert_array_equal(rows["extras"]["tool_call_rate"], [0, 1, 1, 0])
+    m = V.process_validation_metrics(rows["sources"], rows["uids"], {"reward": rows["scores"], **rows["extras"]})
+    assert m["val-core/calc/reward/mean@1"] == 0.5
+    assert m["val-aux/calc/tool_calls/mean@1"] == 0.75  # (0 + 2 + 1 + 0) / 4
+    assert m["val-aux/calc/tool_call_rate/mean@1"] == 0.5  # 2 of 4 trajectories called the calculator
+    assert m["val-aux/calc/num_turns/mean@1"] == 2.5

@@ -94,7 +94,9 @@ def run_validation(
 def _rows_of(out, res, reward_fn, n: int) -> dict[str, Any]:
     """Host values of one batch's scored rows (`out`: this process's real rows; `res`: their RewardOutput
     or None when there are none): scores/lengths `[b]`, sources/uids `[b]` object, preds (n > 1), extras
-    (float keys only, `[b]` float64 with NaN where a row did not report the key)."""
+    (float keys only, `[b]` float64 with NaN where a row did not report the key; multi-turn rollouts add
+    `tool_calls`, `tool_call_rate` (1.0 where the trajectory called a tool) and `num_turns`, reported as
+    `val-aux/{data_source}/{key}/mean@{n}`)."""
     nt = out.non_tensor_batch
     if res is None:
         empty = np.zeros((0,), np.float64)
@@ -108,6 +110,10 @@ def _rows_of(out, res, reward_fn, n: int) -> dict[str, Any]:
             for d, t, e in zip(nt["data_source"], texts, infos)
         ]
     extras = {k: np.asarray(v, np.float64) for k, v in res.extra_infos.items() if np.asarray(v).dtype.kind == "f"}
+    if "tool_calls" in nt:  # multi-turn: tool calls per trajectory and the share of trajectories that call one
+        calls = np.asarray(nt["tool_calls"], np.float64)
+        extras.update(tool_calls=calls, tool_call_rate=(calls > 0).astype(np.float64))
+        extras["num_turns"] = np.asarray(nt["num_turns"], np.float64)
     return dict(
         scores=np.asarray(res.scores, np.float64),
         lengths=np.asarray(out.batch["response_attention_mask"]).sum(-1),
