@@ -132,12 +132,43 @@ def run(offload):
         "bytes": [np.asarray(x).tobytes().hex() for x in jax.tree.leaves((p, s))],
         "compiles": fn._cache_size(),
     }
-print("RESULT " + json.dumps({"on": run(True), "off": run(False)}))
+res = {"on": run(True), "off": run(False)}
+
+# the trainer's packed actor update (scripts/hlo_check.py's tiny model), offloaded, lowered for TPU / CUDA
+import importlib.util, re
+spec = importlib.util.spec_from_file_location("hlo_check", "scripts/hlo_check.py")
+hc = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(hc)
+from jaxrl_post.models import init_model
+from jaxrl_post.trainer import packed_steps, packing, steps
+placement = Placement(mesh)
+graphdef, params, rest = steps.split_model(init_model(hc.TINY, seed=0, mesh=mesh))
+params = placement.commit(params)
+tx = steps.make_optimizer(steps.OptimConfig(lr=1e-6))
+opt = placement.commit(init_opt_state(tx, params, mesh, offload=True))
+rows, row_len = packing.micro_geometry(micro_batch_size=hc.MICRO, use_dynamic_bsz=False, max_token_len_per_gpu=None,
+    seq_len=hc.P_LEN + hc.R_LEN, seqs_per_row=1, dp=2, n_seqs=hc.M)
+pspec = packing.make_pack_spec(hc.M, rows, hc.P_LEN, hc.R_LEN, row_len=row_len)
+batch = placement.put_packed(placement.pack(hc.fake_batch(np.random.default_rng(0)), pspec))
+update = packed_steps.make_packed_actor_update(graphdef, rest, tx, steps.ActorLossConfig())
+upd = placement.jit_update(update, params, opt)
+res["n_opt"], res["n_params"] = len(jax.tree.leaves(opt)), len(jax.tree.leaves(params))
+for plat in ("tpu", "cuda"):
+    with jax.set_mesh(mesh):
+        text = upd.trace(params, opt, batch).lower(lowering_platforms=(plat,)).as_text()
+    main = next(line for line in text.splitlines() if "func.func public @main" in line)
+    args, results = main.split(") -> (", 1)
+    host = 'memory_kind = "pinned_host"'
+    to_device = r'annotate_device_placement.*_xla_buffer_placement = "device"'
+    res[plat] = {"args_host": args.count(host), "results_host": results.count(host),
+                 "to_device": len(re.findall(to_device, text))}
+print("RESULT " + json.dumps(res))
 """
 
 
 def test_offload_on_a_sharded_mesh_keeps_specs_and_numbers():
-    """4 fake CPU devices, (data 1, fsdp 2, tensor 2): the offloaded moments keep their param's spec."""
+    """4 fake CPU devices, (data 1, fsdp 2, tensor 2): the offloaded moments keep their param's spec and the
+    numbers; the trainer's packed actor update lowers for TPU / CUDA with the state in host memory."""
     import json
     import subprocess
 
@@ -155,6 +186,12 @@ def test_offload_on_a_sharded_mesh_keeps_specs_and_numbers():
     assert res["on"]["specs"] == res["off"]["specs"] == ["P()"] + ["P('fsdp', 'tensor')"] * 2
     assert res["on"]["bytes"] == res["off"]["bytes"]
     assert res["on"]["compiles"] == res["off"]["compiles"] == 1
+    # the trainer's packed actor update lowered for TPU / CUDA: the whole optimizer state in host memory on the
+    # way in and out, each leaf moved to the device inside (the params' outputs carry a device placement too)
+    n_opt, n_params = res["n_opt"], res["n_params"]
+    assert n_opt >= 2 * n_params  # mu, nu (+ step counts)
+    for plat in ("tpu", "cuda"):
+        assert res[plat] == {"args_host": n_opt, "results_host": n_opt, "to_device": n_opt + n_params}, plat
 
 
 def _ppo_cfg(workdir, offload: bool):
