@@ -33,28 +33,88 @@ LOGICAL_AXIS_RULES: dict[str, Any] = {
 }
 
 
-def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices: Sequence | None = None) -> Mesh:
+def _resolve_sizes(sizes: list[int], n: int, what: str) -> list[int]:
+    """`sizes` with its one -1 set to the rest of `n`; ValueError when they cannot multiply to `n`."""
+    sizes = list(sizes)
+    if sizes.count(-1) > 1:
+        raise ValueError(f"at most one mesh axis may be -1, got data={sizes[0]}, fsdp={sizes[1]}, tensor={sizes[2]}")
+    if -1 in sizes:
+        known = math.prod(s for s in sizes if s != -1)
+        if n % known:
+            raise ValueError(f"{n} {what} are not divisible by the fixed mesh axes (product {known})")
+        sizes[sizes.index(-1)] = n // known
+    if math.prod(sizes) != n:
+        raise ValueError(
+            f"mesh data={sizes[0]} x fsdp={sizes[1]} x tensor={sizes[2]} needs {math.prod(sizes)} {what}, have {n}"
+        )
+    return sizes
+
+
+def slice_groups(devices: Sequence) -> tuple[str, dict[Any, list]]:
+    """The DCN granules of `devices`: by `slice_index` when the devices have one (TPU multi-slice), else by
+    `process_index` (GPU / CPU: one process = one granule). Returns `(attribute name, {key: [devices]})`."""
+    attr = "slice_index" if all(hasattr(d, "slice_index") for d in devices) else "process_index"
+    groups: dict[Any, list] = {}
+    for d in devices:
+        groups.setdefault(getattr(d, attr), []).append(d)
+    return attr, groups
+
+
+def hybrid_device_array(ici: Sequence[int], dcn: Sequence[int], devices: Sequence):
+    """`[data*dcn_data, fsdp*dcn_fsdp, tensor]` numpy array of devices for a multi-slice mesh: each slice (see
+    `slice_groups`) laid out by `mesh_utils.create_device_mesh` over `ici` (its ICI topology), the slices tiled
+    over `dcn` -- a slice is a contiguous block of each axis that has a dcn factor > 1.
+
+    Raises ValueError when the granule count is not `prod(dcn)` or a granule does not hold `prod(ici)` devices.
+    """
+    from jax.experimental import mesh_utils
+
+    attr, groups = slice_groups(devices)
+    n_dcn = math.prod(dcn)
+    if len(groups) != n_dcn:
+        raise ValueError(
+            f"dcn_data*dcn_fsdp = {n_dcn} slices, but the {len(devices)} devices form {len(groups)} "
+            f"group(s) by {attr} (one {'slice' if attr == 'slice_index' else 'process'} = one slice)"
+        )
+    sizes = sorted({len(g) for g in groups.values()})
+    if sizes != [math.prod(ici)]:
+        raise ValueError(f"each slice must hold data*fsdp*tensor = {math.prod(ici)} devices, got sizes {sizes}")
+    return mesh_utils.create_hybrid_device_mesh(
+        tuple(ici), tuple(dcn), list(devices), process_is_granule=attr == "process_index"
+    )
+
+
+def make_mesh(
+    data: int = 1,
+    fsdp: int = -1,
+    tensor: int = 1,
+    devices: Sequence | None = None,
+    *,
+    dcn_data: int = 1,
+    dcn_fsdp: int = 1,
+) -> Mesh:
     """Mesh with axes ('data', 'fsdp', 'tensor') over `devices` (default: all devices of all hosts).
 
     At most one size may be -1 (= the remaining devices). Raises ValueError when the sizes do not multiply to
     the device count. Without explicit devices, `jax.make_mesh` picks a topology-aware device order.
+
+    Multi-slice (`dcn_data` or `dcn_fsdp` > 1; `trainer.mesh.dcn_*`): `data` / `fsdp` / `tensor` are per slice
+    (ICI) and the mesh is `[data*dcn_data, fsdp*dcn_fsdp, tensor]`, built by `hybrid_device_array`
+    (`mesh_utils.create_hybrid_device_mesh`, the MaxText layout) so the cross-slice (DCN) traffic is only
+    along the data / fsdp axes. Raises ValueError when the devices do not form `dcn_data*dcn_fsdp` equal slices.
     """
     devs = list(jax.devices() if devices is None else devices)
-    sizes = [data, fsdp, tensor]
-    if sizes.count(-1) > 1:
-        raise ValueError(f"at most one mesh axis may be -1, got data={data}, fsdp={fsdp}, tensor={tensor}")
-    if -1 in sizes:
-        known = math.prod(s for s in sizes if s != -1)
-        if len(devs) % known:
-            raise ValueError(f"{len(devs)} devices are not divisible by the fixed mesh axes (product {known})")
-        sizes[sizes.index(-1)] = len(devs) // known
-    if math.prod(sizes) != len(devs):
-        raise ValueError(
-            f"mesh data={sizes[0]} x fsdp={sizes[1]} x tensor={sizes[2]} needs "
-            f"{math.prod(sizes)} devices, have {len(devs)}"
-        )
     auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)  # GSPMD propagation, not explicit-sharding types
-    return jax.make_mesh(tuple(sizes), MESH_AXES, axis_types=auto, devices=devs)
+    if dcn_data < 1 or dcn_fsdp < 1:
+        raise ValueError(f"dcn_data / dcn_fsdp must be >= 1, got {dcn_data} / {dcn_fsdp}")
+    if dcn_data == dcn_fsdp == 1:
+        sizes = _resolve_sizes([data, fsdp, tensor], len(devs), "devices")
+        return jax.make_mesh(tuple(sizes), MESH_AXES, axis_types=auto, devices=devs)
+    n_slices = dcn_data * dcn_fsdp
+    if len(devs) % n_slices:
+        raise ValueError(f"{len(devs)} devices are not divisible by dcn_data*dcn_fsdp = {n_slices} slices")
+    ici = _resolve_sizes([data, fsdp, tensor], len(devs) // n_slices, "devices per slice")
+    return Mesh(hybrid_device_array(ici, (dcn_data, dcn_fsdp, 1), devs), MESH_AXES, axis_types=auto)
 
 
 def logical_to_mesh_spec(names: Sequence[str | None] | None) -> P:
@@ -188,12 +248,28 @@ class InMesh:
         return getattr(self._fn, name)
 
 
-def init_opt_state(tx, params, mesh: Mesh | None):
+HOST_MEMORY = "pinned_host"  # memory kind of an offloaded optimizer state (host RAM the device can DMA)
+
+
+def on_host(tree) -> bool:
+    """True when any array leaf of `tree` lives in host memory (`sharding.memory_kind == 'pinned_host'`)."""
+    return any(getattr(x.sharding, "memory_kind", None) == HOST_MEMORY for x in jax.tree.leaves(tree))
+
+
+def init_opt_state(tx, params, mesh: Mesh | None, *, offload: bool = False):
     """`tx.init(params)` with every param-shaped optimizer leaf (Adam mu / nu, ...) sharded like its param and
     the rest (step counts) replicated -- under FSDP a device holds 1/N of the optimizer state, as of the
-    params (`jax.jit(tx.init)` alone returns every leaf replicated)."""
+    params (`jax.jit(tx.init)` alone returns every leaf replicated).
+
+    `offload=True` (`actor.fsdp_config.optimizer_offload`): the same shardings with `memory_kind='pinned_host'`,
+    so the state lives in host RAM between updates (`placement.Placement.jit_update` moves it to the device
+    inside the update and back). `mesh=None` (one device): every leaf on the params' device."""
     if mesh is None:
-        return jax.jit(tx.init)(params)
+        if not offload:
+            return jax.jit(tx.init)(params)
+        (device,) = jax.tree.leaves(params)[0].sharding.device_set
+        one = jax.sharding.SingleDeviceSharding(device, memory_kind=HOST_MEMORY)
+        return jax.jit(tx.init, out_shardings=jax.tree.map(lambda _: one, jax.eval_shape(tx.init, params)))(params)
     import optax
 
     replicated = NamedSharding(mesh, P())
@@ -202,4 +278,6 @@ def init_opt_state(tx, params, mesh: Mesh | None):
     shardings = optax.tree_map_params(
         tx, lambda _, sh: sh, abstract, param_sh, transform_non_params=lambda _: replicated
     )
+    if offload:
+        shardings = jax.tree.map(lambda sh: sh.with_memory_kind(HOST_MEMORY), shardings)
     return jax.jit(tx.init, out_shardings=shardings)(params)

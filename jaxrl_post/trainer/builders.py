@@ -32,11 +32,17 @@ log = logging.getLogger(__name__)
 
 
 def build_mesh(cfg: Any) -> jax.sharding.Mesh:
-    """Mesh ('data', 'fsdp', 'tensor') from `trainer.mesh.*` over all devices."""
+    """Mesh ('data', 'fsdp', 'tensor') from `trainer.mesh.*` over all devices (multi-slice when a
+    `trainer.mesh.dcn_*` factor is > 1: `sharding.make_mesh`). Raises ConfigError when the devices do not fit."""
     from jaxrl_post.sharding import make_mesh
+    from jaxrl_post.trainer.config_check import ConfigError
 
     m = cfg.trainer.mesh
-    return make_mesh(data=int(m.data), fsdp=int(m.fsdp), tensor=int(m.tensor))
+    dcn = dict(dcn_data=int(m.get("dcn_data", 1)), dcn_fsdp=int(m.get("dcn_fsdp", 1)))
+    try:
+        return make_mesh(data=int(m.data), fsdp=int(m.fsdp), tensor=int(m.tensor), **dcn)
+    except ValueError as e:
+        raise ConfigError(f"config.trainer.mesh: {e} ({jax.device_count()} {jax.devices()[0].platform} devices)") from e
 
 
 def model_config_from(cfg: Any):

@@ -44,8 +44,18 @@ def _get(cfg: Any, path: str) -> Any:
     return node
 
 
+def dcn_factors(cfg: Any) -> tuple[int, int]:
+    """`(trainer.mesh.dcn_data, trainer.mesh.dcn_fsdp)`; 1 when a config has no such key."""
+    m = cfg.trainer.mesh
+    get = m.get if hasattr(m, "get") else lambda k, d: getattr(m, k, d)
+    return int(get("dcn_data", 1)), int(get("dcn_fsdp", 1))
+
+
 def data_parallel_size(cfg: Any, n_devices: int) -> int:
-    """Size of the mesh's ('data', 'fsdp') axes, resolving one -1 against `n_devices`."""
+    """Size of the mesh's ('data', 'fsdp') axes, resolving one -1 against `n_devices` (per slice, times the
+    `trainer.mesh.dcn_*` factors)."""
+    dcn_data, dcn_fsdp = dcn_factors(cfg)
+    n_devices = max(n_devices // (dcn_data * dcn_fsdp), 1)
     sizes = [int(cfg.trainer.mesh.data), int(cfg.trainer.mesh.fsdp), int(cfg.trainer.mesh.tensor)]
     if -1 in sizes:
         known = 1
@@ -53,7 +63,7 @@ def data_parallel_size(cfg: Any, n_devices: int) -> int:
             if s != -1:
                 known *= s
         sizes[sizes.index(-1)] = max(n_devices // max(known, 1), 1)
-    return sizes[0] * sizes[1]
+    return sizes[0] * dcn_data * sizes[1] * dcn_fsdp
 
 
 def estimator_needs(cfg: Any) -> tuple[str, ...]:
@@ -192,22 +202,31 @@ def validate_config(cfg: Any, n_devices: int | None = None) -> None:
     for axis in ("data", "fsdp", "tensor"):
         check(f"trainer.mesh.{axis}", lambda v: is_int(v) and (v == -1 or v > 0), "must be -1 or a positive int")
 
+    for axis in ("dcn_data", "dcn_fsdp"):
+        if axis in cfg.trainer.mesh:
+            check(f"trainer.mesh.{axis}", pos_int, "must be a positive int (slices along the axis; 1 = one slice)")
+
     dp = None
     try:
         mesh_sizes = [cfg.trainer.mesh.data, cfg.trainer.mesh.fsdp, cfg.trainer.mesh.tensor]
+        n_slices = dcn_factors(cfg)[0] * dcn_factors(cfg)[1]
+        per_slice = n_devices // n_slices
+        dcn = "" if n_slices == 1 else f" x dcn_data*dcn_fsdp = {n_slices} slices"
         if sum(s == -1 for s in mesh_sizes) > 1:
             err("trainer.mesh", "at most one of data/fsdp/tensor may be -1")
+        elif n_devices % n_slices:
+            err("trainer.mesh", f"{n_devices} devices are not divisible by dcn_data*dcn_fsdp = {n_slices} slices")
         else:
             prod = 1
             for s in mesh_sizes:
                 prod *= s if s != -1 else 1
-            if -1 in mesh_sizes and n_devices % prod:
-                err("trainer.mesh", f"{n_devices} devices are not divisible by the fixed axes (product {prod})")
-            elif -1 not in mesh_sizes and prod != n_devices:
-                err("trainer.mesh", f"data*fsdp*tensor = {prod} but {n_devices} devices are available")
+            if -1 in mesh_sizes and per_slice % prod:
+                err("trainer.mesh", f"{n_devices} devices{dcn} are not divisible by the fixed axes (product {prod})")
+            elif -1 not in mesh_sizes and prod * n_slices != n_devices:
+                err("trainer.mesh", f"data*fsdp*tensor = {prod}{dcn} but {n_devices} devices are available")
             else:
                 dp = data_parallel_size(cfg, n_devices)
-    except TypeError:
+    except (TypeError, ValueError, ZeroDivisionError):
         pass
 
     use_critic = False

@@ -52,6 +52,15 @@ def pack_spec(
     return packing.make_pack_spec(n_seqs, rows, p, r, row_len=row_len, share_prompts=share)
 
 
+def _opt_state_to_device(fn, device_shardings):
+    """`fn(params, opt_state, *rest)` with `opt_state` first put in device memory (`device_shardings`)."""
+
+    def update(params, opt_state, *rest, **kwargs):
+        return fn(params, jax.device_put(opt_state, device_shardings), *rest, **kwargs)
+
+    return update
+
+
 class Placement:
     """The run's mesh, trace counters and placement / jit helpers (see the module docstring).
 
@@ -98,10 +107,16 @@ class Placement:
         return self.active_mesh
 
     def jit_update(self, fn, params, opt_state):
-        """jit with donated params/opt state and their shardings pinned on the way out."""
-        from jaxrl_post.sharding import InMesh
+        """jit with donated params/opt state and their shardings pinned on the way out.
+
+        An optimizer state in host memory (`sharding.init_opt_state(..., offload=True)`: memory kind
+        'pinned_host') is moved to device memory at the start of the update and the new state written back to
+        host memory (its out_shardings keep the host memory kind); the arithmetic is unchanged."""
+        from jaxrl_post.sharding import InMesh, on_host
 
         shard = lambda t: jax.tree.map(lambda x: x.sharding, t)
+        if on_host(opt_state):
+            fn = _opt_state_to_device(fn, jax.tree.map(lambda s: s.with_memory_kind("device"), shard(opt_state)))
         jitted = jax.jit(fn, donate_argnums=(0, 1), out_shardings=(shard(params), shard(opt_state), None))
         return InMesh(jitted, self.active_mesh)  # activation constraints take effect
 

@@ -50,7 +50,8 @@ class CriticRole:
         )
         self.tx = steps.make_optimizer(self.optim_cfg)
         self.lr = steps.make_lr_schedule(self.optim_cfg)
-        opt_state = placement.commit(init_opt_state(self.tx, params, placement.opt_mesh()))
+        offload = bool(c.fsdp_config.optimizer_offload)  # the state in host memory between updates
+        opt_state = placement.commit(init_opt_state(self.tx, params, placement.opt_mesh(), offload=offload))
         loss_cfg = steps.CriticLossConfig(float(c.cliprange_value), c.loss_agg_mode)
         self.spec = policy.pack_spec("critic", self.mini, int(c.ppo_micro_batch_size))
         self.values_micro = int(c.forward_micro_batch_size)

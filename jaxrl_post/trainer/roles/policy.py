@@ -63,7 +63,8 @@ class PolicyRole:
         )
         self.tx = steps.make_optimizer(self.optim_cfg)
         self.lr = steps.make_lr_schedule(self.optim_cfg)
-        opt_state = placement.commit(init_opt_state(self.tx, params, placement.opt_mesh()))
+        offload = bool(a.fsdp_config.optimizer_offload)  # the state in host memory between updates
+        opt_state = placement.commit(init_opt_state(self.tx, params, placement.opt_mesh(), offload=offload))
         self.loss_cfg = builders.actor_loss_config(cfg, geometry.on_policy)
         self.spec = self.pack_spec("actor", geometry.actor_mini, int(a.ppo_micro_batch_size))
         self.old_log_prob_micro = int(cfg.rollout.log_prob_micro_batch_size)
