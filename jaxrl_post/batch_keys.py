@@ -59,7 +59,13 @@ BATCH_KEYS: dict[str, BatchKey] = {
         # its `input_ids` are `[n, rows, L]` rows of real tokens
         BatchKey("segment_ids", "[n, rows, L]", "int32", "packer", "1, 2, ... per sequence in a row; 0 = padding"),
         BatchKey("positions", "[n, rows, L]", "int32", "packer", "position of each token within its sequence"),
-        BatchKey("slot_pos", "[n, Q]", "int32", "packer", "flat row index of the state predicting a response token"),
+        BatchKey(
+            "slot_pos",
+            "[n, Q] | [n, G, Q/G]",
+            "int32",
+            "packer",
+            "flat row index of the state predicting a response token (G > 1: per row shard, shard-local)",
+        ),
         BatchKey("slot_tokens", "[n, Q]", "int32", "packer", "the response token of each slot"),
         BatchKey("seq_slot", "[n, S, R]", "int32", "packer", "slot of each sequence's response token (-1 = none)"),
         BatchKey("seq_index", "[n, S]", "int32", "packer", "mini-batch row of each sequence slot (-1 = empty)"),

@@ -164,9 +164,10 @@ def trainer_programs(mesh, scan: bool) -> dict:
         dp=MESH["data"] * MESH["fsdp"],
         n_seqs=M,
     )
-    spec = packing.make_pack_spec(M, rows, P_LEN, R_LEN, row_len=row_len)
+    # slots in per-shard blocks over data * fsdp, as `placement.pack_spec` makes them
+    spec = packing.make_pack_spec(M, rows, P_LEN, R_LEN, row_len=row_len, shards=MESH["data"] * MESH["fsdp"])
     batch = placer.put_packed(placer.pack(fake_batch(np.random.default_rng(0)), spec))
-    out = {"slots": spec.slots}
+    out = {"slots": spec.slots, "slot_shards": spec.shards}
     lp = jax.jit(packed_steps.make_packed_log_prob_fn(graphdef, rest, temperature=1.0, with_entropy=False))
     out["old_log_prob"] = inspect("old_log_prob", lp, (params, batch), mesh, head=True)
     loss_cfg = steps.ActorLossConfig()

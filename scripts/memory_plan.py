@@ -181,14 +181,19 @@ def packed_inputs(plan: Plan, mesh, vocab: int) -> dict:
         dp=plan.devices,
         n_seqs=m,
     )
-    spec = packing.make_pack_spec(m, rows, plan.prompt_len, plan.response_len, row_len=row_len)
+    # slots in per-shard blocks over the batch axes, as `placement.pack_spec` makes them
+    spec = packing.make_pack_spec(m, rows, plan.prompt_len, plan.response_len, row_len=row_len, shards=plan.devices)
     n, q, s, r = spec.n_micro, spec.slots, spec.seqs, plan.response_len
     rows_sh = NamedSharding(mesh, P(None, LOGICAL_AXIS_RULES["batch"], None))
     rep = NamedSharding(mesh, P())
     bat = lambda nd: NamedSharding(mesh, P(LOGICAL_AXIS_RULES["batch"], *([None] * (nd - 1))))
     sds = jax.ShapeDtypeStruct
     batch = {k: sds((n, rows, row_len), jnp.int32, sharding=rows_sh) for k in ("input_ids", "segment_ids", "positions")}
-    batch.update(slot_pos=sds((n, q), jnp.int32, sharding=rep), slot_tokens=sds((n, q), jnp.int32, sharding=rep))
+    if spec.shards > 1:  # shard-local `slot_pos [n, shards, Q / shards]`, sharded with the rows
+        batch["slot_pos"] = sds((n, spec.shards, spec.block_slots), jnp.int32, sharding=rows_sh)
+    else:
+        batch["slot_pos"] = sds((n, q), jnp.int32, sharding=rep)
+    batch["slot_tokens"] = sds((n, q), jnp.int32, sharding=rep)
     batch.update(seq_slot=sds((n, s, r), jnp.int32, sharding=rep), seq_index=sds((n, s), jnp.int32, sharding=rep))
     for k, dt in (("responses", jnp.int32), ("loss_mask", jnp.int32), ("advantages", jnp.float32)):
         batch[k] = sds((m, r), dt, sharding=bat(2))

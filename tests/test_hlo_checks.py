@@ -4,7 +4,8 @@
 trainer's generate (prefill + decode), old log-prob, actor update and critic update programs on a tiny model
 and a (data 1, fsdp 4, tensor 2) mesh. Asserted here: every program lowers for TPU and CUDA; with
 `model.scan_layers` no weight all-gather sits in the entry computation of the update and forward programs
-(all inside the layer loop); what is still open is marked `xfail(strict=True)` with the measured numbers, so
+(all inside the layer loop); the LM head runs on 1/(data * fsdp) of a micro-batch's slots per device (the
+packer's per-shard slot blocks); what is still open is marked `xfail(strict=True)` with the measured numbers, so
 it turns red when it gets fixed (then drop the mark).
 """
 
@@ -100,13 +101,11 @@ def test_unrolled_layers_hoist_no_weight_all_gather(report):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="measured: the LM head runs on all 64 slots of a micro-batch on every fsdp device (dots f32[64,192]; "
-    "1/fsdp would be 16): packed_steps gathers the hidden states by a replicated slot_pos",
-)
 def test_lm_head_per_device_is_one_fsdp_th_of_the_slots(report):
+    """The packer lays the slots out in data * fsdp = 4 per-shard blocks (`PackSpec.shards`) and the step runs the
+    head per block: every dot of the head has 64 / 4 = 16 slots per device (before: all 64, dots f32[64,192])."""
     fsdp = report["mesh"]["fsdp"]
+    assert report["unrolled"]["slot_shards"] == report["mesh"]["data"] * fsdp == 4
     for lay in ("unrolled", "scanned"):
         for p in ("old_log_prob", "update_actor"):
             r = report[lay]
@@ -115,7 +114,7 @@ def test_lm_head_per_device_is_one_fsdp_th_of_the_slots(report):
 
 @pytest.mark.slow
 def test_lm_head_dots_are_found(report):
-    """The LM head check above is not vacuous: the head's dots are found, with the whole 64 slots today."""
+    """The LM head check above is not vacuous: the head's dots are found (16 of the 64 slots per device)."""
     for lay in ("unrolled", "scanned"):
         for p in ("old_log_prob", "update_actor"):
             dims = report[lay][p]["head_slot_dims"]

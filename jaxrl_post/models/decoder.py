@@ -428,12 +428,20 @@ class Transformer(nnx.Module):
             logits = jnp.tanh(logits / cap) * cap
         return logits
 
-    def token_stats_from_hidden(self, h, labels, n_valid, temperature=1.0, entropy="metric", chunk=512):
+    def token_stats_from_hidden(
+        self, h, labels, n_valid, temperature=1.0, entropy="metric", chunk=512, *, in_loop_with=None
+    ):
         """Log-probs `[Q] float32` of `labels [Q]` (and entropy `[Q]` or None) from hidden states `h [Q, D]`
         through the LM head, chunked (`lm_head.head_token_stats`: no `[Q, V]` logits; slots >= `n_valid`
-        are skipped and give 0). entropy: 'none' | 'metric' | 'loss' (as `losses.token_log_probs`)."""
+        are skipped and give 0). entropy: 'none' | 'metric' | 'loss' (as `losses.token_log_probs`).
+        in_loop_with: an optional array computed inside the caller's loop; the head weight is tied to it by
+        `lax.optimization_barrier`, so XLA gathers an FSDP-sharded weight where it is used instead of hoisting
+        the gather out of the loop (the whole weight would then stay on every device for the program)."""
         tied = self.lm_head is None
-        w = (self.embedding if tied else self.lm_head)[...].astype(self.dtype)
+        w = (self.embedding if tied else self.lm_head)[...]
+        if in_loop_with is not None:
+            w, _ = jax.lax.optimization_barrier((w, in_loop_with))
+        w = w.astype(self.dtype)
         return head_token_stats(
             h,
             w,

@@ -7,7 +7,10 @@ Q = response slots, L = row_len) plus the usual per-sequence fields, unpacked, `
 * per token `input_ids`, `segment_ids`, `positions` `[n, rows, L] int32`: the decoder runs on packed rows
   with attention masked per segment (`Transformer.hidden_states(segment_ids=...)`);
 * `slot_pos`, `slot_tokens` `[n, Q] int32`: only the hidden states that predict a response token go
-  through the LM head / log-softmax (float32) or the value head;
+  through the LM head / log-softmax (float32) or the value head. With G = `PackSpec.shards` > 1 (the rows are
+  split over G = data * fsdp devices) `slot_pos` is `[n, G, Q / G]`: block j's slots are hidden states of
+  shard j's rows, indexed shard-locally, so the gather and the LM head run per shard (`_hidden_at_slots`,
+  `_block_head`) and XLA keeps them on the device holding those rows: each computes Q / G slots, not Q;
 * `seq_slot [n, S, R]`, `seq_index [n, S]` int32: scatter slot results into `[S, R]` per-sequence arrays
   and gather the `[M, R]` fields (advantages, old log-probs, ...) of the same sequences.
 
@@ -37,15 +40,55 @@ from flax import nnx
 from jaxrl_post import core_algos
 from jaxrl_post.batch_keys import OPTIONAL_PACK_KEYS, PACK_KEYS
 from jaxrl_post.distillation_topk import gather_log_probs, teacher_topk
+from jaxrl_post.sharding import constrain
 from jaxrl_post.trainer import losses, update_core
 from jaxrl_post.trainer.steps import ActorLossConfig, CriticLossConfig
 
 
 def _hidden_at_slots(backbone, mb) -> jax.Array:
-    """Final hidden states at the micro-batch's response slots, `[Q, D]`."""
+    """Final hidden states at the micro-batch's response slots, `[Q, D]`. With per-shard slot blocks
+    (`slot_pos [G, Q / G]`) each block is gathered from its own shard's rows (`[G, rows / G * L, D]`, the
+    shard dim constrained to the batch axes), so no device gathers another's hidden states."""
     seg = mb["segment_ids"]
     h = backbone.hidden_states(mb["input_ids"], seg != 0, mb["positions"], segment_ids=seg)
-    return h.reshape(-1, h.shape[-1])[mb["slot_pos"]]
+    sp = mb["slot_pos"]
+    if sp.ndim == 1:
+        return h.reshape(-1, h.shape[-1])[sp]
+    g, qb = sp.shape
+    hs = constrain(h.reshape(g, -1, h.shape[-1]), ("batch", None, None))
+    out = constrain(jax.vmap(lambda hb, ib: hb[ib])(hs, sp), ("batch", None, None))  # [G, Q / G, D]
+    return out.reshape(g * qb, h.shape[-1])
+
+
+def _blocks(mb) -> int:
+    """Slot blocks G of the micro-batch (1: `slot_pos [Q]`, else `slot_pos [G, Q / G]`)."""
+    sp = mb["slot_pos"]
+    return 1 if sp.ndim == 1 else sp.shape[0]
+
+
+def _block_head(model, mb, h, temperature, entropy):
+    """`token_stats_from_hidden` per slot block: `(log_probs [Q], entropy [Q] | None)` float32, as the flat head
+    on the used slots, with `h [Q, D]` viewed as `[G, Q / G, D]` (shard dim constrained to the batch axes) and
+    the chunked head vmapped over the blocks. Each block's used slots are a prefix of it (the packer fills
+    blocks in order); the head runs on the longest prefix and slots past their block's are zeroed (inputs and
+    outputs), so they give 0 and no gradient."""
+    g = _blocks(mb)
+    q, d = h.shape
+    qb = q // g
+    hb = constrain(h.reshape(g, qb, d), ("batch", None, None))
+    slot = mb["seq_slot"]
+    used = jnp.zeros((g,), jnp.int32).at[jnp.where(slot >= 0, slot // qb, g)].add(1, mode="drop")
+    valid = jnp.arange(qb)[None, :] < used[:, None]  # [G, Q / G]
+    hb = jnp.where(valid[..., None], hb, jnp.zeros((), hb.dtype))
+    labels = mb["slot_tokens"].reshape(g, qb)
+    n_valid = jnp.max(used)
+
+    def stats(hh, ll):
+        return model.token_stats_from_hidden(hh, ll, n_valid, temperature, entropy, in_loop_with=n_valid)
+
+    lp, ent = jax.vmap(stats)(hb, labels)
+    flat = lambda x: jnp.where(valid, x, 0.0).reshape(q)
+    return flat(lp), None if ent is None else flat(ent)
 
 
 def to_seq(x_q: jax.Array, seq_slot: jax.Array) -> jax.Array:
@@ -122,13 +165,19 @@ def packed_log_probs(model, mb, temperature: float, entropy: str, h=None):
     """
     h = _hidden_at_slots(model, mb) if h is None else h
     th = mb.get("slot_threshold")
-    if th is None:  # fused chunked head over the used slots only (a prefix: the packer fills slots in order)
+    g = _blocks(mb)
+    if th is None and g > 1:  # per shard's slot block (module docstring)
+        lp, ent = _block_head(model, mb, h, temperature, entropy)
+    elif th is None:  # fused chunked head over the used slots only (a prefix: the packer fills slots in order)
         n_used = jnp.sum((mb["seq_slot"] >= 0).astype(jnp.int32))
         lp, ent = model.token_stats_from_hidden(h, mb["slot_tokens"], n_used, temperature, entropy)
-    else:  # sampling-mask replay needs the full logits
-        logits = model.logits_from_hidden(h[None])  # [1, Q, V] float32
-        lp, ent = losses.token_log_probs(logits, mb["slot_tokens"][None], temperature, entropy, th[None])
-        lp, ent = lp[0], None if ent is None else ent[0]
+    else:  # sampling-mask replay needs the full logits: [G, Q / G, V] float32 (G = 1: today's [1, Q, V])
+        q = h.shape[0]
+        hb = h.reshape(g, q // g, h.shape[-1])
+        logits = model.logits_from_hidden(hb if g == 1 else constrain(hb, ("batch", None, None)))
+        rs = lambda x: x.reshape(g, q // g)
+        lp, ent = losses.token_log_probs(logits, rs(mb["slot_tokens"]), temperature, entropy, rs(th))
+        lp, ent = lp.reshape(q), None if ent is None else ent.reshape(q)
     seq = lambda x: to_seq(x, mb["seq_slot"])
     return seq(lp), None if ent is None else seq(ent)
 
@@ -136,7 +185,10 @@ def packed_log_probs(model, mb, temperature: float, entropy: str, h=None):
 def packed_values(critic, mb) -> jax.Array:
     """Critic values of the states before each response token, `[S, R] float32` (verl values[:, -R-1:-1])."""
     h = _hidden_at_slots(critic.backbone, mb).astype(jnp.float32)
-    v = (h @ critic.value_head[...])[:, 0] + critic.value_bias[...][0]
+    w = critic.value_head[...]
+    if _blocks(mb) > 1:  # slots sharded with their rows: gather the FSDP-sharded head here, not hoisted (see above)
+        w, _ = jax.lax.optimization_barrier((w, h))
+    v = (h @ w)[:, 0] + critic.value_bias[...][0]
     return to_seq(v, mb["seq_slot"])
 
 

@@ -12,6 +12,12 @@ Static shapes (one compile per `PackSpec`): per token `[n_micro, rows, row_len]`
 trailing ones are empty when the real tokens fit in fewer; the jitted steps loop over the used ones only
 (compute scales with the real tokens, shapes never change).
 
+Slots sharded with their rows (`PackSpec.shards` G > 1, the mesh's data * fsdp: `placement.pack_spec`): the rows
+of a micro-batch are split into G contiguous shards over the devices, and the slots into G blocks of Q / G, block
+j holding only response tokens of shard j's rows with a shard-local `slot_pos [n, G, Q / G]`, so every device
+gathers its own hidden states and runs the LM head on Q / G slots instead of all Q (`packed_steps`). G = 1 is
+the plain layout.
+
 Capacity guarantee (`make_pack_spec` defaults): with `row_len >= P + R`, `slots >= rows * R`,
 `seqs >= rows` and `n_micro = ceil(M / rows)`, every mini-batch fits: a micro-batch that refuses a
 sequence already holds >= `rows` sequences (each sequence fits alone in a fresh row and in R slots).
@@ -47,7 +53,11 @@ class PackSpec:
     n_micro: micro-batches (an upper bound: empty ones are skipped); rows: rows per micro-batch;
     row_len: tokens per row; seqs: sequence slots per micro-batch; slots: response-token slots per
     micro-batch; response_length: R; share_prompts: one prompt copy per row chunk for sequences with equal
-    prompts (see the module docstring; the shapes do not change).
+    prompts (see the module docstring; the shapes do not change); shards: the row-axis shards (data * fsdp of
+    the mesh). With `shards > 1` the slots are laid out in `shards` blocks of `slots // shards`, block j holding
+    only response tokens of the rows of shard j (rows `[j * rows // shards, (j + 1) * rows // shards)` of a
+    micro-batch, as `Placement.put_packed` splits them), so the LM head runs where its hidden states are
+    (`pack_batch`); needs `rows % shards == 0` and `slots % shards == 0` (`make_pack_spec` ensures both).
     """
 
     n_micro: int
@@ -57,6 +67,17 @@ class PackSpec:
     slots: int
     response_length: int
     share_prompts: bool = False
+    shards: int = 1
+
+    @property
+    def block_rows(self) -> int:
+        """Rows of one shard of a micro-batch."""
+        return self.rows // self.shards
+
+    @property
+    def block_slots(self) -> int:
+        """Slots of one shard's block."""
+        return self.slots // self.shards
 
 
 def make_pack_spec(
@@ -68,6 +89,7 @@ def make_pack_spec(
     row_len: int | None = None,
     n_micro: int | None = None,
     share_prompts: bool = False,
+    shards: int = 1,
 ) -> PackSpec:
     """A `PackSpec` that always fits `n_seqs` sequences of `prompt_length + response_length` tokens.
 
@@ -79,7 +101,10 @@ def make_pack_spec(
     sequence holds >= rows * k of them. `share_prompts`: see `PackSpec`; then `slots = rows * row_len` (a
     micro-batch of shared prompts is mostly response tokens, so the padded micro-batch's slot count would
     close it half empty); a shared plan that does not fit falls back to one prompt copy per sequence.
-    Raises ValueError when `rows < 1` or `row_len < T` (a sequence could not fit).
+    `shards`: the devices the row axis is split over (data * fsdp; `PackSpec.shards`): kept when it divides
+    `rows` (slots are then rounded up to a multiple of it: per-shard blocks), else 1 (one block, today's layout).
+    The capacity guarantee holds per block (a block that refuses a sequence holds >= rows * k / shards of them).
+    Raises ValueError when `rows < 1`, `shards < 1` or `row_len < T` (a sequence could not fit).
     """
     t = int(prompt_length) + int(response_length)
     row_len = t if row_len is None else int(row_len)
@@ -87,16 +112,21 @@ def make_pack_spec(
         raise ValueError(f"rows per micro-batch must be >= 1, got {rows}")
     if row_len < t:
         raise ValueError(f"row_len {row_len} < max sequence length P + R = {t}: a sequence may not fit a row")
+    if shards < 1:
+        raise ValueError(f"shards must be >= 1, got {shards}")
+    shards = int(shards) if int(rows) % int(shards) == 0 else 1  # rows not divisible: one block (today's layout)
     per_micro = int(rows) * (row_len // t)
     n_micro = -(-int(n_seqs) // per_micro) if n_micro is None else int(n_micro)
+    slots = int(rows) * row_len if share_prompts else per_micro * int(response_length)
     return PackSpec(
         n_micro=n_micro,
         rows=int(rows),
         row_len=row_len,
         seqs=int(n_seqs),
-        slots=int(rows) * row_len if share_prompts else per_micro * int(response_length),
+        slots=-(-slots // shards) * shards,
         response_length=int(response_length),
         share_prompts=bool(share_prompts),
+        shards=shards,
     )
 
 
@@ -161,36 +191,50 @@ def plan_packing(seq_lens: np.ndarray, resp_lens: np.ndarray, spec: PackSpec) ->
     """First-fit-decreasing placement: `[M, 5] int64` rows (micro, row, offset, seq slot, first slot).
 
     Sequences (longest first, ties by index) go into the first row with room whose micro-batch still
-    has `resp_lens[i]` response slots and a sequence slot; otherwise into a new row of the first
-    micro-batch with a free row and room. Pure function of the lengths.
+    has a sequence slot and whose slot block (the micro-batch's, or with `spec.shards > 1` its row's shard's:
+    `PackSpec`) still has `resp_lens[i]` response slots; otherwise into a new row of the first micro-batch
+    with a free row and room. The first slot is global (block * block_slots + slot in the block). Pure
+    function of the lengths.
     Raises ValueError when a sequence is longer than a row or the mini-batch does not fit the spec.
     """
     seq_lens, resp_lens = np.asarray(seq_lens, np.int64), np.asarray(resp_lens, np.int64)
+    _check_shards(spec)
     n_rows = spec.n_micro * spec.rows
-    if np.any(seq_lens > spec.row_len) or np.any(resp_lens > spec.slots):
-        raise ValueError(f"a sequence is longer than a row ({spec.row_len} tokens) or a micro-batch's slots")
+    if np.any(seq_lens > spec.row_len) or np.any(resp_lens > spec.block_slots):
+        raise ValueError(f"a sequence is longer than a row ({spec.row_len} tokens) or a block's slots")
     row_used = np.zeros(n_rows, np.int64)
     row_open = np.zeros(n_rows, bool)
     row_micro = np.arange(n_rows) // spec.rows
-    slots_used = np.zeros(spec.n_micro, np.int64)
+    row_block = np.arange(n_rows) // spec.block_rows  # micro * shards + shard
+    slots_used = np.zeros(spec.n_micro * spec.shards, np.int64)  # per slot block
     seqs_used = np.zeros(spec.n_micro, np.int64)
     place = np.zeros((len(seq_lens), 5), np.int64)
     for i in sorted(range(len(seq_lens)), key=lambda j: (-seq_lens[j], j)):
         n, r = seq_lens[i], resp_lens[i]
-        micro_ok = (slots_used + r <= spec.slots) & (seqs_used < spec.seqs)
-        fits = row_open & (row_used + n <= spec.row_len) & micro_ok[row_micro]
+        row_ok = (slots_used[row_block] + r <= spec.block_slots) & (seqs_used[row_micro] < spec.seqs)
+        fits = row_open & (row_used + n <= spec.row_len) & row_ok
         if not fits.any():
-            fits = ~row_open & micro_ok[row_micro]
+            fits = ~row_open & row_ok
             if not fits.any():
                 raise ValueError(f"mini-batch of {len(seq_lens)} sequences does not fit {spec}")
         row = int(np.argmax(fits))
-        k = row_micro[row]
-        place[i] = (k, row % spec.rows, row_used[row], seqs_used[k], slots_used[k])
+        k, b = row_micro[row], row_block[row]
+        place[i] = (k, row % spec.rows, row_used[row], seqs_used[k], _first_slot(spec, b, slots_used[b]))
         row_open[row] = True
         row_used[row] += n
-        slots_used[k] += r
+        slots_used[b] += r
         seqs_used[k] += 1
     return place
+
+
+def _check_shards(spec: PackSpec) -> None:
+    if spec.shards < 1 or spec.rows % spec.shards or spec.slots % spec.shards:
+        raise ValueError(f"{spec}: shards must be >= 1 and divide rows and slots (make_pack_spec)")
+
+
+def _first_slot(spec: PackSpec, block: int, used: int) -> int:
+    """Global slot index of slot `used` of slot block `block` (= micro * shards + shard)."""
+    return (int(block) % spec.shards) * spec.block_slots + int(used)
 
 
 def prompt_groups(ids: np.ndarray, positions: np.ndarray | None, p_len: np.ndarray, p: int) -> np.ndarray:
@@ -215,38 +259,41 @@ def plan_shared_packing(p_len: np.ndarray, r_len: np.ndarray, groups: np.ndarray
     Raises ValueError when the mini-batch does not fit the spec (`pack_batch` then uses `plan_packing`).
     """
     p_len, r_len = np.asarray(p_len, np.int64), np.asarray(r_len, np.int64)
+    _check_shards(spec)
     n_rows = spec.n_micro * spec.rows
     row_used = np.zeros(n_rows, np.int64)
     row_micro = np.arange(n_rows) // spec.rows
+    row_block = np.arange(n_rows) // spec.block_rows  # micro * shards + shard (slot blocks, see PackSpec)
     row_last = np.full(n_rows, -1, np.int64)  # group of the chunk that ends each row
     row_chunk_start = np.zeros(n_rows, np.int64)  # prompt offset of that chunk
     row_chunk_subs = np.zeros(n_rows, np.int64)  # responses in that chunk
-    slots_used = np.zeros(spec.n_micro, np.int64)
+    slots_used = np.zeros(spec.n_micro * spec.shards, np.int64)  # per slot block
     seqs_used = np.zeros(spec.n_micro, np.int64)
     place = np.zeros((len(p_len), 7), np.int64)
     total = {g: int(p_len[groups == g][0] + r_len[groups == g].sum()) for g in np.unique(groups)}
     order = sorted(range(len(p_len)), key=lambda j: (-total[int(groups[j])], int(groups[j]), -r_len[j], j))
     for i in order:
         g, n_p, r = int(groups[i]), int(p_len[i]), int(r_len[i])
-        micro_ok = (slots_used + r <= spec.slots) & (seqs_used < spec.seqs)
-        join = (row_last == g) & (row_used + r <= spec.row_len) & micro_ok[row_micro]
+        row_ok = (slots_used[row_block] + r <= spec.block_slots) & (seqs_used[row_micro] < spec.seqs)
+        join = (row_last == g) & (row_used + r <= spec.row_len) & row_ok
         if join.any():
             row = int(np.argmax(join))
             row_chunk_subs[row] += 1
             prompt_off, resp_off = row_chunk_start[row], row_used[row]
         else:
-            fits = (row_used > 0) & (row_used + n_p + r <= spec.row_len) & micro_ok[row_micro]
+            fits = (row_used > 0) & (row_used + n_p + r <= spec.row_len) & row_ok
             if not fits.any():
-                fits = (row_used == 0) & micro_ok[row_micro] & (n_p + r <= spec.row_len)
+                fits = (row_used == 0) & row_ok & (n_p + r <= spec.row_len)
                 if not fits.any():
                     raise ValueError(f"mini-batch of {len(p_len)} sequences does not fit {spec} with shared prompts")
             row = int(np.argmax(fits))
             prompt_off, resp_off = row_used[row], row_used[row] + n_p
             row_last[row], row_chunk_start[row], row_chunk_subs[row] = g, prompt_off, 1
-        k = row_micro[row]
-        place[i] = (k, row % spec.rows, prompt_off, resp_off, seqs_used[k], slots_used[k], row_chunk_subs[row])
+        k, b = row_micro[row], row_block[row]
+        first = _first_slot(spec, b, slots_used[b])
+        place[i] = (k, row % spec.rows, prompt_off, resp_off, seqs_used[k], first, row_chunk_subs[row])
         row_used[row] = resp_off + r
-        slots_used[k] += r
+        slots_used[b] += r
         seqs_used[k] += 1
     return place
 
@@ -266,7 +313,11 @@ def pack_batch(batch: dict[str, np.ndarray], spec: PackSpec) -> dict[str, np.nda
       `input_ids`, `segment_ids`, `positions` `[n, rows, L] int32` (segment 0 = padding; with shared prompts
       `chunk << SUB_BITS | sub`, chunk >= 1, see the module docstring);
       `slot_pos [n, Q] int32`: flat index (row * L + col) of the hidden state that predicts each slot's token
-      (the token before it; a shared prompt's last token for every response's first token);
+      (the token before it; a shared prompt's last token for every response's first token); with
+      `spec.shards` G > 1, `[n, G, Q / G] int32`: block j holds the slots `[j * Q / G, (j + 1) * Q / G)` (the
+      global slot numbering of every other per-slot array), all of them response tokens of shard j's rows,
+      and the index is shard-local ((row - j * rows / G) * L + col), so the steps gather and run the LM
+      head on each shard's own rows (`packed_steps`); unused slots point at index 0 of their shard;
       `slot_tokens [n, Q] int32`: that response token;
       `seq_slot [n, S, R] int32`: the slot of response token r of sequence slot s, -1 where there is none
       (response padding, empty sequence slot); `seq_index [n, S] int32`: the mini-batch row held by each
@@ -323,13 +374,17 @@ def pack_batch(batch: dict[str, np.ndarray], spec: PackSpec) -> dict[str, np.nda
         out["segment_ids"][k, row, r_off : r_off + rl] = base | sub
         out["positions"][k, row, r_off : r_off + rl] = pos[pl:]
         # hidden state predicting response token 0: the prompt's last token; then the response's own tokens
-        first = row * L + np.concatenate([[p_off + pl - 1], r_off + np.arange(rl - 1)]) if rl else np.zeros(0, int)
+        local_row = row % spec.block_rows  # = row with one shard
+        cols = np.concatenate([[p_off + pl - 1], r_off + np.arange(rl - 1)]) if rl else np.zeros(0, int)
+        first = local_row * L + cols
         out["slot_pos"][k, q : q + rl] = first
         out["slot_tokens"][k, q : q + rl] = responses[i, :rl]
         out["seq_slot"][k, s, :rl] = q + np.arange(rl)
         out["seq_index"][k, s] = i
         if thresholds is not None:
             out["slot_threshold"][k, q : q + rl] = thresholds[i, :rl]
+    if spec.shards > 1:
+        out["slot_pos"] = out["slot_pos"].reshape(n, spec.shards, spec.block_slots)
     return out
 
 

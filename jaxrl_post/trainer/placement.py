@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_post.batch_keys import FORWARD_KEYS, TOKEN_KEYS
-from jaxrl_post.trainer import builders, packed_steps, packing
+from jaxrl_post.batch_keys import FORWARD_KEYS, OPTIONAL_PACK_KEYS, PACK_KEYS, TOKEN_KEYS
+from jaxrl_post.trainer import builders, packing
 from jaxrl_post.trainer.config_check import dynamic_bsz
 
 
@@ -49,7 +49,8 @@ def pack_spec(
     )
     share = bool(cfg.model.pack_shared_prompts) and int(cfg.rollout.n) > 1  # only samples of a prompt repeat it
     share = share and attention_impl != "splash"  # splash: equal segment ids only (logged)
-    return packing.make_pack_spec(n_seqs, rows, p, r, row_len=row_len, share_prompts=share)
+    # slots in per-shard blocks, so the LM head runs on each device's own rows (`packing.PackSpec.shards`)
+    return packing.make_pack_spec(n_seqs, rows, p, r, row_len=row_len, share_prompts=share, shards=dp)
 
 
 def _opt_state_to_device(fn, device_shardings):
@@ -130,7 +131,8 @@ class Placement:
 
     def put_packed(self, tree: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """Place a packed mini-batch: packed rows `[n, rows, L]` split over ('data', 'fsdp') on the rows dim,
-        the small packing plan (`[n, Q]`, `[n, S, ...]`) replicated, `[M, ...]` fields as `put`."""
+        and so a per-shard `slot_pos [n, shards, Q / shards]` on its shard dim (`packing.PackSpec.shards`); the
+        rest of the small packing plan (`[n, Q]`, `[n, S, ...]`) replicated, `[M, ...]` fields as `put`."""
         if self.n_devices == 1:
             return {k: jnp.asarray(v) for k, v in tree.items()}
         from jax.sharding import NamedSharding, PartitionSpec
@@ -139,9 +141,11 @@ class Placement:
 
         rows = NamedSharding(self.mesh, PartitionSpec(None, LOGICAL_AXIS_RULES["batch"], None))
         plan = NamedSharding(self.mesh, PartitionSpec())
-        out = self.put({k: v for k, v in tree.items() if k not in packed_steps.PACK_KEYS})
-        for k in packed_steps.PACK_KEYS:
-            sharding = rows if k in ("input_ids", "segment_ids", "positions") else plan
+        plan_keys = [k for k in PACK_KEYS + OPTIONAL_PACK_KEYS if k in tree]  # `slot_threshold [n, Q]` too
+        out = self.put({k: v for k, v in tree.items() if k not in plan_keys})
+        for k in plan_keys:
+            per_shard = k == "slot_pos" and np.ndim(tree[k]) == 3
+            sharding = rows if k in ("input_ids", "segment_ids", "positions") or per_shard else plan
             out[k] = jax.device_put(tree[k], sharding)
         return out
 
