@@ -165,7 +165,7 @@ def test_trl_parses_hermes_calls_and_scores_with_our_reward(rows, smol_tok):
     keys = ("ground_truth", "extra_info_json", "data_source")
     kw = {k: [rows[0][k]] * 3 for k in keys}
     assert reward(prompts=[None] * 3, completions=comps, completion_ids=cids, **kw) == [1.0, 0.0, 0.0]
-    assert stats == {"tool_use": [True, False, False], "reward": [1.0, 0.0, 0.0]}
+    assert stats == {"tool_use": [True, False, False], "turns": [3, 0, 0], "reward": [1.0, 0.0, 0.0]}
 
 
 def test_trl_summarize_drops_the_warmup_step():
@@ -174,13 +174,20 @@ def test_trl_summarize_drops_the_warmup_step():
     assert (a.prompts, a.n, a.max_completion, a.micro, a.lr, a.max_tool_iterations) == (4, 8, 192, 4, 1e-5, 2)
     steps = [
         {"step_s": 50.0, "gen_s": 40.0, "tool_call_frequency": 0.5, "tool_use_rate": 0.25, "reward_mean": 0.0},
-        {"step_s": 10.0, "gen_s": 6.0, "tool_call_frequency": 1.0, "tool_use_rate": 0.5, "reward_mean": 0.5},
+        {
+            "step_s": 10.0,
+            "gen_s": 6.0,
+            "tool_call_frequency": 1.0,
+            "tool_use_rate": 0.5,
+            "reward_mean": 0.5,
+            "num_turns_mean": 2.0,
+        },
         {"step_s": 20.0, "gen_s": 8.0, "tool_call_frequency": None, "tool_use_rate": 0.75, "reward_mean": 1.0},
     ]
     r = trl_peer.summarize(steps, a)
     assert r["warmup_step_s"] == 50.0 and r["step_s"] == [10.0, 20.0] and r["step_s_median"] == 15.0
     assert r["gen_s"] == [6.0, 8.0] and r["tool_call_frequency"] == 0.75 and r["tool_use_rate"] == 0.5
-    assert r["reward_mean"] == 0.5 and r["timed_steps"] == 2
+    assert r["reward_mean"] == 0.5 and r["timed_steps"] == 2 and r["num_turns_mean"] == 2.0
     with pytest.raises(SystemExit):
         trl_peer.parse_args(["--model-dir", "m", "--micro", "5"])
 
@@ -188,7 +195,7 @@ def test_trl_summarize_drops_the_warmup_step():
 def test_runner_reads_our_metrics_and_summarizes(tmp_path):
     p = tmp_path / "metrics.jsonl"
     lines = [
-        {"step": 1, "timing_s/step": 90.0, "timing_s/gen": 60.0, "tool_calls/mean": 0.1},
+        {"step": 1, "timing_s/step": 90.0, "timing_s/gen": 60.0, "tool_calls/mean": 0.1, "num_turns/mean": 2.0},
         {"step": 2, "timing_s/step": 30.0, "timing_s/gen": 20.0, "tool_calls/mean": 0.5},
         {"step": 3, "timing_s/step": 50.0, "timing_s/gen": 30.0, "tool_calls/mean": 0.25},
         {"step": 4, "timing_s/step": 10.0, "timing_s/gen": 5.0},
@@ -198,6 +205,7 @@ def test_runner_reads_our_metrics_and_summarizes(tmp_path):
     r = driver.ours_from_metrics(str(p))
     assert r["step_s"] == [30.0, 50.0, 10.0] and r["step_s_median"] == 30.0 and r["warmup_step_s"] == 90.0
     assert r["gen_s"] == [20.0, 30.0, 5.0] and r["tool_call_frequency"] == pytest.approx(0.2833, abs=1e-4)
+    assert r["num_turns_mean"] == 2.0
 
     rec = lambda s, m, rss: {"system": s, "step_s_median": m, "rss_mb": rss}
     recs = [rec("jaxrl_post", 20.0, 3000), rec("jaxrl_post", 90.0, 9000), rec("jaxrl_post", 40.0, 5000)]
@@ -211,6 +219,28 @@ def test_runner_reads_our_metrics_and_summarizes(tmp_path):
     assert "| jaxrl_post | 3 | 40.0 | 5000 |" in t and "| trl | 3 | 80.0 | 2500 |" in t
     assert "| TRL / ours | | 2.00x faster (ours) | 2.00x (ours / TRL) |" in t
     assert driver.summarize([rec("trl", 1.0, 1)]) == {"trl": {"step_s": 1.0, "rss_mb": 1.0, "runs": 1}}
+
+
+def test_runner_our_command_sets_existing_config_keys():
+    from configs import grpo_tools
+
+    cmd = driver.ours_cmd(3, "/tmp/x", ["--config.rollout.n=8"])
+    assert cmd[1:4] == ["-m", "jaxrl_post.main", "--config=configs/grpo_tools.py"]
+    cfg = grpo_tools.get_config()
+    got = {}
+    for flag in cmd[4:]:
+        key, _, value = flag.removeprefix("--config.").partition("=")
+        node = cfg
+        for part in key.split("."):
+            node = node[part]  # KeyError: the flag names no config key
+        got[key] = value
+    assert got == {
+        "trainer.total_training_steps": "4",
+        "trainer.val_before_train": "False",
+        "trainer.val_at_end": "False",
+        "trainer.default_local_dir": "/tmp/x",
+        "rollout.n": "8",
+    }
 
 
 def _tiny_llama_dir(path, tok):

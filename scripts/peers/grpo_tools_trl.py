@@ -29,7 +29,8 @@ Timing: a callback from `on_step_begin` to `on_step_end` (one optimizer step, ge
 step is the warm-up and is not counted. Generation time: the wrapped `_generate_and_score_completions`. Per
 step it prints a JSON line; at the end `RESULT {json}` (`step_s`, `step_s_median`, `gen_s`, `warmup_step_s`,
 `tool_call_frequency` = TRL's `tools/call_frequency` (calls per completion), `tool_use_rate` (completions
-with at least one tool result), `reward_mean`, `resp_len_mean`, `peak_rss_mb_self`, versions).
+with at least one tool result), `num_turns_mean` (assistant turns + tool messages per completion, as our
+`num_turns/mean`), `reward_mean`, `resp_len_mean`, `peak_rss_mb_self`, versions).
 Peak memory for the comparison is the runner's `/usr/bin/time -v` maximum RSS of this process.
 """
 
@@ -115,7 +116,11 @@ def make_reward(tok, stats: dict):
             for t, g, e, d in zip(texts, ground_truth, extra_info_json, data_source)
         ]
         used = [any(m.get("role") == "tool" for m in c) if isinstance(c, list) else False for c in completions]
+        turns = [  # model turns + tool messages, as our `num_turns` (model + environment turns)
+            sum(m.get("role") in ("assistant", "tool") for m in c) if isinstance(c, list) else 1 for c in completions
+        ]
         stats["tool_use"] = stats.get("tool_use", []) + used
+        stats["turns"] = stats.get("turns", []) + turns
         stats["reward"] = stats.get("reward", []) + out
         return out
 
@@ -140,7 +145,8 @@ def load_rows(a) -> list[dict]:
 
 def summarize(steps: list[dict], a, **extra) -> dict:
     """The `RESULT` dict from per-step records (`step_s`, `gen_s`, `tool_call_frequency`, `tool_use_rate`,
-    `reward_mean`, `resp_len_mean`); the first step is the warm-up."""
+    `num_turns_mean`, `reward_mean`, `resp_len_mean`); the first step is the warm-up; the rates are means over
+    all steps, the warm-up included."""
     timed = steps[1:]
     step_s = [round(s["step_s"], 3) for s in timed]
 
@@ -159,6 +165,7 @@ def summarize(steps: list[dict], a, **extra) -> dict:
         "tool_call_frequency": mean_of("tool_call_frequency"),
         "tool_use_rate": mean_of("tool_use_rate"),
         "reward_mean": mean_of("reward_mean"),
+        "num_turns_mean": mean_of("num_turns_mean"),
         "resp_len_mean": mean_of("resp_len_mean"),
         "peak_rss_mb_self": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "prompts": a.prompts,
@@ -256,6 +263,8 @@ def main(argv=None) -> None:
             use, rew = stats.get("tool_use", []), stats.get("reward", [])
             rec["tool_use_rate"] = sum(use) / len(use) if use else None
             rec["reward_mean"] = sum(rew) / len(rew) if rew else None
+            turns = stats.get("turns", [])
+            rec["num_turns_mean"] = sum(turns) / len(turns) if turns else None
             steps.append(rec)
 
         def on_log(self, args, state, control, logs=None, **kw):

@@ -37,7 +37,7 @@ _RSS = re.compile(r"Maximum resident set size \(kbytes\): (\d+)")
 def ours_from_metrics(path: str) -> dict:
     """Step times of our run from its `metrics.jsonl`: the lines with `timing_s/step`, by step; the first
     (compilation) is the warm-up. `tool_call_frequency` = mean `tool_calls/mean` (calls per trajectory) over all
-    steps, as TRL's `tools/call_frequency`."""
+    steps, as TRL's `tools/call_frequency`; `num_turns_mean` = mean `num_turns/mean` (model + tool turns)."""
     by_step = {}
     with open(path) as f:
         for line in f:
@@ -48,6 +48,7 @@ def ours_from_metrics(path: str) -> dict:
     timed = recs[1:]
     step_s = [round(float(m["timing_s/step"]), 3) for m in timed]
     calls = [float(m["tool_calls/mean"]) for m in recs if "tool_calls/mean" in m]
+    turns = [float(m["num_turns/mean"]) for m in recs if "num_turns/mean" in m]
     return {
         "system": "jaxrl_post",
         "trainer": "grpo_tools",
@@ -57,6 +58,7 @@ def ours_from_metrics(path: str) -> dict:
         "step_s_median": round(statistics.median(step_s), 3) if step_s else None,
         "gen_s": [round(float(m.get("timing_s/gen", 0.0)), 3) for m in timed],
         "tool_call_frequency": round(sum(calls) / len(calls), 4) if calls else None,
+        "num_turns_mean": round(sum(turns) / len(turns), 4) if turns else None,
     }
 
 
@@ -81,12 +83,16 @@ def _timed(cmd: list[str], **kw) -> tuple[subprocess.CompletedProcess, dict]:
     return p, rec
 
 
+def ours_cmd(steps: int, run_dir: str, overrides=()) -> list[str]:
+    """Our run: `steps` timed steps + 1 warm-up, no validation, metrics in `run_dir` (run from the repo root)."""
+    cmd = [sys.executable, "-m", "jaxrl_post.main", "--config=configs/grpo_tools.py"]
+    cmd += [f"--config.trainer.total_training_steps={steps + 1}", "--config.trainer.val_before_train=False"]
+    return cmd + ["--config.trainer.val_at_end=False", f"--config.trainer.default_local_dir={run_dir}", *overrides]
+
+
 def run_ours(a) -> dict:
     run_dir = tempfile.mkdtemp(prefix="grpo_tools_ours_")
-    cmd = [sys.executable, "-m", "jaxrl_post.main", "--config=configs/grpo_tools.py"]
-    cmd += [f"--config.trainer.total_training_steps={a.steps + 1}", "--config.trainer.val_before_train=False"]
-    cmd += ["--config.trainer.val_at_end=False", f"--config.trainer.default_local_dir={run_dir}", *a.ours_override]
-    _, rec = _timed(cmd, cwd=_REPO)
+    _, rec = _timed(ours_cmd(a.steps, run_dir, a.ours_override), cwd=_REPO)
     metrics = os.path.join(run_dir, "metrics.jsonl")
     if os.path.exists(metrics):
         rec.update(ours_from_metrics(metrics))
