@@ -9,6 +9,8 @@ Variants (`--config=configs/dpo.py:VARIANT`):
              arithmetic pairs, prompt "a+b=", chosen the sum, rejected a wrong sum).
   smollm2    SmolLM2-135M-Instruct (GGUF alias) on your pairs (`data.train_files`, TRL's prompt / chosen /
              rejected rows, plain or conversational), LoRA off, beta 0.1, sigmoid loss.
+  rg_pairs   smollm2 on `runs/pairs/{train,val}.jsonl`: pairs from the model's own samples on the GRPO default
+             task (scripts/make_preference_pairs.py), lr 2e-6, rows of 128 tokens.
 
 The `model.*` and `trainer.*` sections are `configs/sft.py`'s (same meanings); `data.*` follows TRL's
 `DPOConfig` lengths (`max_length`, `max_prompt_length`, truncation); `dpo.*` has TRL's `DPOConfig` names.
@@ -95,10 +97,24 @@ def smollm2(c):
     return c
 
 
+def rg_pairs(c):
+    # DPO on pairs from SmolLM2's own samples on the GRPO default task (chosen right, rejected wrong), made by
+    # scripts/make_preference_pairs.py into runs/pairs/ (docs/sft_dpo.md "DPO on the model's own samples").
+    smollm2(c)
+    c.trainer.experiment_name = "dpo_smollm2_rg"
+    c.trainer.default_local_dir = "runs/dpo_rg"
+    c.data.train_files = "runs/pairs/train.jsonl"
+    c.data.val_files = "runs/pairs/val.jsonl"
+    c.data.max_length = 128  # chat prompt 45-48 tokens + a response of <= 48
+    c.optim.lr = 2e-6
+    c.trainer.test_freq = 10
+    return c
+
+
 def get_config(arg=None):
     c = get_base_dpo_config()
     variant = arg or "tiny"
-    fns = {"tiny": tiny, "smollm2": smollm2}
+    fns = {"tiny": tiny, "smollm2": smollm2, "rg_pairs": rg_pairs}
     if variant not in fns:
         raise ValueError(f"configs/dpo.py: unknown variant {variant!r}; valid: {sorted(fns)}")
     return fns[variant](c)

@@ -3,6 +3,9 @@
 Variants (`--config=configs/ppo.py:VARIANT`):
   (default)  SmolLM2-135M-Instruct actor and critic (value head on the same backbone) on the GRPO task.
   tiny       random 2-layer llama actor/critic, toy reward, a few steps (tests).
+  rm         the default with the reward model of `configs/reward_model.py:rg_pairs` (runs/reward_model_rg) as
+             the only reward; the task's rule score is logged beside it as `acc` (configs/rm_reward.py), never
+             trained on: the RLHF pipeline of docs/rlhf.md.
 """
 
 import os
@@ -39,6 +42,18 @@ def _default(c):
     return c
 
 
+def _rm(c):
+    c = _default(c)
+    c.trainer.experiment_name = "ppo_smollm2_rg_rm"
+    c.trainer.default_local_dir = "runs/ppo_rm"
+    c.reward_model.enable = True
+    c.reward_model.model.path = "runs/reward_model_rg"
+    c.custom_reward_function.path = os.path.join(_REPO, "configs", "rm_reward.py")
+    c.custom_reward_function.name = "rm_score_with_acc"
+    c.trainer.test_freq = 5
+    return c
+
+
 def _tiny(c):
     c = grpo.tiny(c)
     c.trainer.experiment_name = "ppo_tiny"
@@ -60,7 +75,7 @@ def get_config(arg=None):
     c.algorithm.lam = 0.95
     c.critic.enable = True
     variant = arg or "default"
-    fns = {"default": _default, "tiny": _tiny}
+    fns = {"default": _default, "tiny": _tiny, "rm": _rm}
     if variant not in fns:
         raise ValueError(f"configs/ppo.py: unknown variant {variant!r}; valid: {sorted(fns)}")
     return fns[variant](c)

@@ -10,6 +10,8 @@ Variants (`--config=configs/reward_model.py:VARIANT`):
   smollm2    SmolLM2-135M-Instruct's backbone (GGUF alias) plus a fresh score head on your pairs
              (`data.train_files`: TRL's prompt / chosen / rejected rows, plain or conversational, an optional
              numeric `margin` column); TRL RewardConfig's defaults where they apply.
+  rg_pairs   smollm2 on `runs/pairs/{train,val}.jsonl`: pairs from the model's own samples on the GRPO default
+             task (scripts/make_preference_pairs.py), rows of 128 tokens; the RM of `configs/ppo.py:rm`.
 
 `model.*`, `optim.*` and `trainer.*` are `configs/sft.py`'s (same meanings); `data.*` is `configs/dpo.py`'s
 (preference pairs); `rm.*` has TRL `RewardConfig`'s names. The run's `huggingface/` export is an HF
@@ -81,10 +83,23 @@ def smollm2(c):
     return c
 
 
+def rg_pairs(c):
+    # The RLHF pipeline's reward model: SmolLM2 on pairs from its own samples on the GRPO default task (chosen
+    # right, rejected wrong; scripts/make_preference_pairs.py -> runs/pairs/); docs/rlhf.md.
+    smollm2(c)
+    c.trainer.experiment_name = "reward_model_smollm2_rg"
+    c.trainer.default_local_dir = "runs/reward_model_rg"
+    c.data.train_files = "runs/pairs/train.jsonl"
+    c.data.val_files = "runs/pairs/val.jsonl"
+    c.data.max_length = 128  # chat prompt 45-48 tokens + a response of <= 48
+    c.trainer.test_freq = 10
+    return c
+
+
 def get_config(arg=None):
     c = get_base_rm_config()
     variant = arg or "tiny"
-    fns = {"tiny": tiny, "smollm2": smollm2}
+    fns = {"tiny": tiny, "smollm2": smollm2, "rg_pairs": rg_pairs}
     if variant not in fns:
         raise ValueError(f"configs/reward_model.py: unknown variant {variant!r}; valid: {sorted(fns)}")
     return fns[variant](c)

@@ -261,3 +261,17 @@ def test_sharded_scoring_equals_one_device():
         [sys.executable, "-c", _SHARDED.format(repo=REPO)], capture_output=True, text=True, timeout=600, cwd=REPO
     )
     assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
+
+
+def test_rm_reward_with_acc_returns_rm_score_and_rule_accuracy():
+    """configs/rm_reward.py (configs/ppo.py:rm): the reward is the RM score, `acc` the rule score beside it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("rm_reward", os.path.join(REPO, "configs", "rm_reward.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    fn = mod.rm_score_with_acc
+    assert fn("openai/gsm8k", "so #### 42", "42", {"rm_score": -0.25}) == {"score": -0.25, "acc": 1.0}
+    assert fn("openai/gsm8k", "so #### 41", "42", {"rm_score": 1.5}) == {"score": 1.5, "acc": 0.0}
+    with pytest.raises(KeyError, match="rm_score"):
+        fn("openai/gsm8k", "so #### 42", "42", {})

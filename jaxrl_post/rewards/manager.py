@@ -222,7 +222,9 @@ class RewardManager:
         return list(self.tokenizer.batch_decode(seqs, skip_special_tokens=self.skip_special_tokens))
 
     @staticmethod
-    def _ground_truths(data) -> list[Any]:
+    def ground_truths(data) -> list[Any]:
+        """Each row's ground truth: non_tensor 'ground_truth', else verl's 'reward_model'['ground_truth'].
+        Raises KeyError when the batch has neither."""
         nt = data.non_tensor_batch
         if "ground_truth" in nt:
             return list(nt["ground_truth"])
@@ -246,7 +248,7 @@ class RewardManager:
         if "data_source" not in nt:
             raise KeyError("non_tensor_batch needs 'data_source'")
         sources = list(nt["data_source"])
-        gts = self._ground_truths(data)
+        gts = self.ground_truths(data)
         infos = list(nt["extra_info"]) if "extra_info" in nt else [None] * B
         rm_scores, rm_metrics = self._rm_scores(data, B)
         if rm_scores is not None:  # a copy per row: the batch's own extra_info dicts are left as they are

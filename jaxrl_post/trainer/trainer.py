@@ -356,8 +356,10 @@ class RLTrainer:
         `val-core/{data_source}/reward/mean@{n}`, best@k / maj@k / pass@k when n > 1; `acc` becomes the core
         variable when the reward function reports it), `val-aux/{data_source}/response_length/mean`,
         `val-aux/{data_source}/num_samples`, `timing_s/testing`. Shows a progress bar (prompts done) when
-        `trainer.progress_bar` (process 0). Multi-process: each process generates and scores only its rows
-        of every held-out batch; the results are gathered once, so every process returns the same metrics.
+        `trainer.progress_bar` (process 0). With `trainer.validation_data_dir` (verl), every scored response
+        goes to `<dir>/<global_steps>.jsonl` (`validation_loop.write_generations`). Multi-process: each
+        process generates and scores only its rows of every held-out batch; the results are gathered once, so
+        every process returns the same metrics.
 
         Raises:
           ValueError: `data.val_files` is set but every prompt in it also occurs in the training data (the
@@ -374,7 +376,17 @@ class RLTrainer:
         local = self.rollout.process_local  # multi-process: each process scores its rows
         engine = self.rollout.engine  # multi-turn: the agent loop
         val = self.data.val_loader
-        return run_validation(self.config, val, engine, self.reward_fn, sampling_params, process_local=local)
+        dump = self.config.trainer.get("validation_data_dir")
+        return run_validation(
+            self.config,
+            val,
+            engine,
+            self.reward_fn,
+            sampling_params,
+            process_local=local,
+            dump_path=dump,
+            step=self.global_steps,
+        )
 
     # ------------------------------------------------------------------------------------ loop
     def fit(self, max_steps: int | None = None, *, stop=None) -> dict[str, Any]:

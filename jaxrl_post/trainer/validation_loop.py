@@ -11,6 +11,8 @@ rows, in the same order, as on one process.
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from typing import Any
 
@@ -24,7 +26,15 @@ from jaxrl_post.trainer.validation import extract_answer, process_validation_met
 
 
 def run_validation(
-    config: Any, val_loader: Any, generator: Any, reward_fn: Any, sampling_params: Any, *, process_local: bool = False
+    config: Any,
+    val_loader: Any,
+    generator: Any,
+    reward_fn: Any,
+    sampling_params: Any,
+    *,
+    process_local: bool = False,
+    dump_path: str | None = None,
+    step: int = 0,
 ) -> dict[str, float]:
     """Generate on every batch of `val_loader` (each prompt `rollout.val_kwargs.n` times, padded to a fixed
     shape), score with `reward_fn` and return the validation metrics described in `RLTrainer.validate`.
@@ -37,6 +47,8 @@ def run_validation(
       process_local: multi-process runs (every process calls this): each process generates and scores only
         its block of rows of every batch, and the results are gathered once (every process returns the
         same metrics). False: this process does everything.
+      dump_path: verl's `trainer.validation_data_dir`: when set, process 0 writes every scored response to
+        `<dump_path>/<step>.jsonl` (`write_generations`). step: the training step the file is named after.
 
     Raises:
       RewardFunctionError: see `RewardManager.compute` (with `process_local`, a failure on any process is
@@ -68,7 +80,7 @@ def run_validation(
                 out = generator.generate(batch, sampling_params)
             out = out[: max(0, min(real, own.stop) - own.start)] if process_local else out[:real]
             res = score_everywhere(reward_fn, out, process_local)  # None: no real rows here
-            mine.append(_rows_of(out, res, reward_fn, n))
+            mine.append(_rows_of(out, res, reward_fn, n, dump=dump_path is not None))
             bar.update(real // n)
     # THE gather of validation: every process's list of per-batch results (process order = row order)
     parts = distributed.gather_objects(mine) if process_local else [mine]
@@ -87,20 +99,53 @@ def run_validation(
         sel = sources == ds
         out_m[f"val-aux/{ds}/response_length/mean"] = float(lengths[sel].mean())
         out_m[f"val-aux/{ds}/num_samples"] = float(sel.sum())
+    if dump_path is not None and distributed.is_main():
+        write_generations(os.path.join(dump_path, f"{step}.jsonl"), per_batch, step)
     out_m["timing_s/testing"] = time.perf_counter() - t0
     return out_m
 
 
-def _rows_of(out, res, reward_fn, n: int) -> dict[str, Any]:
+def write_generations(path: str, per_batch: list[dict[str, Any]], step: int) -> None:
+    """Write one JSON line per scored validation response, verl's `_dump_generations` keys (`input`: the
+    decoded prompt, `output`: the decoded response, `gts`: the ground truth, `score`, `step`) plus
+    `data_source`, `uid` (`<batch>/<uid>`: the n responses of one prompt share it), `raw_prompt` (the chat
+    messages) and the reward function's numeric extras (`acc`, ...; NaN as null). Written to `<path>.tmp`,
+    then renamed, so a crash never leaves a partial file. Raises OSError when the file cannot be written."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        for i, b in enumerate(per_batch):
+            for j, d in enumerate(b["dump"]):
+                extras = {k: _json_float(v[j]) for k, v in sorted(b["extras"].items())}
+                row = dict(d, score=float(b["scores"][j]), step=int(step), data_source=str(b["sources"][j]))
+                row["uid"] = f"{i}/{b['uids'][j]}"
+                f.write(json.dumps({**extras, **row}, ensure_ascii=False, default=_json_default) + "\n")
+    os.replace(tmp, path)
+
+
+def _json_float(x: Any) -> float | None:
+    x = float(x)
+    return x if np.isfinite(x) else None
+
+
+def _json_default(x: Any) -> Any:
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    if isinstance(x, np.generic):
+        return x.item()
+    return str(x)
+
+
+def _rows_of(out, res, reward_fn, n: int, dump: bool = False) -> dict[str, Any]:
     """Host values of one batch's scored rows (`out`: this process's real rows; `res`: their RewardOutput
     or None when there are none): scores/lengths `[b]`, sources/uids `[b]` object, preds (n > 1), extras
     (float keys only, `[b]` float64 with NaN where a row did not report the key; multi-turn rollouts add
     `tool_calls`, `tool_call_rate` (1.0 where the trajectory called a tool) and `num_turns`, reported as
-    `val-aux/{data_source}/{key}/mean@{n}`)."""
+    `val-aux/{data_source}/{key}/mean@{n}`), and with `dump` the per-row texts of `write_generations`."""
     nt = out.non_tensor_batch
     if res is None:
         empty = np.zeros((0,), np.float64)
-        return dict(scores=empty, lengths=empty, sources=np.zeros((0,), object), uids=[], preds=[], extras={})
+        return dict(scores=empty, lengths=empty, sources=np.zeros((0,), object), uids=[], preds=[], extras={}, dump=[])
     preds = []
     if n > 1:  # extracted final answers, for majority voting (maj@k)
         texts, _ = reward_fn.decode_responses(out)
@@ -115,6 +160,7 @@ def _rows_of(out, res, reward_fn, n: int) -> dict[str, Any]:
         extras.update(tool_calls=calls, tool_call_rate=(calls > 0).astype(np.float64))
         extras["num_turns"] = np.asarray(nt["num_turns"], np.float64)
     return dict(
+        dump=_dump_rows(out, reward_fn) if dump else [],
         scores=np.asarray(res.scores, np.float64),
         lengths=np.asarray(out.batch["response_attention_mask"]).sum(-1),
         sources=np.asarray(nt["data_source"]),
@@ -123,6 +169,16 @@ def _rows_of(out, res, reward_fn, n: int) -> dict[str, Any]:
         extras=extras,
         objects={k for k, v in res.extra_infos.items() if np.asarray(v).dtype.kind != "f"},
     )
+
+
+def _dump_rows(out, reward_fn) -> list[dict[str, Any]]:
+    """input / output / gts / raw_prompt of each row of `out` (host objects, for `write_generations`)."""
+    nt = out.non_tensor_batch
+    outputs, _ = reward_fn.decode_responses(out)
+    inputs = reward_fn.decode_prompts(out) or [""] * len(outputs)
+    gts = reward_fn.ground_truths(out)
+    raw = list(nt["raw_prompt"]) if "raw_prompt" in nt else [None] * len(outputs)
+    return [dict(input=i, output=o, gts=g, raw_prompt=r) for i, o, g, r in zip(inputs, outputs, gts, raw)]
 
 
 def _merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -137,6 +193,7 @@ def _merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
         lengths=np.concatenate([p["lengths"] for p in parts]),
         sources=np.concatenate([p["sources"] for p in parts]),
         uids=[u for p in parts for u in p["uids"]],
+        dump=[d for p in parts for d in p.get("dump", [])],
         preds=[x for p in parts for x in p["preds"]],
         extras={k: np.concatenate([p["extras"].get(k, nan(p)) for p in parts]) for k in keys},
     )
