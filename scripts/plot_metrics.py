@@ -126,14 +126,30 @@ def _lines(ax, series, keys: Iterable[str], *, marker=None) -> int:
 
 
 def _panel_score(ax, s) -> bool:
+    """The score (left axis) and validation means. When the reward function returns extra keys
+    (`reward/extra/<k>/mean`, e.g. the rule accuracy `acc` logged beside a reward model's score), those and
+    the validation means of the extras go on a right axis, so an RM score (any scale) and the true accuracy
+    share one plot: reward hacking shows as the two parting."""
     n = _lines(ax, s, ["critic/score/mean"])
     x, lo = _xy(s, "critic/score/min")
     _, hi = _xy(s, "critic/score/max")
     if x and len(lo) == len(hi):
         ax.fill_between(x, lo, hi, alpha=0.15, label="score min..max")
     val = sorted(k for k in s if k.startswith("val-core/") and ("/mean@" in k or k.endswith("/mean")))
-    n += _lines(ax, s, val, marker="s")
+    extras = sorted(k for k in s if k.startswith("reward/extra/") and k.endswith("/mean"))
+    names = {k.split("/")[2] for k in extras}
+    val_extra = [k for k in val if any(f"/{name}/" in k for name in names)]
+    n += _lines(ax, s, [k for k in val if k not in val_extra], marker="s")
     ax.set_title("score / validation accuracy")
+    if extras:
+        ax2 = ax.twinx()
+        m = _lines(ax2, s, extras, marker="^") + _lines(ax2, s, val_extra, marker="D")
+        for line in ax2.get_lines():
+            line.set_linestyle("--")
+        ax2.set_ylabel("extra reward keys (dashed)")
+        ax2.legend(fontsize=7, loc="upper right")
+        n += m
+        ax.set_title("score (left) / extra reward keys (right, dashed)")
     return n > 0
 
 

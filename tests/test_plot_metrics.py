@@ -136,3 +136,30 @@ def test_cli_errors(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\nnot json\n')
     with pytest.raises(ValueError, match="metrics.jsonl:2"):
         _module().load_metrics(str(tmp_path / "metrics.jsonl"))
+
+
+def test_score_panel_puts_extra_reward_keys_on_a_right_axis(tmp_path):
+    # A reward-model run logs its RM score as critic/score/* and the rule accuracy as reward/extra/acc/mean;
+    # the panel plots both in one figure, the extras (and their validation means) on a twin axis.
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(os.path.join(tmp_path, "metrics.jsonl"), "w") as f:
+        for step in range(1, 4):
+            row = {"step": step, "critic/score/mean": 2.0 * step, "reward/extra/acc/mean": 0.5 / step}
+            if step == 3:
+                row["val-core/rg/acc/mean@1"] = 0.25
+                row["val-core/rg/reward/mean@1"] = 5.0
+            f.write(json.dumps(row) + "\n")
+    mod = _module()
+    s = mod.load_metrics(os.path.join(tmp_path, "metrics.jsonl"))
+    fig, ax = plt.subplots()
+    assert mod._panel_score(ax, s)
+    left = {ln.get_label(): list(ln.get_ydata()) for ln in ax.get_lines()}
+    (ax2,) = [a for a in fig.axes if a is not ax]
+    right = {ln.get_label(): list(ln.get_ydata()) for ln in ax2.get_lines()}
+    assert left == {"critic/score/mean": [2.0, 4.0, 6.0], "val-core/rg/reward/mean@1": [5.0]}
+    assert right == {"reward/extra/acc/mean": pytest.approx([0.5, 0.25, 0.5 / 3]), "val-core/rg/acc/mean@1": [0.25]}
+    plt.close(fig)
