@@ -7,6 +7,10 @@ Variants (`--config=configs/sft.py:VARIANT`):
   gsm8k      SmolLM2-135M-Instruct on the GSM8K train solutions (`question` -> `answer`, verl's SFT keys) from
              `<repo>/../shared/data/gsm8k`, held-out loss on the test split; the result, exported to
              `runs/sft_gsm8k/huggingface/`, is a model source for RL (`--config.model.path=runs/sft_gsm8k`).
+  tools      warm start for configs/grpo_tools.py: SmolLM2-135M-Instruct on whole calculator trajectories (system
+             + tool prompt, question, `<tool_call>`, the tool's result, `<answer>`) written by
+             `python scripts/make_tool_sft_data.py --out-dir runs/tool_sft`; loss on the two assistant turns. The
+             result is the RL model source `--config.model.path=runs/sft_tools` (docs/agents.md).
   tiny       random 2-layer llama with the character tokenizer (tests); data.max_length is 96 characters, so pass
              short rows of your own: --config.data.train_files=... --config.data.val_files=...
 
@@ -89,6 +93,30 @@ def _gsm8k(c):
     return c
 
 
+def _tools(c):
+    from configs import grpo_tools
+
+    c.trainer.experiment_name = "sft_smollm2_tools"
+    c.trainer.default_local_dir = "runs/sft_tools"
+    c.model.path = grpo_tools.get_config().model.path  # the model the GRPO run starts from
+    c.model.dtype = "float32"
+    c.data.train_files = os.path.join("runs", "tool_sft", "train.jsonl")
+    c.data.val_files = os.path.join("runs", "tool_sft", "val.jsonl")
+    c.data.format = "messages"
+    c.data.max_length = 384  # the default 512 + 64 trajectories: 332-350 SmolLM2 tokens (the prompt: 283 at most)
+    c.data.train_batch_size = 16
+    c.data.micro_batch_size = 4
+    c.data.max_val_samples = 64
+    c.optim.lr = 2e-5
+    c.optim.lr_warmup_steps_ratio = 0.1
+    c.optim.warmup_style = "cosine"
+    c.optim.weight_decay = 0.0
+    c.trainer.total_epochs = 2  # 512 rows / 16 = 32 steps per epoch
+    c.trainer.test_freq = 16
+    c.trainer.save_freq = 32
+    return c
+
+
 def tiny(c):
     """Random tiny llama, character tokenizer, rows written by the test (data.*_files set there)."""
     c.trainer.experiment_name = "sft_tiny"
@@ -119,7 +147,7 @@ def tiny(c):
 def get_config(arg=None):
     c = get_base_sft_config()
     variant = arg or "gsm8k"
-    fns = {"gsm8k": _gsm8k, "tiny": tiny}
+    fns = {"gsm8k": _gsm8k, "tools": _tools, "tiny": tiny}
     if variant not in fns:
         raise ValueError(f"configs/sft.py: unknown variant {variant!r}; valid: {sorted(fns)}")
     return fns[variant](c)

@@ -110,7 +110,7 @@ def test_trl_renders_our_prompt_and_tool_suffix(rows, smol_tok):
     loop = AgentLoop(None, smol_tok, lambda row: None, tools=tools)
     assert loop.inject_tools  # SmolLM2's template ignores tools=
     for r in rows[:4]:
-        msgs = loop._initial_messages(list(ours[r["index"]]["prompt"]))
+        msgs = loop.initial_messages(list(ours[r["index"]]["prompt"]))
         want = _render(smol_tok, msgs, True, tools, {})
         got = tok.apply_chat_template(r["prompt"], tools=[calculator], tokenize=False, add_generation_prompt=True)
         assert got == want
@@ -130,10 +130,10 @@ def test_trl_renders_our_prompt_and_tool_suffix(rows, smol_tok):
     assert full[: len(pre)] == pre
     trl_suffix = tok.decode(full[len(pre) :])
     user = ours[rows[0]["index"]]["prompt"]
-    text = _render(smol_tok, loop._initial_messages(list(user)), True, tools, {})
+    text = _render(smol_tok, loop.initial_messages(list(user)), True, tools, {})
     asst = {"role": "assistant", "content": '<tool_call>\n{"name": "calculator"}\n</tool_call>'}
     our_suffix, _ = observation_suffix(
-        smol_tok, text, loop._initial_messages(list(user)), asst, [{"role": "tool", "content": "108032"}], "<|im_end|>"
+        smol_tok, text, loop.initial_messages(list(user)), asst, [{"role": "tool", "content": "108032"}], "<|im_end|>"
     )
     assert trl_suffix == our_suffix == "\n<|im_start|>tool\n108032<|im_end|>\n<|im_start|>assistant\n"
 

@@ -386,6 +386,29 @@ def test_config_errors_name_the_keys(tmp_path):
         validate_sft_config(cfg)
 
 
+def test_every_variant_passes_the_config_check_and_tools_feeds_grpo_tools():
+    import sys
+
+    from jaxrl_post.trainer.config_check import validate_config
+    from jaxrl_post.trainer.sft import validate_sft_config
+
+    spec = importlib.util.spec_from_file_location("sft_cfg", os.path.join(REPO, "configs", "sft.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for variant in (None, "gsm8k", "tools", "tiny"):
+        validate_sft_config(mod.get_config(variant))
+    sys.path.insert(0, REPO)
+    from configs import grpo_tools
+
+    c, g = mod.get_config("tools"), grpo_tools.get_config()
+    assert c.model.path == g.model.path == "smollm2-135m-instruct"  # SFT starts from the GRPO run's model
+    assert (c.data.train_files, c.data.val_files) == ("runs/tool_sft/train.jsonl", "runs/tool_sft/val.jsonl")
+    # the run dir with its Hugging Face export is the GRPO run's model source
+    assert c.trainer.export_hf and c.trainer.default_local_dir == "runs/sft_tools"
+    g.model.path = c.trainer.default_local_dir
+    validate_config(g, n_devices=1)
+
+
 def test_missing_data_file_and_model_path_are_one_config_error(tmp_path):
     from jaxrl_post.trainer.config_check import ConfigError
     from jaxrl_post.trainer.sft import SFTTrainer

@@ -46,9 +46,19 @@ from jaxrl_post.protocol import DataProto
 from jaxrl_post.rollout.chat_suffix import _render, observation_suffix
 from jaxrl_post.rollout.trajectory import _Traj, assemble, rollout_metrics
 
-__all__ = ["AgentLoop", "MultiTurnLimits", "rollout_metrics"]
+__all__ = ["AgentLoop", "MultiTurnLimits", "add_tool_prompt", "rollout_metrics"]
 
 log = logging.getLogger(__name__)
+
+
+def add_tool_prompt(messages: Sequence[dict], tool_prompt: str) -> list[dict]:
+    """`messages` with `tool_prompt` (a parser's `system_prompt(tools)`) after the system message's content and a
+    blank line, or as a new first system message when there is none (copies; `messages` is not changed). What
+    the agent loop sends for a template that ignores `tools=` (SmolLM2's)."""
+    messages = list(messages)
+    if messages and messages[0].get("role") == "system":
+        return [dict(messages[0], content=messages[0]["content"] + "\n\n" + tool_prompt), *messages[1:]]
+    return [{"role": "system", "content": tool_prompt}, *messages]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,13 +193,13 @@ class AgentLoop:
         kw = self.template_kwargs
         return _render(self.tokenizer, m, True, self.tools, kw) == _render(self.tokenizer, m, True, None, kw)
 
-    def _initial_messages(self, messages: list[dict]) -> list[dict]:
+    def initial_messages(self, messages: list[dict]) -> list[dict]:
+        """The conversation a trajectory starts from: `messages` (`env.reset(row)`'s), with the parser's tool prompt
+        added to the system message (`add_tool_prompt`) when the template ignores `tools=` (`inject_tools`), else
+        as they are. SFT data for a tools run (scripts/make_tool_sft_data.py) builds its system message here."""
         if not self.inject_tools:
-            return messages
-        prompt = self.parser.system_prompt(self.tools)
-        if messages and messages[0].get("role") == "system":
-            return [dict(messages[0], content=messages[0]["content"] + "\n\n" + prompt), *messages[1:]]
-        return [{"role": "system", "content": prompt}, *messages]
+            return list(messages)
+        return add_tool_prompt(messages, self.parser.system_prompt(self.tools))
 
     def _encode(self, text: str, first: bool) -> list[int]:
         from jaxrl_post.models.tokenizer import tokenizer_adds_bos
@@ -243,7 +253,7 @@ class AgentLoop:
         for i in range(b):
             row = {k: v[i] for k, v in nt.items()}
             env = self.env_factory(row)
-            msgs = self._initial_messages(list(env.reset(row)))
+            msgs = self.initial_messages(list(env.reset(row)))
             text = _render(self.tokenizer, msgs, True, self.tools, self.template_kwargs)
             ids = self._encode(text, first=True)
             if len(ids) > p:  # a config error (main prints it as one `error:` line), not a crash

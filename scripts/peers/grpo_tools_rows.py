@@ -7,7 +7,7 @@ basic_arithmetic, 2 terms of 2-3 digits, `*`, prompt format answer_tag, the conf
 order our dataloader draws them (grain `MapDataset.range(n).shuffle(seed=data.seed)`, as `PromptDataLoader`;
 no prompt is filtered at this length). The system message gets the tool prompt exactly as our agent loop writes
 it for a template that ignores `tools=` (SmolLM2's): `system + "\\n\\n" + HermesToolParser.system_prompt(schemas)`
-(`AgentLoop._initial_messages`), so TRL renders the same prompt text without a template that knows tools.
+(`AgentLoop.initial_messages`), so TRL renders the same prompt text without a template that knows tools.
 
 Each jsonl line: `{"prompt": [system, user] messages, "ground_truth": str, "data_source": str, "index": int,
 "extra_info_json": str}` (extra_info as JSON text: its nested task config does not fit an Arrow schema).
@@ -29,11 +29,14 @@ if _REPO not in sys.path:
 def tool_system_content(system_prompt: str | None, tools_spec: str = "calculator", fmt: str = "hermes") -> str:
     """The system message our agent loop sends with tools on a template that ignores `tools=`: the config's
     system prompt, a blank line, then the parser's tool prompt (OpenAI specs of `tools_spec`, one per line)."""
+    from jaxrl_post.rollout.agent_loop import add_tool_prompt
     from jaxrl_post.rollout.tool_parser import get_tool_parser
     from jaxrl_post.rollout.tools import resolve_tools
 
     prompt = get_tool_parser(fmt).system_prompt([t.schema for t in resolve_tools(tools_spec)])
-    return system_prompt + "\n\n" + prompt if system_prompt else prompt
+    return add_tool_prompt([{"role": "system", "content": system_prompt}] if system_prompt else [], prompt)[0][
+        "content"
+    ]
 
 
 def training_order(n: int, seed: int) -> list[int]:
