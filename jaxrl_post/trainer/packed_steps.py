@@ -60,6 +60,12 @@ def _hidden_at_slots(backbone, mb) -> jax.Array:
     return out.reshape(g * qb, h.shape[-1])
 
 
+# Slots per LM-head chunk in the per-block head. The vmapped blocks' [chunk, V] float32 temporaries are what
+# grows: at Qwen2.5-7B LoRA shapes on fsdp=8 (scripts/memory_plan.py, docs/performance.md) 512 left 1.1 GB more
+# update temps per device than 256 and 128 (equal); 256 slots x 3584 x 152k stays compute-bound on TPU / GPU.
+BLOCK_HEAD_CHUNK = 256
+
+
 def _blocks(mb) -> int:
     """Slot blocks G of the micro-batch (1: `slot_pos [Q]`, else `slot_pos [G, Q / G]`)."""
     sp = mb["slot_pos"]
@@ -84,7 +90,9 @@ def _block_head(model, mb, h, temperature, entropy):
     n_valid = jnp.max(used)
 
     def stats(hh, ll):
-        return model.token_stats_from_hidden(hh, ll, n_valid, temperature, entropy, in_loop_with=n_valid)
+        return model.token_stats_from_hidden(
+            hh, ll, n_valid, temperature, entropy, chunk=BLOCK_HEAD_CHUNK, in_loop_with=n_valid
+        )
 
     lp, ent = jax.vmap(stats)(hb, labels)
     flat = lambda x: jnp.where(valid, x, 0.0).reshape(q)
