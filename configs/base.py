@@ -74,8 +74,9 @@ def get_base_config() -> mlc.ConfigDict:
     c.model.scan_layers = _auto()
     # Attention of forwards without a KV cache (updates, old/ref log-probs, values); the rollout's cached decode
     # is always dense. 'auto': 'splash' on TPU, 'cudnn' on GPU with bf16/fp16 compute and no logit soft-cap,
-    # else 'xla'. 'splash' turns model.pack_shared_prompts off (docs/performance.md "Attention backends").
-    c.model.attention_impl = "auto"  # 'auto' | 'xla' (dense) | 'cudnn' (GPU) | 'splash' (TPU Pallas) (ours)
+    # else 'xla'. 'splash' turns model.pack_shared_prompts off; 'chunked' is exact attention in query blocks on
+    # any platform, for rows whose dense scores do not fit (docs/performance.md "Attention backends").
+    c.model.attention_impl = "auto"  # 'auto' | 'xla' (dense) | 'cudnn' (GPU) | 'splash' (TPU) | 'chunked' (ours)
     # Packing (verl: actor_rollout_ref.model.use_remove_padding, default False there; the critic follows it):
     # the actor update, old/ref log-probs and the critic run on rows of real tokens (prompt + response, no
     # padding) with per-sequence attention, static shapes, empty micro-batches skipped. False = padded rows.

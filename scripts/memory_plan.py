@@ -16,10 +16,15 @@ adapters off) and the rollout copy (`rollout.dtype` != the params' dtype; a LoRA
 merged kernels). "Update peak" = update total + those. The rollout's KV cache (`rollout KV`, per device,
 from the shapes) lives during generation, when the update's temporaries do not.
 
+Attention (`--attention`): the fused kernels these platforms default to (splash on TPU, cuDNN flash attention
+on GPU in bf16) cannot compile on XLA:CPU, so by default the plans compile the 'chunked' backend
+(models/attention.py: exact attention in query blocks of 512, one block's float32 scores live), the stand-in
+for a flash kernel's memory (a kernel holds less: no block of scores at all). `--attention xla` compiles the
+dense path instead: its `[rows, heads, T, T]` float32 scores are in the temps (the `attn dense` column gives
+one layer's per device).
+
 What this does NOT measure: XLA:CPU's fusion and buffer assignment differ from XLA:TPU / XLA:GPU (temps are
-an estimate of theirs); attention is the dense 'xla' path (the fused cuDNN / splash kernels cannot compile
-here): its `[rows, heads, T, T]` float32 scores are in the temps, and the `attn dense` column gives one
-layer's scores per device, the part a flash kernel removes.
+an estimate of theirs), and the kernels themselves.
 """
 
 from __future__ import annotations
@@ -136,8 +141,9 @@ def _abstract(tree, shardings):
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
-def build(plan: Plan, layers: int | None):
-    """Abstract model -> (graphdef, params, frozen | None, rest, model config) with shardings on the mesh."""
+def build(plan: Plan, layers: int | None, attention: str = "chunked"):
+    """Abstract model -> (graphdef, params, frozen | None, rest, model config) with shardings on the mesh;
+    `attention`: the backend of the update's forwards ('chunked' or 'xla')."""
     cfg = get_preset(plan.preset)
     if layers:
         cfg = dataclasses.replace(cfg, num_layers=layers)
@@ -154,6 +160,7 @@ def build(plan: Plan, layers: int | None):
         )
         if plan.lora_rank:
             apply_lora(m, LoRAConfig(plan.lora_rank, 2.0 * plan.lora_rank))
+        m.set_attention_impl(attention)
         return m
 
     model = nnx.eval_shape(make)
@@ -203,9 +210,9 @@ def packed_inputs(plan: Plan, mesh, vocab: int) -> dict:
     return batch, spec
 
 
-def run_plan(plan: Plan, layers: int | None) -> dict:
+def run_plan(plan: Plan, layers: int | None, attention: str = "chunked") -> dict:
     t0 = time.perf_counter()
-    mesh, cfg, graphdef, params, frozen, rest = build(plan, layers)
+    mesh, cfg, graphdef, params, frozen, rest = build(plan, layers, attention)
     tx = steps.make_optimizer(steps.OptimConfig(lr=1e-6))
     import optax
 
@@ -264,6 +271,7 @@ def run_plan(plan: Plan, layers: int | None) -> dict:
         compute_dtype=plan.dtype,
         remat=plan.remat,
         scan_layers=plan.scan_layers,
+        attention=attention,
         mini_batch=f"{plan.n_prompts} x {plan.n} samples of {plan.prompt_len}+{plan.response_len} tokens",
         micro_batch=f"{spec.rows} rows x {spec.row_len} tokens ({rows_dev} per device), {spec.n_micro} micro-batches",
         arguments_gb=arg / GB,
@@ -289,6 +297,7 @@ COLS = (
     ("plan", "plan", "{}"),
     ("mode", "mode", "{}"),
     ("mesh", "mesh", "{}"),
+    ("attention", "attention", "{}"),
     ("arguments_gb", "args", "{:.2f}"),
     ("outputs_gb", "outs", "{:.2f}"),
     ("aliased_gb", "alias", "{:.2f}"),
@@ -317,6 +326,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--plans", default="lora_7b_v5e8,full_1p5b_gpu80", help=f"comma list of {sorted(PLANS)}")
     ap.add_argument("--layers", type=int, default=None, help="override num_layers (quick look; not the real numbers)")
     ap.add_argument("--response-len", type=int, default=None, help="override every plan's response length")
+    ap.add_argument("--attention", default="chunked", choices=("chunked", "xla"), help="update's attention backend")
     ap.add_argument("--json", default=None, help="also write the records here")
     args = ap.parse_args(argv)
     rows = []
@@ -326,7 +336,7 @@ def main(argv=None) -> list[dict]:
         plan = PLANS[name]
         if args.response_len:
             plan = dataclasses.replace(plan, response_len=args.response_len)
-        rec = run_plan(plan, args.layers)
+        rec = run_plan(plan, args.layers, args.attention)
         print(f"{name}: compiled in {rec['compile_s']} s (trace + lower {rec['trace_lower_s']} s)", flush=True)
         rows.append(rec)
     print(table(rows))

@@ -168,6 +168,8 @@ def _assert_same_as_dense(impl, cfg, ids, pos, attention_mask=None, tol=2e-5):
         ("auto", "gpu", "bfloat16", 50.0, "xla"),  # ... and no soft-cap
         ("auto", "tpu", "float32", 50.0, "splash"),
         ("xla", "tpu", "bfloat16", None, "xla"),
+        ("chunked", "cpu", "float32", 50.0, "chunked"),
+        ("chunked", "tpu", "bfloat16", None, "chunked"),
         ("cudnn", "gpu", "bfloat16", None, "cudnn"),
         ("splash", "tpu", "bfloat16", None, "splash"),
     ],
@@ -222,6 +224,42 @@ def test_splash_attention_matches_numpy(window, softcap):
     np.testing.assert_allclose(np.asarray(out)[real], want[real], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("shared,window,softcap,t,chunk", [(False, None, None, 16, 4), (True, 3, 3.0, 15, 4)])
+def test_chunked_attention_matches_numpy(shared, window, softcap, t, chunk):
+    """Query blocks of 4: 4 blocks (t = 16), or 4 with the last one padded (t = 15)."""
+    rows = [[(4, [3, 3]), (3, [2])], [(5, [4, 2, 1])]] if shared else [[5, 6, 3], [2, 9, 4]]
+    ids, pos = _row_batch(rows, t, shared)
+    q, k, v = _qkv(2, t, seed=4)
+    mask = _numpy_mask(ids, pos, window)
+    out = fused.chunked_attention(
+        q, k, v, jnp.asarray(mask), scale=0.4, softcap=softcap, dtype=jnp.float32, chunk=chunk
+    )
+    assert out.shape == q.shape
+    real = ids != 0
+    want = _numpy_attention(q, k, v, mask, 0.4, softcap)
+    np.testing.assert_allclose(np.asarray(out)[real], want[real], atol=1e-5, rtol=1e-5)
+
+
+def test_chunked_attention_keeps_one_block_of_scores_live():
+    """XLA's buffer assignment of a forward + backward at T = 512: the temps shrink with the block (about
+    three score-sized float32 buffers of one block live: [B, N, G*chunk, S]), the whole row as one block
+    holds the dense path's three [B, H, T, T] buffers."""
+    t = 512
+    q, k, v = _qkv(1, t, h=8, n=2, k=16)
+    allowed = jnp.tril(jnp.ones((t, t), bool))[None]
+
+    def temps(chunk):
+        f = lambda q, k, v: jnp.sum(
+            fused.chunked_attention(q, k, v, allowed, scale=0.25, softcap=None, dtype=jnp.float32, chunk=chunk) ** 2
+        )
+        return jax.jit(jax.grad(f, argnums=(0, 1, 2))).lower(q, k, v).compile().memory_analysis().temp_size_in_bytes
+
+    scores = 8 * t * t * 4  # one [1, 8 heads, T, T] float32 buffer
+    whole, blocks = temps(t), temps(64)
+    assert whole >= 2 * scores
+    assert blocks < whole / 4
+
+
 def test_splash_needs_tiles_of_128_outside_interpret_mode():
     q, k, v = _qkv(1, 96)
     with pytest.raises(ValueError, match="multiple of 128"):
@@ -240,6 +278,16 @@ def test_cudnn_path_matches_dense_packed(family, shared):
     rows = [[(4, [3, 3]), (3, [2])], [(5, [4, 2, 1])]] if shared else [[5, 6, 3], [2, 9, 4]]
     ids, pos = _row_batch(rows, 16, shared)
     _assert_same_as_dense("cudnn", _cfg(family), ids, pos)
+
+
+@pytest.mark.parametrize("family,shared", [("llama", True), ("gemma2", False)])
+def test_chunked_path_matches_dense_packed(family, shared, monkeypatch):
+    """The model with 'chunked' attention in blocks of 4 queries (rows of 16: 4 blocks) against the dense path:
+    shared-prompt packed rows (llama), plain segments with a sliding window and a logit soft-cap (gemma2)."""
+    monkeypatch.setattr(fused, "CHUNK", 4)
+    rows = [[(4, [3, 3]), (3, [2])], [(5, [4, 2, 1])]] if shared else [[5, 6, 3], [2, 9, 4]]
+    ids, pos = _row_batch(rows, 16, shared)
+    _assert_same_as_dense("chunked", _cfg(family), ids, pos)
 
 
 @pytest.mark.slow
@@ -362,8 +410,11 @@ def test_config_selects_backend_and_splash_turns_shared_prompts_off(caplog):
         )
         return pack_spec(c, "actor", 8, 4, mesh=fake.mesh, response_length=fake.response_length, attention_impl=impl)
 
-    assert spec("xla").share_prompts and spec("cudnn").share_prompts
+    assert spec("xla").share_prompts and spec("cudnn").share_prompts and spec("chunked").share_prompts
     assert not spec("splash").share_prompts
+    c.model.attention_impl = "chunked"  # any platform
+    assert builders.apply_attention_impl(c, model, platform="cpu") == "chunked"
+    assert [blk.attn.attention_impl for blk in model.layers] == ["chunked", "chunked"]
 
 
 _MESH_SCRIPT = """

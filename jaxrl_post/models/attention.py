@@ -15,6 +15,13 @@
   responses to see another segment, which equality of ids cannot say; the trainer turns that layout off
   under splash (`roles._pack_spec`).
 
+- "chunked": exact memory-efficient attention in plain XLA (Rabe & Staats 2021, "Self-attention does not need
+  O(n^2) memory"): queries in blocks of `CHUNK`, each block's scores against all keys made, used and dropped,
+  and remade in the backward pass, so one block's float32 scores `[B, N, G*CHUNK, S]` are live instead of
+  `[B, N, G*T, S]`. Any platform, the whole mask (segments, shared prompts, windows, soft-cap); the same math
+  and dtypes as "xla". Never chosen by "auto" (the platform defaults stay as they are); for long rows whose
+  dense scores do not fit, and as the stand-in for a flash kernel's memory in `scripts/memory_plan.py`.
+
 Shape letters as decoder.py: B batch, T queries, S keys (= T here), H query heads, N kv heads, K head dim.
 """
 
@@ -29,12 +36,14 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash")
+ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash", "chunked")
+CHUNK = 512  # queries per block of "chunked"
+_NEG = float(np.finfo(np.float32).min)
 _KERNEL_PLATFORM = {"cudnn": "gpu", "splash": "tpu"}
 
 
 def resolve_attention_impl(impl: str, platform: str, *, dtype, softcap: float | None = None) -> str:
-    """`model.attention_impl` -> the backend to run: "xla", "cudnn" or "splash".
+    """`model.attention_impl` -> the backend to run: "xla", "cudnn", "splash" or "chunked" (any platform).
 
     "auto": "splash" on TPU; "cudnn" on GPU when the compute `dtype` is bfloat16/float16 and the model has no
     attention logit soft-cap (cuDNN's flash attention supports neither float32 nor a soft-cap); else "xla".
@@ -67,10 +76,44 @@ def resolve_attention_impl(impl: str, platform: str, *, dtype, softcap: float | 
 
 def check_kernel_supported(impl: str, *, softcap: float | None) -> None:
     """Raises ValueError when backend `impl` cannot express the model's attention (cudnn: a logit soft-cap)."""
-    if impl not in ("xla", "cudnn", "splash"):
-        raise ValueError(f"attention_impl must be 'xla', 'cudnn' or 'splash', got {impl!r}")
+    if impl not in ATTENTION_IMPLS[1:]:
+        raise ValueError(f"attention_impl must be 'xla', 'cudnn', 'splash' or 'chunked', got {impl!r}")
     if impl == "cudnn" and softcap is not None:
         raise ValueError(f"attention_impl='cudnn' has no logit soft-cap (the model's attn_logit_softcap={softcap})")
+
+
+def chunked_attention(q, k, v, allowed, *, scale: float, softcap: float | None, dtype, chunk: int = CHUNK) -> jax.Array:
+    """Exact attention with the queries in blocks of `chunk` (the "chunked" backend; Rabe & Staats 2021).
+
+    q `[B, T, H, K]`, k and v `[B, S, N, K]` (N divides H; head h = n * G + g reads kv head n, the decoder's
+    layout), all in the compute `dtype`; allowed `[B, T, S] bool` (query, key), the decoder's mask; softcap:
+    logit soft-cap (tanh) or None. Scores and softmax in float32, probabilities rounded to `dtype` before the
+    value product, as the dense path. Each block is a `jax.checkpoint`ed `lax.map` step: the backward pass
+    recomputes its scores, so at most one block's `[B, N, G*chunk, S] float32` scores are live. T not a multiple
+    of `chunk`: the last block is padded with masked queries (their outputs dropped). Returns `[B, T, H, K]` dtype.
+    """
+    b, t, h, kd = q.shape
+    n = k.shape[2]
+    g, c = h // n, min(chunk, t)
+    nb = -(-t // c)
+    if nb * c != t:
+        q = jnp.pad(q, ((0, 0), (0, nb * c - t), (0, 0), (0, 0)))
+        allowed = jnp.pad(allowed, ((0, 0), (0, nb * c - t), (0, 0)))
+    qb = jnp.moveaxis(q.reshape(b, nb, c, n, g, kd), 1, 0)  # [nb, B, C, N, G, K]
+    ab = jnp.moveaxis(allowed.reshape(b, nb, c, allowed.shape[-1]), 1, 0)  # [nb, B, C, S]
+
+    @jax.checkpoint
+    def block(args):
+        qc, ac = args
+        s = jnp.einsum("BCNGK,BSNK->BNGCS", qc, k, preferred_element_type=jnp.float32) * scale
+        if softcap is not None:
+            s = jnp.tanh(s / softcap) * softcap
+        s = jnp.where(ac[:, None, None], s, _NEG)
+        p = jax.nn.softmax(s, axis=-1).astype(dtype)
+        return jnp.einsum("BNGCS,BSNK->BCNGK", p, v, preferred_element_type=jnp.float32).astype(dtype)
+
+    out = jax.lax.map(block, (qb, ab))  # [nb, B, C, N, G, K]
+    return jnp.moveaxis(out, 0, 1).reshape(b, nb * c, h, kd)[:, :t]
 
 
 def dot_product_attention(q, k, v, allowed, *, scale: float, interpret: bool = False) -> jax.Array:

@@ -95,7 +95,7 @@ class Attention(nnx.Module):
         segment_ids: optional [B, T] int32 (packed rows, no cache): a key is visible only from its own
         segment or, as a shared prompt, from its responses (`segment_mask`); the sliding window then counts
         positions (= slots inside a contiguous segment).
-        Without a cache, a fused backend (`attention_impl` 'cudnn' / 'splash', models/attention.py) replaces
+        Without a cache, another backend (`attention_impl` 'cudnn' / 'splash' / 'chunked', models/attention.py) replaces
         the dense scores; under 'splash' shared-prompt segment ids (chunk >= 1) give NaN outputs (loud, not
         wrong numbers): splash sees equal ids only.
         Returns (y [B, T, D], kv updated or None)."""
@@ -129,7 +129,11 @@ class Attention(nnx.Module):
                 allowed &= positions[:, None, :] > positions[:, :, None] - self.window
 
         if kv is None and self.attention_impl != "xla":  # fused kernels (models/attention.py); no cache
-            if self.attention_impl == "cudnn":
+            if self.attention_impl == "chunked":
+                out = fused.chunked_attention(
+                    q, k, v, allowed, scale=self.scale, softcap=self.softcap, dtype=self.dtype, chunk=fused.CHUNK
+                )
+            elif self.attention_impl == "cudnn":
                 out = fused.dot_product_attention(
                     q, k, v, allowed, scale=self.scale, interpret=self.attention_interpret
                 )
@@ -327,8 +331,8 @@ class Transformer(nnx.Module):
         )
 
     def set_attention_impl(self, impl: str, *, interpret: bool = False) -> None:
-        """Attention backend of forwards without a cache: 'xla' (dense, the default), 'cudnn' or 'splash'
-        (models/attention.py; pick one with `attention.resolve_attention_impl`). interpret: run the kernel's
+        """Attention backend of forwards without a cache: 'xla' (dense, the default), 'cudnn', 'splash' or
+        'chunked' (models/attention.py; pick one with `attention.resolve_attention_impl`). interpret: run the kernel's
         CPU-testable form ('cudnn': `jax.nn.dot_product_attention(implementation="xla")`, 'splash': Pallas
         interpret mode). Set before splitting the model (the choice is static, part of the graphdef).
         Raises ValueError: an unknown name, or 'cudnn' on a model with an attention logit soft-cap."""
