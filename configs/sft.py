@@ -60,6 +60,10 @@ def get_base_sft_config() -> mlc.ConfigDict:
     c.data.micro_batch_size = 8  # rows per accumulated micro-batch, global (examples; packed: rows of max_length)
     c.data.shuffle = True  # shuffle the examples every epoch
     c.data.seed = 1  # seed of the shuffle
+    # per_step: each step packs its train_batch_size examples (first-fit decreasing; batch sizes count examples).
+    # bfd: TRL packing_strategy='bfd': the whole dataset packed once into rows of max_length (best-fit
+    # decreasing), the rows shuffled each epoch; train_batch_size / micro_batch_size then count packed rows.
+    c.data.packing_strategy = "per_step"  # per_step | bfd (needs model.use_remove_padding=True)
     c.data.max_val_samples = base._opt_int(256)  # first k held-out examples (None = all)
 
     c.optim = base._optim(1e-5)  # AdamW (verl sft `optim.*`)

@@ -1,15 +1,18 @@
 """Benchmark: tokens/s and peak RSS of our SFT (packing on) or DPO trainer on SmolLM2, the shape of the TRL peers.
 
     python scripts/bench_sft_dpo.py --trainer sft|dpo --model-dir $MODEL_DIR --data $PERF/sft.jsonl [--steps 3]
-        [--batch 8] [--micro 2] [--max-length 512] [--lr ...]
+        [--batch 8] [--micro 2] [--max-length 512] [--lr ...] [--packing-strategy per_step|bfd]
 
-Runs `configs/sft.py:gsm8k` (`model.use_remove_padding=True`: packing) or `configs/dpo.py:smollm2` through the
-real trainer (`SFTTrainer` / `DPOTrainer` `.fit()`) on `--data` (rows from `scripts/peers/gsm8k_rows.py`),
-float32, AdamW (weight decay 0, clip 1.0, constant lr), no validation, no checkpoints, for one warm-up step
-(compile) + `--steps` timed steps. Prints `RESULT {json}` with the keys of `scripts/peers/trl_common.result`:
-input tokens/s (tokens through the policy: DPO counts the prompt once per completion, as TRL's padded batch) and
-trained tokens/s (SFT: loss tokens; DPO: chosen + rejected tokens). Defaults: SFT 8 examples per step in
-micro-batches of 2 rows of 512 tokens, lr 1e-5; DPO 4 pairs per step, micro-batches of 2, lr 5e-7.
+Runs `configs/sft.py:gsm8k` (`model.use_remove_padding=True`: packing) or `configs/dpo.py:smollm2` through the real
+trainer (`SFTTrainer` / `DPOTrainer` `.fit()`) on `--data` (rows from `scripts/peers/gsm8k_rows.py`), float32,
+AdamW (weight decay 0, clip 1.0, constant lr), the host defaults of `python -m jaxrl_post.main`
+(`platform_defaults.apply_host_defaults`: the CPU XLA scheduler flag and glibc malloc settings), no validation, no
+checkpoints, for one warm-up step (compile) + `--steps` timed steps. Prints `RESULT {json}` with the keys of
+`scripts/peers/trl_common.result`: input tokens/s (tokens through the policy: DPO counts the prompt once per
+completion, as TRL's padded batch) and trained tokens/s (SFT: loss tokens; DPO: chosen + rejected tokens).
+Defaults: SFT 8 examples per step in micro-batches of 2 rows of 512 tokens, lr 1e-5 (`--packing-strategy bfd`: the
+dataset packed once into rows of 512, TRL's BFD, and `--batch` / `--micro` count packed rows, as TRL's); DPO 4
+pairs per step, micro-batches of 2, lr 5e-7.
 Driver against TRL: `scripts/peers/run_sft_dpo_rounds.py`.
 """
 
@@ -39,6 +42,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--micro", type=int, default=None, help="rows (DPO: pairs) per micro-batch")
     ap.add_argument("--max-length", type=int, default=512)
     ap.add_argument("--lr", type=float, default=None)
+    ap.add_argument("--packing-strategy", choices=("per_step", "bfd"), default="per_step", help="SFT only")
     a = ap.parse_args(argv)
     for k, v in DEFAULTS[a.trainer].items():
         if getattr(a, k) is None:
@@ -62,6 +66,7 @@ def make_config(a: argparse.Namespace, workdir: str):
     if a.trainer == "sft":
         d.format = "prompt_completion"
         d.prompt_key, d.response_key = "prompt", "completion"
+        d.packing_strategy = a.packing_strategy
     o = cfg.optim
     o.lr, o.weight_decay, o.clip_grad, o.warmup_style = a.lr, 0.0, 1.0, "constant"
     o.lr_warmup_steps, o.lr_warmup_steps_ratio = 0, 0.0
@@ -109,12 +114,16 @@ def summarize(a: argparse.Namespace, step_s: list[float], tokens: list[tuple[int
         "micro": a.micro,
         "max_length": a.max_length,
         "lr": a.lr,
+        "packing_strategy": a.packing_strategy if a.trainer == "sft" else None,
         **extra,
     }
 
 
 def main(argv=None) -> dict:
     a = parse_args(argv)
+    from jaxrl_post.platform_defaults import apply_host_defaults
+
+    apply_host_defaults()  # as `python -m jaxrl_post.main` does: CPU XLA flags and glibc malloc, before JAX starts
     cfg = make_config(a, tempfile.mkdtemp(prefix=f"bench_{a.trainer}_"))
     if a.trainer == "sft":
         from jaxrl_post.trainer.sft import SFTTrainer as Trainer
@@ -122,8 +131,12 @@ def main(argv=None) -> dict:
         from jaxrl_post.trainer.dpo import DPOTrainer as Trainer
     t = Trainer(cfg, console_write=lambda s: None)
     if a.trainer == "sft":
-        d = t.train_data
-        count = lambda idx: (sum(len(d.input_ids[i]) for i in idx), sum(int(d.loss_mask[i].sum()) for i in idx))
+        d, rows = t.train_data, t.packed_rows
+        examples = lambda idx: idx if rows is None else [i for r in idx for i in rows[r]]  # bfd: rows -> examples
+        count = lambda idx: (
+            sum(len(d.input_ids[i]) for i in examples(idx)),
+            sum(int(d.loss_mask[i].sum()) for i in examples(idx)),
+        )
     else:
         p = t.train_data.pairs
         count = lambda idx: (

@@ -42,6 +42,13 @@ def test_make_config_is_the_benchmark_shape(tmp_path):
     assert (c.data.train_batch_size, c.data.micro_batch_size, c.data.max_length) == (8, 2, 512)
     assert (c.data.format, c.data.prompt_key, c.data.response_key) == ("prompt_completion", "prompt", "completion")
     assert c.trainer.total_training_steps == 3 and c.data.val_files is None and c.optim.weight_decay == 0.0
+    assert c.data.packing_strategy == "per_step"
+    a = bench.parse_args(["--trainer", "sft", "--model-dir", "/m", "--data", "/d", "--packing-strategy", "bfd"])
+    assert bench.make_config(a, str(tmp_path)).data.packing_strategy == "bfd"
+    # the driver runs ours at TRL's shape: 4 packed rows of 512 per step (the dataset packed by BFD), micro 2
+    ours = driver.SHAPE[("jaxrl_post", "sft")]
+    assert ours == ["--batch", "4", "--micro", "2", "--packing-strategy", "bfd"]
+    assert driver.SHAPE[("trl", "sft")] == ours[:4]
     a = bench.parse_args(["--trainer", "dpo", "--model-dir", "/m", "--data", "/d.jsonl"])
     c = bench.make_config(a, str(tmp_path))
     assert c.trainer_type == "dpo" and c.dpo.loss_type == "sigmoid" and c.dpo.beta == 0.1

@@ -234,9 +234,11 @@ def test_packed_and_micro_batched_equal_the_whole_batch(tiny, grads_fn):
     _, _, params, _ = tiny
     ids, masks = _examples(8, seed=1)
     whole = sft_step.layout_batch(ids, masks, n_micro=1, rows=8, row_len=16, pack=False)
+    plan = sft_step.best_fit_decreasing([len(x) for x in ids], 16)
     variants = {
         "micro": sft_step.layout_batch(ids, masks, n_micro=4, rows=2, row_len=16, pack=False),
         "packed": sft_step.layout_batch(ids, masks, n_micro=4, rows=2, row_len=16, pack=True),
+        "bfd plan": sft_step.layout_batch(ids, masks, n_micro=4, rows=2, row_len=16, pack=True, plan=plan),
     }
     assert int(np.any(variants["packed"]["segment_ids"] == 2))  # several examples share a row
     assert int(sft_step._n_used(variants["packed"])) < 4  # trailing empty micro-batches are skipped
@@ -260,6 +262,30 @@ def test_layout_positions_segments_and_shifted_labels():
     assert b["loss_mask"][0, 0].tolist() == [1, 1, 0, 1, 0, 0]
     with pytest.raises(ValueError, match="2 rows needed, the batch layout has 1"):
         sft_step.layout_batch(ids, masks, n_micro=1, rows=1, row_len=6, pack=False)
+
+
+def test_best_fit_decreasing_by_hand_and_invariants():
+    # row 10, lengths 5 3 7 2 6 4 (and an empty one): 7 -> r0 (3 free), 6 -> r1 (4), 5 -> r2 (5), 4 -> r1 (the
+    # fullest that fits: 4 free), 3 -> r0 (3 free), 2 -> r2 (5 free: the only one); the empty one is left out
+    assert sft_step.best_fit_decreasing([5, 3, 7, 2, 6, 4, 0], 10) == [[2, 1], [4, 5], [0, 3]]
+    # best fit, not first fit (row 20): 13 -> r0 (7 free), 11 -> r1 (9), 8 -> r1 (1), 5 -> r0 (2), 3 -> r2 (17),
+    # then 1 -> r1 (1 free: the fullest that fits; first fit would take r0)
+    lengths = [3, 11, 8, 13, 5, 1]
+    assert sft_step.best_fit_decreasing(lengths, 20) == [[3, 4], [1, 2, 5], [0]]
+    assert sft_step._assign_rows(lengths, 9, 20, True) == [[3, 4, 5], [1, 2], [0]]
+    with pytest.raises(ValueError, match="an example of 11 tokens does not fit a row of 10"):
+        sft_step.best_fit_decreasing([3, 11], 10)
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        lengths = rng.integers(1, 33, size=int(rng.integers(1, 40))).tolist()
+        rows = sft_step.best_fit_decreasing(lengths, 32)
+        assert sorted(i for r in rows for i in r) == list(range(len(lengths)))  # each example once
+        assert all(sum(lengths[i] for i in r) <= 32 for r in rows)
+        assert len(rows) <= len(sft_step._assign_rows(lengths, 99, 32, True))  # never worse than first fit
+        assert len(rows) >= -(-sum(lengths) // 32)
+    ids = [np.arange(1, 7, dtype=np.int32)] * 2
+    with pytest.raises(ValueError, match="row 0 of the plan holds 12 tokens > 10"):
+        sft_step.layout_batch(ids, [np.ones(6, np.int32)] * 2, n_micro=1, rows=2, row_len=10, pack=True, plan=[[0, 1]])
 
 
 # ----------------------------------------------------------------------------------------- TRL parity
@@ -384,6 +410,36 @@ def test_config_errors_name_the_keys(tmp_path):
     cfg.data.format = "chat"
     with pytest.raises(ConfigError, match=r"(?s)multiple of data.micro_batch_size=3.*data.format='chat'"):
         validate_sft_config(cfg)
+    cfg = _tiny_config(tmp_path, "x.jsonl")
+    cfg.data.packing_strategy = "ffd"
+    with pytest.raises(ConfigError, match=r"data.packing_strategy='ffd': must be one of \['per_step', 'bfd'\]"):
+        validate_sft_config(cfg)
+    cfg.data.packing_strategy, cfg.model.use_remove_padding = "bfd", False
+    with pytest.raises(ConfigError, match=r"'bfd' packs examples into rows: it needs model.use_remove_padding=True"):
+        validate_sft_config(cfg)
+
+
+@pytest.mark.slow  # a tiny trainer and its compile (~20-40 s on this 2-core machine)
+def test_bfd_packing_steps_over_packed_rows(tmp_path):
+    from jaxrl_post.trainer.sft import SFTTrainer
+
+    cfg = _tiny_config(tmp_path, _write(tmp_path, _rows()))
+    cfg.data.packing_strategy, cfg.data.max_length = "bfd", 256
+    cfg.data.train_batch_size, cfg.data.micro_batch_size = 2, 1  # packed rows
+    t = SFTTrainer(cfg)
+    lengths = [len(x) for x in t.train_data.input_ids]
+    assert t.packed_rows == sft_step.best_fit_decreasing(lengths, 256)
+    assert sorted(i for r in t.packed_rows for i in r) == list(range(12))
+    assert len(t.packed_rows) < 12 and t.train_loader.batches_per_epoch == len(t.packed_rows) // 2
+    state = t.train_loader.get_state()
+    rows = next(t.train_loader)
+    t.train_loader.set_state(state)
+    examples = [i for r in rows for i in t.packed_rows[r]]
+    m = t.train_step()
+    t.close()
+    assert m["num_tokens"] == sum(lengths[i] for i in examples)
+    assert m["num_loss_tokens"] == sum(int(t.train_data.loss_mask[i][1:].sum()) for i in examples)
+    assert t.compile_counts()["update"] == 1
 
 
 def test_every_variant_passes_the_config_check_and_tools_feeds_grpo_tools():

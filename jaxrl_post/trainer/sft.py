@@ -4,11 +4,13 @@
 
 Per training step: the next `data.train_batch_size` examples (grain: shuffled each epoch, the position is
 checkpointed) -> `sft_step.layout_batch` (packed rows with segment ids when `model.use_remove_padding`, else one
-example per row) -> one jitted update (`sft_step.make_sft_update`: token-mean NLL over the whole batch's loss
-tokens, micro-batches accumulated inside the jit, params and optimizer state donated) -> metrics (TRL names:
-`loss`, `mean_token_accuracy`, `grad_norm`, `learning_rate`, `num_tokens`, `epoch`) -> console +
-metrics.jsonl (`Tracking`). Validation (`trainer.test_freq`, before / after training): `val/loss`,
-`val/perplexity` = exp(val/loss), `val/mean_token_accuracy` over `data.val_files` (all held-out loss tokens).
+example per row; `data.packing_strategy='bfd'`: the dataset is packed into rows once, TRL's best-fit decreasing,
+and a step takes the next `data.train_batch_size` packed rows) -> one jitted update (`sft_step.make_sft_update`:
+token-mean NLL over the whole batch's loss tokens, micro-batches accumulated inside the jit, params and optimizer
+state donated) -> metrics (TRL names: `loss`, `mean_token_accuracy`, `grad_norm`, `learning_rate`, `num_tokens`,
+`epoch`) -> console + metrics.jsonl (`Tracking`). Validation (`trainer.test_freq`, before / after training):
+`val/loss`, `val/perplexity` = exp(val/loss), `val/mean_token_accuracy` over `data.val_files` (all held-out loss
+tokens).
 
 What is shared with `RLTrainer` (not copied): the model, tokenizer, LoRA and mesh (`builders`), the
 optimizer and LR schedule (`steps.make_optimizer`, `builders.optim_config`), the non-finite guard, the jit
@@ -67,6 +69,10 @@ def validate_sft_config(cfg) -> None:
         )
     if d.format not in FORMATS:
         bad.append(f"data.format={d.format!r}: must be one of {list(FORMATS)}")
+    if d.packing_strategy not in sft_step.PACKING_STRATEGIES:
+        bad.append(f"data.packing_strategy={d.packing_strategy!r}: must be one of {list(sft_step.PACKING_STRATEGIES)}")
+    elif d.packing_strategy == "bfd" and not cfg.model.use_remove_padding:
+        bad.append("data.packing_strategy='bfd' packs examples into rows: it needs model.use_remove_padding=True")
     if d.truncation not in TRUNCATIONS:
         bad.append(f"data.truncation={d.truncation!r}: must be one of {list(TRUNCATIONS)} for SFT")
     if not d.train_files:
@@ -135,9 +141,13 @@ class SFTTrainer:
         self.train_data = self._load_data(cfg.data.train_files, "train_files")
         d = cfg.data
         self.batch_size = int(d.train_batch_size)
-        if len(self.train_data) < self.batch_size:
+        self.row_len, self.pack = int(d.max_length), bool(cfg.model.use_remove_padding)
+        self.packed_rows = self._pack_dataset()  # bfd: example indices of each packed row; else None
+        n_items = len(self.train_data) if self.packed_rows is None else len(self.packed_rows)
+        if n_items < self.batch_size:
+            unit = "examples (after skipping)" if self.packed_rows is None else "packed rows"
             raise ConfigError(
-                f"config.data.train_files={d.train_files!r}: {len(self.train_data)} examples (after skipping) for "
+                f"config.data.train_files={d.train_files!r}: {n_items} {unit} for "
                 f"data.train_batch_size={self.batch_size}; lower the batch size or add data"
             )
         self.val_data = None
@@ -145,12 +155,11 @@ class SFTTrainer:
             self.val_data = self._load_data(d.val_files, "val_files")
             if d.max_val_samples:
                 self.val_data = self._head(self.val_data, int(d.max_val_samples))
-        self.train_loader = SFTBatches(len(self.train_data), self.batch_size, seed=int(d.seed), shuffle=bool(d.shuffle))
+        self.train_loader = SFTBatches(n_items, self.batch_size, seed=int(d.seed), shuffle=bool(d.shuffle))
         self.total_training_steps = int(
             cfg.trainer.total_training_steps or int(cfg.trainer.total_epochs) * self.train_loader.batches_per_epoch
         )
         self.n_micro, self.rows = sft_step.micro_geometry(self.batch_size, int(d.micro_batch_size))
-        self.row_len, self.pack = int(d.max_length), bool(cfg.model.use_remove_padding)
 
         log_resolved(resolved)  # after the run-directory, model-path and data checks (an error there is one line)
         # ---- devices, model (LoRA: adapters trained, base frozen), optimizer, jitted fns
@@ -247,10 +256,18 @@ class SFTTrainer:
             skip_malformed=bool(d.skip_malformed),
         )
 
-    def _batch(self, ids, masks) -> dict[str, jax.Array]:
-        """Layout (`sft_step.layout_batch`) placed on the mesh: rows over ('data', 'fsdp')."""
+    def _pack_dataset(self) -> list[list[int]] | None:
+        """`data.packing_strategy='bfd'`: the training examples packed once into rows of `data.max_length`
+        (`sft_step.best_fit_decreasing`, TRL's BFD); None for per-step packing (and for DPO / RM)."""
+        if self.config.data.get("packing_strategy", "per_step") != "bfd":
+            return None
+        return sft_step.best_fit_decreasing([len(x) for x in self.train_data.input_ids], self.row_len)
+
+    def _batch(self, ids, masks, plan=None) -> dict[str, jax.Array]:
+        """Layout (`sft_step.layout_batch`; `plan`: rows already packed) placed on the mesh: rows over
+        ('data', 'fsdp')."""
         arrays = sft_step.layout_batch(
-            ids, masks, n_micro=self.n_micro, rows=self.rows, row_len=self.row_len, pack=self.pack
+            ids, masks, n_micro=self.n_micro, rows=self.rows, row_len=self.row_len, pack=self.pack, plan=plan
         )
         if self.n_devices == 1:
             return {k: jnp.asarray(v) for k, v in arrays.items()}
@@ -266,11 +283,19 @@ class SFTTrainer:
 
     # ------------------------------------------------------------------------------------ steps
     def train_step(self) -> dict[str, float]:
-        """One optimizer step on the next `data.train_batch_size` examples; returns its metrics."""
+        """One optimizer step on the next `data.train_batch_size` examples (`bfd`: packed rows); returns its
+        metrics."""
         t0 = time.perf_counter()
-        idx = next(self.train_loader)
+        idx, plan = next(self.train_loader), None
+        if self.packed_rows is not None:  # rows -> their examples, and each row's members as local positions
+            members = [self.packed_rows[r] for r in idx]
+            idx = [i for row in members for i in row]
+            plan, at = [], 0
+            for row in members:
+                plan.append(list(range(at, at + len(row))))
+                at += len(row)
         ids = [self.train_data.input_ids[i] for i in idx]
-        batch = self._batch(ids, [self.train_data.loss_mask[i] for i in idx])
+        batch = self._batch(ids, [self.train_data.loss_mask[i] for i in idx], plan)
         return self._apply_update(batch, self._frozen(), int(sum(len(x) for x in ids)), t0)
 
     def _apply_update(self, batch, extra_args: tuple, n_tokens: int, t0: float) -> dict[str, float]:

@@ -5,7 +5,8 @@ Layout (`layout_batch`): the examples of one global batch go into `n_micro` micr
 example in a row; 0 = padding), `positions` (0, 1, ... per example), `labels` (the next token of the same
 example; 0 where there is none) and `loss_mask` (1 where `labels` is trained: the next token is an
 assistant / completion token). Unpacked (`pack=False`): one example per row, in order. Packed: first-fit
-decreasing, many examples per row; attention is masked per segment (`Transformer.hidden_states(segment_ids)`),
+decreasing, many examples per row (or rows packed once over the dataset, best-fit decreasing, and given as
+`plan`: `data.packing_strategy='bfd'`); attention is masked per segment (`Transformer.hidden_states(segment_ids)`),
 so every example sees exactly the tokens it would see alone.
 
 Loss (`make_sft_update`): token-level NLL of the `loss_mask` tokens, aggregated "token-mean" over the number
@@ -36,6 +37,7 @@ from flax import nnx
 from jaxrl_post.trainer.update_core import apply_update, merge_model, micro_at, n_used, sum_over_used
 
 LAYOUT_KEYS = ("input_ids", "segment_ids", "positions", "labels", "loss_mask")
+PACKING_STRATEGIES = ("per_step", "bfd")  # `data.packing_strategy` (SFT): the step's examples | the dataset's
 
 
 # ------------------------------------------------------------------------------------------ host layout
@@ -72,6 +74,32 @@ def _assign_rows(lengths: Sequence[int], n_rows: int, row_len: int, pack: bool) 
     return rows
 
 
+def best_fit_decreasing(lengths: Sequence[int], row_len: int) -> list[list[int]]:
+    """Example indices per row of `row_len` tokens, best-fit decreasing (TRL `pack_dataset(strategy='bfd')`):
+    longest first (ties: lower index first), each into the fullest row it still fits (ties: the older row; a new
+    row when none fits). Examples are never split; empty ones are left out. Raises ValueError when an example is
+    longer than `row_len`."""
+    import bisect
+
+    if lengths and max(lengths) > row_len:
+        raise ValueError(f"an example of {max(lengths)} tokens does not fit a row of {row_len}")
+    rows: list[list[int]] = []
+    frees: list[int] = []  # free slots of the open rows, ascending; `owners[k]` is the row of `frees[k]`
+    owners: list[int] = []
+    for i in sorted((i for i in range(len(lengths)) if lengths[i] > 0), key=lambda i: (-lengths[i], i)):
+        k = bisect.bisect_left(frees, lengths[i])
+        if k == len(frees):
+            rows.append([i])
+            r, free = len(rows) - 1, row_len - lengths[i]
+        else:
+            r, free = owners.pop(k), frees.pop(k) - lengths[i]
+            rows[r].append(i)
+        k = bisect.bisect_right(frees, free)  # after equal frees: the older row is found first
+        frees.insert(k, free)
+        owners.insert(k, r)
+    return rows
+
+
 def layout_batch(
     input_ids: Sequence[np.ndarray],
     loss_mask: Sequence[np.ndarray],
@@ -80,22 +108,29 @@ def layout_batch(
     rows: int,
     row_len: int,
     pack: bool,
+    plan: Sequence[Sequence[int]] | None = None,
 ) -> dict[str, np.ndarray]:
     """The `[n_micro, rows, row_len] int32` arrays of `LAYOUT_KEYS` for examples `input_ids[i]`, `loss_mask[i]`
     (`[T_i]`, `loss_mask[i][t] = 1`: token t is trained; empty examples are left out).
 
-    Raises ValueError when an example is longer than `row_len` or the examples need more than
-    `n_micro * rows` rows (unpacked: more examples than rows).
+    `plan` (optional): the example indices of each row, already packed (`best_fit_decreasing` over the dataset);
+    without it the examples are packed here (`pack`: first-fit decreasing) or one per row.
+
+    Raises ValueError when an example is longer than `row_len`, a planned row overflows, or the examples need
+    more than `n_micro * rows` rows (unpacked: more examples than rows).
     """
     lengths = [len(x) for x in input_ids]
     if lengths and max(lengths) > row_len:
         raise ValueError(f"an example of {max(lengths)} tokens does not fit a row of {row_len}")
-    plan = _assign_rows(lengths, n_micro * rows, row_len, pack)
+    if plan is None:
+        plan = _assign_rows(lengths, n_micro * rows, row_len, pack)
     if len(plan) > n_micro * rows:
         raise ValueError(f"{len(plan)} rows needed, the batch layout has {n_micro * rows}")
     shape = (n_micro * rows, row_len)
     out = {k: np.zeros(shape, np.int32) for k in LAYOUT_KEYS}
     for r, members in enumerate(plan):
+        if sum(lengths[i] for i in members) > row_len:
+            raise ValueError(f"row {r} of the plan holds {sum(lengths[i] for i in members)} tokens > {row_len}")
         at = 0
         for s, i in enumerate(members, start=1):
             ids, m, t = np.asarray(input_ids[i]), np.asarray(loss_mask[i]), lengths[i]

@@ -30,10 +30,11 @@ SCRIPTS = {
     ("jaxrl_post", "dpo"): [os.path.join(_REPO, "scripts", "bench_sft_dpo.py"), "--trainer", "dpo"],
     ("trl", "dpo"): [os.path.join(_HERE, "dpo_trl.py")],
 }
-# the same shape on both sides: SFT ~2k tokens per step (ours: 8 examples packed into rows of 512; TRL: 4 packed
-# rows of 512), micro-batches of 2 rows; DPO 4 pairs per step in micro-batches of 2 pairs
+# the same shape on both sides: SFT 4 rows of 512 per step, the dataset packed once by best-fit decreasing (ours
+# `data.packing_strategy='bfd'`, TRL `packing=True`), micro-batches of 2 rows; DPO 4 pairs per step in
+# micro-batches of 2 pairs
 SHAPE = {
-    ("jaxrl_post", "sft"): ["--batch", "8", "--micro", "2"],
+    ("jaxrl_post", "sft"): ["--batch", "4", "--micro", "2", "--packing-strategy", "bfd"],
     ("trl", "sft"): ["--batch", "4", "--micro", "2"],
     ("jaxrl_post", "dpo"): ["--batch", "4", "--micro", "2"],
     ("trl", "dpo"): ["--batch", "4", "--micro", "2"],
