@@ -1,12 +1,13 @@
 """GRPO with multi-turn tool use (verl's `rollout.multi_turn`; docs/agents.md).
 
 Variants (`--config=configs/grpo_tools.py:VARIANT`):
-  (default)  SmolLM2-135M-Instruct learns to call a calculator on reasoning-gym multiplications (2-3 digit
-             factors): the model writes `<tool_call>{"name": "calculator", ...}</tool_call>`, the tool's result
-             comes back as a `tool` message (not trained), and the model answers in `<answer></answer>` tags in
-             its own turn (the reward reads the last tag: a number that only appears in the tool output earns
-             nothing). SmolLM2's template ignores `tools=`, so the tool list goes into the system prompt (Qwen2.5's
-             Hermes tool prompt).
+  (default)  SmolLM2-135M-Instruct learns to call a calculator on reasoning-gym multiplications of two factors
+             (`min_digits=2, max_digits=3`: reasoning-gym's digit range, not every factor's; 9 of the 64 validation
+             problems have a one-digit factor): the model writes `<tool_call>{"name": "calculator", ...}</tool_call>`,
+             the tool's result comes back as a `tool` message (not trained), and the model answers in
+             `<answer></answer>` tags in its own turn (the reward reads the last tag: a number that only appears in the
+             tool output earns nothing). SmolLM2's template ignores `tools=`, so the tool list goes into the system
+             prompt (Qwen2.5's Hermes tool prompt).
   guess      the number-guessing game (`GuessNumberEnv`): feedback "too low / too high" every turn, reward 1 on a
              correct guess (`guess_number_score` reads the turn scores).
 """

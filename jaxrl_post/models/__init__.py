@@ -1,5 +1,5 @@
-"""Decoder models (Llama, Qwen2/2.5, Qwen3, Gemma 2/3), critic, LoRA adapters, checkpoint I/O and tokenizer
-helpers."""
+"""Decoder models (Llama, Qwen2/2.5, Qwen3, Gemma 2/3), critic, reward model, LoRA adapters, checkpoint I/O and
+tokenizer helpers."""
 
 from __future__ import annotations
 
@@ -12,10 +12,11 @@ from flax import nnx
 from jaxrl_post.models.config import ModelConfig
 from jaxrl_post.models.critic import CriticModel
 from jaxrl_post.models.decoder import Transformer
-from jaxrl_post.models.hf_io import load_hf_dir, save_pretrained
+from jaxrl_post.models.hf_io import load_hf_dir, load_reward_model, save_pretrained, save_reward_model
 from jaxrl_post.models.kv_cache import KVCache
 from jaxrl_post.models.lora import LoRAConfig, apply_lora, load_peft_adapter, save_peft_adapter
 from jaxrl_post.models.presets import PRESETS, get_preset
+from jaxrl_post.models.reward_model import RewardModel
 
 __all__ = [
     "ModelConfig",
@@ -23,6 +24,9 @@ __all__ = [
     "get_preset",
     "Transformer",
     "CriticModel",
+    "RewardModel",
+    "load_reward_model",
+    "save_reward_model",
     "KVCache",
     "LoRAConfig",
     "apply_lora",

@@ -359,7 +359,8 @@ class SFTTrainer:
         return self.val_data is not None
 
     def on_fit_start(self) -> None:
-        self.tracker.log({**self.train_data.stats}, step=self.global_steps)
+        packed = {} if self.packed_rows is None else {"data/num_packed_rows": len(self.packed_rows)}  # bfd
+        self.tracker.log({**self.train_data.stats, **packed}, step=self.global_steps)
 
     def run_step(self) -> dict[str, float]:
         return self.train_step()
