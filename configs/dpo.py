@@ -48,6 +48,10 @@ def get_base_dpo_config() -> mlc.ConfigDict:
     d.train_batch_size = 16  # pairs per optimizer step, global
     d.micro_batch_size = 4  # pairs per accumulated micro-batch, global (packed: rows of 2 * max_length tokens)
     # model.use_remove_padding (True): chosen and rejected share one prompt copy, pairs packed per row
+    # per_step: each step packs its train_batch_size pairs into rows (first-fit decreasing). bfd: the whole dataset
+    # packed once into rows of 2 * max_length (best-fit decreasing), rows shuffled each epoch; train_batch_size and
+    # micro_batch_size then count packed rows (full rows: less padding, a varying number of pairs per step)
+    d.packing_strategy = "per_step"  # per_step | bfd (needs model.use_remove_padding=True)
 
     c.dpo = mlc.ConfigDict()
     c.dpo.beta = 0.1  # TRL beta: strength of the KL regularization to the reference (IPO: its tau)

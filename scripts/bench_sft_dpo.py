@@ -12,7 +12,8 @@ checkpoints, for one warm-up step (compile) + `--steps` timed steps. Prints `RES
 completion, as TRL's padded batch) and trained tokens/s (SFT: loss tokens; DPO: chosen + rejected tokens).
 Defaults: SFT 8 examples per step in micro-batches of 2 rows of 512 tokens, lr 1e-5 (`--packing-strategy bfd`: the
 dataset packed once into rows of 512, TRL's BFD, and `--batch` / `--micro` count packed rows, as TRL's); DPO 4
-pairs per step, micro-batches of 2, lr 5e-7.
+pairs per step, micro-batches of 2, lr 5e-7 (`--packing-strategy bfd`: the pairs packed once into rows of 2 x 512,
+`--batch` / `--micro` count those rows).
 Driver against TRL: `scripts/peers/run_sft_dpo_rounds.py`.
 """
 
@@ -25,6 +26,7 @@ import os
 import resource
 import sys
 import tempfile
+from collections.abc import Callable, Sequence
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _REPO)
@@ -42,7 +44,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--micro", type=int, default=None, help="rows (DPO: pairs) per micro-batch")
     ap.add_argument("--max-length", type=int, default=512)
     ap.add_argument("--lr", type=float, default=None)
-    ap.add_argument("--packing-strategy", choices=("per_step", "bfd"), default="per_step", help="SFT only")
+    ap.add_argument("--packing-strategy", choices=("per_step", "bfd"), default="per_step")
     a = ap.parse_args(argv)
     for k, v in DEFAULTS[a.trainer].items():
         if getattr(a, k) is None:
@@ -66,7 +68,7 @@ def make_config(a: argparse.Namespace, workdir: str):
     if a.trainer == "sft":
         d.format = "prompt_completion"
         d.prompt_key, d.response_key = "prompt", "completion"
-        d.packing_strategy = a.packing_strategy
+    d.packing_strategy = a.packing_strategy
     o = cfg.optim
     o.lr, o.weight_decay, o.clip_grad, o.warmup_style = a.lr, 0.0, 1.0, "constant"
     o.lr_warmup_steps, o.lr_warmup_steps_ratio = 0, 0.0
@@ -114,9 +116,28 @@ def summarize(a: argparse.Namespace, step_s: list[float], tokens: list[tuple[int
         "micro": a.micro,
         "max_length": a.max_length,
         "lr": a.lr,
-        "packing_strategy": a.packing_strategy if a.trainer == "sft" else None,
+        "packing_strategy": a.packing_strategy,
         **extra,
     }
+
+
+def token_counter(trainer: str, t) -> Callable[[Sequence[int]], tuple[int, int]]:
+    """(input, trained) tokens of the batch the train loader hands out as `idx`: example / pair indices, or packed
+    row indices under bfd (`t.packed_rows`). DPO counts each pair as TRL does: `prompt + chosen` and
+    `prompt + rejected` are input, the two responses trained."""
+    rows = t.packed_rows
+    examples = lambda idx: idx if rows is None else [i for r in idx for i in rows[r]]
+    if trainer == "sft":
+        d = t.train_data
+        return lambda idx: (
+            sum(len(d.input_ids[i]) for i in examples(idx)),
+            sum(int(d.loss_mask[i].sum()) for i in examples(idx)),
+        )
+    p = t.train_data.pairs
+    return lambda idx: (
+        sum(2 * len(p[i].prompt_ids) + len(p[i].chosen_ids) + len(p[i].rejected_ids) for i in examples(idx)),
+        sum(len(p[i].chosen_ids) + len(p[i].rejected_ids) for i in examples(idx)),
+    )
 
 
 def main(argv=None) -> dict:
@@ -130,20 +151,7 @@ def main(argv=None) -> dict:
     else:
         from jaxrl_post.trainer.dpo import DPOTrainer as Trainer
     t = Trainer(cfg, console_write=lambda s: None)
-    if a.trainer == "sft":
-        d, rows = t.train_data, t.packed_rows
-        examples = lambda idx: idx if rows is None else [i for r in idx for i in rows[r]]  # bfd: rows -> examples
-        count = lambda idx: (
-            sum(len(d.input_ids[i]) for i in examples(idx)),
-            sum(int(d.loss_mask[i].sum()) for i in examples(idx)),
-        )
-    else:
-        p = t.train_data.pairs
-        count = lambda idx: (
-            sum(2 * len(p[i].prompt_ids) + len(p[i].chosen_ids) + len(p[i].rejected_ids) for i in idx),
-            sum(len(p[i].chosen_ids) + len(p[i].rejected_ids) for i in idx),
-        )
-    t.train_loader = _Counting(t.train_loader, count)
+    t.train_loader = _Counting(t.train_loader, token_counter(a.trainer, t))
     out = t.fit()
     compiles = dict(t.compile_counts())  # traces per jitted function: > 1 means a step recompiled
     t.close()

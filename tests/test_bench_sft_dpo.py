@@ -52,6 +52,10 @@ def test_make_config_is_the_benchmark_shape(tmp_path):
     a = bench.parse_args(["--trainer", "dpo", "--model-dir", "/m", "--data", "/d.jsonl"])
     c = bench.make_config(a, str(tmp_path))
     assert c.trainer_type == "dpo" and c.dpo.loss_type == "sigmoid" and c.dpo.beta == 0.1
+    assert c.data.packing_strategy == "per_step"
+    a = bench.parse_args(["--trainer", "dpo", "--model-dir", "/m", "--data", "/d", "--packing-strategy", "bfd"])
+    assert bench.make_config(a, str(tmp_path)).data.packing_strategy == "bfd"
+    assert driver.SHAPE[("jaxrl_post", "dpo")] == ["--batch", "2", "--micro", "1", "--packing-strategy", "bfd"]
     assert (c.data.train_files, c.optim.lr, c.model.path) == ("/d.jsonl", 5e-7, "/m")
 
 
@@ -90,3 +94,21 @@ def test_driver_summary_medians_and_ratios():
     assert s["jaxrl_post"] == {"input_tokens_per_s": 200, "trained_tokens_per_s": 60, "rss_mb": 5000, "runs": 2}
     assert s["ratio"] == {"input_tokens_per_s": 4.0, "trained_tokens_per_s": 3.0, "rss_mb": 1.0}
     assert "| sft | ours / TRL | | 4.00x | 3.00x | 1.00x |" in driver.table({"sft": s})
+
+
+def test_token_counter_maps_bfd_rows_to_their_examples():
+    from types import SimpleNamespace as NS
+
+    import numpy as np
+
+    pairs = [
+        NS(prompt_ids=[0] * p, chosen_ids=[0] * c, rejected_ids=[0] * r)
+        for p, c, r in [(2, 3, 4), (1, 1, 1), (5, 0, 2)]
+    ]
+    t = NS(packed_rows=None, train_data=NS(pairs=pairs))
+    assert bench.token_counter("dpo", t)([0, 2]) == (2 * 2 + 3 + 4 + 2 * 5 + 0 + 2, 3 + 4 + 0 + 2)
+    t.packed_rows = [[2, 1], [0]]  # row 0 holds pairs 2 and 1
+    assert bench.token_counter("dpo", t)([0]) == (2 * 5 + 2 + 2 * 1 + 1 + 1, 2 + 1 + 1)
+    ids, mask = [np.zeros(3), np.zeros(4)], [np.array([0, 1, 1]), np.array([1, 1, 1, 1])]
+    t = NS(packed_rows=[[1, 0]], train_data=NS(input_ids=ids, loss_mask=mask))
+    assert bench.token_counter("sft", t)([0]) == (7, 6)

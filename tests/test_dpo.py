@@ -285,6 +285,73 @@ def test_loss_metrics_and_grads_match_trl_dpo_trainer(tok, tmp_path):
                 np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-4, err_msg=f"{what} {hf_name}")
 
 
+def test_bfd_plan_layout_gives_the_per_step_loss_and_grads(tok):
+    """A batch laid out from a given packing plan (data.packing_strategy='bfd': rows packed once for the dataset)
+    holds the same pairs in other rows; the loss, metrics and every gradient equal the per-step layout's."""
+    import jax
+
+    from jaxrl_post.trainer import dpo_step, steps
+
+    g, params, rest = steps.split_model(_tiny_model(3))
+    ref_params = steps.split_model(_tiny_model(4))[1]
+    pairs = _pairs(tok)  # 11, 17, 10 tokens as prompt | chosen | rejected
+    geo = dict(n_micro=3, pairs_per_micro=1, row_len=32, pack=True)
+    auto = dpo_step.layout_pairs(pairs, **geo)  # first-fit decreasing: rows [1, 0] and [2]
+    planned = dpo_step.layout_pairs(pairs, plan=[[2], [0, 1]], pair_slots=3, **geo)
+    assert planned["pair_index"][0].tolist() == [2, -1, -1] and planned["pair_index"][1].tolist() == [0, 1, -1]
+    assert auto["pair_index"][0].tolist() == [1, 0, -1]
+    fn = jax.jit(dpo_step.make_dpo_grads(g, rest, beta=0.2, loss_type="sigmoid", label_smoothing=0.0, chunk=8))
+    (la, ma, ga), (lp, mp, gp) = fn(params, auto, ref_params), fn(params, planned, ref_params)
+    assert float(la) == pytest.approx(float(lp), rel=1e-6)
+    for k in dpo_step.METRIC_KEYS:
+        assert float(ma[k]) == pytest.approx(float(mp[k]), rel=1e-5, abs=2e-6), k  # f32 sums in other orders
+    for a, b in zip(jax.tree.leaves(ga), jax.tree.leaves(gp)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="every pair exactly once"):
+        dpo_step.layout_pairs(pairs, plan=[[2], [0]], pair_slots=3, **geo)
+    with pytest.raises(ValueError, match="more than row_len=32"):
+        dpo_step.layout_pairs(pairs, plan=[[0, 1, 2]], pair_slots=3, **geo)
+    with pytest.raises(ValueError, match="2 pairs in one micro-batch, the layout has 1 pair slots"):
+        dpo_step.layout_pairs(pairs, plan=[[2], [0, 1]], pair_slots=1, **geo)
+
+
+@pytest.mark.slow  # a tiny trainer and its compiles (~20-40 s on this 2-core machine)
+def test_bfd_packing_steps_over_packed_pair_rows(tmp_path):
+    import jax
+
+    from jaxrl_post.trainer import dpo_step, sft_step
+    from jaxrl_post.trainer.config_check import ConfigError
+    from jaxrl_post.trainer.dpo import DPOTrainer, pair_tokens, validate_dpo_config
+
+    bad = _tiny_config(tmp_path, "x", data__packing_strategy="bfd", model__use_remove_padding=False)
+    with pytest.raises(ConfigError, match=r"'bfd' packs pairs into rows: it needs model.use_remove_padding=True"):
+        validate_dpo_config(bad)
+    cfg = _tiny_config(tmp_path, "bfd", data__packing_strategy="bfd")
+    cfg.data.train_batch_size, cfg.data.micro_batch_size = 2, 1  # packed rows of 2 * 16 characters
+    t = DPOTrainer(cfg)
+    need = [len(x.prompt_ids) + len(x.chosen_ids) + len(x.rejected_ids) for x in t.train_data.pairs]
+    assert t.packed_rows == sft_step.best_fit_decreasing(need, 32)
+    assert max(len(r) for r in t.packed_rows) > 1  # several pairs share a row
+    assert t.train_loader.batches_per_epoch == len(t.packed_rows) // 2
+    m1 = t.train_step()  # after it the policy differs from the reference: the loss depends on the pairs
+    state = t.train_loader.get_state()
+    rows = next(t.train_loader)
+    t.train_loader.set_state(state)
+    pairs = [t.train_data.pairs[i] for r in rows for i in t.packed_rows[r]]
+    # the step's loss, computed independently on a per-step layout of the same pairs from the same params
+    fn = jax.jit(
+        dpo_step.make_dpo_grads(t.actor_graphdef, t.actor_rest, beta=0.1, loss_type="sigmoid", label_smoothing=0.0)
+    )
+    geo = dict(n_micro=1, pairs_per_micro=len(pairs), row_len=32, pack=True)
+    want = float(fn(t.actor_params, dpo_step.layout_pairs(pairs, **geo), t.ref_params)[0])
+    m2 = t.train_step()
+    t.close()
+    assert abs(want - np.log(2)) > 1e-4
+    assert m2["loss"] == pytest.approx(want, rel=1e-5)
+    assert m2["num_tokens"] - m1["num_tokens"] == pair_tokens(pairs)
+    assert t.compile_counts()["update"] == 1
+
+
 # ----------------------------------------------------------------------------------------- end to end
 def _tiny_config(tmp_path, run, **over):
     import importlib.util

@@ -126,6 +126,9 @@ def test_config_errors_name_the_keys(tmp_path):
     cfg = _tiny(tmp_path, "x", rm__center_rewards_coefficient=-1.0, data__truncation="right")
     with pytest.raises(ConfigError, match=r"(?s)data.truncation='right'.*rm.center_rewards_coefficient=-1.0"):
         validate_rm_config(cfg)
+    cfg = _tiny(tmp_path, "x", data__packing_strategy="bfd")  # DPO's dataset packing is not built for the RM
+    with pytest.raises(ConfigError, match=r"data.packing_strategy='bfd': not built for reward-model training"):
+        validate_rm_config(cfg)
 
 
 @pytest.mark.slow  # two tiny trainers, their compiles and an RM scorer (~60-120 s on this loaded machine)

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_post.trainer import builders, dpo_step
+from jaxrl_post.trainer import builders, dpo_step, sft_step
 from jaxrl_post.trainer import checkpoint as ckpt
 from jaxrl_post.trainer.config_check import ConfigError
 from jaxrl_post.trainer.sft import SFTTrainer
@@ -62,6 +62,10 @@ def pair_config_errors(cfg) -> list[str]:
         )
     if d.max_prompt_length is not None and not (is_pos(d.max_prompt_length) and d.max_prompt_length < d.max_length):
         bad.append(f"data.max_prompt_length={d.max_prompt_length!r}: must be None or an int in [1, data.max_length)")
+    if d.get("packing_strategy", "per_step") not in sft_step.PACKING_STRATEGIES:
+        bad.append(f"data.packing_strategy={d.packing_strategy!r}: must be one of {list(sft_step.PACKING_STRATEGIES)}")
+    elif d.get("packing_strategy") == "bfd" and not cfg.model.use_remove_padding:
+        bad.append("data.packing_strategy='bfd' packs pairs into rows: it needs model.use_remove_padding=True")
     if d.truncation not in TRUNCATIONS:
         bad.append(f"data.truncation={d.truncation!r}: must be one of {list(TRUNCATIONS)} for preference data")
     if not d.train_files:
@@ -128,6 +132,15 @@ class DPOTrainer(SFTTrainer):
         data.pairs = data.pairs[:k]
         return data
 
+    def _pack_dataset(self) -> list[list[int]] | None:
+        """`data.packing_strategy='bfd'`: the training pairs (each `prompt | chosen | rejected`, one chunk) packed
+        once into rows of 2 * `data.max_length` tokens by best-fit decreasing (`sft_step.best_fit_decreasing`);
+        batch sizes then count packed rows. None for per-step packing."""
+        if self.config.data.get("packing_strategy", "per_step") != "bfd":
+            return None
+        need = [len(x.prompt_ids) + len(x.chosen_ids) + len(x.rejected_ids) for x in self.train_data.pairs]
+        return sft_step.best_fit_decreasing(need, 2 * self.row_len)
+
     def _build_steps(self, graphdef, rest) -> None:
         """Reference, layout geometry and the jitted update / eval / reference log-prob functions."""
         cfg = self.config
@@ -137,6 +150,10 @@ class DPOTrainer(SFTTrainer):
             self.pack = False
         m = int(cfg.data.micro_batch_size)
         self.pairs_per_micro = m
+        # bfd: a micro-batch is m packed rows; its pair slots cover the m fullest rows of the dataset (and a
+        # per-step layout of batch_size pairs: validation, precomputed reference log-probs)
+        fullest = sorted((len(r) for r in self.packed_rows or ()), reverse=True)[:m]
+        self.pair_slots = None if self.packed_rows is None else max(sum(fullest), self.n_micro * m)
         self.pair_row_len = 2 * self.row_len if self.pack else self.row_len  # packed: any pair fits one row
         self.ref_params = None
         if self.lora is None:
@@ -157,7 +174,7 @@ class DPOTrainer(SFTTrainer):
         self._ref_cache: dict[str, np.ndarray] = {}
 
     # ------------------------------------------------------------------------------------ batches
-    def _layout(self, pairs, ref_logps=None) -> dict[str, jax.Array]:
+    def _layout(self, pairs, ref_logps=None, plan=None) -> dict[str, jax.Array]:
         arrays = dpo_step.layout_pairs(
             pairs,
             n_micro=self.n_micro,
@@ -165,6 +182,8 @@ class DPOTrainer(SFTTrainer):
             row_len=self.pair_row_len,
             pack=self.pack,
             ref_logps=ref_logps,
+            plan=plan,
+            pair_slots=self.pair_slots,
         )
         if self.n_devices == 1:
             return {k: jnp.asarray(v) for k, v in arrays.items()}
@@ -203,10 +222,15 @@ class DPOTrainer(SFTTrainer):
     def train_step(self) -> dict[str, float]:
         """One optimizer step on the next `data.train_batch_size` pairs; returns its metrics."""
         t0 = time.perf_counter()
-        idx = next(self.train_loader)
+        idx, plan = next(self.train_loader), None
+        if self.packed_rows is not None:  # bfd: rows -> their pairs, each row's members as local positions
+            members = [self.packed_rows[r] for r in idx]
+            idx = np.asarray([i for row in members for i in row], np.int64)
+            sizes = np.cumsum([0] + [len(row) for row in members])
+            plan = [list(range(sizes[r], sizes[r + 1])) for r in range(len(members))]
         pairs = [self.train_data.pairs[i] for i in idx]
         ref = self.reference_logps("train")[idx] if self.precompute else None
-        batch = self._layout(pairs, ref)
+        batch = self._layout(pairs, ref, plan)
         return self._apply_update(
             batch,
             self._ref_args(),

@@ -96,6 +96,8 @@ def layout_pairs(
     row_len: int,
     pack: bool,
     ref_logps: np.ndarray | None = None,
+    plan: Sequence[Sequence[int]] | None = None,
+    pair_slots: int | None = None,
 ) -> dict[str, np.ndarray]:
     """The arrays of `LAYOUT_KEYS` (module docstring), each with a leading `[n_micro]` dim, for `pairs`
     (`data.preference.PreferencePair`, at most `n_micro * pairs_per_micro`). Unpacked: micro-batch k holds pairs
@@ -103,13 +105,19 @@ def layout_pairs(
     per micro-batch, Q = `n_micro * pairs_per_micro` pair slots. `ref_logps [len(pairs), 2] float32`: precomputed
     reference log-probs (chosen, rejected) of each pair.
 
+    `plan` (packed only; `data.packing_strategy='bfd'`): the rows already packed, each a list of indices into
+    `pairs` (rows fill micro-batches in order, `pairs_per_micro` rows each; any number of pairs); then Q =
+    `pair_slots` (at least the pairs of any micro-batch).
+
     Raises ValueError when a sequence (unpacked) or a pair (packed) does not fit a row, or the pairs do not fit.
     """
     m = int(pairs_per_micro)
-    if len(pairs) > n_micro * m:
+    if plan is None and len(pairs) > n_micro * m:
         raise ValueError(f"{len(pairs)} pairs for a layout of {n_micro} x {m}")
+    if plan is not None and not pack:
+        raise ValueError("a packing plan needs the packed layout (pack=True)")
     if pack:
-        rows, q_cap = m, n_micro * m
+        rows, q_cap = m, n_micro * m if pair_slots is None else int(pair_slots)
         need = [len(x.prompt_ids) + len(x.chosen_ids) + len(x.rejected_ids) for x in pairs]
     else:
         rows, q_cap = 2 * m, m
@@ -117,10 +125,18 @@ def layout_pairs(
     if need and max(need) > row_len:
         raise ValueError(f"a {'pair' if pack else 'sequence'} of {max(need)} tokens does not fit a row of {row_len}")
     if pack:
-        plan = _place_rows(need, row_len, True, 1)
+        if plan is None:
+            plan = _place_rows(need, row_len, True, 1)
+        elif sorted(i for row in plan for i in row) != list(range(len(pairs))):
+            raise ValueError("the packing plan must place every pair exactly once")
+        elif plan and max(sum(need[i] for i in row) for row in plan) > row_len:
+            raise ValueError(f"a planned row holds more than row_len={row_len} tokens")
         if len(plan) > n_micro * rows:
             raise ValueError(f"{len(plan)} rows needed, the layout has {n_micro * rows}")
         micro_of_row = [r // rows for r in range(len(plan))]
+        per_micro = np.bincount(np.repeat(micro_of_row, [len(row) for row in plan]), minlength=1)
+        if per_micro.max(initial=0) > q_cap:
+            raise ValueError(f"{per_micro.max()} pairs in one micro-batch, the layout has {q_cap} pair slots")
     else:
         plan = [[i] for i in range(len(pairs))]
         micro_of_row = [i // m for i in range(len(pairs))]

@@ -49,6 +49,8 @@ def validate_rm_config(cfg) -> None:
     c = r.center_rewards_coefficient
     if c is not None and not (isinstance(c, (int, float)) and not isinstance(c, bool) and c >= 0):
         bad.append(f"rm.center_rewards_coefficient={c!r}: must be None or a number >= 0")
+    if cfg.data.get("packing_strategy", "per_step") == "bfd":
+        bad.append("data.packing_strategy='bfd': not built for reward-model training; use 'per_step'")
     if bad:
         raise ConfigError("invalid reward-model config:\n  " + "\n  ".join(f"config.{b}" for b in bad))
 

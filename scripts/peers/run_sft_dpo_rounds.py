@@ -30,13 +30,15 @@ SCRIPTS = {
     ("jaxrl_post", "dpo"): [os.path.join(_REPO, "scripts", "bench_sft_dpo.py"), "--trainer", "dpo"],
     ("trl", "dpo"): [os.path.join(_HERE, "dpo_trl.py")],
 }
-# the same shape on both sides: SFT 4 rows of 512 per step, the dataset packed once by best-fit decreasing (ours
-# `data.packing_strategy='bfd'`, TRL `packing=True`), micro-batches of 2 rows; DPO 4 pairs per step in
-# micro-batches of 2 pairs
+# SFT, the same shape on both sides: 4 rows of 512 per step, the dataset packed once by best-fit decreasing (ours
+# `data.packing_strategy='bfd'`, TRL `packing=True`), micro-batches of 2 rows. DPO: TRL 4 pairs per step in
+# micro-batches of 2 pairs (each padded to the micro-batch's longest: about 1,040 token slots per micro-batch on
+# these rows); ours the pairs packed once by BFD into rows of 2 x 512 (prompt | chosen | rejected, one prompt
+# copy), 2 rows per step, micro-batches of 1 row (1,024 slots; about 6 pairs per step)
 SHAPE = {
     ("jaxrl_post", "sft"): ["--batch", "4", "--micro", "2", "--packing-strategy", "bfd"],
     ("trl", "sft"): ["--batch", "4", "--micro", "2"],
-    ("jaxrl_post", "dpo"): ["--batch", "4", "--micro", "2"],
+    ("jaxrl_post", "dpo"): ["--batch", "2", "--micro", "1", "--packing-strategy", "bfd"],
     ("trl", "dpo"): ["--batch", "4", "--micro", "2"],
 }
 _RSS = re.compile(r"Maximum resident set size \(kbytes\): (\d+)")
