@@ -223,11 +223,8 @@ class DPOTrainer(SFTTrainer):
         """One optimizer step on the next `data.train_batch_size` pairs; returns its metrics."""
         t0 = time.perf_counter()
         idx, plan = next(self.train_loader), None
-        if self.packed_rows is not None:  # bfd: rows -> their pairs, each row's members as local positions
-            members = [self.packed_rows[r] for r in idx]
-            idx = np.asarray([i for row in members for i in row], np.int64)
-            sizes = np.cumsum([0] + [len(row) for row in members])
-            plan = [list(range(sizes[r], sizes[r + 1])) for r in range(len(members))]
+        if self.packed_rows is not None:  # bfd: rows -> their pairs
+            idx, plan = self._unpack_rows(idx)
         pairs = [self.train_data.pairs[i] for i in idx]
         ref = self.reference_logps("train")[idx] if self.precompute else None
         batch = self._layout(pairs, ref, plan)

@@ -287,13 +287,8 @@ class SFTTrainer:
         metrics."""
         t0 = time.perf_counter()
         idx, plan = next(self.train_loader), None
-        if self.packed_rows is not None:  # rows -> their examples, and each row's members as local positions
-            members = [self.packed_rows[r] for r in idx]
-            idx = [i for row in members for i in row]
-            plan, at = [], 0
-            for row in members:
-                plan.append(list(range(at, at + len(row))))
-                at += len(row)
+        if self.packed_rows is not None:
+            idx, plan = self._unpack_rows(idx)
         ids = [self.train_data.input_ids[i] for i in idx]
         batch = self._batch(ids, [self.train_data.loss_mask[i] for i in idx], plan)
         return self._apply_update(batch, self._frozen(), int(sum(len(x) for x in ids)), t0)
@@ -361,6 +356,15 @@ class SFTTrainer:
     def on_fit_start(self) -> None:
         packed = {} if self.packed_rows is None else {"data/num_packed_rows": len(self.packed_rows)}  # bfd
         self.tracker.log({**self.train_data.stats, **packed}, step=self.global_steps)
+
+    def _unpack_rows(self, rows) -> tuple[np.ndarray, list[list[int]]]:
+        """bfd: packed row indices -> (the example indices of those rows in order `[N] int64`, each row's members as
+        positions into them: the `plan` the layout takes)."""
+        members = [self.packed_rows[r] for r in rows]
+        at = np.cumsum([0] + [len(row) for row in members])
+        return np.asarray([i for row in members for i in row], np.int64), [
+            list(range(a, b)) for a, b in zip(at, at[1:])
+        ]
 
     def run_step(self) -> dict[str, float]:
         return self.train_step()
