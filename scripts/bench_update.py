@@ -2,7 +2,8 @@
 
     python scripts/bench_update.py [--model smollm2-135m-instruct] [--prompt-len 56] [--response-len 128]
         [--batch 64] [--micro 16] [--rounds 3] [--dtype float32] [--entropy-coeff 0] [--response-range 40-128]
-        [--variants padded,packed,shared] [--n 8] [--seqs-per-row 2] [--out /tmp/bench_update.json]
+        [--variants padded,packed,shared] [--n 8] [--prompt-range 45-52] [--seqs-per-row 2]
+        [--out /tmp/bench_update.json]
 
 The mini-batch is GRPO-shaped: prompts of 45-52 real tokens left-padded to `--prompt-len` (the benchmark's
 max_prompt_length 56, or 128), each repeated `--n` times (the samples of a prompt; default 8), responses of
@@ -52,13 +53,13 @@ def loadavg() -> float:
 
 
 def make_batch(
-    m: int, p: int, r: int, vocab: int, r_range: tuple[int, int], seed: int = 0, n: int = 1
+    m: int, p: int, r: int, vocab: int, r_range: tuple[int, int], seed: int = 0, n: int = 1, p_range=(45, 52)
 ) -> dict[str, np.ndarray]:
-    """GRPO-like mini-batch: prompts of 45-52 real tokens (left-padded to p), responses of `r_range` (min, max;
-    1 <= min <= max <= r) real tokens right-padded to r; each prompt repeated `n` times (the `rollout.n`
-    samples of a prompt)."""
+    """GRPO-like mini-batch: prompts of `p_range` (default 45-52) real tokens (left-padded to p), responses of
+    `r_range` (min, max; 1 <= min <= max <= r) real tokens right-padded to r; each prompt repeated `n` times
+    (the `rollout.n` samples of a prompt)."""
     rng = np.random.default_rng(seed)
-    p_len = np.repeat(rng.integers(45, min(52, p) + 1, -(-m // n)), n)[:m]
+    p_len = np.repeat(rng.integers(min(p_range[0], p), min(p_range[1], p) + 1, -(-m // n)), n)[:m]
     r_len = rng.integers(r_range[0], r_range[1] + 1, m)
     am = np.concatenate([np.arange(p)[None] >= p - p_len[:, None], np.arange(r)[None] < r_len[:, None]], 1)
     am = am.astype(np.int32)
@@ -99,6 +100,7 @@ def main(argv=None):
         help="MIN-MAX real response tokens (uniform; default 40-response_len), e.g. 10-30 for the default run's"
         " short answers",
     )
+    ap.add_argument("--prompt-range", default="45-52", help="MIN-MAX real prompt tokens (uniform, per prompt)")
     ap.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "bench_update.json"))
     args = ap.parse_args(argv)
     r = args.response_len
@@ -117,7 +119,8 @@ def main(argv=None):
         model, source = init_model(PRESETS["smollm2_135m"], dtype=args.dtype), "random smollm2_135m"
     cfg = model.config
     m, p = args.batch, args.prompt_len
-    batch = make_batch(m, p, r, cfg.vocab_size, r_range, n=args.n)
+    p_range = tuple(int(v) for v in args.prompt_range.split("-"))
+    batch = make_batch(m, p, r, cfg.vocab_size, r_range, n=args.n, p_range=p_range)
     rows, row_len = packing.micro_geometry(
         micro_batch_size=args.micro,
         use_dynamic_bsz=False,

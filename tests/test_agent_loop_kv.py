@@ -1,5 +1,6 @@
 """Prefix caching in the agent loop (`rollout/turn_cache.py`): each turn prefills only the appended tokens onto
-the KV cache the previous turn left, with a per-row write slot. On the tiny random model in float32 the
+the KV cache the previous turn left, with a per-row write slot (a prompt that several rows share is prefilled
+once). On the tiny random model in float32 the
 trajectories equal those of the full re-prefill (`enable_prefix_caching=False`) -- token ids, masks, turn
 counts, log-probs within 1e-5 -- with a tool and with a multi-turn environment, rows finishing at different
 turns; the log-probs equal the training forward's; turns reuse compiled programs."""
@@ -94,9 +95,12 @@ def test_prefix_caching_equals_full_reprefill(env, temperature, r):
     assert turns.max() >= 5, turns  # at least three model turns, so some turn appends onto a cache twice
     holes = full.batch["response_attention_mask"].astype(bool) & ~full.batch["loss_mask"].astype(bool)
     assert holes.sum() > 0
-    # the prompts, plus per turn only the observation tokens, against the whole context every turn
-    prompts = int(full.batch["attention_mask"][:, :160].sum())
-    assert s_cached["prefill_tokens"] == prompts + int(holes.sum())
+    # each distinct prompt once (the game's rows all start from the same prompt: one prefill copied to every
+    # row), plus per turn only the observation tokens, against the whole context every turn
+    ids, am = full.batch["input_ids"][:, :160], full.batch["attention_mask"][:, :160]
+    distinct = {tuple(i[m.astype(bool)].tolist()) for i, m in zip(ids, am)}
+    assert len(distinct) == (1 if env is FewGuesses else len(ids)), len(distinct)
+    assert s_cached["prefill_tokens"] == sum(map(len, distinct)) + int(holes.sum())
     assert s_full["prefill_tokens"] > s_cached["prefill_tokens"], (s_full, s_cached)
     if True:  # the rollout log-probs (untempered at temperature 0) equal the training forward's
         loss = cached.batch["loss_mask"].astype(bool)

@@ -280,8 +280,9 @@ class AgentLoop:
             if tc is not None:
                 rows_ = [id(t) for t in active]
                 appended = [(t.prompt_ids + t.ids)[t.cached :] for t in active]
+                before = tc.prefill_tokens
                 toks, exists, lps = tc.turn(rows_, appended, budget, params, turn_seed)
-                gen_tokens_in += sum(len(x) for x in appended)
+                gen_tokens_in += tc.prefill_tokens - before
             else:
                 toks, exists, lps, n_in = self._reprefill_turn(active, b, params, turn_seed)
                 gen_tokens_in += n_in

@@ -80,7 +80,8 @@ class TurnCache:
         self.cache = None
         self.order: list[int] = []  # trajectory id of each cache row (then filler rows, if any)
         self.index: dict[int, int] = {}  # trajectory id -> its next write slot
-        self.prefill_tokens = 0  # real tokens prefilled (prompts + appended tokens)
+        self.prefill_tokens = 0  # real tokens prefilled (distinct prompts + appended tokens)
+        self.rows0 = 0  # the first turn's batch bucket
 
     def turn(self, rows, appended, limits, params: SamplingParams, seed: int):
         """One turn of the running trajectories.
@@ -99,16 +100,13 @@ class TurnCache:
         a = len(rows)
         if not a or not all(appended):
             raise ValueError("TurnCache.turn needs at least one row and appended tokens for every row")
-        b = bucket_size(a, None)
+        # batch buckets: powers of two, at least the decode's compaction floor (fewer programs to compile for
+        # the last few running rows), at most the first turn's
+        b = bucket_size(a, None, minimum=min(gen.compact_min_rows or 1, self.rows0 or a))
+        self.rows0 = self.rows0 or b
         graphdef, state = nnx.split(gen.model)
-        first = self.cache is None
-        if first:
-            width = self.p_pad
-            dtype = kv_cache_dtype(gen.model, gen.cache_dtype)
-            cache = gen.model.init_cache(b, self.max_len, dtype=dtype, **self._seg())
-            self.cache = cache.replace(index=jnp.zeros((b,), jnp.int32))
-            self.order = list(rows)
-            self.index = dict.fromkeys(rows, 0)
+        if self.cache is None:
+            logits, cache, index, lengths = self._prefill_prompts(graphdef, state, rows, appended, b, params)
         else:
             width = bucket_size(max(len(x) for x in appended), None, minimum=16)
             where = {t: i for i, t in enumerate(self.order)}  # the running rows' cache rows (filler rows: none)
@@ -116,19 +114,14 @@ class TurnCache:
             if take != list(range(self.cache.mask.shape[0])):
                 self.cache = _gather(self.cache, jnp.asarray(take, jnp.int32))
             self.order = list(rows)
-        ids = np.full((b, width), params.pad_token_id, np.int32)
-        mask = np.zeros((b, width), np.int32)
-        lengths = np.zeros((b,), np.int32)
-        for j, x in enumerate(appended):
-            if first:  # prompts are left-padded to P: the row's first P slots (real tokens last)
-                ids[j, self.p - len(x) : self.p], mask[j, self.p - len(x) : self.p], lengths[j] = x, 1, self.p
-            else:
+            ids = np.full((b, width), params.pad_token_id, np.int32)
+            mask = np.zeros((b, width), np.int32)
+            lengths = np.zeros((b,), np.int32)
+            for j, x in enumerate(appended):
                 ids[j, : len(x)], mask[j, : len(x)], lengths[j] = x, 1, len(x)
-            self.prefill_tokens += len(x)
-        index = np.asarray([self.index[t] for t in rows] + [0] * (b - a), np.int32)
-        logits, cache = _extend(
-            graphdef, state, self.cache, jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(index), jnp.asarray(lengths)
-        )
+                self.prefill_tokens += len(x)
+            index = np.asarray([self.index[t] for t in rows] + [0] * (b - a), np.int32)
+            logits, cache = _extend(graphdef, state, self.cache, *map(jnp.asarray, (ids, mask, index, lengths)))
         limit = np.zeros((b,), np.int32)
         limit[:a] = limits
         done = np.arange(b) >= a
@@ -155,6 +148,34 @@ class TurnCache:
         for j, t in enumerate(rows):
             self.index[t] = int(index[j] + lengths[j] + exists[j].sum())
         return tokens, exists, logps
+
+    def _prefill_prompts(self, graphdef, state, rows, prompts, b: int, params: SamplingParams):
+        """The first turn's prefill: each distinct prompt once (the `rollout.n` samples of a prompt share it, as
+        `Generator.generate` prefills a prompt once for its n rows), left-padded to P, at the batch bucket of the
+        distinct prompts; then its cache rows and next-token logits are copied to the rows that start from it
+        (and filler rows up to `b`, copies of row 0). Returns (logits [b, V] float32, cache of b rows, index
+        [b] int32 zeros, lengths [b] int32 = P)."""
+        gen = self.gen
+        first_of: dict[tuple[int, ...], int] = {}
+        src = [first_of.setdefault(tuple(x), len(first_of)) for x in prompts]
+        u = bucket_size(len(first_of), None)
+        ids = np.full((u, self.p_pad), params.pad_token_id, np.int32)
+        mask = np.zeros((u, self.p_pad), np.int32)
+        for x, i in first_of.items():  # left-padded to P: the row's first P slots, real tokens last
+            ids[i, self.p - len(x) : self.p], mask[i, self.p - len(x) : self.p] = x, 1
+            self.prefill_tokens += len(x)
+        dtype = kv_cache_dtype(gen.model, gen.cache_dtype)
+        cache = gen.model.init_cache(u, self.max_len, dtype=dtype, **self._seg())
+        cache = cache.replace(index=jnp.zeros((u,), jnp.int32))
+        zeros, lengths = np.zeros((u,), np.int32), np.full((u,), self.p, np.int32)
+        logits, cache = _extend(graphdef, state, cache, *map(jnp.asarray, (ids, mask, zeros, lengths)))
+        take = src + [0] * (b - len(src))
+        if take != list(range(u)):
+            take = jnp.asarray(take, jnp.int32)
+            cache, logits = _gather(cache, take), jnp.take(logits, take, axis=0)
+        self.order = list(rows)
+        self.index = dict.fromkeys(rows, 0)
+        return logits, cache, np.zeros((b,), np.int32), np.full((b,), self.p, np.int32)
 
     def _seg(self) -> dict:
         seg = self.gen.cache_segment_len or max(MIN_CACHE_SEGMENT, -(-self.max_len // 128) * 16)
