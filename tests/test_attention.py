@@ -290,6 +290,40 @@ def test_chunked_path_matches_dense_packed(family, shared, monkeypatch):
     _assert_same_as_dense("chunked", _cfg(family), ids, pos)
 
 
+@pytest.mark.parametrize("shared", [True, False])
+def test_causal_query_blocks_equal_the_whole_row(shared, monkeypatch):
+    """Dense attention without a cache in causal query blocks (`decoder.CAUSAL_BLOCK` 4: rows of 16 in 4 blocks,
+    block i against keys [0, 4 (i + 1))) gives the whole-row forward's logits and gradients (packed rows, shared
+    prompts or a sliding window + soft-cap), and compiles to fewer FLOPs."""
+    from jaxrl_post.models import decoder
+
+    rows = [[(4, [3, 3]), (3, [2])], [(5, [4, 2, 1])]] if shared else [[5, 6, 3], [2, 9, 4]]
+    ids, pos = _row_batch(rows, 16, shared)
+    cfg = _cfg("llama" if shared else "gemma2")
+    monkeypatch.setattr(decoder, "CAUSAL_BLOCK", 10**6)
+    lo_w, g_w = _fwd_and_grad(_model(cfg), ids, pos)
+    long_ids, long_pos = _row_batch([[40, 50, 38]], 128)  # one row of 128 (FLOPs: 8 blocks of 16 at 16)
+    flops_w = _forward_flops(_model(cfg), long_ids, long_pos)
+    monkeypatch.setattr(decoder, "CAUSAL_BLOCK", 16)
+    assert _forward_flops(_model(cfg), long_ids, long_pos) < 0.95 * flops_w
+    monkeypatch.setattr(decoder, "CAUSAL_BLOCK", 4)
+    lo_b, g_b = _fwd_and_grad(_model(cfg), ids, pos)
+    assert np.abs(lo_w).max() > 1.0
+    np.testing.assert_allclose(lo_b, lo_w, atol=2e-5, rtol=2e-5)
+    for a, b in zip(jax.tree.leaves(g_w), jax.tree.leaves(g_b), strict=True):
+        scale = float(np.abs(np.asarray(a)).max()) + 1e-6
+        np.testing.assert_allclose(np.asarray(b) / scale, np.asarray(a) / scale, atol=2e-4)
+
+
+def _forward_flops(model, ids, pos) -> float:
+    graphdef, state = nnx.split(model)
+    fn = lambda st: nnx.merge(graphdef, st)(
+        jnp.asarray(ids), jnp.asarray(ids != 0), positions=jnp.asarray(pos), segment_ids=jnp.asarray(ids)
+    )
+    cost = jax.jit(fn).lower(state).compile().cost_analysis()
+    return float((cost[0] if isinstance(cost, list) else cost)["flops"])
+
+
 @pytest.mark.slow
 def test_cudnn_path_matches_dense_padded_rows():
     """Unpacked rows with left padding (no segment ids): causal & key mask; sliding window by slots."""

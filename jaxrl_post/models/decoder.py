@@ -28,6 +28,10 @@ from jaxrl_post.models.linear import Linear
 from jaxrl_post.models.lm_head import head_token_stats
 
 _NEG = float(np.finfo(np.float32).min)
+# Dense attention without a cache (training / scoring forwards) over rows longer than CAUSAL_BLOCK tokens runs
+# in at most MAX_CAUSAL_BLOCKS causal query blocks of >= CAUSAL_BLOCK tokens (`Attention.__call__`).
+CAUSAL_BLOCK = 256
+MAX_CAUSAL_BLOCKS = 8
 # Packed segment ids `chunk << SEGMENT_SUB_BITS | sub` (`segment_mask`; written by `trainer/packing.py`)
 SEGMENT_SUB_BITS = 16
 
@@ -155,6 +159,7 @@ class Attention(nnx.Module):
 
         def attend(q, k_segs, v_segs, allowed):
             # Query heads of one kv head are folded into the row dim: [B, N, G*T, K] (head h = n * G + g).
+            t, s = allowed.shape[1:]
             qg = q.reshape(b, t, n, g, self.head_dim).transpose(0, 2, 3, 1, 4).reshape(b, n, g * t, self.head_dim)
             # A cache wider than the compute dtype (float32 under bf16 compute, the CPU rollout default) is read
             # as it is: q and the probabilities are widened instead (exact), so no step copies the cache.
@@ -209,7 +214,23 @@ class Attention(nnx.Module):
         # ~3 score-sized float32 buffers per layer fewer (measured: 3.6 of 7.3 GB of a SmolLM2 update).
         if kv is None:
             attend = jax.checkpoint(attend)
-        out = attend(q, k_segs, v_segs, allowed)
+        if kv is None and t > CAUSAL_BLOCK:
+            # Causal blocks: query block [lo, hi) sees keys [0, hi) only (slot causality holds in every forward
+            # without a cache, packed or padded), so the scores above the diagonal blocks are never made: ~5/8
+            # of the dense scores at 4 blocks (exact: a hidden key's probability is exactly 0 in float32).
+            c = -(-t // min(MAX_CAUSAL_BLOCKS, -(-t // CAUSAL_BLOCK)))
+            parts = [
+                attend(
+                    q[:, lo : lo + c],
+                    (keys[..., : lo + c],),
+                    (values[:, :, : lo + c],),
+                    allowed[:, lo : lo + c, : lo + c],
+                )
+                for lo in range(0, t, c)
+            ]
+            out = jnp.concatenate(parts, axis=1)
+        else:
+            out = attend(q, k_segs, v_segs, allowed)
         y = self.o_proj(out.reshape(b, t, self.num_heads, self.head_dim))
         return y, kv
 
