@@ -112,3 +112,17 @@ def test_token_counter_maps_bfd_rows_to_their_examples():
     ids, mask = [np.zeros(3), np.zeros(4)], [np.array([0, 1, 1]), np.array([1, 1, 1, 1])]
     t = NS(packed_rows=[[1, 0]], train_data=NS(input_ids=ids, loss_mask=mask))
     assert bench.token_counter("sft", t)([0]) == (7, 6)
+
+
+def test_matmul_floor_counts_every_matmul_flop_of_a_training_step():
+    """The linears' and LM head's FLOPs over forward + both gradients are 6 x tokens x their parameters (SmolLM2-135M:
+    134,515,008 parameters less 61 RMSNorm weights of 576), and the attention core's 6 products per layer are
+    2 x row_len^2 x head_dim each per (row, head): all by hand, not from the script."""
+    floor = _load("scripts/bench_matmul_floor.py", "bench_matmul_floor")
+    tokens, row_len = 1024, 512
+    mm = floor.matmuls(floor.SMOLLM2_135M, tokens, row_len)
+    flops = {name: count * 2 * m * k * n * b for name, count, (m, k, n), b in mm}
+    assert sum(v for name, v in flops.items() if not name.startswith("attn")) == 6 * tokens * (134_515_008 - 61 * 576)
+    attn = sum(count * 2 * m * k * n * b for name, count, (m, k, n), b in mm if name.startswith("attn"))
+    assert attn == 30 * 6 * (2 * row_len * row_len * 64) * (tokens // row_len) * 9
+    assert floor.time_jax(8, 8, 8, 1, reps=1) > 0
