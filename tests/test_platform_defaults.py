@@ -9,6 +9,7 @@ import pytest
 
 from configs import base, grpo
 from jaxrl_post import platform_defaults as pd
+from jaxrl_post.xla_flags import DEFAULT_XLA_FLAGS
 
 
 def test_base_config_leaves_the_platform_keys_on_auto():
@@ -65,4 +66,4 @@ def test_host_settings_apply_on_cpu_only():
     env = {"XLA_FLAGS": "--xla_dump_to=/tmp/x"}
     applied = pd.apply_host_defaults(env, platform="cpu")
     assert "--xla_cpu_enable_concurrency_optimized_scheduler=false" in applied
-    assert env["XLA_FLAGS"] == "--xla_dump_to=/tmp/x --xla_cpu_enable_concurrency_optimized_scheduler=false"
+    assert env["XLA_FLAGS"] == " ".join(("--xla_dump_to=/tmp/x", *DEFAULT_XLA_FLAGS))
