@@ -244,12 +244,13 @@ def main(argv) -> None:
     failed = None
     try:
         result = trainer.fit(stop=stop)
-    except RewardFunctionError as e:  # the user's reward code failed: say so first and plainly, exit 2
+    except (RewardFunctionError, ConfigError) as e:  # the user's reward code or a batch shape: plainly, exit 2
         failed = e
     finally:
         trainer.close()  # waits for the (async) checkpoint save, stops the reward workers
     if failed is not None:
-        print(reward_error_text(failed), file=sys.stderr, flush=True)
+        text = reward_error_text(failed) if isinstance(failed, RewardFunctionError) else f"error: {failed}"
+        print(text, file=sys.stderr, flush=True)
         sys.exit(2)
     if stop.requested:
         print(_stop_line(trainer), flush=True)

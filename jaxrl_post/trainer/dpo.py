@@ -27,7 +27,6 @@ import logging
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_post.trainer import builders, dpo_step, sft_step
@@ -185,15 +184,7 @@ class DPOTrainer(SFTTrainer):
             plan=plan,
             pair_slots=self.pair_slots,
         )
-        if self.n_devices == 1:
-            return {k: jnp.asarray(v) for k, v in arrays.items()}
-        from jax.sharding import NamedSharding, PartitionSpec
-
-        from jaxrl_post.sharding import LOGICAL_AXIS_RULES
-
-        rows = NamedSharding(self.mesh, PartitionSpec(None, LOGICAL_AXIS_RULES["batch"], None))
-        rep = NamedSharding(self.mesh, PartitionSpec())
-        return {k: jax.device_put(v, rows if k in dpo_step.TOKEN_KEYS else rep) for k, v in arrays.items()}
+        return self._on_mesh(arrays, row_keys=tuple(k for k in arrays if k in dpo_step.TOKEN_KEYS))
 
     def _ref_args(self) -> tuple:
         return (self.ref_params,) + self._frozen()

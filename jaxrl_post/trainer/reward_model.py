@@ -31,7 +31,6 @@ import os
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -125,15 +124,7 @@ class RewardModelTrainer(SFTTrainer):
             row_len=self.row_len,
             pad_id=int(self.tokenizer.pad_token_id or 0),
         )
-        if self.n_devices == 1:
-            return {k: jnp.asarray(v) for k, v in arrays.items()}
-        from jax.sharding import NamedSharding, PartitionSpec
-
-        from jaxrl_post.sharding import LOGICAL_AXIS_RULES
-
-        rows = NamedSharding(self.mesh, PartitionSpec(None, LOGICAL_AXIS_RULES["batch"], None))
-        rep = NamedSharding(self.mesh, PartitionSpec())
-        return {k: jax.device_put(v, rows if k in rm_step.RM_TOKEN_KEYS else rep) for k, v in arrays.items()}
+        return self._on_mesh(arrays, row_keys=tuple(k for k in arrays if k in rm_step.RM_TOKEN_KEYS))
 
     # ------------------------------------------------------------------------------------ steps
     def train_step(self) -> dict[str, float]:

@@ -22,7 +22,8 @@ SIGINT/SIGTERM stop of `main.py`. Resuming is exact: params, optimizer state, st
 
 A model source for RL: after the last step (`trainer.export_hf`) the model is written as a Hugging Face
 directory `<trainer.default_local_dir>/huggingface/` (LoRA: merged weights); `model.path=<that run dir>`
-loads it (`models.resolve`). Single process (one host, any number of devices on the mesh).
+loads it (`models.resolve`). Multi-host: every process loads the same data and builds the same global batch,
+placed on the mesh (rows over the batch axes, `_on_mesh`); process 0 alone logs and writes files.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxrl_post import distributed
 from jaxrl_post.models.lora import lora_config_of
 from jaxrl_post.platform_defaults import log_resolved, resolve_config
 from jaxrl_post.sharding import init_opt_state
@@ -196,6 +198,8 @@ class SFTTrainer:
         self.guard = NonFiniteGuard(int(cfg.trainer.max_consecutive_nonfinite), "actor")
         self._say = console_write or (lambda line: print(line, flush=True))
         os.makedirs(self.workdir, exist_ok=True)
+        if not distributed.is_main():  # process 0 alone prints, logs and writes metrics files (as RLTrainer)
+            self._say, tracker = (lambda line: None), tracker or distributed.NullTracker()
         self.tracker = tracker or Tracking(
             self.workdir,
             cfg.trainer.logger,
@@ -269,14 +273,32 @@ class SFTTrainer:
         arrays = sft_step.layout_batch(
             ids, masks, n_micro=self.n_micro, rows=self.rows, row_len=self.row_len, pack=self.pack, plan=plan
         )
+        return self._on_mesh(arrays, row_keys=tuple(arrays))
+
+    def _on_mesh(self, arrays: dict[str, np.ndarray], row_keys: tuple[str, ...]) -> dict[str, jax.Array]:
+        """Host arrays on the mesh: `row_keys` (`[n_micro, rows, ...]`) with rows over the batch axes
+        ('data', 'fsdp'), the rest replicated. Every process passes the same arrays (multi-process runs).
+
+        Raises: ConfigError: a micro-batch's rows do not divide over the batch axes' devices."""
         if self.n_devices == 1:
             return {k: jnp.asarray(v) for k, v in arrays.items()}
         from jax.sharding import NamedSharding, PartitionSpec
 
         from jaxrl_post.sharding import LOGICAL_AXIS_RULES
 
-        rows = NamedSharding(self.mesh, PartitionSpec(None, LOGICAL_AXIS_RULES["batch"], None))
-        return {k: jax.device_put(v, rows) for k, v in arrays.items()}
+        batch_axes = LOGICAL_AXIS_RULES["batch"]
+        shards = math.prod(self.mesh.shape[a] for a in batch_axes)
+        n_rows = {int(arrays[k].shape[1]) for k in row_keys}
+        bad = sorted(n for n in n_rows if n % shards)
+        if bad:
+            raise ConfigError(
+                f"data.micro_batch_size={self.config.data.micro_batch_size}: a micro-batch of {bad[0]} "
+                f"rows cannot be split over the {shards} devices of the mesh's batch axes {batch_axes} "
+                f"(trainer.mesh.*); use a micro-batch whose row count they divide, or fewer batch devices"
+            )
+        rows = NamedSharding(self.mesh, PartitionSpec(None, batch_axes, None))
+        rep = NamedSharding(self.mesh, PartitionSpec())
+        return {k: jax.device_put(v, rows if k in row_keys else rep) for k, v in arrays.items()}
 
     def _frozen(self) -> tuple:
         return () if self.actor_frozen is None else (self.actor_frozen,)
