@@ -294,7 +294,7 @@ def test_chunked_path_matches_dense_packed(family, shared, monkeypatch):
 def test_causal_query_blocks_equal_the_whole_row(shared, monkeypatch):
     """Dense attention without a cache in causal query blocks (`decoder.CAUSAL_BLOCK` 4: rows of 16 in 4 blocks,
     block i against keys [0, 4 (i + 1))) gives the whole-row forward's logits and gradients (packed rows, shared
-    prompts or a sliding window + soft-cap), and compiles to fewer FLOPs."""
+    prompts or a sliding window + soft-cap), and lowers to fewer FLOPs."""
     from jaxrl_post.models import decoder
 
     rows = [[(4, [3, 3]), (3, [2])], [(5, [4, 2, 1])]] if shared else [[5, 6, 3], [2, 9, 4]]
@@ -305,7 +305,7 @@ def test_causal_query_blocks_equal_the_whole_row(shared, monkeypatch):
     long_ids, long_pos = _row_batch([[40, 50, 38]], 128)  # one row of 128 (FLOPs: 8 blocks of 16 at 16)
     flops_w = _forward_flops(_model(cfg), long_ids, long_pos)
     monkeypatch.setattr(decoder, "CAUSAL_BLOCK", 16)
-    assert _forward_flops(_model(cfg), long_ids, long_pos) < 0.95 * flops_w
+    assert _forward_flops(_model(cfg), long_ids, long_pos) < 0.85 * flops_w  # 0.77 seen (8 blocks of 16)
     monkeypatch.setattr(decoder, "CAUSAL_BLOCK", 4)
     lo_b, g_b = _fwd_and_grad(_model(cfg), ids, pos)
     assert np.abs(lo_w).max() > 1.0
@@ -320,7 +320,8 @@ def _forward_flops(model, ids, pos) -> float:
     fn = lambda st: nnx.merge(graphdef, st)(
         jnp.asarray(ids), jnp.asarray(ids != 0), positions=jnp.asarray(pos), segment_ids=jnp.asarray(ids)
     )
-    cost = jax.jit(fn).lower(state).compile().cost_analysis()
+    # the lowered program's count: the compiled one depends on the backend's fusions (XLA:CPU flags)
+    cost = jax.jit(fn).lower(state).cost_analysis()
     return float((cost[0] if isinstance(cost, list) else cost)["flops"])
 
 
