@@ -8,23 +8,18 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
+from tests.test_multihost import _free_port
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOL = 1e-5  # metrics (gradient sums in another order: 2 processes vs 1)
 PARAM_TOL = 5e-5  # params after AdamW steps at lr 1e-3 (see test_multihost.py)
 _NOT_COMPARED = ("timing_s/", "perf/")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _launch(config: str, workdir, n_proc: int, devices: int, *extra: str) -> list[subprocess.Popen]:

@@ -184,7 +184,7 @@ class DPOTrainer(SFTTrainer):
             plan=plan,
             pair_slots=self.pair_slots,
         )
-        return self._on_mesh(arrays, row_keys=tuple(k for k in arrays if k in dpo_step.TOKEN_KEYS))
+        return self._on_mesh(arrays, row_keys=dpo_step.TOKEN_KEYS)
 
     def _ref_args(self) -> tuple:
         return (self.ref_params,) + self._frozen()

@@ -124,7 +124,7 @@ class RewardModelTrainer(SFTTrainer):
             row_len=self.row_len,
             pad_id=int(self.tokenizer.pad_token_id or 0),
         )
-        return self._on_mesh(arrays, row_keys=tuple(k for k in arrays if k in rm_step.RM_TOKEN_KEYS))
+        return self._on_mesh(arrays, row_keys=rm_step.RM_TOKEN_KEYS)
 
     # ------------------------------------------------------------------------------------ steps
     def train_step(self) -> dict[str, float]:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import jax
@@ -273,11 +273,12 @@ class SFTTrainer:
         arrays = sft_step.layout_batch(
             ids, masks, n_micro=self.n_micro, rows=self.rows, row_len=self.row_len, pack=self.pack, plan=plan
         )
-        return self._on_mesh(arrays, row_keys=tuple(arrays))
+        return self._on_mesh(arrays)
 
-    def _on_mesh(self, arrays: dict[str, np.ndarray], row_keys: tuple[str, ...]) -> dict[str, jax.Array]:
-        """Host arrays on the mesh: `row_keys` (`[n_micro, rows, ...]`) with rows over the batch axes
-        ('data', 'fsdp'), the rest replicated. Every process passes the same arrays (multi-process runs).
+    def _on_mesh(self, arrays: dict[str, np.ndarray], row_keys: Collection[str] | None = None) -> dict[str, jax.Array]:
+        """Host arrays on the mesh: those named in `row_keys` (default: all; `[n_micro, rows, ...]`) with rows
+        over the batch axes ('data', 'fsdp'), the rest replicated. Every process passes the same arrays
+        (multi-process runs).
 
         Raises: ConfigError: a micro-batch's rows do not divide over the batch axes' devices."""
         if self.n_devices == 1:
@@ -286,6 +287,7 @@ class SFTTrainer:
 
         from jaxrl_post.sharding import LOGICAL_AXIS_RULES
 
+        row_keys = arrays.keys() if row_keys is None else arrays.keys() & set(row_keys)
         batch_axes = LOGICAL_AXIS_RULES["batch"]
         shards = math.prod(self.mesh.shape[a] for a in batch_axes)
         n_rows = {int(arrays[k].shape[1]) for k in row_keys}
