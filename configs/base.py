@@ -34,7 +34,7 @@ def _opt_int(default=None):
 
 
 def _auto(default="auto"):
-    """A field that is "auto" (resolved by platform, `jaxrl_post/platform_defaults.py`) or any explicit value;
+    """A field that is "auto" (resolved by platform, `jaxrl_post/runtime/platform_defaults.py`) or any explicit value;
     command-line values are parsed as Python literals (True, 8, a policy name)."""
     return mlc.FieldReference(default, field_type=object)
 
@@ -63,7 +63,7 @@ def get_base_config() -> mlc.ConfigDict:
     c.model = mlc.ConfigDict()  # the actor (the reference and the critic start from it)
     c.model.path = "smollm2-135m-instruct"  # HF dir / .gguf / alias; ignored when random_init
     c.model.tokenizer_path = _opt_str()  # tokenizer source ('char': toy character tokenizer); None -> model.path
-    # "auto" keys resolve by platform (jaxrl_post/platform_defaults.py; logged at start); explicit values win.
+    # "auto" keys resolve by platform (jaxrl_post/runtime/platform_defaults.py; logged at start); explicit values win.
     # compute dtype of actor/ref/critic (verl: mixed_precision.param_dtype); auto: float32 on CPU, bf16 on GPU/TPU
     c.model.dtype = "auto"
     c.model.param_dtype = "float32"  # dtype of master weights and AdamW moments (verl's FSDP masters: fp32)
@@ -80,7 +80,7 @@ def get_base_config() -> mlc.ConfigDict:
     # Packing (verl: actor_rollout_ref.model.use_remove_padding, default False there; the critic follows it):
     # the actor update, old/ref log-probs and the critic run on rows of real tokens (prompt + response, no
     # padding) with per-sequence attention, static shapes, empty micro-batches skipped. False = padded rows.
-    c.model.use_remove_padding = True  # train/score on packed real tokens (trainer/packing.py)
+    c.model.use_remove_padding = True  # train/score on packed real tokens (engine/packing.py)
     # Packed row length in max-length sequences (max_prompt_length + max_response_length tokens each): longer
     # rows pack tighter (responses longer than half of max_response_length fill one-sequence rows badly) but
     # attention over a row costs row_len^2 (masked across sequences, not skipped). On SmolLM2, 1 was 5-7% faster
@@ -282,7 +282,7 @@ def get_base_config() -> mlc.ConfigDict:
     # name: that extra key of the reward function's dict results.
     c.algorithm.filter_groups.metric = "acc"  # value that must vary inside a group (verl default: None)
     c.algorithm.filter_groups.max_num_gen_batches = 0  # error after this many generation batches in a step; <= 0: never
-    # Rollout correction (jaxrl_post.rollout_corr): IS weights / rejection from log(pi_old / pi_rollout), the
+    # Rollout correction (jaxrl_post.algos.rollout_corr): IS weights / rejection from log(pi_old / pi_rollout), the
     # training policy's log-probs over the sampler's. Both off by default. verl's bypass_mode/loss_type: not here.
     c.algorithm.rollout_correction = mlc.ConfigDict()
     c.algorithm.rollout_correction.rollout_is = _opt_str()  # IS weights: None (off) | token | sequence (product)

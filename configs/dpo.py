@@ -1,4 +1,4 @@
-"""DPO configs for `jaxrl_post.trainer.dpo.DPOTrainer` (`trainer_type = 'dpo'`).
+"""DPO configs for `jaxrl_post.sft.dpo.DPOTrainer` (`trainer_type = 'dpo'`).
 
     python -m jaxrl_post.main --config=configs/dpo.py                      # tiny: seconds on a CPU
     python -m jaxrl_post.main --config=configs/dpo.py:smollm2 --config.data.train_files=pairs.jsonl

@@ -1,4 +1,4 @@
-"""Reward-model configs for `jaxrl_post.trainer.reward_model.RewardModelTrainer` (`trainer_type = 'reward_model'`).
+"""Reward-model configs for `jaxrl_post.sft.reward_model.RewardModelTrainer` (`trainer_type = 'reward_model'`).
 
     python -m jaxrl_post.main --config=configs/reward_model.py                   # tiny: seconds on a CPU
     python -m jaxrl_post.main --config=configs/reward_model.py:smollm2 --config.data.train_files=pairs.jsonl

@@ -1,4 +1,4 @@
-"""SFT (supervised fine-tuning) configs for `jaxrl_post.trainer.sft.SFTTrainer` (`trainer_type = 'sft'`).
+"""SFT (supervised fine-tuning) configs for `jaxrl_post.sft.trainer.SFTTrainer` (`trainer_type = 'sft'`).
 
     python -m jaxrl_post.main --config=configs/sft.py:gsm8k
 

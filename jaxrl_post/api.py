@@ -28,10 +28,10 @@ __all__ += ["train", "trainer_class"]
 
 # config.trainer_type -> "module:class" (imported on use: an RL job never imports the other trainers)
 TRAINERS = {
-    "rl": "jaxrl_post.trainer.trainer:RLTrainer",
-    "sft": "jaxrl_post.trainer.sft:SFTTrainer",
-    "dpo": "jaxrl_post.trainer.dpo:DPOTrainer",
-    "reward_model": "jaxrl_post.trainer.reward_model:RewardModelTrainer",
+    "rl": "jaxrl_post.rl.trainer:RLTrainer",
+    "sft": "jaxrl_post.sft.trainer:SFTTrainer",
+    "dpo": "jaxrl_post.sft.dpo:DPOTrainer",
+    "reward_model": "jaxrl_post.sft.reward_model:RewardModelTrainer",
 }
 
 
@@ -49,7 +49,7 @@ def load_config(spec: str, overrides: Mapping[str, object] | None = None):
       UnknownConfigKeyError: an override names no field (with a suggestion, verl names included).
       ConfigError: an override's value has the wrong type for its field (names the key and both types).
     """
-    from jaxrl_post.main import UnknownConfigKeyError, _all_keys, _load_config_file, _suggest
+    from jaxrl_post.config import UnknownConfigKeyError, _all_keys, _load_config_file, _suggest
 
     cfg = _load_config_file(spec)
     valid = set(_all_keys(cfg))
@@ -67,7 +67,7 @@ def load_config(spec: str, overrides: Mapping[str, object] | None = None):
             try:
                 node[leaf] = value
             except TypeError as e:
-                from jaxrl_post.trainer.config_check import ConfigError
+                from jaxrl_post.errors import ConfigError
 
                 raise ConfigError(f"config.{key}={value!r}: {e}") from e
     return cfg
@@ -79,7 +79,7 @@ def trainer_class(cfg) -> type:
     Raises:
       ConfigError: an unknown `trainer_type`.
     """
-    from jaxrl_post.trainer.config_check import ConfigError
+    from jaxrl_post.errors import ConfigError
 
     kind = cfg.get("trainer_type", "rl")
     if kind not in TRAINERS:

@@ -7,7 +7,7 @@ import os
 
 
 def _is_checkpoint(path: str) -> bool:
-    from jaxrl_post.trainer import checkpoint as ckpt
+    from jaxrl_post.engine.run import checkpoint as ckpt
 
     if not os.path.isdir(path):
         return False
@@ -31,7 +31,7 @@ def load_chat_model(model: str, *, tokenizer: str | None = None, step: int | Non
       FileNotFoundError / ValueError: what `models.load_pretrained` raises for a bad path or name.
       ValueError: no tokenizer found (pass `--tokenizer`).
     """
-    from jaxrl_post.trainer.builders import load_tokenizer
+    from jaxrl_post.rl.builders import load_tokenizer
 
     if _is_checkpoint(model):
         from jaxrl_post.export import load_actor
@@ -67,8 +67,8 @@ class Chat:
     def __init__(
         self, model, tokenizer, *, max_new_tokens=256, temperature=0.7, top_p=1.0, top_k=-1, seed=0, system=None
     ):
+        from jaxrl_post.rl.builders import eos_and_pad
         from jaxrl_post.rollout import Generator, SamplingParams
-        from jaxrl_post.trainer.builders import eos_and_pad
 
         self.tokenizer = tokenizer
         eos, pad = eos_and_pad(tokenizer)
@@ -103,7 +103,7 @@ class Chat:
         """The model's answer to the user turn `text` (special tokens and the end-of-turn token removed)."""
         import numpy as np
 
-        from jaxrl_post.protocol import DataProto
+        from jaxrl_post.batch.protocol import DataProto
 
         self.messages.append({"role": "user", "content": text})
         ids = np.asarray([self.prompt_ids()], np.int32)

@@ -27,11 +27,11 @@ def evaluate(cfg, checkpoint: str | None = None, *, step: int | None = None, wor
 
 
 def _evaluate(cfg, checkpoint: str | None, step: int | None, workdir: str) -> dict:
-    from jaxrl_post.trainer import checkpoint as ckpt
-    from jaxrl_post.trainer.trainer import RLTrainer
+    from jaxrl_post.engine.run import checkpoint as ckpt
+    from jaxrl_post.rl.trainer import RLTrainer
 
     if cfg.get("trainer_type", "rl") != "rl":
-        from jaxrl_post.trainer.config_check import ConfigError
+        from jaxrl_post.errors import ConfigError
 
         raise ConfigError(
             f"config.trainer_type={cfg.trainer_type!r}: evaluate runs the RL validation (sampled answers scored by "
@@ -76,7 +76,7 @@ def metrics_path(
     Raises:
       CheckpointError: nothing complete at `checkpoint`.
     """
-    from jaxrl_post.trainer import checkpoint as ckpt
+    from jaxrl_post.engine.run import checkpoint as ckpt
 
     if output:
         return output

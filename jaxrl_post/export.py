@@ -27,7 +27,7 @@ def load_actor(checkpoint: str, *, step: int | None = None, mesh=None):
     """
     model, tokenizer, step, meta = _load_actor(checkpoint, step=step, mesh=mesh)
     if meta.get("trainer_type") == "reward_model":
-        from jaxrl_post.trainer.checkpoint import CheckpointError
+        from jaxrl_post.engine.run.checkpoint import CheckpointError
 
         raise CheckpointError(
             f"{checkpoint} is a reward model's checkpoint (trainer_type reward_model): it scores text, it does not "
@@ -42,8 +42,8 @@ def _load_actor(checkpoint: str, *, step: int | None = None, mesh=None):
     a reward model's checkpoint gives a `RewardModel` (built as `RewardModelTrainer` builds it)."""
     from flax import nnx
 
+    from jaxrl_post.engine.run import checkpoint as ckpt
     from jaxrl_post.models import init_model
-    from jaxrl_post.trainer import checkpoint as ckpt
 
     root, found = ckpt.find_resume_checkpoint("resume_path", ".", checkpoint, what="--checkpoint")
     step = found if step is None else int(step)
@@ -52,7 +52,7 @@ def _load_actor(checkpoint: str, *, step: int | None = None, mesh=None):
     meta = host.get("model")
     if not meta:
         raise ckpt.CheckpointError(
-            f'{c.step_path(step)} has no model metadata (host["model"]); it was not written by jaxrl_post.trainer'
+            f'{c.step_path(step)} has no model metadata (host["model"]); it was not written by a jaxrl_post trainer'
         )
     meta = {**meta, "trainer_type": host.get("trainer_type")}
     mcfg = ckpt.model_config_from_metadata(meta)
@@ -72,7 +72,7 @@ def _load_actor(checkpoint: str, *, step: int | None = None, mesh=None):
     nnx.update(model, got["actor"]["params"])
     tokenizer = None
     if meta.get("tokenizer"):
-        from jaxrl_post.trainer.builders import load_tokenizer
+        from jaxrl_post.rl.builders import load_tokenizer
 
         tokenizer = load_tokenizer(meta["tokenizer"])
     if meta["trainer_type"] == "reward_model" and tokenizer is not None:

@@ -3,135 +3,32 @@
 Reads the ml_collections config (the only entry point that does), validates it before anything is
 compiled, builds the trainer its top-level `trainer_type` names (`rl`: `RLTrainer`, the default; `sft`:
 `SFTTrainer`; `dpo`: `DPOTrainer`; `reward_model`: `RewardModelTrainer`) and runs `fit()`. SIGINT / SIGTERM
-stop the run cleanly (`trainer/interrupt.py`): the last completed step is checkpointed, one line says where,
+stop the run cleanly (`engine/interrupt.py`): the last completed step is checkpointed, one line says where,
 and the exit code is 130 / 143; rerunning the same command resumes. Metrics go to the console and to
 `<trainer.default_local_dir>/metrics.jsonl`; the resolved config to `config.json` there.
 """
 
 from __future__ import annotations
 
-import difflib
-import importlib.util
 import os
 import sys
 
-_CONFIG_FLAG = "config"
-USAGE = "usage: python -m jaxrl_post.main --config=configs/grpo.py[:variant] [--config.key=value ...]"
-_HELP_FLAGS = ("-h", "--help", "--helpshort", "--helpfull", "--helpxml")
-
-
-class UnknownConfigKeyError(ValueError):
-    """A `--config.<key>` override names no field of the config."""
-
-
-class ConfigFileError(ValueError):
-    """The `--config` file's `get_config(arg)` refused its argument (e.g. an unknown variant)."""
-
-
-def _load_config_file(spec: str):
-    path, _, arg = spec.partition(":")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"--{_CONFIG_FLAG}: config file not found: {path}")
-    mod_spec = importlib.util.spec_from_file_location("_jaxrl_post_job_config", path)
-    module = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(module)
-    try:
-        return module.get_config(arg) if arg else module.get_config()
-    except (ValueError, KeyError) as e:  # configs/*.py: "unknown variant 'x'; valid: [...]"
-        raise ConfigFileError(f"--{_CONFIG_FLAG}={spec}: {e.args[0] if e.args else e}") from e
-
-
-def _all_keys(cfg, prefix: str = "") -> list[str]:
-    out = []
-    for k, v in cfg.items():
-        key = f"{prefix}{k}"
-        out.append(key)
-        if hasattr(v, "items") and not isinstance(v, dict):
-            out += _all_keys(v, key + ".")
-    return out
-
-
-def _config_spec(argv: list[str]) -> str | None:
-    """The `path[:variant]` of `--config=...` or `--config ...` in argv, if any."""
-    prefix = f"--{_CONFIG_FLAG}"
-    for i, a in enumerate(argv[1:], start=1):
-        if a.startswith(prefix + "="):
-            return a[len(prefix) + 1 :]
-        if a == prefix and i + 1 < len(argv):
-            return argv[i + 1]
-    return None
-
-
-def _by_verl_name(valid: set[str]) -> dict[str, str]:
-    """verl's full key name -> our key, for the keys that carry verl's name and meaning ({} when `configs.base`
-    is not importable, e.g. a job config outside this repo)."""
-    try:
-        from configs.base import verl_key
-    except ImportError:
-        return {}
-    return {v: k for k in valid if (v := verl_key(k))}
-
-
-def _suggest(key: str, valid: set[str]) -> str:
-    """'; did you mean config.X?' for a misspelled key or a verl name (`actor_rollout_ref.rollout.n`), or ''."""
-    by_verl = _by_verl_name(valid)
-    if key in by_verl:
-        return f"; did you mean config.{by_verl[key]} (verl's {key})?"
-    close = difflib.get_close_matches(key.removeprefix("actor_rollout_ref."), sorted(valid), n=3)
-    return f"; did you mean {', '.join('config.' + c for c in close)}?" if close else ""
-
-
-def check_override_keys(argv: list[str]) -> None:
-    """Fail with a clear message (and suggestions) when a `--config.<key>=...` names no config field, or when
-    argv has a bare `key=value` (Hydra/verl style), which absl would silently ignore.
-
-    ml_collections rejects unknown keys too, but with a bare `AttributeError: "'key'"` traceback.
-
-    Raises:
-      UnknownConfigKeyError: an unknown key, or a positional argument.
-      FileNotFoundError: the `--config` file does not exist.
-      ConfigFileError: its `get_config(variant)` raised ValueError/KeyError (an unknown variant).
-    """
-    spec = _config_spec(argv)
-    prefix = f"--{_CONFIG_FLAG}"
-    keys, positional = [], []
-    prev = ""
-    for a in argv[1:]:
-        if a.startswith(prefix + "."):
-            keys.append(a[len(prefix) + 1 :].split("=", 1)[0])
-        elif not a.startswith("-") and a != spec:
-            # `--flag value` (absl's space form) passes a value; `key=value` never is one
-            if "=" in a or not prev.startswith("-") or "=" in prev:
-                positional.append(a)
-        prev = a
-    cfg = _load_config_file(spec) if spec is not None else None
-    valid = set(_all_keys(cfg)) if cfg is not None else set()
-    if positional:
-        a = positional[0]
-        key, eq, value = a.partition("=")
-        if eq and valid:
-            local = _by_verl_name(valid).get(key, key).removeprefix("actor_rollout_ref.")
-            hint = f" (did you mean --{_CONFIG_FLAG}.{local}={value}?)" if local in valid else _suggest(key, valid)
-        else:
-            hint = ""
-        raise UnknownConfigKeyError(
-            f"unexpected argument {a!r}: overrides are written --{_CONFIG_FLAG}.KEY=VALUE{hint}\n{USAGE}"
-        )
-    for key in keys:
-        if key not in valid:
-            raise UnknownConfigKeyError(
-                f"unknown config key config.{key} (from --{_CONFIG_FLAG}.{key}){_suggest(key, valid)}"
-            )
-
-
-def has_config_flag(argv: list[str]) -> bool:
-    """Whether argv names a job config (`--config=path[:variant]` or `--config path`) or asks for help."""
-    return _config_spec(argv) is not None or any(a in _HELP_FLAGS for a in argv[1:])
+from jaxrl_post.config import (
+    _CONFIG_FLAG,
+    _HELP_FLAGS,
+    USAGE,
+    ConfigFileError,
+    UnknownConfigKeyError,
+    apply_none_overrides,
+    check_override_keys,
+    has_config_flag,
+    none_override_keys,
+)
 
 
 def _stop_line(trainer) -> str:
     """The one line printed when a signal ended the run (after `trainer.close()` finished the save)."""
-    from jaxrl_post.trainer import checkpoint as ckpt
+    from jaxrl_post.engine.run import checkpoint as ckpt
 
     n = trainer.global_steps
     path = trainer.checkpointer.step_path(n)
@@ -143,7 +40,7 @@ def _stop_line(trainer) -> str:
 def lost_line(trainer) -> str:
     """What a second signal loses: the checkpoint being written (`Checkpointer.pending_step`) and/or the
     steps after the last complete checkpoint, and what a rerun resumes from."""
-    from jaxrl_post.trainer import checkpoint as ckpt
+    from jaxrl_post.engine.run import checkpoint as ckpt
 
     c = trainer.checkpointer
     n, pending = trainer.global_steps, c.pending_step()
@@ -170,36 +67,6 @@ def _nothing_saved_line(trainer) -> str:
     return "interrupted before the first step finished; nothing was saved"
 
 
-def none_override_keys(argv: list[str]) -> list[str]:
-    """The keys of `--config.KEY=None` overrides. absl parses the value of a string field as the string 'None';
-    `apply_none_overrides` makes them Python None."""
-    prefix = f"--{_CONFIG_FLAG}."
-    return [a[len(prefix) : -len("=None")] for a in argv[1:] if a.startswith(prefix) and a.endswith("=None")]
-
-
-def apply_none_overrides(cfg, keys: list[str]) -> None:
-    """Set each `keys` field of `cfg` to None (`--config.KEY=None`). Raises ConfigError naming a field that
-    cannot be None (a number or a flag)."""
-    from jaxrl_post.trainer.config_check import ConfigError
-
-    for key in keys:
-        *path, leaf = key.split(".")
-        node = cfg
-        for part in path:
-            node = node[part]
-        try:
-            with node.unlocked() if hasattr(node, "unlocked") else _nullcontext():
-                node[leaf] = None
-        except (TypeError, KeyError) as e:
-            raise ConfigError(f"config.{key}=None: this field cannot be None ({e})") from e
-
-
-def _nullcontext():
-    import contextlib
-
-    return contextlib.nullcontext()
-
-
 def reward_error_text(e: BaseException) -> str:
     """`error: <message>` first (what failed, the row, the first failure), then -- for a reward function that
     raised in this process -- its own traceback (`__cause__`), not the trainer's frames above it."""
@@ -220,12 +87,12 @@ def main(argv) -> None:
     del argv
     from jaxrl_post.api import build_trainer
     from jaxrl_post.data.sources import MalformedRowError
-    from jaxrl_post.distributed import DistributedConfigError, initialize_from_config
+    from jaxrl_post.engine.interrupt import GracefulStop, exit_now
+    from jaxrl_post.engine.run.checkpoint import CheckpointError
+    from jaxrl_post.errors import ConfigError
     from jaxrl_post.rewards.manager import RewardFunctionError
-    from jaxrl_post.trainer.checkpoint import CheckpointError
-    from jaxrl_post.trainer.config_check import ConfigError
-    from jaxrl_post.trainer.interrupt import GracefulStop, exit_now
-    from jaxrl_post.trainer.trainer import summarize
+    from jaxrl_post.rl.trainer import summarize
+    from jaxrl_post.runtime.distributed import DistributedConfigError, initialize_from_config
 
     stop = _STOP if _STOP is not None else GracefulStop()  # `run()` installs it; a bare one installs nothing
     try:  # jax.distributed first (trainer.distributed.*; auto-detected on pods/SLURM), before any other JAX call
@@ -262,10 +129,10 @@ def main(argv) -> None:
 def run(argv=None) -> None:
     """Entry point: checks `--config.*` keys, then runs `main` under absl with SIGINT/SIGTERM handled."""
     global _CONFIG, _STOP, _NONE_KEYS
-    from jaxrl_post.trainer.interrupt import GracefulStop
+    from jaxrl_post.engine.interrupt import GracefulStop
 
     argv = list(sys.argv if argv is None else argv)
-    from jaxrl_post.platform_defaults import apply_host_defaults
+    from jaxrl_post.runtime.platform_defaults import apply_host_defaults
 
     # CPU only: XLA:CPU flags before JAX creates its backend (XLA reads XLA_FLAGS once) and glibc malloc settings
     # that return freed buffers to the OS (before the big allocations); platform_defaults.py
@@ -278,7 +145,7 @@ def run(argv=None) -> None:
         from absl import app
         from ml_collections import config_flags
 
-        from jaxrl_post.log_noise import quiet_startup_noise
+        from jaxrl_post.runtime.log_noise import quiet_startup_noise
 
         quiet_startup_noise()
         try:
@@ -287,7 +154,7 @@ def run(argv=None) -> None:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
         if any(a in _HELP_FLAGS for a in argv[1:]):  # absl prints __main__'s docstring: add the console legend
-            from jaxrl_post.trainer.tracking import console_legend
+            from jaxrl_post.engine.run.tracking import console_legend
 
             entry = sys.modules["__main__"]
             entry.__doc__ = f"{entry.__doc__ or __doc__}\n{console_legend()}\n"

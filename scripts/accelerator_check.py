@@ -45,14 +45,15 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(_HERE))
 sys.path.insert(0, _HERE)  # bench_forward
 
-from jaxrl_post import platform_defaults  # noqa: E402
+from jaxrl_post.batch.protocol import DataProto  # noqa: E402
+from jaxrl_post.engine import packed_steps, packing, steps  # noqa: E402
 from jaxrl_post.models import PRESETS, ModelConfig, init_model  # noqa: E402
 from jaxrl_post.models.attention import resolve_attention_impl  # noqa: E402
 from jaxrl_post.models.decoder import SEGMENT_SUB_BITS  # noqa: E402
-from jaxrl_post.protocol import DataProto  # noqa: E402
+from jaxrl_post.rl import metrics as metrics_lib  # noqa: E402
+from jaxrl_post.rl import ppo_update  # noqa: E402
 from jaxrl_post.rollout import Generator, SamplingParams  # noqa: E402
-from jaxrl_post.trainer import metrics as metrics_lib  # noqa: E402
-from jaxrl_post.trainer import packed_steps, packing, steps  # noqa: E402
+from jaxrl_post.runtime import platform_defaults  # noqa: E402
 
 # datasheet dense bf16 peaks (FLOP/s), matched as substrings of `device.device_kind`
 PEAK_BF16 = {
@@ -276,8 +277,8 @@ def check_model(name: str, cfg: ModelConfig, shapes: Shapes, weights=None) -> di
         spec = packing.make_pack_spec(m, shapes.micro, p, r)
         packed = {k: batch[k] for k in ("loss_mask", "advantages", "responses")} | packing.pack_batch(batch, spec)
         packed = jax.tree.map(jnp.asarray, packed)
-        loss_cfg = steps.ActorLossConfig(on_policy=True)
-        fn = jax.jit(packed_steps.make_packed_actor_update(g, rest, tx, loss_cfg), donate_argnums=(0, 1))
+        loss_cfg = ppo_update.ActorLossConfig(on_policy=True)
+        fn = jax.jit(ppo_update.make_actor_update(packed_steps.PACKED, g, rest, tx, loss_cfg), donate_argnums=(0, 1))
         t0 = time.perf_counter()
         lowered = fn.lower(params, opt, packed)
         t1 = time.perf_counter()

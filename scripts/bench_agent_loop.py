@@ -43,9 +43,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args(argv)
 
+    from jaxrl_post.batch.protocol import DataProto
     from jaxrl_post.models import load_pretrained
     from jaxrl_post.models.tokenizer import eos_token_ids
-    from jaxrl_post.protocol import DataProto
     from jaxrl_post.rollout import Generator, SamplingParams
     from jaxrl_post.rollout.agent_loop import AgentLoop, MultiTurnLimits
     from jaxrl_post.rollout.environments import GuessNumberEnv

@@ -50,7 +50,7 @@ def main() -> None:
 
     import time
 
-    from jaxrl_post.trainer.dpo import DPOTrainer
+    from jaxrl_post.sft.dpo import DPOTrainer
 
     spec = importlib.util.spec_from_file_location("dpo_cfg", os.path.join(os.path.dirname(_HERE), "configs", "dpo.py"))
     mod = importlib.util.module_from_spec(spec)

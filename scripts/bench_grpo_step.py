@@ -133,7 +133,7 @@ def summarize_metrics(path: str) -> dict:
 
 def real_token_mfu(model_cfg, per_step, epochs: int, peak: float) -> tuple[float, float]:
     """(median update tokens/s, median MFU) over steps given as (real tokens, mean sequence length, seconds)."""
-    from jaxrl_post.trainer.metrics import transformer_flops_per_sequence
+    from jaxrl_post.rl.metrics import transformer_flops_per_sequence
 
     tps, mfu = [], []
     for tokens, mean_len, secs in per_step:
@@ -149,7 +149,7 @@ def model_config_of(run_cfg: dict):
 
     from jaxrl_post.models.config import ModelConfig
     from jaxrl_post.models.resolve import resolve_model_path
-    from jaxrl_post.trainer.builders import model_config_from
+    from jaxrl_post.rl.builders import model_config_from
 
     if run_cfg["model"]["random_init"]:
         return model_config_from(ml_collections.ConfigDict(run_cfg))

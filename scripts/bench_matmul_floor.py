@@ -94,7 +94,7 @@ def main() -> None:
     if a.model_dir:
         with open(os.path.join(a.model_dir, "config.json")) as fh:
             cfg.update({k: v for k, v in json.load(fh).items() if k in SMOLLM2_135M})
-    from jaxrl_post.platform_defaults import apply_host_defaults
+    from jaxrl_post.runtime.platform_defaults import apply_host_defaults
 
     apply_host_defaults()  # XLA_FLAGS as `python -m jaxrl_post.main` sets them
     import torch

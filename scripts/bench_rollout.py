@@ -82,7 +82,7 @@ def matmul_peak_flops(n: int = 2048, reps: int = 10, dtype=jnp.float32) -> float
 
 
 def bench_ours(model, ids, mask, pad, new_tokens, reps, decode_chunk, segment_len=None):
-    from jaxrl_post.protocol import DataProto
+    from jaxrl_post.batch.protocol import DataProto
     from jaxrl_post.rollout import Generator, SamplingParams
 
     gen = Generator(model, decode_chunk=decode_chunk, cache_segment_len=segment_len)

@@ -142,14 +142,14 @@ def token_counter(trainer: str, t) -> Callable[[Sequence[int]], tuple[int, int]]
 
 def main(argv=None) -> dict:
     a = parse_args(argv)
-    from jaxrl_post.platform_defaults import apply_host_defaults
+    from jaxrl_post.runtime.platform_defaults import apply_host_defaults
 
     apply_host_defaults()  # as `python -m jaxrl_post.main` does: CPU XLA flags and glibc malloc, before JAX starts
     cfg = make_config(a, tempfile.mkdtemp(prefix=f"bench_{a.trainer}_"))
     if a.trainer == "sft":
-        from jaxrl_post.trainer.sft import SFTTrainer as Trainer
+        from jaxrl_post.sft.trainer import SFTTrainer as Trainer
     else:
-        from jaxrl_post.trainer.dpo import DPOTrainer as Trainer
+        from jaxrl_post.sft.dpo import DPOTrainer as Trainer
     t = Trainer(cfg, console_write=lambda s: None)
     t.train_loader = _Counting(t.train_loader, token_counter(a.trainer, t))
     out = t.fit()

@@ -43,9 +43,10 @@ sys.path.insert(0, _HERE)
 
 from bench_forward import machine_info, matmul_peak  # noqa: E402
 
+from jaxrl_post.engine import packed_steps, packing, steps  # noqa: E402
 from jaxrl_post.models import PRESETS, init_model, load_pretrained  # noqa: E402
-from jaxrl_post.trainer import metrics as metrics_lib  # noqa: E402
-from jaxrl_post.trainer import packed_steps, packing, steps  # noqa: E402
+from jaxrl_post.rl import metrics as metrics_lib  # noqa: E402
+from jaxrl_post.rl import ppo_update  # noqa: E402
 
 
 def loadavg() -> float:
@@ -144,13 +145,18 @@ def main(argv=None):
 
     graphdef, params, rest = steps.split_model(model)
     tx = steps.make_optimizer(steps.OptimConfig(lr=1e-6, weight_decay=0.0))
-    loss_cfg = steps.ActorLossConfig(on_policy=True, entropy_coeff=args.entropy_coeff)
+    loss_cfg = ppo_update.ActorLossConfig(on_policy=True, entropy_coeff=args.entropy_coeff)
     fns = {
         "padded": jax.jit(
-            steps.make_actor_update(graphdef, rest, tx, loss_cfg, n_micro=m // args.micro), donate_argnums=(0, 1)
+            ppo_update.make_actor_update(steps.padded_layout(n_micro=m // args.micro), graphdef, rest, tx, loss_cfg),
+            donate_argnums=(0, 1),
         ),
-        "packed": jax.jit(packed_steps.make_packed_actor_update(graphdef, rest, tx, loss_cfg), donate_argnums=(0, 1)),
-        "shared": jax.jit(packed_steps.make_packed_actor_update(graphdef, rest, tx, loss_cfg), donate_argnums=(0, 1)),
+        "packed": jax.jit(
+            ppo_update.make_actor_update(packed_steps.PACKED, graphdef, rest, tx, loss_cfg), donate_argnums=(0, 1)
+        ),
+        "shared": jax.jit(
+            ppo_update.make_actor_update(packed_steps.PACKED, graphdef, rest, tx, loss_cfg), donate_argnums=(0, 1)
+        ),
     }
     fns = {k: v for k, v in fns.items() if k in args.variants.split(",")}
     inputs = {

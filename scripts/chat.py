@@ -44,8 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top-k", type=int, default=-1)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    from jaxrl_post.log_noise import quiet_startup_noise
-    from jaxrl_post.trainer.checkpoint import CheckpointError
+    from jaxrl_post.engine.run.checkpoint import CheckpointError
+    from jaxrl_post.runtime.log_noise import quiet_startup_noise
 
     quiet_startup_noise()
     try:

@@ -54,9 +54,9 @@ def _define_flags():
 def main(argv) -> None:
     del argv
     from jaxrl_post.data.sources import MalformedRowError
-    from jaxrl_post.log_noise import quiet_startup_noise
-    from jaxrl_post.trainer.checkpoint import CheckpointError
-    from jaxrl_post.trainer.config_check import ConfigError
+    from jaxrl_post.engine.run.checkpoint import CheckpointError
+    from jaxrl_post.errors import ConfigError
+    from jaxrl_post.runtime.log_noise import quiet_startup_noise
 
     quiet_startup_noise()  # as the main job: no TPU-probe INFO line, no "PyTorch was not found"
     try:

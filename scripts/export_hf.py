@@ -44,8 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--overwrite", action="store_true", help="write into a non-empty --out directory")
     args = ap.parse_args(argv)
-    from jaxrl_post.log_noise import quiet_startup_noise
-    from jaxrl_post.trainer.checkpoint import CheckpointError
+    from jaxrl_post.engine.run.checkpoint import CheckpointError
+    from jaxrl_post.runtime.log_noise import quiet_startup_noise
 
     quiet_startup_noise()  # as the main job: known start-up noise off the console, real warnings kept
 

@@ -15,7 +15,7 @@ hidden by GitHub, mkdocs and Jupyter):
 
 `from-run` reads the run directory's `metrics.jsonl` (the trainer's lines, verl metric names) and takes what
 the directory does not hold (whole-run wall time, peak RSS) from `/usr/bin/time -v` output (`--time-v`) or
-from `--wall-seconds` / `--peak-rss-gb`. tests/test_figures.py runs `check` on the repository.
+from `--wall-seconds` / `--peak-rss-gb`. tests/scripts/test_figures.py runs `check` on the repository.
 """
 
 from __future__ import annotations

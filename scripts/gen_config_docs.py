@@ -14,7 +14,7 @@ Where each piece comes from:
 - sections: the `# ---------- name` header comments in `get_base_config`;
 - the verl column: `configs.base.verl_key` (keys listed in `configs.base.VERL_KEYS`);
 - valid names of `algorithm.adv_estimator` / `actor.policy_loss.loss_mode`, and the algorithms tables: the
-  registries of `jaxrl_post.registry` (built-in entries only: functions defined in `jaxrl_post`), with what
+  registries of `jaxrl_post.algos.registry` (built-in entries only: functions defined in `jaxrl_post`), with what
   each entry declared and the first line of its docstring. The tables replace the text between the
   `<!-- registry:begin -->` / `<!-- registry:end -->` markers of docs/algorithms.md.
 
@@ -202,10 +202,10 @@ def collect(base_py: str = BASE_PY) -> tuple[list[KeyDoc], str]:
 
 
 def _registries():
-    """{config key: Registry} of jaxrl_post.registry (imports jaxrl_post from this checkout)."""
+    """{config key: Registry} of jaxrl_post.algos.registry (imports jaxrl_post from this checkout)."""
     if REPO not in sys.path:
         sys.path.insert(0, REPO)
-    from jaxrl_post import registry
+    from jaxrl_post.algos import registry
 
     return {r.config_key: r for r in (registry.ADV_ESTIMATOR_REGISTRY, registry.POLICY_LOSS_REGISTRY)}
 
@@ -233,7 +233,7 @@ def render_algorithm_tables() -> str:
     est, loss = regs["algorithm.adv_estimator"], regs["actor.policy_loss.loss_mode"]
     out = [
         ALGO_BEGIN,
-        f"<!-- Generated from jaxrl_post/registry.py by `{REGENERATE}`; do not edit by hand. -->",
+        f"<!-- Generated from jaxrl_post/algos/registry.py by `{REGENERATE}`; do not edit by hand. -->",
         "",
         "### Advantage estimators (`algorithm.adv_estimator`)",
         "",

@@ -17,7 +17,7 @@ the rollout's `_prefill` / `_decode` recorded from a real `Generator.generate` c
   sharded with their rows, `slots` when every fsdp device computes all of them.
 
 Both layer layouts are checked: unrolled (`model.scan_layers` off) and scanned. Prints one JSON object
-(`programs` -> per-program record); `tests/test_hlo_checks.py` runs this in a subprocess and asserts on it.
+(`programs` -> per-program record); `tests/scripts/test_hlo_checks.py` runs this in a subprocess and asserts on it.
 """
 
 from __future__ import annotations
@@ -42,10 +42,11 @@ from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from jaxrl_post.engine import packed_steps, packing, steps
+from jaxrl_post.engine.placement import Placement
 from jaxrl_post.models import CriticModel, ModelConfig, init_model
-from jaxrl_post.sharding import make_mesh
-from jaxrl_post.trainer import packed_steps, packing, steps
-from jaxrl_post.trainer.placement import Placement
+from jaxrl_post.rl import ppo_update
+from jaxrl_post.runtime.sharding import make_mesh
 
 MESH = dict(data=1, fsdp=4, tensor=2)
 # distinctive sizes, so the LM head's dots are found by shape: vocab / tensor = 192, hidden 96 (24 per fsdp)
@@ -152,7 +153,7 @@ def trainer_programs(mesh, scan: bool) -> dict:
     graphdef, params, rest = steps.split_model(model)
     params = placer.commit(params)
     tx = steps.make_optimizer(steps.OptimConfig(lr=1e-6))
-    from jaxrl_post.sharding import init_opt_state
+    from jaxrl_post.runtime.sharding import init_opt_state
 
     opt = placer.commit(init_opt_state(tx, params, mesh))
     rows, row_len = packing.micro_geometry(
@@ -170,24 +171,26 @@ def trainer_programs(mesh, scan: bool) -> dict:
     out = {"slots": spec.slots, "slot_shards": spec.shards}
     lp = jax.jit(packed_steps.make_packed_log_prob_fn(graphdef, rest, temperature=1.0, with_entropy=False))
     out["old_log_prob"] = inspect("old_log_prob", lp, (params, batch), mesh, head=True)
-    loss_cfg = steps.ActorLossConfig()
-    upd = placer.jit_update(packed_steps.make_packed_actor_update(graphdef, rest, tx, loss_cfg), params, opt)
+    loss_cfg = ppo_update.ActorLossConfig()
+    upd = placer.jit_update(
+        ppo_update.make_actor_update(packed_steps.PACKED, graphdef, rest, tx, loss_cfg), params, opt
+    )
     out["update_actor"] = inspect("update_actor", upd._fn, (params, opt, batch), mesh, head=True)
     critic = CriticModel.from_actor(model, nnx.Rngs(1))
     cg, cp, cr = steps.split_model(critic)
-    from jaxrl_post.sharding import shard_params
+    from jaxrl_post.runtime.sharding import shard_params
 
     cp = placer.commit(shard_params(cp, mesh))
     copt = placer.commit(init_opt_state(tx, cp, mesh))
-    closs = steps.CriticLossConfig(0.5, "token-mean")
-    cupd = placer.jit_update(packed_steps.make_packed_critic_update(cg, cr, tx, closs), cp, copt)
+    closs = ppo_update.CriticLossConfig(0.5, "token-mean")
+    cupd = placer.jit_update(ppo_update.make_critic_update(packed_steps.PACKED, cg, cr, tx, closs), cp, copt)
     out["update_critic"] = inspect("update_critic", cupd._fn, (cp, copt, batch), mesh)
     return out
 
 
 def generate_programs(mesh) -> dict:
     """Prefill and decode as a real `Generator.generate` call runs them (arguments recorded, then lowered)."""
-    from jaxrl_post.protocol import DataProto
+    from jaxrl_post.batch.protocol import DataProto
     from jaxrl_post.rollout import Generator, SamplingParams
     from jaxrl_post.rollout import generate as gen_mod
 

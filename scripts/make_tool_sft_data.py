@@ -20,7 +20,7 @@ Each row of `<out-dir>/train.jsonl` / `val.jsonl` is TRL's conversational format
 5. assistant: `<answer>N</answer>`, N the ground truth, which must equal the tool's output.
 
 The SFT tokenization of such a row equals the ids the agent loop holds for the same trajectory, with the loss on
-the two assistant turns' tokens through `<|im_end|>` (`tests/test_make_tool_sft_data.py`).
+the two assistant turns' tokens through `<|im_end|>` (`tests/scripts/test_make_tool_sft_data.py`).
 
 The draw's item indices (`--seed` .. `--seed` + drawn - 1) must not overlap the config's training or validation
 items (`reasoning_gym_rows`: item i comes from `Random(seed + i)`). Prints a table and a JSON line of counts and
@@ -55,7 +55,7 @@ def user_text(prompt: list[dict]) -> str:
 def rl_val_prompts(cfg) -> set[str]:
     """User texts of the config's validation prompts, as the RL trainer loads them (`builders.load_data_rows`:
     held out from training, topped up to `val_size`)."""
-    from jaxrl_post.trainer.builders import load_data_rows
+    from jaxrl_post.rl.builders import load_data_rows
 
     data = load_data_rows(cfg)
     return set() if data.val is None else {user_text(r["prompt"]) for r in data.val.rows}
@@ -76,7 +76,7 @@ def item_ranges(cfg) -> dict[str, tuple[int, int]]:
 
 def draw_rows(cfg, seed: int, size: int) -> list[dict]:
     """`size` RL prompt rows of the config's training spec drawn with `seed` (`builders.load_split_rows`)."""
-    from jaxrl_post.trainer.builders import load_split_rows
+    from jaxrl_post.rl.builders import load_split_rows
 
     c = cfg.copy_and_resolve_references()
     c.data.reasoning_gym.seed, c.data.reasoning_gym.size = int(seed), int(size)
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> dict:
     if a.n_train < 1 or a.n_val < 0:
         raise SystemExit(f"--n-train={a.n_train} must be >= 1 and --n-val={a.n_val} >= 0")
     from jaxrl_post.api import load_config
-    from jaxrl_post.trainer.builders import build_agent_loop, load_tokenizer
+    from jaxrl_post.rl.builders import build_agent_loop, load_tokenizer
 
     cfg = load_config(a.config)
     mt = cfg.rollout.multi_turn

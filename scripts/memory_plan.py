@@ -53,11 +53,12 @@ from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from jaxrl_post.engine import packed_steps, packing, steps
 from jaxrl_post.models import get_preset
 from jaxrl_post.models.decoder import Transformer
 from jaxrl_post.models.lora import LoRAConfig, apply_lora
-from jaxrl_post.sharding import LOGICAL_AXIS_RULES, InMesh, make_mesh, param_shardings
-from jaxrl_post.trainer import packed_steps, packing, steps
+from jaxrl_post.rl import ppo_update
+from jaxrl_post.runtime.sharding import LOGICAL_AXIS_RULES, InMesh, make_mesh, param_shardings
 
 GB = 1e9
 
@@ -105,7 +106,7 @@ PLANS = {
             target="full fine-tuning of 1.5B fits one 80 GB GPU at 8 x 16 samples of 4k tokens",
             rows_per_device=2,
         ),
-        Plan(  # the test's plan (tests/test_memory_plan.py, with --layers 2): small enough to compile in seconds
+        Plan(  # the plan of tests/scripts/test_memory_plan.py (--layers 2): compiles in seconds
             name="smoke_135m",
             preset="smollm2_135m",
             devices=8,
@@ -223,9 +224,9 @@ def run_plan(plan: Plan, layers: int | None, attention: str = "chunked") -> dict
     )
     opt_state = _abstract(opt_abs, opt_sh)
     use_kl_loss = plan.use_kl
-    loss_cfg = steps.ActorLossConfig(use_kl_loss=use_kl_loss)
+    loss_cfg = ppo_update.ActorLossConfig(use_kl_loss=use_kl_loss)
     batch, spec = packed_inputs(plan, mesh, cfg.vocab_size)
-    fn = packed_steps.make_packed_actor_update(graphdef, rest, tx, loss_cfg)
+    fn = ppo_update.make_actor_update(packed_steps.PACKED, graphdef, rest, tx, loss_cfg)
     shard = lambda t: jax.tree.map(lambda x: x.sharding, t)
     jitted = jax.jit(fn, donate_argnums=(0, 1), out_shardings=(shard(params), shard(opt_state), None))
     extra = () if frozen is None else (frozen,)

@@ -1,8 +1,9 @@
 """Fingerprint fixed-seed tiny runs, to prove a refactor changes no number.
 
-Trains the tiny GRPO, PPO, DAPO, GRPO+LoRA and GRPO-padded (no packing) configs for their 2 steps each and writes
-one JSON: per run, every step's metrics except timings and throughput, and a sha256 of the final actor (and critic)
-parameters. Run it before and after a change and compare the files (`--compare OLD.json`): equal means bitwise equal
+Trains the tiny GRPO, PPO, DAPO, GRPO+LoRA and GRPO-padded (no packing) configs for their 2 steps each, and the tiny
+SFT (on 12 generated conversations), DPO and reward-model configs for 2 steps each, and writes one JSON: per run, every
+step's metrics except timings and throughput, and a sha256 of the final actor (and critic) parameters. Run it
+before and after a change and compare the files (`--compare OLD.json`): equal means bitwise equal
 parameters and metrics. About 3 CPU minutes.
 
     python scripts/tiny_run_fingerprint.py /tmp/before.json
@@ -35,7 +36,7 @@ def _digest(tree) -> str:
 
 
 def _run(name: str, module, tweak=None) -> dict:
-    from jaxrl_post.trainer.trainer import RLTrainer
+    from jaxrl_post.rl.trainer import RLTrainer
 
     c = module.get_config("tiny")
     c.trainer.default_local_dir = os.path.join(tempfile.mkdtemp(), name)
@@ -62,6 +63,40 @@ def _run(name: str, module, tweak=None) -> dict:
         trainer.close()
 
 
+def _sft_rows(path: str) -> str:
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": f"add {i} and {i + 1}"},
+                {"role": "assistant", "content": f"{2 * i + 1}"},
+            ]
+        }
+        for i in range(12)
+    ]
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return path
+
+
+def _run_supervised(name: str, module, trainer_cls) -> dict:
+    c = module.get_config("tiny")
+    work = tempfile.mkdtemp()
+    c.trainer.default_local_dir = os.path.join(work, name)
+    c.trainer.logger = ("jsonl",)
+    c.trainer.progress_bar = False
+    c.trainer.total_training_steps = 2
+    if name == "sft":
+        c.data.train_files = c.data.val_files = _sft_rows(os.path.join(work, "sft.jsonl"))
+    trainer = trainer_cls(c, console_write=lambda s: None)
+    try:
+        res = trainer.fit()
+        drop = ("timing", "perf/")
+        hist = [{k: v for k, v in m.items() if not k.startswith(drop)} for m in res["history"]]
+        return {"history": hist, "actor": _digest(trainer.state_dict()["actor"]["params"])}
+    finally:
+        trainer.close()
+
+
 def _lora(c):
     c.model.lora_rank, c.model.lora_alpha = 4, 8.0
 
@@ -71,9 +106,15 @@ def _padded(c):
 
 
 def fingerprints() -> dict:
-    from configs import dapo, grpo, ppo
+    from configs import dapo, dpo, grpo, ppo, reward_model, sft
+    from jaxrl_post.sft.dpo import DPOTrainer
+    from jaxrl_post.sft.reward_model import RewardModelTrainer
+    from jaxrl_post.sft.trainer import SFTTrainer
 
     return {
+        "sft": _run_supervised("sft", sft, SFTTrainer),
+        "dpo": _run_supervised("dpo", dpo, DPOTrainer),
+        "rm": _run_supervised("rm", reward_model, RewardModelTrainer),
         "grpo": _run("grpo", grpo),
         "ppo": _run("ppo", ppo),
         "dapo": _run("dapo", dapo),

@@ -9,10 +9,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# The XLA:CPU flags `python -m jaxrl_post.main` sets (jaxrl_post/xla_flags.py; they change fusions, so float
+# The XLA:CPU flags `python -m jaxrl_post.main` sets (jaxrl_post/runtime/xla_flags.py; they change fusions, so float
 # rounding): in-process trainers and the CLI runs the tests start compile the same programs, and the tests see
 # what users run. Set before any test imports JAX.
-from jaxrl_post.xla_flags import set_default_xla_flags  # (imports no JAX)
+from jaxrl_post.runtime.xla_flags import set_default_xla_flags  # (imports no JAX)
 
 set_default_xla_flags()
 # One persistent XLA compilation cache for the whole session: the pytest-xdist workers and every subprocess the

@@ -14,3 +14,13 @@ def load_script(name: str):
     sys.modules[name] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
+def load_test_module(rel: str):
+    """The test module `tests/<rel>.py` (e.g. 'engine/test_loggers'), for a helper another folder's test reuses."""
+    name = "_tests_" + rel.replace("/", "_")
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "tests", f"{rel}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod

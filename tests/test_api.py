@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from jaxrl_post import api
-from jaxrl_post.main import UnknownConfigKeyError
-from jaxrl_post.trainer.config_check import ConfigError
+from jaxrl_post.config import UnknownConfigKeyError
+from jaxrl_post.errors import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GRPO = os.path.join(REPO, "configs", "grpo.py")
@@ -33,8 +33,8 @@ def test_load_config_applies_overrides_like_the_command_line():
 
 
 def test_trainer_class_follows_trainer_type():
-    from jaxrl_post.trainer.sft import SFTTrainer
-    from jaxrl_post.trainer.trainer import RLTrainer
+    from jaxrl_post.rl.trainer import RLTrainer
+    from jaxrl_post.sft.trainer import SFTTrainer
 
     assert api.trainer_class(api.load_config(GRPO)) is RLTrainer
     assert api.trainer_class(api.load_config(os.path.join(REPO, "configs", "sft.py"))) is SFTTrainer

@@ -21,10 +21,10 @@ from tests.script_loader import load_script
 @pytest.mark.slow
 def test_one_shot_prompt_matches_a_plain_greedy_loop(tmp_path, capsys):
     from jaxrl_post.models import init_model
+    from jaxrl_post.models.char_tokenizer import build_char_tokenizer
     from jaxrl_post.models.hf_io import save_pretrained
     from jaxrl_post.models.tokenizer import apply_chat_template
-    from jaxrl_post.trainer.builders import eos_and_pad, model_config_from
-    from jaxrl_post.trainer.char_tokenizer import build_char_tokenizer
+    from jaxrl_post.rl.builders import eos_and_pad, model_config_from
 
     tok = build_char_tokenizer()
     model = init_model(model_config_from(grpo.get_config("tiny")), seed=3)

@@ -12,9 +12,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from jaxrl_post.trainer.metrics import compute_data_metrics
-from jaxrl_post.trainer.preflight import critic_warmup_warning
-from jaxrl_post.trainer.tracking import _CONSOLE_KEYS, CONSOLE_LEGEND, ConsoleLogger, console_legend
+from jaxrl_post.engine.run.tracking import _CONSOLE_KEYS, CONSOLE_LEGEND, ConsoleLogger, console_legend
+from jaxrl_post.rl.metrics import compute_data_metrics
+from jaxrl_post.rl.preflight import critic_warmup_warning
 
 
 def test_legend_covers_every_console_label_and_docs_and_help_agree():

@@ -16,7 +16,8 @@ if REPO not in sys.path:
 
 from configs import grpo
 from jaxrl_post.data.sources import MalformedRowError, load_rows
-from jaxrl_post.trainer.config_check import ConfigError, validate_config
+from jaxrl_post.errors import ConfigError
+from jaxrl_post.rl.config_check import validate_config
 
 
 def _row(i, data_source="openai/gsm8k"):
@@ -55,7 +56,7 @@ def test_main_without_config_prints_usage():
             "usage: python -m jaxrl_post.main --config=configs/grpo.py[:variant] [--config.key=value ...]",
             "error: --config is required",
         ]
-    from jaxrl_post.main import has_config_flag
+    from jaxrl_post.config import has_config_flag
 
     assert has_config_flag(["p", "--config=configs/grpo.py"]) and has_config_flag(["p", "--config", "x.py"])
     assert has_config_flag(["p", "--helpfull"]) and not has_config_flag(["p", "--config.a=1", "--configx=2"])
@@ -63,7 +64,7 @@ def test_main_without_config_prints_usage():
 
 # ----------------------------------------------------------------------------------------- data before model
 def test_malformed_row_reported_before_model_load(tmp_path):
-    from jaxrl_post.trainer.trainer import RLTrainer
+    from jaxrl_post.rl.trainer import RLTrainer
 
     bad = {**_row(2), "reward_model": {"style": "rule"}}
     train = _write(tmp_path / "train.jsonl", [_row(0), _row(1), bad, _row(3)])
@@ -74,7 +75,7 @@ def test_malformed_row_reported_before_model_load(tmp_path):
         "count malformed rows with skip_malformed=True (--config.data.skip_malformed=True)."
     )
     # with data.skip_malformed the row is skipped and counted in the data stats (logged at step 0)
-    from jaxrl_post.trainer.builders import load_data_rows
+    from jaxrl_post.rl.builders import load_data_rows
 
     c = _unloadable_model_config(tmp_path, train)
     c.data.skip_malformed = True
@@ -83,7 +84,7 @@ def test_malformed_row_reported_before_model_load(tmp_path):
     assert data.train.where == [f"{train}, row {i} (line {i + 1})" for i in (0, 1, 3)]
     # the pipeline names a row's file and row too (an overlong prompt, truncation='error')
     from jaxrl_post.data.pipeline import make_dataloader
-    from jaxrl_post.trainer.char_tokenizer import build_char_tokenizer
+    from jaxrl_post.models.char_tokenizer import build_char_tokenizer
 
     rows = load_rows(_write(tmp_path / "long.jsonl", [_row(0), {**_row(1), "prompt": "x" * 300}]))
     with pytest.raises(MalformedRowError, match=r"long\.jsonl, row 1 \(line 2\) \(data_source='openai/gsm8k'\) has"):
@@ -93,7 +94,7 @@ def test_malformed_row_reported_before_model_load(tmp_path):
 
 
 def test_unknown_data_source_reported_before_model_load(tmp_path):
-    from jaxrl_post.trainer.trainer import RLTrainer
+    from jaxrl_post.rl.trainer import RLTrainer
 
     train = _write(tmp_path / "train.jsonl", [_row(0), _row(1, "my/dataset"), _row(2)])
     with pytest.raises(ConfigError) as e:
@@ -105,7 +106,7 @@ def test_unknown_data_source_reported_before_model_load(tmp_path):
 
 
 def test_identical_train_and_val_files(tmp_path, caplog):
-    from jaxrl_post.trainer.builders import load_data_rows
+    from jaxrl_post.rl.builders import load_data_rows
 
     f = _write(tmp_path / "data.jsonl", [_row(i) for i in range(4)])
     c = _unloadable_model_config(tmp_path, f, f)
@@ -130,7 +131,7 @@ def test_identical_train_and_val_files(tmp_path, caplog):
 
 # ----------------------------------------------------------------------------------------- loggers, noise
 def test_logger_syntax():
-    from jaxrl_post.trainer.tracking import Tracking, parse_logger_names
+    from jaxrl_post.engine.run.tracking import Tracking, parse_logger_names
 
     for value in (
         "console,tensorboard",
@@ -167,7 +168,7 @@ def test_main_startup_has_no_backend_probe_noise():
 
 
 def test_startup_noise_filtered_but_warnings_kept():
-    from jaxrl_post.log_noise import quiet_startup_noise
+    from jaxrl_post.runtime.log_noise import quiet_startup_noise
 
     quiet_startup_noise()
     quiet_startup_noise()  # idempotent
@@ -202,7 +203,7 @@ REWARD_SRC = textwrap.dedent(
 
 def test_validation_progress_bar_and_failing_reward_stops_the_run(tmp_path, capsys, monkeypatch):
     from jaxrl_post.rewards import RewardFunctionError
-    from jaxrl_post.trainer.trainer import RLTrainer
+    from jaxrl_post.rl.trainer import RLTrainer
 
     reward = tmp_path / "flaky_reward.py"
     reward.write_text(REWARD_SRC)

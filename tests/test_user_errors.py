@@ -13,9 +13,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from jaxrl_post.trainer import builders
-from jaxrl_post.trainer.char_tokenizer import build_char_tokenizer
-from jaxrl_post.trainer.config_check import ConfigError
+from jaxrl_post.errors import ConfigError
+from jaxrl_post.models.char_tokenizer import build_char_tokenizer
+from jaxrl_post.rl import builders
 from tests.test_loud_startup import _row, _unloadable_model_config, _write
 
 
@@ -70,7 +70,7 @@ def test_train_batch_size_larger_than_data(tmp_path):
 
 
 def test_custom_reward_file_errors_name_the_key(tmp_path):
-    from jaxrl_post.trainer.trainer import RLTrainer
+    from jaxrl_post.rl.trainer import RLTrainer
 
     c = _unloadable_model_config(tmp_path, _write(tmp_path / "t.jsonl", [_row(i) for i in range(4)]))
     bad = tmp_path / "bad.py"
@@ -113,7 +113,7 @@ def test_custom_reward_file_is_imported_once(tmp_path):
 
 
 def test_workdir_under_a_file_or_read_only(tmp_path, monkeypatch):
-    from jaxrl_post.trainer.trainer import RLTrainer
+    from jaxrl_post.rl.trainer import RLTrainer
 
     c = _unloadable_model_config(tmp_path, _write(tmp_path / "t.jsonl", [_row(i) for i in range(4)]))
     (tmp_path / "file").write_text("x")
@@ -143,7 +143,7 @@ def test_workdir_under_a_file_or_read_only(tmp_path, monkeypatch):
 
 def test_failed_start_leaves_no_empty_workdir(tmp_path):
     from jaxrl_post.data.sources import MalformedRowError
-    from jaxrl_post.trainer.trainer import RLTrainer
+    from jaxrl_post.rl.trainer import RLTrainer
 
     run = tmp_path / "run"
     c = _unloadable_model_config(tmp_path, _write(tmp_path / "t.jsonl", [_row(0), _row(1, "my/dataset")]))
@@ -161,7 +161,7 @@ def test_failed_start_leaves_no_empty_workdir(tmp_path):
 def test_evaluate_removes_its_temporary_workdir(tmp_path, monkeypatch):
     import tempfile
 
-    from jaxrl_post.trainer.checkpoint import CheckpointError
+    from jaxrl_post.engine.run.checkpoint import CheckpointError
 
     evaluate = load_script("evaluate")
     temp = tmp_path / "temp"
@@ -194,7 +194,7 @@ def _main(*args, timeout=300):
 
 
 def test_unknown_config_variant_lists_the_valid_ones(tmp_path):
-    from jaxrl_post.main import ConfigFileError, check_override_keys
+    from jaxrl_post.config import ConfigFileError, check_override_keys
 
     with pytest.raises(ConfigFileError, match=r"^--config=configs/dapo\.py:tinyy: configs/dapo\.py: unknown variant"):
         check_override_keys(["prog", "--config=configs/dapo.py:tinyy"])
@@ -209,7 +209,7 @@ def test_unknown_config_variant_lists_the_valid_ones(tmp_path):
 
 @pytest.mark.slow
 def test_missing_model_path_is_one_error_before_any_load(tmp_path, monkeypatch):
-    from jaxrl_post.trainer.trainer import RLTrainer
+    from jaxrl_post.rl.trainer import RLTrainer
 
     def no_load(*a, **k):
         raise AssertionError("the model loader was called")
@@ -246,7 +246,7 @@ def test_reward_model_export_as_the_policy_is_one_error_before_any_load(tmp_path
 
     from jaxrl_post.models import get_preset, hf_io, load_pretrained
     from jaxrl_post.models.reward_model import RewardModel
-    from jaxrl_post.trainer.trainer import RLTrainer
+    from jaxrl_post.rl.trainer import RLTrainer
 
     mcfg = get_preset("smollm2_135m").replace(
         num_layers=1, hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=1, head_dim=16, vocab_size=64
@@ -271,7 +271,7 @@ def test_reward_model_export_as_the_policy_is_one_error_before_any_load(tmp_path
     # the reward-model trainer may start from an exported reward model: its pre-flight accepts the directory
     import ml_collections
 
-    from jaxrl_post.trainer import preflight
+    from jaxrl_post.rl import preflight
 
     rm_cfg = ml_collections.ConfigDict({"trainer_type": "reward_model", "model": {"random_init": False}})
     rm_cfg.model.path = str(rm_dir)
@@ -281,7 +281,7 @@ def test_reward_model_export_as_the_policy_is_one_error_before_any_load(tmp_path
         preflight.check_model_path(rm_cfg)
     # nor is it a teacher to distil from
     from configs import opd
-    from jaxrl_post.trainer.roles.teacher import check_teacher_path
+    from jaxrl_post.rl.roles.teacher import check_teacher_path
 
     oc = opd.get_config("smollm2")
     oc.distillation.teacher_models.teacher_model.model_path = str(rm_dir)
@@ -292,7 +292,7 @@ def test_reward_model_export_as_the_policy_is_one_error_before_any_load(tmp_path
 
 
 def test_workdir_on_a_file_system_that_cannot_hold_it(tmp_path):
-    from jaxrl_post.trainer.preflight import check_workdir
+    from jaxrl_post.rl.preflight import check_workdir
 
     c = _unloadable_model_config(tmp_path, "unused")
     c.trainer.default_local_dir = "/proc/jaxrl_post_run"
@@ -314,8 +314,8 @@ def test_reward_function_error_is_printed_first_and_plainly(tmp_path, monkeypatc
     function's own traceback (its file and line, not the trainer's frames), exit 2, trainer closed."""
     from jaxrl_post import main as main_mod
     from jaxrl_post.rewards import RewardManager, load_custom_reward_fn
-    from jaxrl_post.trainer import trainer as trainer_mod
-    from tests.test_reward_failures import RAISING_SRC, CharTokenizer, _batch
+    from jaxrl_post.rl import trainer as trainer_mod
+    from tests.rewards.test_reward_failures import RAISING_SRC, CharTokenizer, _batch
 
     path = tmp_path / "my_reward.py"
     path.write_text(RAISING_SRC)
@@ -357,7 +357,7 @@ def test_reward_function_error_is_printed_first_and_plainly(tmp_path, monkeypatc
 def test_config_none_override_means_none_not_the_string():
     """`--config.KEY=None` (as the docs write it) sets Python None; absl alone would set the string 'None'."""
     from configs import grpo
-    from jaxrl_post.main import apply_none_overrides, none_override_keys
+    from jaxrl_post.config import apply_none_overrides, none_override_keys
 
     argv = ["main", "--config=configs/grpo.py:tiny", "--config.data.val_files=None", "--config.rollout.n=4"]
     keys = none_override_keys(argv)

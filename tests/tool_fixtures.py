@@ -1,4 +1,4 @@
-"""Tools that misbehave, for tests/test_tools.py and tests/test_agent_loop.py (loaded by path in tool workers)."""
+"""Tools that misbehave, for tests/rollout/test_tools.py and test_agent_loop.py (loaded by path in tool workers)."""
 
 import os
 import sys

@@ -302,7 +302,7 @@ class PromptDataLoader:
 
     @staticmethod
     def _to_proto(item: dict[str, Any]):
-        from jaxrl_post.protocol import DataProto
+        from jaxrl_post.batch.protocol import DataProto
 
         return DataProto.from_dict(
             tensors=item["tensors"], non_tensors=item["non_tensors"], meta_info=item["meta_info"]

@@ -64,7 +64,7 @@ def _init_program(config, dtype, param_dtype, remat, mesh):
     graphdef, abstract_state = nnx.split(nnx.eval_shape(make, 0))
     shardings = None
     if mesh is not None:
-        from jaxrl_post.sharding import param_shardings
+        from jaxrl_post.runtime.sharding import param_shardings
 
         shardings = param_shardings(abstract_state, mesh)
     return graphdef, jax.jit(lambda seed: nnx.state(make(seed)), out_shardings=shardings)

@@ -5,7 +5,7 @@ query head h uses kv head h // (H / Hkv)), so HF checkpoints map 1:1 (see hf_io.
 
 Shape letters: B batch, T new tokens, S key/cache slots, D width, H query heads, N kv heads, G = H / N,
 K head dim, F mlp width, V vocab, L layers.
-Params carry logical axis names (`out_sharding` metadata) mapped to mesh axes by `jaxrl_post.sharding`.
+Params carry logical axis names (`out_sharding` metadata) mapped to mesh axes by `jaxrl_post.runtime.sharding`.
 Every q/k/v/o/gate/up/down projection is a `linear.Linear` (weight `<proj>.kernel`, bias, optional LoRA);
 param init, RMSNorm and RoPE live in layers.py.
 """
@@ -32,14 +32,14 @@ _NEG = float(np.finfo(np.float32).min)
 # in at most MAX_CAUSAL_BLOCKS causal query blocks of >= CAUSAL_BLOCK tokens (`Attention.__call__`).
 CAUSAL_BLOCK = 256
 MAX_CAUSAL_BLOCKS = 8
-# Packed segment ids `chunk << SEGMENT_SUB_BITS | sub` (`segment_mask`; written by `trainer/packing.py`)
+# Packed segment ids `chunk << SEGMENT_SUB_BITS | sub` (`segment_mask`; written by `engine/packing.py`)
 SEGMENT_SUB_BITS = 16
 
 
 def segment_mask(segment_ids: jax.Array) -> jax.Array:
     """Packed rows' attention mask `[B, T, T] bool` (query, key) from segment ids `[B, T] int32`: a key is
     visible from its own segment, and a shared prompt from its responses. Ids are `chunk << SEGMENT_SUB_BITS
-    | sub` (`trainer/packing.py`): sub 0 = a chunk's prompt, visible from the whole chunk; sub j >= 1 = a
+    | sub` (`engine/packing.py`): sub 0 = a chunk's prompt, visible from the whole chunk; sub j >= 1 = a
     response, visible from itself. Plain ids 1, 2, ... (< 2^SEGMENT_SUB_BITS) are chunk 0 with distinct
     subs: each segment sees only itself (MaxText-style; 0 = padding, hidden by the attention mask)."""
     q, k = segment_ids[:, :, None], segment_ids[:, None, :]
@@ -392,7 +392,7 @@ class Transformer(nnx.Module):
 
         input_ids [B, T] int32; attention_mask [B, T] int/bool (1 = real token; left padding allowed);
         positions [B, T] int32 or None (derived per row from the mask and the cache's valid slots);
-        segment_ids [B, T] int32 or None: packed rows (no cache only; `trainer/packing.py`): several
+        segment_ids [B, T] int32 or None: packed rows (no cache only; `engine/packing.py`): several
         sequences per row, each a contiguous segment with its own positions, attention masked per segment
         (0 = padding; pass `attention_mask = segment_ids != 0`). Raises ValueError with a cache.
         """

@@ -103,7 +103,7 @@ def _export_value(model, path: tuple) -> jax.Array:
 
 def _target_sharding(var: nnx.Variable, mesh, path: tuple):
     if mesh is not None:
-        from jaxrl_post.sharding import _check_divisible, logical_to_mesh_spec
+        from jaxrl_post.runtime.sharding import _check_divisible, logical_to_mesh_spec
 
         spec = logical_to_mesh_spec(var.get_metadata().get("out_sharding"))
         _check_divisible(".".join(map(str, path)), var.shape, spec, mesh)

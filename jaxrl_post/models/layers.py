@@ -1,7 +1,7 @@
 """Building blocks of the decoder (decoder.py): deterministic hashed init, `ParamInit`, RMSNorm, RoPE.
 
 Shape letters as in decoder.py (B batch, T tokens, K head dim). Params carry logical axis names
-(`out_sharding` metadata) mapped to mesh axes by `jaxrl_post.sharding`.
+(`out_sharding` metadata) mapped to mesh axes by `jaxrl_post.runtime.sharding`.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ class ParamInit:
 
 
 def _constrain(x: jax.Array, names: tuple) -> jax.Array:
-    from jaxrl_post.sharding import constrain  # local: sharding imports nothing from models
+    from jaxrl_post.runtime.sharding import constrain  # local: sharding imports nothing from models
 
     return constrain(x, names)
 

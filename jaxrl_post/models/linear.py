@@ -10,7 +10,7 @@ A `[in..., r]` and B `[r, out...]` are `nnx.LoRAParam`s (float32; B starts at ze
 changes nothing), the kernel's input dims come first and its output dims last, e.g. q_proj W `[D, H, K]`
 -> A `[D, r]`, B `[r, H, K]`; o_proj W `[H, K, D]` -> A `[H, K, r]`, B `[r, D]`. A and B carry the
 kernel's logical axis names (plus `'lora'` for the rank dim), so the one rules table in
-`jaxrl_post.sharding` shards them like the kernel. `lora_enabled = False` (see
+`jaxrl_post.runtime.sharding` shards them like the kernel. `lora_enabled = False` (see
 `models.lora.set_lora_enabled`) turns the adapter off: the output is then exactly the base layer's.
 """
 

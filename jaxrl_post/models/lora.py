@@ -113,7 +113,7 @@ def _place(value: np.ndarray, like: jax.Array | None, names: tuple) -> jax.Array
     """Host array -> jax.Array on `like`'s mesh (sharded by the logical `names`), else the default device."""
     sharding = getattr(like, "sharding", None)
     if isinstance(sharding, jax.sharding.NamedSharding):
-        from jaxrl_post.sharding import logical_to_mesh_spec
+        from jaxrl_post.runtime.sharding import logical_to_mesh_spec
 
         target = jax.sharding.NamedSharding(sharding.mesh, logical_to_mesh_spec(names))
         return jax.make_array_from_callback(value.shape, target, lambda idx: value[idx])

@@ -83,7 +83,7 @@ def find_alias_gguf(alias: str) -> str:
     )
 
 
-# A jaxrl_post run directory's exported model (`trainer/sft.py` writes it after the last step)
+# A jaxrl_post run directory's exported model (`sft/trainer.py` writes it after the last step)
 RUN_EXPORT_SUBDIR = "huggingface"
 
 

@@ -39,7 +39,7 @@ def last_token_index(attention_mask: jax.Array) -> jax.Array:
 
 def segment_end_mask(segment_ids: jax.Array) -> jax.Array:
     """`[B, T] bool`: True at the last token of each packed sequence (`segment_ids [B, T] int32`, 0 =
-    padding; `trainer/packing.py` ids). A shared prompt's segment (sub id 0 of chunk >= 1) ends no sequence:
+    padding; `engine/packing.py` ids). A shared prompt's segment (sub id 0 of chunk >= 1) ends no sequence:
     its responses' ends are the scored tokens."""
     s = jnp.asarray(segment_ids, jnp.int32)
     nxt = jnp.concatenate([s[:, 1:], jnp.zeros_like(s[:, :1])], axis=1)

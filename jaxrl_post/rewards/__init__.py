@@ -50,7 +50,7 @@ MATH_SOURCES = (
 _RG_PREFIXES = reasoning_gym_reward.DATA_SOURCE_PREFIXES
 
 
-def _is_reasoning_gym(data_source: str) -> bool:  # also used by trainer/validation.py (maj@k answers)
+def _is_reasoning_gym(data_source: str) -> bool:  # also used by rl/validation.py (maj@k answers)
     return data_source in ("reasoning_gym", "reasoning-gym") or data_source.startswith(_RG_PREFIXES)
 
 

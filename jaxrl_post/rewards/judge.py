@@ -151,7 +151,7 @@ class GenerativeJudge:
         """Greedy verdicts (decoded, special tokens skipped) for judge prompt texts, in order.
 
         Raises: ValueError: a prompt is empty or longer than `max_prompt_length` tokens."""
-        from jaxrl_post.protocol import DataProto
+        from jaxrl_post.batch.protocol import DataProto
 
         ids = [list(x) for x in self.tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
         for i, row in enumerate(ids):

@@ -151,7 +151,9 @@ class RewardManager:
             raise ValueError(f"timeout_s must be > 0 (or None in process), got {timeout_s}")
         self.max_error_fraction = float(max_error_fraction)
         if overlong_buffer_len is not None:
-            from jaxrl_post.reward_shaping import compute_overlong_penalty  # not at import: reward workers skip jax
+            from jaxrl_post.algos.reward_shaping import (
+                compute_overlong_penalty,  # not at import: reward workers skip jax
+            )
 
             if max_response_length is None:
                 raise ValueError("overlong_buffer_len needs max_response_length")
@@ -308,7 +310,7 @@ class RewardManager:
 
         function_scores = scores.copy()
         if self.overlong_buffer_len is not None:
-            from jaxrl_post.reward_shaping import compute_overlong_penalty
+            from jaxrl_post.algos.reward_shaping import compute_overlong_penalty
 
             lengths = self.response_mask(data).sum(-1)
             penalty = np.asarray(

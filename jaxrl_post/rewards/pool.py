@@ -7,7 +7,7 @@ os._exit) is replaced too. Workers are started with the 'forkserver' context on 
 elsewhere): never 'fork', because forking a process that runs JAX (threads, accelerator runtime) is
 unsafe. The timer of a call starts when it is handed to an already started, ready worker, so slow
 interpreter start-up never counts against a reward call. Workers ignore SIGINT (the trainer shuts
-them down after a Ctrl-C, see `trainer/interrupt.py`).
+them down after a Ctrl-C, see `engine/interrupt.py`).
 """
 
 from __future__ import annotations

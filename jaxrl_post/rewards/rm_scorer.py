@@ -82,7 +82,7 @@ class RewardModelScorer:
         self.micro, self.rows_multiple = int(micro_batch_size), int(micro_batch_size) * dp
         graphdef, params = nnx.split(model)
         if self.mesh is not None:
-            from jaxrl_post.sharding import shard_params
+            from jaxrl_post.runtime.sharding import shard_params
 
             params = shard_params(params, self.mesh)
         self.params = params
@@ -97,7 +97,7 @@ class RewardModelScorer:
             out = jax.lax.map(lambda a: rm(a[0], a[1]), (split(ids), split(mask)))
             return out.reshape(-1)
 
-        from jaxrl_post.sharding import InMesh
+        from jaxrl_post.runtime.sharding import InMesh
 
         self._forward = InMesh(jax.jit(forward), self.mesh)
         self.last_metrics: dict[str, float] = {}
@@ -143,7 +143,7 @@ class RewardModelScorer:
                 np.concatenate([mask, np.repeat(mask[:1], pad, 0)]),
             )
         if self.mesh is not None:
-            from jaxrl_post.sharding import shard_batch
+            from jaxrl_post.runtime.sharding import shard_batch
 
             args = shard_batch({"ids": ids, "mask": mask}, self.mesh)
             ids_d, mask_d = args["ids"], args["mask"]

@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxrl_post.protocol import DataProto
+from jaxrl_post.batch.protocol import DataProto
 from jaxrl_post.rollout.chat_suffix import _render, observation_suffix
 from jaxrl_post.rollout.trajectory import _Traj, assemble, rollout_metrics
 
@@ -257,7 +257,7 @@ class AgentLoop:
             text = _render(self.tokenizer, msgs, True, self.tools, self.template_kwargs)
             ids = self._encode(text, first=True)
             if len(ids) > p:  # a config error (main prints it as one `error:` line), not a crash
-                from jaxrl_post.trainer.config_check import ConfigError
+                from jaxrl_post.errors import ConfigError
 
                 raise ConfigError(
                     f"row {i}: the prompt (env.reset's messages rendered with the chat template and the tools) has "

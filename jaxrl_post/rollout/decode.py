@@ -23,7 +23,7 @@ TRACE_COUNTS = {"prefill": 0, "decode": 0}
 def _constrain_cache(cache, mesh):
     if mesh is None:
         return cache
-    from jaxrl_post.sharding import cache_shardings
+    from jaxrl_post.runtime.sharding import cache_shardings
 
     sh = cache_shardings(cache, mesh)
     k, v, mask = jax.lax.with_sharding_constraint((cache.k, cache.v, cache.mask), (sh.k, sh.v, sh.mask))
@@ -33,7 +33,7 @@ def _constrain_cache(cache, mesh):
 def _constrain_batch(x, mesh):
     if mesh is None:
         return x
-    from jaxrl_post.sharding import batch_sharding
+    from jaxrl_post.runtime.sharding import batch_sharding
 
     return jax.lax.with_sharding_constraint(x, batch_sharding(mesh, x.ndim))
 

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxrl_post.protocol import DataProto
+from jaxrl_post.batch.protocol import DataProto
 from jaxrl_post.rollout.decode import _decode, _prefill, compaction_sizes
 from jaxrl_post.rollout.sampling import SamplingParams, get_response_mask, is_eos
 
@@ -250,7 +250,7 @@ class Generator:
         graphdef, state = nnx.split(self.model)
         arrays = (pid, pmask, row_done)
         if nproc > 1:
-            from jaxrl_post.distributed import global_from_local, local_rows
+            from jaxrl_post.runtime.distributed import global_from_local, local_rows
 
             own = local_rows(self.mesh, b_pad * nproc)
             if (own.start, own.stop) != (jax.process_index() * b_pad, (jax.process_index() + 1) * b_pad):
@@ -261,7 +261,7 @@ class Generator:
                 )
             arrays = tuple(global_from_local(a, self.mesh) for a in arrays)
         elif self.mesh is not None:
-            from jaxrl_post.sharding import shard_batch
+            from jaxrl_post.runtime.sharding import shard_batch
 
             arrays = shard_batch(arrays, self.mesh)
         else:
@@ -269,7 +269,7 @@ class Generator:
         pid_d, pmask_d, done_d = arrays
         max_len = p_pad + n_alloc
         seg = self.cache_segment_len or max(MIN_CACHE_SEGMENT, -(-max_len // 128) * 16)
-        from jaxrl_post.sharding import InMesh
+        from jaxrl_post.runtime.sharding import InMesh
 
         logits, cache = InMesh(_prefill, self.mesh)(
             graphdef,
@@ -299,7 +299,7 @@ class Generator:
             groups=groups,
             mesh=self.mesh,
         )
-        from jaxrl_post.distributed import local_part, to_host
+        from jaxrl_post.runtime.distributed import local_part, to_host
 
         host = local_part if nproc > 1 else to_host
         self.last_decode_stats = {"sizes": sizes, "stage_end_step": [int(x) for x in to_host(stage_end)]}

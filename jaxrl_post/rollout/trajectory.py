@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxrl_post.protocol import DataProto
+from jaxrl_post.batch.protocol import DataProto
 
 
 @dataclasses.dataclass

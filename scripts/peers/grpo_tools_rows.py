@@ -2,7 +2,7 @@
 
     PYTHONPATH=$REPO python scripts/peers/grpo_tools_rows.py --out $PERF/grpo_tools_rows.jsonl --prompts 24
 
-Rows: `jaxrl_post.trainer.builders.load_split_rows(cfg, val=False)` of the config (reasoning-gym
+Rows: `jaxrl_post.rl.builders.load_split_rows(cfg, val=False)` of the config (reasoning-gym
 basic_arithmetic, 2 terms of 2-3 digits, `*`, prompt format answer_tag, the config's system prompt), taken in the
 order our dataloader draws them (grain `MapDataset.range(n).shuffle(seed=data.seed)`, as `PromptDataLoader`;
 no prompt is filtered at this length). The system message gets the tool prompt exactly as our agent loop writes
@@ -51,7 +51,7 @@ def build_rows(n_prompts: int, variant: str | None = None) -> list[dict]:
 
     Raises ValueError when the config is not a tools run or has fewer rows than asked for."""
     from configs import grpo_tools
-    from jaxrl_post.trainer.builders import load_split_rows
+    from jaxrl_post.rl.builders import load_split_rows
 
     cfg = grpo_tools.get_config(variant)
     mt = cfg.rollout.multi_turn

@@ -7,7 +7,7 @@ The same run as `python -m jaxrl_post.main --config=configs/grpo_tools.py` (docs
 
 - rows: `grpo_tools_rows.py` (our row builder, our training order; run in a separate process when `--rows` is
   not given, so this process never imports jax): the same system prompt with the same tool prompt inside it, so
-  the rendered prompt text equals ours (`tests/test_peer_grpo_tools.py` checks it against our agent loop);
+  the rendered prompt text equals ours (`tests/e2e/test_peer_grpo_tools.py` checks it against our agent loop);
 - tool: `tools=[calculator]`, our `jaxrl_post.rollout.tools.calculator` itself (TRL builds its schema from the
   docstring, as we do). TRL runs a turn's calls in this process and appends one `tool` message per call;
   `max_tool_calling_iterations=2` = our `max_assistant_turns=3` (two calls answered, a third turn to answer).

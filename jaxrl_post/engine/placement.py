@@ -1,0 +1,161 @@
+"""Where arrays live and how the trainer's jitted functions are built and called: one `Placement` per run.
+
+`Placement` holds the device mesh and the trace counters of every jitted fn, and the helpers every role uses
+to commit params to their shardings (`commit`), jit an update with donated params / optimizer state
+(`jit_update`), put a host batch on the mesh (`put`, packed: `put_packed` / `pack`) and run a jitted forward
+over a whole `[B, ...]` host batch (`forward`). `pack_spec` is the static packing geometry of one pass.
+Every jitted fn counts its traces in `Placement.trace_counts` (tests assert zero recompiles after step 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_post.batch.keys import FORWARD_KEYS, OPTIONAL_PACK_KEYS, PACK_KEYS, TOKEN_KEYS
+from jaxrl_post.engine import packing
+
+
+def to_numpy(x) -> np.ndarray:
+    """A (possibly sharded, possibly multi-process) device array as one host numpy array (every process)."""
+    from jaxrl_post.runtime.distributed import to_host
+
+    return to_host(x)
+
+
+def pad_rows(arrays: dict[str, np.ndarray], multiple: int) -> tuple[dict[str, np.ndarray], int]:
+    """Pad the leading dim of every array up to a multiple of `multiple` with copies of row 0."""
+    n = next(iter(arrays.values())).shape[0]
+    pad = (-n) % multiple
+    if not pad:
+        return arrays, 0
+    return {k: np.concatenate([v, np.repeat(v[:1], pad, axis=0)], axis=0) for k, v in arrays.items()}, pad
+
+
+def _opt_state_to_device(fn, device_shardings):
+    """`fn(params, opt_state, *rest)` with `opt_state` first put in device memory (`device_shardings`)."""
+
+    def update(params, opt_state, *rest, **kwargs):
+        return fn(params, jax.device_put(opt_state, device_shardings), *rest, **kwargs)
+
+    return update
+
+
+class Placement:
+    """The run's mesh, trace counters and placement / jit helpers (see the module docstring).
+
+    Args:
+      mesh: the device mesh (`builders.build_mesh`).
+      n_devices: devices of the run (default `jax.device_count()`); 1 = no shardings, no mesh context.
+    """
+
+    def __init__(self, mesh, n_devices: int | None = None):
+        self.mesh = mesh
+        self.n_devices = jax.device_count() if n_devices is None else int(n_devices)
+        self.trace_counts: dict[str, int] = {}
+
+    @property
+    def active_mesh(self):
+        """The mesh jitted fns run under (None on one device)."""
+        return self.mesh if self.n_devices > 1 else None
+
+    def tracer(self, name: str) -> Callable[[], None]:
+        """A callback that counts one trace of the jitted fn `name` in `trace_counts`."""
+
+        def on_trace():
+            self.trace_counts[name] = self.trace_counts.get(name, 0) + 1
+
+        return on_trace
+
+    def commit(self, tree):
+        """Commit every leaf to its sharding, so jit sees the same argument signature on every call
+        (outputs of the donated update are committed; fresh arrays may not be -> a second compile).
+        Leaves living on a single device (e.g. optimizer step counts) are replicated over the mesh."""
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+
+        def one(x):
+            if isinstance(x.sharding, NamedSharding) or self.n_devices == 1:
+                return jax.device_put(x, x.sharding)
+            return jax.device_put(x, replicated)
+
+        return jax.tree.map(one, tree)
+
+    def opt_mesh(self):
+        """The mesh optimizer states are sharded over like their params (None on one device)."""
+        return self.active_mesh
+
+    def jit_update(self, fn, params, opt_state):
+        """jit with donated params/opt state and their shardings pinned on the way out.
+
+        An optimizer state in host memory (`sharding.init_opt_state(..., offload=True)`: memory kind
+        'pinned_host') is moved to device memory at the start of the update and the new state written back to
+        host memory (its out_shardings keep the host memory kind); the arithmetic is unchanged."""
+        from jaxrl_post.runtime.sharding import InMesh, on_host
+
+        shard = lambda t: jax.tree.map(lambda x: x.sharding, t)
+        if on_host(opt_state):
+            fn = _opt_state_to_device(fn, jax.tree.map(lambda s: s.with_memory_kind("device"), shard(opt_state)))
+        jitted = jax.jit(fn, donate_argnums=(0, 1), out_shardings=(shard(params), shard(opt_state), None))
+        return InMesh(jitted, self.active_mesh)  # activation constraints take effect
+
+    def put(self, tree: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """Host `[M, ...]` arrays on the mesh, rows split over the batch axes (one device: plain arrays)."""
+        if self.n_devices > 1:
+            from jaxrl_post.runtime.sharding import shard_batch
+
+            return shard_batch(tree, self.mesh)
+        return {k: jnp.asarray(v) for k, v in tree.items()}
+
+    def put_packed(self, tree: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """Place a packed mini-batch: packed rows `[n, rows, L]` split over ('data', 'fsdp') on the rows dim,
+        and so a per-shard `slot_pos [n, shards, Q / shards]` on its shard dim (`packing.PackSpec.shards`); the
+        rest of the small packing plan (`[n, Q]`, `[n, S, ...]`) replicated, `[M, ...]` fields as `put`."""
+        if self.n_devices == 1:
+            return {k: jnp.asarray(v) for k, v in tree.items()}
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        from jaxrl_post.runtime.sharding import LOGICAL_AXIS_RULES
+
+        rows = NamedSharding(self.mesh, PartitionSpec(None, LOGICAL_AXIS_RULES["batch"], None))
+        plan = NamedSharding(self.mesh, PartitionSpec())
+        plan_keys = [k for k in PACK_KEYS + OPTIONAL_PACK_KEYS if k in tree]  # `slot_threshold [n, Q]` too
+        out = self.put({k: v for k, v in tree.items() if k not in plan_keys})
+        for k in plan_keys:
+            per_shard = k == "slot_pos" and np.ndim(tree[k]) == 3
+            sharding = rows if k in ("input_ids", "segment_ids", "positions") or per_shard else plan
+            out[k] = jax.device_put(tree[k], sharding)
+        return out
+
+    @staticmethod
+    def pack(mb: dict[str, np.ndarray], spec: packing.PackSpec) -> dict[str, np.ndarray]:
+        """`[M, ...]` host mini-batch -> the packed step's input: packing plan + the `[M, R]` fields."""
+        packed = packing.pack_batch(mb, spec)
+        rest = {k: v for k, v in mb.items() if k not in TOKEN_KEYS}
+        return dict(rest, **packed)
+
+    def put_minibatch(self, mb: dict[str, np.ndarray], spec: packing.PackSpec | None) -> dict[str, jax.Array]:
+        """An update's mini-batch on the mesh: packed with `spec`, else padded rows as they are."""
+        return self.put(mb) if spec is None else self.put_packed(self.pack(mb, spec))
+
+    def forward(
+        self, fn, params, batch: dict[str, np.ndarray], micro: int, spec: packing.PackSpec | None = None, frozen=None
+    ):
+        """Run a jitted forward over the whole [B, ...] batch: packed with `spec`, else padded to a multiple
+        of `micro` rows (under the mesh, so activation constraints take effect). `frozen`: a LoRA actor's base
+        params (the fn's trailing argument). Returns the fn's outputs as host numpy arrays, `[B, ...]`."""
+        from jaxrl_post.runtime.sharding import InMesh
+
+        fn = InMesh(fn, self.active_mesh)
+        extra = () if frozen is None else (frozen,)
+        if spec is not None:
+            packed = self.put_packed(self.pack({k: batch[k] for k in FORWARD_KEYS if k in batch}, spec))
+            return jax.tree.map(to_numpy, fn(params, packed, *extra))
+        arrays, pad = pad_rows({k: batch[k] for k in FORWARD_KEYS if k in batch}, micro)
+        out = fn(params, self.put(arrays), *extra)
+        out = jax.tree.map(lambda x: to_numpy(x)[: arrays["input_ids"].shape[0] - pad], out)
+        return out

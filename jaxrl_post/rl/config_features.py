@@ -1,0 +1,185 @@
+"""Config checks of the optional features, called by `config_check.validate_config` with its `check` / `err`
+helpers: DAPO (`algorithm.filter_groups.*`, `reward_model.overlong_buffer.*`), LoRA (`model.lora_*`),
+multi-turn rollouts (`rollout.multi_turn.*`), on-policy distillation (`distillation.*`) and reward-model
+scoring (`reward_model.enable`, ...)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+# filter_groups metrics every reward function has (the rest are extra keys of a reward function's dict results)
+FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
+
+
+def check_dapo(cfg: Any, check, err, is_int, is_num) -> None:
+    """`algorithm.filter_groups.*` and `reward_model.overlong_buffer.*` (DAPO)."""
+    fg, ob = cfg.algorithm.filter_groups, cfg.reward_model.overlong_buffer
+    check("algorithm.filter_groups.enable", lambda v: isinstance(v, bool), "must be a bool")
+    check("algorithm.filter_groups.max_num_gen_batches", is_int, "must be an int (<= 0 = no limit)")
+    check("reward_model.overlong_buffer.enable", lambda v: isinstance(v, bool), "must be a bool")
+    check("reward_model.overlong_buffer.log", lambda v: isinstance(v, bool), "must be a bool")
+    if fg.enable is True:
+        if is_int(cfg.rollout.n) and cfg.rollout.n < 2:
+            err("rollout.n", "algorithm.filter_groups compares the responses of a group: needs rollout.n >= 2")
+        metric = fg.metric
+        known = FILTER_METRICS + (("overlong_reward", "overlong") if ob.enable is True and ob.log is True else ())
+        if not isinstance(metric, str) or not metric:
+            err("algorithm.filter_groups.metric", f"must name a per-response value, e.g. one of {list(known)}")
+        elif not cfg.custom_reward_function.path and metric not in known:
+            # the built-in reward functions return plain scores: no other names exist
+            err("algorithm.filter_groups.metric", f"unknown metric; valid with the built-in rewards: {list(known)}")
+        elif metric == "seq_final_reward" and cfg.algorithm.use_kl_in_reward:
+            err(
+                "algorithm.filter_groups.metric",
+                "seq_final_reward with algorithm.use_kl_in_reward is not supported (the KL penalty is computed after "
+                "filtering); use seq_reward",
+            )
+    if ob.enable is True:
+        lmax = cfg.data.max_response_length
+        check(
+            "reward_model.overlong_buffer.len",
+            lambda v: is_int(v) and 0 < v <= lmax,
+            f"must be an int in (0, data.max_response_length={lmax}] when reward_model.overlong_buffer.enable",
+        )
+        check("reward_model.overlong_buffer.penalty_factor", lambda v: is_num(v) and v >= 0, "must be >= 0")
+
+
+def lora_enabled(cfg: Any) -> bool:
+    """Whether the actor trains LoRA adapters: `model.lora_rank > 0` or a `model.lora_adapter_path` (as verl)."""
+    return int(cfg.model.lora_rank or 0) > 0 or bool(cfg.model.lora_adapter_path)
+
+
+def check_lora(cfg: Any, check, err, is_int, is_num) -> None:
+    """model.lora_rank >= 0; with LoRA on: lora_alpha > 0, known target_modules, a readable PEFT adapter at
+    lora_adapter_path whose r equals lora_rank (unless 0)."""
+    if not check("model.lora_rank", lambda v: is_int(v) and v >= 0, "must be an int >= 0 (0 = LoRA off)"):
+        return
+    if not lora_enabled(cfg):
+        return
+    from jaxrl_post.models.lora import parse_target_modules, read_adapter_config
+
+    check("model.lora_alpha", lambda v: is_num(v) and v > 0, "must be > 0 (updates are scaled by alpha / rank)")
+    path = cfg.model.lora_adapter_path
+    if not path:
+        try:
+            parse_target_modules(cfg.model.target_modules)
+        except ValueError as e:
+            err("model.target_modules", str(e))
+        return
+    try:
+        r = int(read_adapter_config(os.path.expanduser(path))["r"])
+    except (OSError, ValueError, KeyError, NotImplementedError) as e:
+        err("model.lora_adapter_path", f"{type(e).__name__}: {e}")
+        return
+    if cfg.model.lora_rank and int(cfg.model.lora_rank) != r:
+        err("model.lora_rank", f"the adapter at model.lora_adapter_path has r={r}; set lora_rank={r} or 0")
+
+
+MULTI_TURN_ENVS = ("tools", "guess_number")
+
+
+def check_multi_turn(cfg: Any, check, err, is_int, is_num) -> None:
+    """`rollout.multi_turn.*`: limits as verl's, known env / format / tools, and the features it cannot serve
+    (sampling-mask replay: the agent loop records no sampling thresholds)."""
+    mt = cfg.rollout.multi_turn
+    if not check("rollout.multi_turn.enable", lambda v: isinstance(v, bool), "must be a bool") or not mt.enable:
+        return
+    opt_pos = lambda v: v is None or (is_int(v) and v > 0)
+    check("rollout.multi_turn.env", lambda v: v in MULTI_TURN_ENVS, f"must be one of {list(MULTI_TURN_ENVS)}")
+    check("rollout.multi_turn.max_assistant_turns", opt_pos, "must be None or a positive int")
+    check("rollout.multi_turn.max_user_turns", opt_pos, "must be None or a positive int")
+    check("rollout.multi_turn.max_parallel_calls", lambda v: is_int(v) and v > 0, "must be a positive int")
+    check("rollout.multi_turn.max_tool_response_length", lambda v: is_int(v) and v > 0, "must be a positive int")
+    check(
+        "rollout.multi_turn.tool_response_truncate_side",
+        lambda v: v in ("left", "middle", "right"),
+        "must be left, middle or right",
+    )
+    from jaxrl_post.rollout.tool_parser import _PARSERS
+
+    check("rollout.multi_turn.format", lambda v: v in _PARSERS, f"must be one of {sorted(_PARSERS)}")
+    check("rollout.multi_turn.tool_num_workers", lambda v: is_int(v) and v > 0, "must be a positive int")
+    check("rollout.multi_turn.tool_timeout_s", lambda v: is_num(v) and v > 0, "must be > 0")
+    check("rollout.multi_turn.tool_memory_mb", lambda v: is_int(v) and v >= 0, "must be an int >= 0 (0 = no cap)")
+    check("rollout.multi_turn.tool_max_output_chars", lambda v: is_int(v) and v > 0, "must be a positive int")
+    check("rollout.multi_turn.max_error_fraction", lambda v: is_num(v) and 0 <= v <= 1, "must be in [0, 1]")
+    if mt.env == "tools":
+        check("rollout.multi_turn.tools", lambda v: isinstance(v, str) and v.strip(), "must name at least one tool")
+    if cfg.rollout.sampling_mask_replay is True:
+        err("rollout.sampling_mask_replay", "is not supported with rollout.multi_turn.enable (no sampling thresholds)")
+
+
+def check_distillation(cfg: Any, check, err, is_int, is_num) -> None:
+    """`distillation.*` (on-policy distillation, verl's keys and checks): a teacher model_path (or a random
+    teacher), a single-sample estimator loss_mode or a top-k mode (positive `topk`, `log_prob_min_clamp` None or
+    < 0, supervised only), no `k1` without
+    `use_policy_gradient` (verl refuses it: its gradient does not reach the teacher), only the 'vanilla'
+    policy loss, non-negative clip ratios and coefficient, a positive `loss_max_clamp`, one teacher."""
+    if (
+        not check("distillation.enabled", lambda v: isinstance(v, bool), "must be a bool")
+        or not cfg.distillation.enabled
+    ):
+        return
+    from jaxrl_post.algos.distillation import DISTILLATION_LOSS_MODES, TOPK_LOSS_MODES
+
+    key = "distillation.teacher_models"
+    extra = [k for k in cfg.distillation.teacher_models if k != "teacher_model"]
+    if extra:
+        err(key, f"only the single teacher `teacher_model` is supported (multi-teacher routing is not): got {extra}")
+    t, tk = cfg.distillation.teacher_models.teacher_model, f"{key}.teacher_model"
+    check(f"{tk}.random_init", lambda v: isinstance(v, bool), "must be a bool")
+    if not t.random_init:
+        check(f"{tk}.model_path", lambda v: isinstance(v, str) and v, "required: the teacher (dir, .gguf, alias)")
+    elif t.model_path:
+        err(f"{tk}.model_path", f"would be ignored: {tk}.random_init=True (a random teacher); set it to False")
+    dtypes = ("float32", "bfloat16", "float16")
+    check(f"{tk}.dtype", lambda v: v is None or v in dtypes, "valid: None (= model.dtype), float32, bfloat16, float16")
+    check(f"{tk}.log_prob_micro_batch_size", lambda v: is_int(v) and v > 0, "must be a positive int")
+    lk, dl = "distillation.distillation_loss", cfg.distillation.distillation_loss
+    mode = dl.loss_mode
+    if mode in TOPK_LOSS_MODES:
+        check(f"{lk}.topk", lambda v: is_int(v) and v > 0, "must be a positive int")
+        check(f"{lk}.log_prob_min_clamp", lambda v: v is None or (is_num(v) and v < 0), "must be None or < 0")
+        if dl.use_policy_gradient is True:
+            err(
+                f"{lk}.use_policy_gradient",
+                f"the top-k mode {mode!r} is a supervised (GKD-style) loss: set it False, or use k1 for PG OPD",
+            )
+    elif mode not in DISTILLATION_LOSS_MODES:
+        err(f"{lk}.loss_mode", f"valid: {[*DISTILLATION_LOSS_MODES, *TOPK_LOSS_MODES]}")
+    elif mode in ("k1", "kl") and dl.use_policy_gradient is False:
+        err(
+            f"{lk}.loss_mode",
+            "k1 as a supervised loss has no gradient toward the teacher (as verl, refused): set "
+            f"{lk}.use_policy_gradient=True or use k3",
+        )
+    for k in ("use_task_rewards", "use_policy_gradient"):
+        check(f"{lk}.{k}", lambda v: isinstance(v, bool), "must be a bool")
+    check(f"{lk}.policy_loss_mode", lambda v: v == "vanilla", "only 'vanilla' is supported (as verl)")
+    check(f"{lk}.distillation_loss_coef", lambda v: is_num(v) and v >= 0, "must be >= 0")
+    check(f"{lk}.loss_max_clamp", lambda v: v is None or (is_num(v) and v > 0), "must be None or > 0")
+    check(f"{lk}.clip_ratio", lambda v: is_num(v) and v >= 0, "must be >= 0")
+    for k in ("clip_ratio_low", "clip_ratio_high"):
+        check(f"{lk}.{k}", lambda v: v is None or (is_num(v) and v >= 0), "must be None or >= 0")
+
+
+def check_reward_model_scoring(cfg: Any, check, err, is_int, is_num) -> None:
+    """`reward_model.enable` and its keys (reward-model scoring in the RL loop, `rewards/rm_scorer.py`)."""
+    del is_num
+    rm = cfg.reward_model
+    check("reward_model.enable", lambda v: isinstance(v, bool), "must be a bool")
+    if rm.enable is not True:
+        return
+    path = rm.model.path
+    if not path:
+        err("reward_model.model.path", "required with reward_model.enable: an HF *ForSequenceClassification dir")
+    elif not os.path.isdir(os.path.expanduser(path)):
+        err("reward_model.model.path", f"not a directory: {path}")
+    check(
+        "reward_model.model.dtype",
+        lambda v: v is None or v in ("float32", "bfloat16", "float16"),
+        "valid: None (= model.dtype), float32, bfloat16, float16",
+    )
+    check("reward_model.micro_batch_size_per_gpu", lambda v: is_int(v) and v >= 1, "must be an int >= 1")
+    check("reward_model.max_length", lambda v: v is None or (is_int(v) and v >= 1), "must be None or an int >= 1")

@@ -1,0 +1,90 @@
+"""The critic role (verl's critic worker, PPO): a value model initialised from the actor, its optimizer and
+its jitted value and update fns (`steps.make_value_fn` / `make_critic_update`, packed twins in
+`packed_steps`). The arrays it trains are `TrainState.critic` (train_state.py)."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxrl_post.engine import packed_steps, steps
+from jaxrl_post.engine.placement import Placement
+from jaxrl_post.engine.train_state import OptimizedParams
+from jaxrl_post.rl import builders, ppo_update
+from jaxrl_post.rl.geometry import StepGeometry
+from jaxrl_post.runtime.sharding import init_opt_state
+
+
+class CriticRole:
+    """The value model (see the module docstring). Build with `CriticRole.build`.
+
+    Attributes: `graphdef` / `rest`, `mini` (responses per critic mini-batch), `tx` / `lr`, `spec` /
+    `values_spec` (pack specs of the update and the value forward; None when padded), `update_fn`,
+    `values_fn`.
+    """
+
+    @classmethod
+    def build(cls, cfg, policy, placement: Placement, geometry: StepGeometry) -> tuple[CriticRole, OptimizedParams]:
+        """The role and its initial arrays: `CriticModel.from_actor(policy.model)` (seed `trainer.seed + 1`),
+        params in fresh buffers (the actor's are donated) and a fresh optimizer state."""
+        from jaxrl_post.models import CriticModel
+
+        self = cls()
+        self.placement = placement
+        c = cfg.critic
+        critic = CriticModel.from_actor(policy.model, nnx.Rngs(int(cfg.trainer.seed) + 1))
+        cg, cp, cr = steps.split_model(critic)
+        if placement.n_devices > 1:
+            from jaxrl_post.runtime.sharding import shard_params
+
+            cp = shard_params(cp, placement.mesh)
+        self.graphdef, self.rest = cg, cr
+        params = placement.commit(builders.copy_tree(cp))  # own buffers: actor params are donated
+        del critic, cp
+        self.mini = int(c.ppo_mini_batch_size) * int(cfg.rollout.n)  # responses per critic update
+        self.optim_cfg = builders.optim_config(
+            c.optim,
+            grad_clip=c.grad_clip,
+            total_training_steps=geometry.total_training_steps,
+            updates_per_step=int(c.ppo_epochs) * (geometry.batch_size // self.mini),
+        )
+        self.tx = steps.make_optimizer(self.optim_cfg)
+        self.lr = steps.make_lr_schedule(self.optim_cfg)
+        offload = bool(c.fsdp_config.optimizer_offload)  # the state in host memory between updates
+        opt_state = placement.commit(init_opt_state(self.tx, params, placement.opt_mesh(), offload=offload))
+        loss_cfg = ppo_update.CriticLossConfig(float(c.cliprange_value), c.loss_agg_mode)
+        self.spec = policy.pack_spec("critic", self.mini, int(c.ppo_micro_batch_size))
+        self.values_micro = int(c.forward_micro_batch_size)
+        self.values_spec = policy.pack_spec("values", geometry.batch_size, self.values_micro)
+        if self.spec is not None:
+            update = ppo_update.make_critic_update(
+                packed_steps.PACKED, cg, cr, self.tx, loss_cfg, on_trace=placement.tracer("update_critic")
+            )
+            values = packed_steps.make_packed_value_fn(cg, cr, on_trace=placement.tracer("values"))
+        else:
+            update = ppo_update.make_critic_update(
+                steps.padded_layout(n_micro=self.mini // int(c.ppo_micro_batch_size)),
+                cg,
+                cr,
+                self.tx,
+                loss_cfg,
+                on_trace=placement.tracer("update_critic"),
+            )
+            values = steps.make_value_fn(
+                cg, cr, micro_batch_size=self.values_micro, on_trace=placement.tracer("values")
+            )
+        self.update_fn = placement.jit_update(update, params, opt_state)
+        self.values_fn = jax.jit(values)
+        return self, OptimizedParams(params, opt_state)
+
+    def values(self, params, batch: dict[str, np.ndarray]) -> np.ndarray:
+        """`values [B, R] float32` of the batch's response tokens (host numpy)."""
+        return self.placement.forward(self.values_fn, params, batch, self.values_micro, self.values_spec)
+
+    def update(self, critic: OptimizedParams, minibatch: dict[str, np.ndarray]):
+        """One optimizer step on a host mini-batch (`CRITIC_UPDATE_KEYS`): `(OptimizedParams, device
+        metrics)`. Donates `critic`."""
+        put = self.placement.put_minibatch(minibatch, self.spec)
+        params, opt_state, m = self.update_fn(critic.params, critic.opt_state, put)
+        return OptimizedParams(params, opt_state), m

@@ -1,0 +1,175 @@
+"""The rollout role (verl's rollout worker): the model that samples, its generator / agent loop, and one
+generation batch of a training step (generate + reward).
+
+The rollout model is the actor itself when `rollout.dtype` (None = `model.dtype`) equals both the compute and
+the param dtype (one copy of the weights; a LoRA actor samples with its adapters), else an abstract model with
+weights and compute in `rollout.dtype`, filled by `sync` (verl: the rollout engine's own weights). A LoRA
+actor's copy has no adapters: it holds the merged kernels `W + (alpha / r) A . B`
+(`models.lora.merged_state`). The copy's arrays are `TrainState.rollout` (train_state.py).
+
+Every rollout answers `collect(prompts, seed, timing, reward_fn, rng, next_prompts)`;
+`dynamic_sampling.FilteredRollout` wraps one with DAPO's group filter.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxrl_post.algos.registry import adv_estimator_needs
+from jaxrl_post.engine.placement import Placement, to_numpy
+from jaxrl_post.rl import builders
+from jaxrl_post.rl.dynamic_sampling import score_everywhere, timer
+from jaxrl_post.runtime import platform_defaults
+
+
+class RolloutRole:
+    """The sampling model and engine of a run (see the module docstring).
+
+    Args:
+      cfg: the job ConfigDict (`rollout.*`, `data.max_response_length`, `algorithm.adv_estimator`).
+      policy: the `PolicyRole` whose params the rollout samples with.
+      placement: the run's `Placement`.
+      tokenizer, eos_token_ids, pad_token_id: the actor's tokenizer and its stop / pad ids.
+      process_local: multi-process runs where each process holds only its share of every prompt batch.
+
+    Attributes: `model` (the sampling nnx module), `copy` (True: a separate copy in `rollout.dtype`),
+    `generator` (`rollout.Generator`), `agent_loop` (multi-turn `AgentLoop`, None: single-turn).
+    """
+
+    def __init__(self, cfg, policy, placement: Placement, tokenizer, eos_token_ids, pad_token_id, process_local: bool):
+        from jaxrl_post.models.hf_io import empty_model
+        from jaxrl_post.models.lora import merged_state
+        from jaxrl_post.rollout import Generator
+
+        self.config, self.policy = cfg, policy
+        self.eos_token_ids, self.pad_token_id = eos_token_ids, pad_token_id
+        self.process_local = bool(process_local)
+        rdt = jnp.dtype(cfg.rollout.dtype or platform_defaults.resolve("model.dtype", cfg.model.dtype))
+        m = policy.model
+        self.copy = not (rdt == m.dtype == m.param_dtype)
+        if self.copy:
+            self.model = empty_model(m.config, dtype=rdt, param_dtype=rdt)
+            cast = lambda p: jax.tree.map(lambda x: x.astype(rdt), p)
+            if policy.lora is not None:  # fn(adapters, frozen base) -> merged params, shardings of the base
+                g, r = policy.graphdef, policy.rest
+                to_rollout = lambda p, f: cast(merged_state(nnx.merge(g, p, f, r)))
+                out = jax.tree.map(lambda x: x.sharding, policy.frozen) if placement.n_devices > 1 else None
+            else:
+                to_rollout, out = (lambda p, f: cast(p)), None
+            self._cast_first = jax.jit(to_rollout, out_shardings=out)
+            self._cast_donating = jax.jit(lambda p, f, old: to_rollout(p, f), donate_argnums=(2,), out_shardings=out)
+        else:
+            self.model = m
+        self.generator = Generator(
+            self.model,
+            mesh=placement.active_mesh,
+            cache_segment_len=platform_defaults.cache_segment_len(),  # one segment off CPU (no per-segment cond)
+        )
+        self.agent_loop = builders.build_agent_loop(cfg, self.generator, tokenizer)  # None: single-turn
+        self._multi_turn_stats: list[dict] = []  # agent-loop counts of each generation batch of the step
+
+    @property
+    def engine(self):
+        """What generates: the multi-turn agent loop, else the single-turn generator."""
+        return self.generator if self.agent_loop is None else self.agent_loop
+
+    def sync(self, actor_params, rollout_params):
+        """The one place where actor and rollout meet, after every actor update and restore: the actor's
+        module gets `actor_params`; the rollout model gets them too -- shared buffers when dtypes agree
+        (returns None), else cast to `rollout.dtype` by one jitted program (shardings kept; the previous copy
+        `rollout_params` is donated to it; LoRA: the adapters merged into the frozen base kernels first).
+        Returns the new rollout copy (`TrainState.rollout`)."""
+        self.policy.sync_model(actor_params)  # the actor module always holds the live params
+        if not self.copy:
+            return None
+        frozen = self.policy.frozen
+        if rollout_params is None:
+            new = self._cast_first(actor_params, frozen)
+        else:
+            new = self._cast_donating(actor_params, frozen, rollout_params)
+        nnx.update(self.model, new)
+        return new
+
+    def sampling_params(self, *, validate: bool, seed: int = 0):
+        """`rollout.SamplingParams` of a training step (`rollout.*`) or of validation (`rollout.val_kwargs`)."""
+        from jaxrl_post.rollout import SamplingParams
+
+        r = self.config.rollout
+        src = r.val_kwargs if validate else r
+        do_sample = bool(src.do_sample)
+        return SamplingParams(
+            max_new_tokens=int(self.config.data.max_response_length),
+            temperature=float(src.temperature) if do_sample else 0.0,
+            top_k=int(src.top_k),
+            top_p=float(src.top_p),
+            min_p=0.0 if validate else float(r.min_p),
+            do_sample=do_sample,
+            eos_token_ids=self.eos_token_ids,
+            pad_token_id=self.pad_token_id,
+            seed=int(seed),
+            truncated_log_probs=bool(r.sampling_mask_replay) and not validate,
+        )
+
+    def generate_and_score(self, prompts, seed: int, timing: dict[str, float], reward_fn):
+        """Generate `rollout.n` responses per prompt and score them with `reward_fn` (`RewardManager`).
+
+        Returns `(b, nt, reward_output)`: `b` the host arrays of the batch (`[B, ...]`, B = prompts x n,
+        with `token_level_scores [B, R]`, and `reward_baselines [B]`, the scores of one greedy response per
+        prompt, when the estimator declares that input, as ReMax), `nt` its non-tensor batch.
+        Raises RewardFunctionError (see `RewardManager.compute`).
+        """
+        from jaxrl_post.runtime.distributed import gather_reward, gather_rows
+
+        n = int(self.config.rollout.n)
+        local = self.process_local  # multi-process: `prompts` are this process's share
+        engine = self.engine
+        with timer("gen", timing):
+            params = self.sampling_params(validate=False, seed=seed)
+            out = engine.generate(prompts, params, process_local=local, n=n)  # interleaved; one prefill each
+        if self.agent_loop is not None:
+            self._multi_turn_stats.append(dict(self.agent_loop.last_stats))
+        b = {k: to_numpy(v) for k, v in out.batch.items()}
+        if not self.config.rollout.sampling_mask_replay:  # the forwards score the full softmax
+            b.pop("sampling_logit_threshold", None)
+        with timer("reward", timing):
+            res = score_everywhere(reward_fn, out, local)  # this process's rows only
+        b["token_level_scores"] = np.asarray(res.token_level_scores, np.float32)
+        if "reward_baselines" in adv_estimator_needs(self.config.algorithm.adv_estimator):
+            with timer("gen_max", timing):
+                greedy = engine.generate(prompts, self.sampling_params(validate=True), process_local=local)
+                base = reward_fn.compute(greedy).token_level_scores.sum(-1)
+                b["reward_baselines"] = np.repeat(np.asarray(base, np.float32), n)
+        nt = dict(out.non_tensor_batch)
+        if local:  # every process continues with the same global batch
+            b, nt, res = gather_rows(b), gather_rows(nt), gather_reward(res)
+        return b, nt, res
+
+    def collect(self, prompts, seed: int, timing: dict[str, float], reward_fn, rng, next_prompts):
+        """One step's scored training batch: `(b, nt, reward_metrics, prompts, rng)` (one generation batch;
+        `rng` and `prompts` returned unchanged, `next_prompts` unused: see `FilteredRollout.collect`)."""
+        b, nt, res = self.generate_and_score(prompts, seed, timing, reward_fn)
+        return b, nt, res.metrics, prompts, rng
+
+    def multi_turn_metrics(self, nt, b) -> dict[str, float]:
+        """The multi-turn metrics of a step's training batch (`agent_loop.rollout_metrics`: `num_turns/*`,
+        `tool_calls/mean`, `response/observation_fraction`) with the tool error counts summed over the step's
+        generation batches (`tool/errors`, `tool/format_errors`, `tool/timeouts`); {} when single-turn. Resets
+        the counts."""
+        if self.agent_loop is None:
+            return {}
+        from jaxrl_post.batch.protocol import DataProto
+        from jaxrl_post.rollout.agent_loop import rollout_metrics
+
+        stats = self._multi_turn_stats
+        total = {k: sum(s.get(k, 0) for s in stats) for k in ("tool_errors", "tool_format_errors", "tool_timeouts")}
+        self._multi_turn_stats = []
+        batch = {k: b[k] for k in ("response_attention_mask", "loss_mask")}
+        return rollout_metrics(DataProto(batch, {k: nt[k] for k in ("num_turns", "tool_calls")}), total)
+
+    def close(self) -> None:
+        """Stop the agent loop's tool workers (multi-turn)."""
+        if self.agent_loop is not None:
+            self.agent_loop.close()

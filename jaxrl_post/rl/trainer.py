@@ -1,0 +1,550 @@
+"""`RLTrainer`: verl's `RayPPOTrainer.fit()` dataflow as one host loop (the only impure orchestration).
+
+Per training step (`train_step`):
+
+    prompts -> generate rollout.n each, interleaved, one prefill per prompt           timing_s/gen
+    -> reward (RewardManager; score on the last valid response token; with           timing_s/reward
+       reward_model.enable the frozen reward model scores each trajectory first: rm_scores)
+       [DAPO overlong shaping (reward_model.overlong_buffer) inside the RewardManager; DAPO dynamic sampling
+       (algorithm.filter_groups, dynamic_sampling.py): drop groups whose metric does not vary, generate and
+       score further prompt batches until data.train_batch_size groups are kept]
+    -> old log-probs (skipped when exactly on-policy)                               timing_s/old_log_prob
+    -> reference log-probs (only when a KL term is on)                              timing_s/ref
+    -> teacher log-probs (on-policy distillation, teacher.py)                        timing_s/teacher
+    -> critic values (PPO)                                                           timing_s/values
+    -> KL penalty in reward (fixed/adaptive controller) -> advantages                timing_s/adv
+    -> critic update (epochs x mini-batches)                                         timing_s/update_critic
+    -> actor update (after critic_warmup; epochs x shuffled mini-batches)            timing_s/update_actor
+    -> metrics (verl names) -> console + metrics.jsonl
+
+Jit boundaries (each built once here, compiled once per run): rollout's prefill/decode, `forward`
+(`steps.make_log_prob_fn` / `make_value_fn`) and `update` (`steps.make_actor_update` / `make_critic_update`,
+params and optimizer state donated).
+
+"Exactly on-policy" (verl: `on_policy` in the actor): `actor.ppo_epochs == 1`, one mini-batch per step and
+no KL-in-reward. Then the old log-probs equal the current ones, so the update uses
+`stop_gradient(log_prob)` as old log-probs (ratio == 1) and the separate forward pass is skipped.
+
+Where the code lives: the trainer composes role objects (roles/: `PolicyRole`, `ReferencePolicy`,
+`CriticRole`, `TeacherRole`, `RolloutRole`, wrapped by `dynamic_sampling.FilteredRollout` for DAPO), one
+device pytree `TrainState` and one `HostState` (train_state.py), a `Placement` (placement.py: mesh, jit and
+placement helpers) and a `RunDir` (run_dir.py: lock, checkpoints, resume, saves after an error); the
+mini-batch update loops and step metrics are functions in updates.py, the validation loop in
+validation_loop.py; this module holds the host loop (`train_step`, `fit`).
+
+Checkpointable state (see `state_dict`): actor/critic params and optimizer states, global step, update
+counters, RNG key, KL controller, data iterator position, non-finite skip counters; the reference params
+only as a pointer (they are the initial actor, rebuilt the same way); the distillation teacher not at all
+(frozen, rebuilt from `distillation.teacher_models.teacher_model`). Checkpoints (`checkpoint.py`,
+orbax, async) are written every `trainer.save_freq` steps and after the last one, into
+`<trainer.default_local_dir>/checkpoints/global_step_<N>`; `trainer.resume_mode` picks what to resume
+from when the trainer is built. Resuming is exact: the same steps give bit-identical params and metrics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxrl_post.algos import core_algos
+from jaxrl_post.batch.protocol import DataProto
+from jaxrl_post.engine import loop, steps, train_state
+from jaxrl_post.engine.nonfinite import NonFiniteGuard
+from jaxrl_post.engine.placement import Placement
+from jaxrl_post.engine.placement import to_numpy as _np
+from jaxrl_post.engine.run import checkpoint as ckpt
+from jaxrl_post.engine.run.run_dir import RunDir
+from jaxrl_post.engine.run.run_files import config_to_dict
+from jaxrl_post.engine.run.tracking import Tracking, console_legend
+from jaxrl_post.engine.train_state import HostState, OptimizedParams, TrainState, place_like
+from jaxrl_post.errors import ConfigError
+from jaxrl_post.rl import builders, preflight, updates
+from jaxrl_post.rl import metrics as metrics_lib
+from jaxrl_post.rl.config_check import critic_enabled, kl_in_use, validate_config
+from jaxrl_post.rl.dynamic_sampling import FilteredRollout
+from jaxrl_post.rl.dynamic_sampling import timer as _timer
+from jaxrl_post.rl.geometry import StepGeometry
+from jaxrl_post.rl.roles import CriticRole, PolicyRole, ReferencePolicy, RolloutRole, TeacherRole
+from jaxrl_post.rl.roles.teacher import check_teacher_path, kl_to_teacher_metrics
+from jaxrl_post.rl.validation_loop import run_validation
+from jaxrl_post.runtime import distributed
+from jaxrl_post.runtime.platform_defaults import log_resolved, resolve_config
+
+
+@dataclasses.dataclass
+class RunData:
+    """The run's prompt data: `train_loader` (endless, resumable: `get_state` / `set_state`), `val_loader`
+    (None without validation) and `stats` (the `data/*` numbers logged at the start)."""
+
+    train_loader: Any
+    val_loader: Any
+    stats: dict[str, float]
+
+
+def build_advantage_fn(cfg, placement: Placement):
+    """Jitted KL-in-reward + advantage estimator (`algorithm.*`, `steps.make_advantage_fn`)."""
+    al = cfg.algorithm
+    return jax.jit(
+        steps.make_advantage_fn(
+            adv_estimator=al.adv_estimator,
+            gamma=float(al.gamma),
+            lam=float(al.lam),
+            norm_adv_by_std_in_grpo=bool(al.norm_adv_by_std_in_grpo),
+            use_kl_in_reward=bool(al.use_kl_in_reward),
+            kl_penalty=al.kl_penalty,
+            on_trace=placement.tracer("adv"),
+        )
+    )
+
+
+class RLTrainer:
+    """PPO / GRPO / DAPO trainer driven by a job ConfigDict (configs/grpo.py, configs/ppo.py, configs/dapo.py).
+
+    Args:
+      config: the job ConfigDict (validated here, before anything is built).
+      tracker: optional `Tracking` (default: console + jsonl in `trainer.default_local_dir`).
+      console_write: optional callable for console lines (tests capture it).
+
+    Raises:
+      ConfigError: invalid config (names every bad key), before any model is loaded or compiled; also an
+        unusable `trainer.default_local_dir` (`preflight.check_workdir`) or one another live run holds
+        (`run_lock.RunDirBusyError`), a missing `model.path` (`preflight.check_model_path`), a
+        data_source with no reward function (without `custom_reward_function.path`), and validation data
+        that all occurs in the training data while validation is on (`builders.load_data_rows`), and a
+        distillation teacher that does not exist (`teacher.check_teacher_path`), whose tokenizer differs from
+        the student's or whose vocabulary is smaller (`teacher.build_teacher`).
+      MalformedRowError: a malformed data row (file, row, problem), before the model is loaded.
+      CheckpointError: the checkpoint to resume from cannot be read or does not match the config.
+      OSError: an earlier run's `checkpoints/` or `metrics.jsonl` could not be moved aside (see
+        `run_files.py`; nothing is deleted).
+    """
+
+    def __init__(self, config, *, tracker: Tracking | None = None, console_write: Callable[[str], None] | None = None):
+        validate_config(config)  # accepts "auto"; errors come before any other line
+        resolved = resolve_config(config, log_line=False)  # "auto" values by platform (platform_defaults.py)
+        self.config = cfg = config
+
+        # ---- pre-flight, before the (slow) model load: a writable working directory (created only once the
+        # model, data loaders and reward function are built, so a failed start leaves no empty directory),
+        # then the data rows (malformed rows, unknown data sources, ...)
+        preflight.check_workdir(cfg)
+        data_rows = builders.load_data_rows(cfg)
+        preflight.check_model_path(cfg)  # a missing model: one line now, not a traceback from the loader
+        check_teacher_path(cfg)  # the same for a distillation teacher
+
+        log_resolved(resolved)  # after the run-directory / model-path checks (an error there stays one line)
+        # ---- devices, model, tokenizer
+        self.placement = Placement(builders.build_mesh(cfg))
+        mesh = self.placement.mesh
+        actor_model, self.tokenizer = builders.build_actor_and_tokenizer(cfg, mesh)
+        eos_token_ids, pad_token_id = builders.eos_and_pad(self.tokenizer)
+
+        # ---- data, rewards
+        train_loader, val_loader, data_stats = builders.build_dataloaders(cfg, data_rows, self.tokenizer, pad_token_id)
+        self.data = RunData(train_loader, val_loader, data_stats)
+        # multi-process: each process loads only its share of every global prompt batch (distributed.py)
+        try:
+            process_local = distributed.shard_loader(train_loader, mesh, int(cfg.rollout.n))
+        except ValueError as e:  # shares that are not whole prompt groups, a tensor axis across processes
+            raise ConfigError(str(e)) from e
+        rm_scorer = builders.build_rm_scorer(cfg, mesh, self.tokenizer)  # None without reward_model.enable
+        self.reward_fn = builders.build_reward_manager(
+            cfg, self.tokenizer, data_rows.custom_reward_fn, rm_scorer=rm_scorer
+        )
+        peak_flops = metrics_lib.device_peak_flops(override=cfg.trainer.device_peak_flops)
+        self.geometry = g = StepGeometry.from_config(cfg, len(train_loader), peak_flops)
+
+        # ---- roles: the policy (params / optimizer / jitted fns), the rollout (sampling on the policy's
+        # params or on a copy), the reference (only with a KL term), the teacher (on-policy distillation),
+        # the critic (PPO); the arrays they train are `self.state`
+        self.policy, actor = PolicyRole.build(cfg, actor_model, self.placement, g)
+        rollout = RolloutRole(
+            cfg, self.policy, self.placement, self.tokenizer, eos_token_ids, pad_token_id, process_local
+        )
+        self.rollout = FilteredRollout(cfg, rollout) if cfg.algorithm.filter_groups.enable else rollout
+        self.reference = ReferencePolicy(cfg, self.policy, actor.params) if kl_in_use(cfg) else None
+        self.teacher = TeacherRole.build(cfg, self.policy, self.placement, self.tokenizer)  # None: no distillation
+        self.critic, critic = (None, None)
+        if critic_enabled(cfg):
+            self.critic, critic = CriticRole.build(cfg, self.policy, self.placement, g)
+        self.advantage = build_advantage_fn(cfg, self.placement)
+
+        # ---- state: one device pytree, one host dataclass (train_state.py)
+        self.state = TrainState(actor=actor, critic=critic, rollout=None, rng=jax.random.key(int(cfg.trainer.seed)))
+        self.sync_weights()
+        k, max_nf = cfg.algorithm.kl_ctrl, int(cfg.trainer.max_consecutive_nonfinite)
+        self.host = HostState(
+            kl_ctrl=core_algos.get_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon),
+            actor_guard=NonFiniteGuard(max_nf, "actor"),
+            critic_guard=NonFiniteGuard(max_nf, "critic"),
+        )
+
+        # ---- run directory: console, trackers, checkpoints, resume, metrics.jsonl, config.json + config.yaml
+        say = console_write or (lambda line: print(line, flush=True))
+        workdir = cfg.trainer.default_local_dir
+        os.makedirs(workdir, exist_ok=True)
+        if not distributed.is_main():  # process 0 alone prints, logs and writes metrics files
+            say, tracker = (lambda line: None), tracker or distributed.NullTracker()
+        tracker = tracker or Tracking(
+            workdir,
+            cfg.trainer.logger,
+            int(cfg.trainer.print_every),
+            console_write=console_write,
+            project=cfg.trainer.project_name,
+            experiment=cfg.trainer.experiment_name,
+            config=config_to_dict(cfg),
+        )
+        self.run = RunDir(cfg, say, tracker)
+        self.run.open(self)  # lock, resume (`load_checkpoint`), metrics.jsonl, config files
+
+    # ---- what the shared loop (loop.py), main.py and evaluate.py read
+    global_steps = property(lambda self: self.host.global_steps, doc="Completed training steps.")
+    total_training_steps = property(lambda self: self.geometry.total_training_steps)
+    tracker = property(lambda self: self.run.tracker)
+    checkpointer = property(lambda self: self.run.checkpointer)
+    resumed_from = property(lambda self: self.run.resumed_from)
+
+    @property
+    def val_before_metrics(self) -> dict[str, float] | None:
+        """The run's validation before training (kept on resume: `host['val_before']`)."""
+        return self.host.val_before
+
+    @val_before_metrics.setter
+    def val_before_metrics(self, value) -> None:
+        self.host.val_before = value
+
+    def _say(self, line: str) -> None:
+        self.run.say(line)
+
+    # ------------------------------------------------------------------------------------ one step
+    def train_step(self, prompts: DataProto, next_prompts: Callable[[], DataProto] | None = None) -> dict[str, float]:
+        """Runs one PPO/GRPO iteration on a batch of `data.train_batch_size` prompts; returns its metrics.
+
+        With `algorithm.filter_groups.enable` (DAPO dynamic sampling), further prompt batches come from
+        `next_prompts()` (default: the training loader) until `data.train_batch_size` groups are kept
+        (dynamic_sampling.py); raises `FilterGroupsError` after `max_num_gen_batches` generation batches.
+        """
+        cfg, g = self.config, self.geometry
+        timing: dict[str, float] = {}
+        gen_seed, shuffle_seed = self._next_seeds()
+        metrics: dict[str, float] = {}
+        with _timer("step", timing):
+            # -- rollout + reward (+ dynamic sampling: more generation batches until enough groups vary)
+            more = next_prompts or (lambda: next(self.data.train_loader))
+            b, nt, reward_metrics, prompts, rng = self.rollout.collect(
+                prompts, gen_seed, timing, self.reward_fn, self.state.rng, more
+            )
+            self.state = self.state.replace(rng=rng)
+            metrics.update(reward_metrics)
+            metrics.update(self.rollout.multi_turn_metrics(nt, b))
+            baselines = b.get("reward_baselines")
+
+            # b["loss_mask"]: the model's own tokens (rollout); train_mask: the tokens the updates train (minus
+            # dropped truncated responses and rejected tokens; advantages keep the rollout's loss_mask)
+            train_mask = _np(steps.compute_loss_mask(b["loss_mask"], b["truncated"], bool(cfg.actor.drop_truncated)))
+            if cfg.actor.drop_truncated:
+                metrics["actor/num_dropped_truncated"] = float(np.sum(b["truncated"]))
+
+            # -- old / reference / teacher log-probs, values
+            actor_params = self.state.actor.params
+            if not g.on_policy:
+                with _timer("old_log_prob", timing):
+                    b["old_log_probs"] = self.policy.old_log_probs(actor_params, b)
+            if self.reference is not None:
+                with _timer("ref", timing):
+                    b["ref_log_prob"] = self.reference.log_probs(actor_params, b)  # LoRA: adapters off
+            if self.teacher is not None:
+                with _timer("teacher", timing):
+                    b.update(self.teacher.forward(b))
+                student = b["old_log_probs"] if "old_log_probs" in b else b["rollout_log_probs"]
+                loss_mode = cfg.distillation.distillation_loss.loss_mode
+                metrics.update(kl_to_teacher_metrics(student, b["teacher_log_prob"], train_mask, loss_mode))
+            if self.critic is not None:
+                with _timer("values", timing):
+                    b["values"] = self.critic.values(self.state.critic.params, b)
+
+            if g.use_rollout_corr:  # IS weights / rejection mask from log(pi_old / pi_rollout), whole batch
+                train_mask, corr_metrics = updates.rollout_correction(cfg, b, train_mask)
+                metrics.update(corr_metrics)
+
+            # -- KL in reward, advantages
+            kl_ctrl = self.host.kl_ctrl
+            with _timer("adv", timing):
+                _, index = np.unique(np.asarray(nt["uid"]), return_inverse=True)
+                rewards, current_kl, adv, ret = self.advantage(
+                    b["token_level_scores"],
+                    b["loss_mask"],
+                    index.astype(np.int32).reshape(-1),
+                    np.float32(kl_ctrl.value),
+                    b.get("old_log_probs"),
+                    b.get("ref_log_prob"),
+                    b.get("values"),
+                    None if baselines is None else np.asarray(baselines, np.float32),
+                )
+                b["token_level_rewards"], b["advantages"], b["returns"] = _np(rewards), _np(adv), _np(ret)
+                if cfg.algorithm.use_kl_in_reward:
+                    metrics["actor/reward_kl_penalty"] = float(current_kl)
+                    metrics["actor/reward_kl_penalty_coeff"] = float(kl_ctrl.value)
+                    kl_ctrl.update(float(current_kl), n_steps=g.batch_size)  # responses, as verl
+
+            # -- updates
+            rng = np.random.default_rng(shuffle_seed)
+            if self.critic is not None:
+                with _timer("update_critic", timing):
+                    args = (cfg, self.critic, g, self.state, self.host, b, train_mask, rng)
+                    self.state, out = updates.update_critic(*args)  # the state first: NonFiniteError below
+                    metrics.update(updates.critic_metrics(self.critic, self.host, out))
+            if self.host.global_steps >= int(cfg.trainer.critic_warmup):
+                with _timer("update_actor", timing):
+                    args = (cfg, self.policy, g, self.state, self.host, b, train_mask, rng)
+                    self.state, out = updates.update_actor(*args)
+                    metrics.update(updates.actor_metrics(cfg, self.policy, self.host, out))
+                self.sync_weights()
+
+        self.host.global_steps += 1
+        model_config, n_devices, use_critic = (
+            self.policy.model.config,
+            self.placement.n_devices,
+            self.critic is not None,
+        )
+        step = self.host.global_steps
+        metrics.update(updates.step_metrics(cfg, g, model_config, n_devices, step, b, timing, prompts, use_critic))
+        return metrics
+
+    def _next_seeds(self) -> tuple[int, int]:
+        rng, k_gen, k_shuffle = jax.random.split(self.state.rng, 3)
+        self.state = self.state.replace(rng=rng)
+        to_int = lambda k: int(jax.random.randint(k, (), 0, 2**31 - 1))
+        return to_int(k_gen), to_int(k_shuffle)
+
+    def sync_weights(self) -> None:
+        """The actor's module and the rollout get the current actor params (`RolloutRole.sync`): after every
+        actor update and restore."""
+        self.state = self.state.replace(rollout=self.rollout.sync(self.state.actor.params, self.state.rollout))
+
+    @property
+    def trace_counts(self) -> dict[str, int]:
+        """Traces per jitted function (`Placement.trace_counts`)."""
+        return self.placement.trace_counts
+
+    def compile_counts(self) -> dict[str, int]:
+        """Compiled executables per jitted function (1 each after any number of same-shaped steps)."""
+        fns = {
+            "update_actor": self.policy.update_fn,
+            "old_log_prob": self.policy.old_log_prob_fn,
+            "adv": self.advantage,
+        }
+        if self.reference is not None:
+            fns["ref"] = self.reference.log_prob_fn
+        if self.teacher is not None:
+            fns["teacher"] = self.teacher.log_prob_fn
+        if self.critic is not None:
+            fns.update(update_critic=self.critic.update_fn, values=self.critic.values_fn)
+        out = {k: f._cache_size() for k, f in fns.items()}
+        if self.reward_fn.rm_scorer is not None:
+            out["rm"] = self.reward_fn.rm_scorer.compile_count()
+        return out
+
+    # ------------------------------------------------------------------------------------ validation
+    def validate(self) -> dict[str, float]:
+        """Generate on the held-out set with `rollout.val_kwargs` (greedy n=1 by default) and score it.
+
+        Returns verl's validation metrics (`validation.process_validation_metrics`:
+        `val-core/{data_source}/reward/mean@{n}`, best@k / maj@k / pass@k when n > 1; `acc` becomes the core
+        variable when the reward function reports it), `val-aux/{data_source}/response_length/mean`,
+        `val-aux/{data_source}/num_samples`, `timing_s/testing`. Shows a progress bar (prompts done) when
+        `trainer.progress_bar` (process 0). With `trainer.validation_data_dir` (verl), every scored response
+        goes to `<dir>/<global_steps>.jsonl` (`validation_loop.write_generations`). Multi-process: each
+        process generates and scores only its rows of every held-out batch; the results are gathered once, so
+        every process returns the same metrics.
+
+        Raises:
+          ValueError: `data.val_files` is set but every prompt in it also occurs in the training data (the
+            set was dropped because validation was off). RewardFunctionError: see `RewardManager.compute`.
+        """
+        if self.data.val_loader is None:
+            if self.config.data.val_files:  # dropped by builders.load_data_rows (validation was off)
+                raise ValueError(
+                    "validate(): no validation set: every prompt of config.data.val_files also occurs in "
+                    "config.data.train_files (allowed only while validation is off)"
+                )
+            return {}
+        sampling_params = self.rollout.sampling_params(validate=True, seed=int(self.config.trainer.seed))
+        local = self.rollout.process_local  # multi-process: each process scores its rows
+        engine = self.rollout.engine  # multi-turn: the agent loop
+        val = self.data.val_loader
+        dump = self.config.trainer.get("validation_data_dir")
+        return run_validation(
+            self.config,
+            val,
+            engine,
+            self.reward_fn,
+            sampling_params,
+            process_local=local,
+            dump_path=dump,
+            step=self.global_steps,
+        )
+
+    # ------------------------------------------------------------------------------------ loop
+    def fit(self, max_steps: int | None = None, *, stop=None) -> dict[str, Any]:
+        """Train until `total_training_steps` (validating before/after as configured), checkpointing every
+        `trainer.save_freq` steps and after the last step.
+
+        Args:
+          max_steps: stop after this many steps of this call even if training is not finished (a later
+            trainer resumes from the last checkpoint; used to test exact resume).
+          stop: optional `interrupt.GracefulStop` (anything with `defer()` and `requested`). After each
+            completed step `stop.defer()` is called; when `stop.requested`, the loop checkpoints the step
+            (even with `save_freq=-1`; a `test_freq` validation of that step is skipped, the final one is
+            not: metrics are logged before the checkpoint, so a resumed run never misses a step's line)
+            and returns early.
+
+        `val_before` is the validation before the first step; a resumed run does not validate before training
+        again (its params are not the base model's) but returns the original run's step-0 validation (saved
+        in the checkpoint, `host['val_before']`, or read from metrics.jsonl; None when neither has it).
+
+        Returns `{"val_before": metrics | None, "val_after": metrics | None, "last": last step metrics,
+        "history": list of per-step metrics, "stopped_at": step | None}` (`stopped_at`: the step a stop
+        request ended the loop after, its checkpoint started; `close()` waits for it).
+
+        Raises:
+          NonFiniteError: `trainer.max_consecutive_nonfinite` skipped updates in a row (no checkpoint of
+            that step is written). CheckpointError: a checkpoint could not be written.
+          FilterGroupsError: dynamic sampling (`algorithm.filter_groups`) reached `max_num_gen_batches`;
+            handled as a RewardFunctionError in the reward stage (below).
+          RewardFunctionError: a reward function failed (`RewardManager.compute`). Raised after the last
+            completed step N was checkpointed (unless saved already or N == 0) and one line printed: in the
+            reward stage of step N+1 the RNG and data position are first put back to their values before
+            that step, so resuming repeats exactly the run that would have happened; in the validation
+            after step N, that step's metrics are logged first (see state.py).
+        """
+        return loop.fit(self, max_steps, stop=stop)
+
+    # ---- the hooks of the shared loop (engine/loop.py)
+    def has_validation(self) -> bool:
+        return self.data.val_loader is not None
+
+    def on_fit_start(self) -> None:
+        if "console" in getattr(self.tracker, "backends", {}):
+            self._say(console_legend())  # once per run: what score | reward | ... on each step line mean
+        warn = preflight.critic_warmup_warning(int(self.config.trainer.critic_warmup), self.total_training_steps)
+        if warn:
+            self._say(warn)
+        self.tracker.log(self.data.stats, step=self.global_steps)
+
+    def run_step(self) -> dict[str, float]:
+        """One step on the next prompt batch; a reward failure before its updates: the RNG and the data position
+        put back, step N saved, the error re-raised (`RunDir.save_on_error_in_step`)."""
+        loader = self.data.train_loader
+
+        def restore(snapshot):
+            self.state = self.state.replace(rng=snapshot[0])
+            loader.set_state(snapshot[1])
+
+        snapshot = (self.state.rng, loader.get_state())
+        guard = self.run.save_on_error_in_step(
+            self.global_steps, self.host.marks, snapshot, restore, self.save_checkpoint
+        )
+        with guard:
+            return self.train_step(next(loader))
+
+    def validation_guard(self, metrics):
+        """The step is logged and saved, then a reward failure re-raised (`RunDir.save_on_error_in_validation`)."""
+        return self.run.save_on_error_in_validation(self.global_steps, metrics, self.save_checkpoint)
+
+    @staticmethod
+    def progress_postfix(metrics) -> dict[str, str]:
+        return {"score": f"{metrics.get('critic/score/mean', float('nan')):.3f}"}
+
+    # ------------------------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume exactly (`train_state.state_dict`: pytrees of arrays + JSON-able host
+        values). The reference params are included only when they differ from the initial actor (never in this
+        trainer); otherwise `host['reference']` points at how they are rebuilt."""
+        cfg, ref = self.config, self.reference
+        ref_saved = ref is not None and not ref.is_initial
+        base = ckpt.reference_pointer(
+            model_path=None if cfg.model.random_init else cfg.model.path,
+            random_init=bool(cfg.model.random_init),
+            seed=int(cfg.trainer.seed),
+        )
+        lora = self.policy.lora
+        meta = {
+            "reference": None if ref is None else "saved" if ref_saved else base,
+            "model": ckpt.model_metadata(
+                self.policy.model.config,
+                cfg.model.tokenizer_path or cfg.model.path,
+                lora=None if lora is None else lora.to_dict(),
+                base=base,
+            ),
+        }
+        return train_state.state_dict(
+            self.state,
+            self.host,
+            data_iter=self.data.train_loader.get_state(),
+            ref=ref.params if ref_saved else None,
+            meta=meta,
+            total_training_steps=self.total_training_steps,
+            config=config_to_dict(cfg),
+        )
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """Inverse of `state_dict` (arrays are placed like the current ones)."""
+        self.state = train_state.load_state_dict(saved, self.state, self.host)
+        self.data.train_loader.set_state(saved["host"]["data_iter"])
+        if saved.get("ref") is not None and self.reference is not None:
+            self.reference.params = place_like(saved["ref"]["params"], self.reference.params)
+        self.sync_weights()
+
+    def save_checkpoint(self) -> bool:
+        """Start an (async) checkpoint of the current state as step `global_steps`; False if one exists."""
+        return self.run.checkpointer.save(self.global_steps, self.state_dict())
+
+    def load_checkpoint(self, root: str, step: int) -> None:
+        """Restore the full training state of `<root>/global_step_<step>` into this trainer (arrays go
+        straight to the current shardings). Raises CheckpointError (see `RunDir.restore`)."""
+
+        def like(items: set[str]) -> dict:
+            out = {k: v for k, v in self.state_dict().items() if k != "host"}
+            if self.reference is not None and "ref.params" in items:
+                out["ref"] = {"params": self.reference.params}
+            return out
+
+        p = self.policy
+        self.load_state_dict(self.run.restore(root, step, like, model_config=p.model.config, lora=p.lora))
+        n, total = self.global_steps, self.total_training_steps
+        self._say(f"resumed from step {n}{f' of {total}' if n < total else ''} ({self.run.resumed_from})")
+
+    def load_actor_params_from(self, root: str, step: int) -> None:
+        """Load only the actor params of a checkpoint (evaluation / export); optimizer state untouched."""
+        actor = self.state.actor
+        got = self.run.open_checkpoint_dir(root).restore(step, like={"actor": {"params": actor.params}})
+        params = place_like(got["actor"]["params"], actor.params)
+        self.state = self.state.replace(actor=OptimizedParams(params, actor.opt_state))
+        self.sync_weights()
+
+    def close(self) -> None:
+        """Wait for a pending checkpoint save (raises `CheckpointError` if it failed), then release loggers,
+        reward workers, the agent loop's tools and the run directory's lock (`run_lock.py`)."""
+        try:
+            self.run.checkpointer.close()
+        finally:
+            self.run.tracker.close()
+            self.reward_fn.close()
+            self.rollout.close()
+            if self.run.run_lock is not None:
+                self.run.run_lock.release()  # the directory is free for the next run
+
+
+def summarize(result: dict[str, Any]) -> str:
+    """Before/after validation numbers of a `fit()` result, as JSON text."""
+    keep = lambda m: {k: v for k, v in (m or {}).items() if k.startswith(("val-", "val/"))}
+    return json.dumps(
+        {"val_before": keep(result.get("val_before")), "val_after": keep(result.get("val_after"))}, indent=1
+    )

@@ -1,0 +1,55 @@
+"""`trainer.validation_data_dir` (verl): every scored validation response is written to `<dir>/<step>.jsonl`."""
+
+import json
+import textwrap
+
+import numpy as np
+import pytest
+
+from configs import grpo
+
+REWARD_SRC = textwrap.dedent(
+    """
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+        return {"score": float(len(solution_str) % 3 == 0), "acc": float(len(solution_str) % 2 == 0)}
+    """
+)
+
+
+@pytest.mark.slow
+def test_validation_data_dir_writes_every_scored_response(tmp_path):
+    from jaxrl_post.rl.trainer import RLTrainer
+
+    reward = tmp_path / "reward.py"
+    reward.write_text(REWARD_SRC)
+    c = grpo.get_config("tiny")
+    c.trainer.default_local_dir = str(tmp_path / "run")
+    c.trainer.validation_data_dir = str(tmp_path / "gens")
+    c.custom_reward_function.path = str(reward)
+    c.rollout.val_kwargs.n = 2
+    c.rollout.val_kwargs.do_sample = True
+    c.rollout.val_kwargs.temperature = 1.0
+    trainer = RLTrainer(c, console_write=lambda line: None)
+    try:
+        metrics = trainer.validate()
+    finally:
+        trainer.close()
+    path = tmp_path / "gens" / "0.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert not (tmp_path / "gens" / "0.jsonl.tmp").exists()
+    n_prompts = int(c.data.reasoning_gym.val_size)
+    assert len(rows) == 2 * n_prompts == metrics["val-aux/reasoning_gym/basic_arithmetic/num_samples"]
+    for r in rows:  # the score and extras are the reward of the written text (recomputed here)
+        assert r["score"] == float(len(r["output"]) % 3 == 0)
+        assert r["acc"] == float(len(r["output"]) % 2 == 0)
+        assert r["step"] == 0 and r["data_source"] == "reasoning_gym/basic_arithmetic"
+        assert r["raw_prompt"][-1]["role"] == "user" and r["raw_prompt"][-1]["content"] in r["input"]
+        assert r["gts"] is not None
+    uids = [r["uid"] for r in rows]
+    assert sorted(np.unique(uids, return_counts=True)[1]) == [2] * n_prompts  # n responses per prompt
+    by_uid = {}
+    for r in rows:
+        by_uid.setdefault(r["uid"], set()).add(r["input"])
+    assert all(len(v) == 1 for v in by_uid.values())  # one prompt per uid
+    acc = np.mean([r["acc"] for r in rows])
+    np.testing.assert_allclose(metrics["val-core/reasoning_gym/basic_arithmetic/acc/mean@2"], acc, rtol=1e-9)
