@@ -104,8 +104,10 @@ def attempt(name: str, base: str, isolate: bool) -> tuple[bool, str]:
     if name == "tool_environment":
         tool = os.path.join(base, "env_tool.py")
         with open(tool, "w") as f:
-            f.write(f"def dump():\n    import contextlib, io\n    buf = io.StringIO()\n"
-                    f"    with contextlib.redirect_stdout(buf):\n        exec({_ENV_DUMP!r})\n    return buf.getvalue()\n")  # fmt: skip
+            f.write("def dump():\n    import contextlib, io\n    buf = io.StringIO()\n")
+            f.write(
+                f"    with contextlib.redirect_stdout(buf):\n        exec({_ENV_DUMP!r})\n    return buf.getvalue()\n"
+            )
         os.chmod(tool, 0o644)
         out = sandbox.run_function_sandboxed(tool, "dump", {}, **limits)
         return SECRET not in out, out

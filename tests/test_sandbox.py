@@ -107,7 +107,7 @@ def test_fork_bomb_is_contained_and_gone_when_the_call_returns():
     token = f"fork_bomb_{time.time_ns()}"
     code = f"import os  # {token}\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
     t0 = time.monotonic()
-    out, rc, timed_out = sandbox.run_python_sandboxed(code, timeout_s=2.0, max_processes=8, isolate=True)
+    _, rc, timed_out = sandbox.run_python_sandboxed(code, timeout_s=2.0, max_processes=8, isolate=True)
     assert time.monotonic() - t0 < 15 and (timed_out or rc != 0)
     assert _token_pids(token) == []
 
@@ -162,7 +162,9 @@ def test_sandboxed_custom_tool_errors_and_the_unavailable_sandbox(tmp_path, monk
     """A sandboxed tool that raises or runs out of time is an error observation; where the sandbox is unavailable a
     sandboxed call fails with one line naming the opt-out, and runs unisolated once opted out."""
     path = tmp_path / "bad_tools.py"
-    path.write_text("def boom() -> str:\n    raise KeyError('nope')\n\n\ndef slow() -> str:\n    while True:\n        pass\n")
+    path.write_text(
+        "def boom() -> str:\n    raise KeyError('nope')\n\n\ndef slow() -> str:\n    while True:\n        x = 1\n"
+    )
     with pytest.raises(RuntimeError, match="KeyError: 'nope'"):
         sandbox.run_function_sandboxed(str(path), "boom", {})
     with pytest.raises(RuntimeError, match="exceeded 1 s"):
