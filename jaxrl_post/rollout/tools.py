@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -44,6 +45,7 @@ __all__ = [
     "ToolResult",
     "calculator",
     "cap_text",
+    "check_sandbox",
     "evaluate_arithmetic",
     "resolve_tools",
     "worker_env",
@@ -183,6 +185,25 @@ def resolve_tools(names: str | Sequence[str | Callable | Tool], sandboxed: str |
             f"('path/to/file.py:function') of this run; its file tools: {sorted(files)}"
         )
     return [dataclasses.replace(t, sandboxed=True) if t.name in sandboxed else t for t in tools]
+
+
+def check_sandbox(tools: Sequence[Tool], allow_unsandboxed: bool) -> None:
+    """At start-up: the tools that need the sandbox (`python`, `sandboxed` ones) get it here, or
+    SandboxUnavailableError with one line saying what is missing and naming the opt-out
+    (`rollout.multi_turn.allow_unsandboxed_tools`); opted out, a warning line instead."""
+    names = [t.name for t in tools if t.sandboxed or t.fn is python]
+    problem = sandbox.isolation_problem() if names else None
+    if problem is None:
+        return
+    if not allow_unsandboxed:
+        raise sandbox.SandboxUnavailableError(
+            f"tools {names} need the sandbox, which this machine cannot provide: {problem}; set "
+            "rollout.multi_turn.allow_unsandboxed_tools=True to run them without file and process isolation"
+        )
+    logging.getLogger(__name__).warning(
+        "tools %s run WITHOUT file and process isolation (rollout.multi_turn.allow_unsandboxed_tools=True): %s",
+        names, problem,
+    )  # fmt: skip
 
 
 def _schema_of(fn) -> dict:
