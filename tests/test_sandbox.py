@@ -107,9 +107,13 @@ def test_fork_bomb_is_contained_and_gone_when_the_call_returns():
     token = f"fork_bomb_{time.time_ns()}"
     code = f"import os  # {token}\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
     t0 = time.monotonic()
-    _, rc, timed_out = sandbox.run_python_sandboxed(code, timeout_s=2.0, max_processes=8, isolate=True)
-    assert time.monotonic() - t0 < 15 and (timed_out or rc != 0)
-    assert _token_pids(token) == []
+    try:
+        _, rc, timed_out = sandbox.run_python_sandboxed(code, timeout_s=2.0, max_processes=8, isolate=True)
+        assert time.monotonic() - t0 < 15 and (timed_out or rc != 0)
+        assert _token_pids(token) == []
+    finally:
+        for pid in _token_pids(token):  # a broken sandbox: our own test processes, killed
+            os.kill(pid, 9)
 
 
 def test_4gb_allocation_refused_and_the_limits_reported():
@@ -120,17 +124,19 @@ def test_4gb_allocation_refused_and_the_limits_reported():
         memory_mb=300, max_processes=5,
     )  # fmt: skip
     uid, rest = out.split(" ", 1)
-    assert int(uid) == (NOBODY if os.getuid() == 0 else os.getuid())
+    assert int(uid) == (sandbox.sandbox_uid() if os.getuid() == 0 else os.getuid())
     assert rest.strip() == f"(5, 5) ({300 << 20}, {300 << 20})"
 
 
 def _tool_file(tmp_path):
-    path = tmp_path / "my_tools.py"
-    path.write_text(
-        "import os\n\n\ndef whoami(key: str) -> str:\n"
-        '    """The value of an environment variable and HOME.\n\n    Args:\n        key: the variable\n    """\n'
+    body = (
+        '    """The value of an environment variable, HOME and the variables\' names.\n\n    Args:\n'
+        '        key: the variable\n    """\n'
         "    return f\"{os.environ.get(key)} {os.environ.get('HOME')} {sorted(os.environ)}\"\n"
     )
+    path = tmp_path / "my_tools.py"
+    head = "def {}(key: str) -> str:\n"
+    path.write_text("import os\n\n\n" + head.format("whoami") + body + "\n\n" + head.format("whoami_boxed") + body)
     return str(path)
 
 
@@ -138,24 +144,22 @@ def _tool_file(tmp_path):
 def test_custom_tool_workers_get_an_allowlisted_environment(tmp_path, monkeypatch, minimal_env):
     """A custom tool in a worker sees PATH, HOME (the executor's directory), TMPDIR, LANG and LC_ALL, not the
     trainer's secret; sandboxed it sees the sandbox's own. Allowlist off (the break): the worker sees the secret."""
-    monkeypatch.setenv(SECRET_VAR, SECRET)
-    spec = f"{_tool_file(tmp_path)}:whoami"
-    (plain,) = resolve_tools(spec)
-    with ToolExecutor([plain], num_workers=1, mp_context="spawn", minimal_env=minimal_env) as ex:
-        (res,) = ex.run([("whoami", {"key": SECRET_VAR})])
+    monkeypatch.setenv(SECRET_VAR, SECRET)  # in the environment of the spawned worker (forkserver's is older)
+    path = _tool_file(tmp_path)
+    tools = resolve_tools(f"{path}:whoami,{path}:whoami_boxed", sandboxed="whoami_boxed")
+    assert [t.sandboxed for t in tools] == [False, True]
+    with ToolExecutor(tools, num_workers=1, mp_context="spawn", minimal_env=minimal_env) as ex:
+        plain, boxed = ex.run([("whoami", {"key": SECRET_VAR}), ("whoami_boxed", {"key": SECRET_VAR})])
         home = ex.home
-    assert res.status == "ok", res.text
+    assert plain.status == boxed.status == "ok", (plain, boxed)
     if minimal_env:
-        assert res.text == f"None {home} ['HOME', 'LANG', 'LC_ALL', 'PATH', 'TMPDIR']"
+        assert plain.text == f"None {home} ['HOME', 'LANG', 'LC_ALL', 'PATH', 'TMPDIR']"
         assert not os.path.exists(home)  # removed by close()
     else:
-        assert res.text.startswith(SECRET)
-    (boxed,) = resolve_tools(spec, sandboxed="whoami")
-    with ToolExecutor([boxed], num_workers=1, mp_context="spawn", minimal_env=minimal_env) as ex:
-        (res,) = ex.run([("whoami", {"key": SECRET_VAR})])
-    assert res.text == "None /tool ['HOME', 'LANG', 'LC_ALL', 'PATH', 'PWD', 'TMPDIR']", res.text
+        assert plain.text.startswith(SECRET)
+    assert boxed.text == "None /tool ['HOME', 'LANG', 'LC_ALL', 'PATH', 'PWD', 'TMPDIR']", boxed.text
     with pytest.raises(ValueError, match=r"sandboxed tools \['calculator'\] .* are not file tools"):
-        resolve_tools(f"calculator,{spec}", sandboxed="calculator")
+        resolve_tools(f"calculator,{path}:whoami", sandboxed="calculator")
 
 
 def test_sandboxed_custom_tool_errors_and_the_unavailable_sandbox(tmp_path, monkeypatch):
@@ -207,3 +211,19 @@ def test_run_refuses_the_python_tool_without_the_sandbox_in_one_line(monkeypatch
     with caplog.at_level("WARNING"):
         check_sandbox(resolve_tools("python"), allow_unsandboxed=True)
     assert "WITHOUT file and process isolation" in caplog.text
+
+
+def test_readme_and_docs_state_the_same_enforcement_table():
+    """README.md and docs/agents.md give the same table of what the sandbox enforces, word for word."""
+
+    def table(path):
+        with open(os.path.join(os.path.dirname(HERE), path), encoding="utf-8") as f:
+            text = f.read()
+        start = text.index("| what | enforced |")
+        return text[start : text.index("\n\n", start)]
+
+    rows = table("README.md").splitlines()
+    assert rows == table("docs/agents.md").splitlines()
+    assert [r.split(" | ")[0][2:] for r in rows[2:]] == [
+        "files", "network", "memory", "CPU", "output", "processes", "environment", "cleanup",
+    ]  # fmt: skip

@@ -5,14 +5,16 @@ network, IPC and UTS namespaces. Inside, the code sees the interpreter's own fil
 read-only), `/dev`, its own `/proc` and its directory `/tool` (a `tmpfs` of `disk_mb`, gone with the sandbox);
 nothing else exists there (no `/etc`, `/home`, `/root`, `/tmp`, runs or checkpoints). The environment holds only
 `PATH`, `HOME=/tool`, `TMPDIR=/tool`, `LANG`, `LC_ALL`. A short bootstrap (`_BOOTSTRAP`, the sandbox's first
-Python process) sets the resource limits and, when the trainer runs as root, drops to uid/gid 65534 (`nobody`,
-no groups, no capabilities; bwrap sets `no_new_privs`), then execs `python -I` with the code.
+Python process) sets the resource limits and, when the trainer runs as root, drops to a uid and gid of the call's
+own (`sandbox_uid()`: an unused id, no groups, no capabilities; bwrap sets `no_new_privs`), then execs `python -I`
+with the code.
 
-Process count: `RLIMIT_NPROC` counts the tasks of a real uid, and root ignores it. As root the code runs as
-uid 65534, where the limit applies (it counts every process of uid 65534, so concurrent calls share it). As
-an unprivileged user bwrap makes a user namespace; the bootstrap sets the limit inside it, where the kernel
-counts only the namespace's own tasks (Linux >= 5.14 keeps `RLIMIT_NPROC` per user namespace), so the
-trainer's own threads do not count. Memory is `RLIMIT_AS` per process (so at most `max_processes` times it).
+Process count: `RLIMIT_NPROC` counts the tasks of a real uid, and root ignores it. As root the code runs as a uid
+of its own, so the limit applies and counts only this call's processes (a shared uid such as 65534 `nobody` would
+make concurrent calls, and any daemon running as it, share the budget). As an unprivileged user bwrap makes a user
+namespace; the bootstrap sets the limit inside it, where the kernel counts only the namespace's own tasks (Linux >=
+5.14 keeps `RLIMIT_NPROC` per user namespace), so the trainer's own threads do not count. Memory is `RLIMIT_AS` per
+process (so at most `max_processes` times it).
 
 Cleanup: the sandbox is its own pid namespace, so when the code's first process exits (or the call times out
 and the sandbox's init is killed) the kernel kills every process left in it; `--die-with-parent` does the
@@ -46,15 +48,16 @@ __all__ = [
     "python",
     "run_function_sandboxed",
     "run_python_sandboxed",
+    "sandbox_uid",
 ]
 
-SANDBOX_UID = 65534  # nobody: the uid the code runs as when the trainer runs as root
+SANDBOX_UID_BASE = 1_900_000_000  # as root, a call runs as SANDBOX_UID_BASE + (caller pid mod 10**6): unused ids
 TOOL_DIR = "/tool"  # the code's directory (and working directory) inside the sandbox
 # set by configure(): isolate=None falls back to the unisolated path where isolation is unavailable; the default
 # process limit of a call
 _SETTINGS = {"allow_unisolated": False, "max_processes": 16}
 
-# The sandbox's first Python process: limits, then (as root) drop to SANDBOX_UID, then exec the real program.
+# The sandbox's first Python process: limits, then (as root) drop to sandbox_uid(), then exec the real program.
 # argv: memory_bytes cpu_s file_bytes nproc uid program...
 _BOOTSTRAP = """\
 import os, resource as r, sys
@@ -148,7 +151,13 @@ def _bwrap_argv(ro_files: tuple[str, ...], disk_mb: int, info_fd: int) -> list[s
 
 
 def _limits_argv(memory_mb: int, cpu_s: int, file_bytes: int, max_processes: int) -> list[str]:
-    return [str(int(memory_mb) << 20), str(cpu_s), str(file_bytes), str(max_processes), str(SANDBOX_UID)]
+    return [str(int(memory_mb) << 20), str(cpu_s), str(file_bytes), str(max_processes), str(sandbox_uid())]
+
+
+def sandbox_uid() -> int:
+    """The uid (and gid) a call from this process runs as when the trainer runs as root: one per calling process
+    (tool workers call one at a time), so `RLIMIT_NPROC` counts this call's processes only."""
+    return SANDBOX_UID_BASE + os.getpid() % 1_000_000
 
 
 def _gone(pid: int) -> bool:
@@ -167,7 +176,7 @@ def _run_in_bwrap(program: list[str], stdin: bytes, *, ro_files=(), timeout_s, m
     try:
         cpu_s = max(1, math.ceil(timeout_s))
         cmd = _bwrap_argv(tuple(ro_files), disk_mb, info_w)
-        cmd += [os.path.realpath(sys.executable), "-I", "-c", _BOOTSTRAP]
+        cmd += [sys.executable, "-I", "-c", _BOOTSTRAP]
         cmd += _limits_argv(memory_mb, cpu_s, max_output_bytes, max_processes) + program
         out_path = os.path.join(outdir, "output")
         with open(out_path, "wb") as out:
