@@ -1,6 +1,7 @@
 """Escape attempts against the tool sandbox (jaxrl_post/rollout/sandbox.py), one per property it enforces.
 
-tests/test_sandbox.py copies this file and sandbox.py into a world-readable directory and runs
+tests/test_sandbox.py copies this file, sandbox.py and unisolated.py (in a `jaxrl_post.rollout` skeleton) into a
+world-readable directory and runs
 `python sandbox_escapes.py DIR ISOLATE` there (as the test's own user and as uid 65534), with `SECRET_VAR` in the
 process's environment from its start; it prints `{escape: [held, output]}` as JSON. ISOLATE 1: the sandbox;
 0: isolation switched off (the unisolated path, without its network cut and memory cap), where every escape must
@@ -13,7 +14,7 @@ import socket
 import sys
 import time
 
-import sandbox
+from jaxrl_post.rollout import sandbox, unisolated
 
 SECRET_VAR, SECRET = "JAXRL_POST_FAKE_TOKEN", "fake-secret-6d1f0c"
 MAX_PROCESSES = 8
@@ -116,8 +117,9 @@ def attempt(name: str, base: str, isolate: bool) -> tuple[bool, str]:
 
 def main(base: str, isolate: bool) -> dict:
     assert os.environ.get(SECRET_VAR) == SECRET, "start this script with the secret in its environment"
+    assert sandbox.__file__.startswith(os.path.dirname(os.path.abspath(__file__))), sandbox.__file__  # the copy
     if not isolate:
-        sandbox.network_isolation_available = lambda: False  # isolation off: no `unshare -rn` either
+        unisolated.network_isolation_available = lambda: False  # isolation off: no `unshare -rn` either
     return {name: attempt(name, base, isolate) for name in ESCAPES}
 
 

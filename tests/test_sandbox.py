@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from jaxrl_post.rollout import sandbox
+from jaxrl_post.rollout import sandbox, unisolated
 from jaxrl_post.rollout.tools import ToolExecutor, resolve_tools
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -55,8 +55,14 @@ def _run_escapes(as_nobody: bool, isolate: bool) -> dict:
     work = tempfile.mkdtemp(prefix="jaxrl_post_escapes_")
     try:
         os.chmod(work, 0o755)
-        for src in (os.path.join(HERE, "sandbox_escapes.py"), sandbox.__file__):
-            shutil.copy(src, work)
+        shutil.copy(os.path.join(HERE, "sandbox_escapes.py"), work)
+        pkg = os.path.join(work, "jaxrl_post", "rollout")
+        os.makedirs(pkg)
+        for init in (os.path.join(work, "jaxrl_post", "__init__.py"), os.path.join(pkg, "__init__.py")):
+            open(init, "w").close()
+        for src in (sandbox.__file__, unisolated.__file__):  # standard library only: no jax needed
+            shutil.copy(src, pkg)
+        subprocess.run(["chmod", "-R", "a+rX", work], check=True)
         base = os.path.join(work, "base")
         os.mkdir(base)
         with open(os.path.join(base, "secret.txt"), "w") as f:

