@@ -33,7 +33,7 @@ def _blocked_ancestor(path: str) -> str | None:
     return None
 
 
-def _as_nobody(argv: list[str], env: dict) -> list[str]:
+def _as_nobody(argv: list[str], work: str) -> list[str]:
     """`argv` run as uid/gid 65534 without groups (`setpriv`). Where the interpreter lies under a directory others
     cannot enter, a private mount namespace first lays a world-readable tmpfs over that directory with the
     interpreter's top folder bound back at its path (the rest of the directory stays hidden)."""
@@ -42,7 +42,8 @@ def _as_nobody(argv: list[str], env: dict) -> list[str]:
     if blocked is None:
         return drop
     top = os.path.realpath(sys.prefix)[len(blocked) + 1 :].split("/")[0]
-    stash = tempfile.mkdtemp(prefix="jaxrl_post_stash_")
+    stash = os.path.join(work, "stash")  # a mount point in the private namespace only
+    os.mkdir(stash)
     script = (
         f'mount --bind "{blocked}" "{stash}" && mount -t tmpfs -o mode=755 none "{blocked}" && '
         f'mkdir "{blocked}/{top}" && mount --bind "{stash}/{top}" "{blocked}/{top}" && exec "$@"'
@@ -73,7 +74,7 @@ def _run_escapes(as_nobody: bool, isolate: bool) -> dict:
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), SECRET_VAR: SECRET}
         argv = [sys.executable, "-E", "-s", os.path.join(work, "sandbox_escapes.py"), base, "1" if isolate else "0"]
         if as_nobody and os.getuid() == 0:
-            argv = _as_nobody(argv, env)
+            argv = _as_nobody(argv, work)
         res = subprocess.run(argv, env=env, cwd=work, capture_output=True, text=True, timeout=120)
         assert res.returncode == 0, res.stderr[-3000:]
         return json.loads(res.stdout)
