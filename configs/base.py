@@ -224,6 +224,12 @@ def get_base_config() -> mlc.ConfigDict:
     c.rollout.multi_turn.tool_timeout_s = 10.0  # per-call wall-time limit; a hung call's worker is killed (ours)
     c.rollout.multi_turn.tool_memory_mb = 2048  # address-space cap of each tool worker, MiB; 0 = none (ours)
     c.rollout.multi_turn.tool_max_output_chars = 8192  # a tool result is cut to this many characters (ours)
+    # file tools (names, comma-separated) whose calls run in the sandbox, as the `python` tool's (ours)
+    c.rollout.multi_turn.sandboxed_tools = ""
+    c.rollout.multi_turn.tool_max_processes = 16  # processes of one sandboxed call (python, sandboxed_tools) (ours)
+    # True: where the sandbox is unavailable, run the python tool and sandboxed_tools without file and process
+    # isolation instead of refusing the run (the explicit opt-out; ours)
+    c.rollout.multi_turn.allow_unsandboxed_tools = False
     c.rollout.multi_turn.max_error_fraction = 0.5  # stop when more of a step's executed tool calls fail (ours)
     c.rollout.val_kwargs = mlc.ConfigDict()  # sampling for validation
     c.rollout.val_kwargs.n = 1  # responses per held-out prompt

@@ -520,8 +520,9 @@ def build_agent_loop(cfg: Any, generator, tokenizer):
         return None
     from jaxrl_post.rollout.agent_loop import AgentLoop, MultiTurnLimits
     from jaxrl_post.rollout.environments import GuessNumberEnv, ToolEnv
+    from jaxrl_post.rollout.sandbox import SandboxUnavailableError
     from jaxrl_post.rollout.tool_parser import get_tool_parser
-    from jaxrl_post.rollout.tools import ToolErrorBudget, ToolExecutor, resolve_tools
+    from jaxrl_post.rollout.tools import ToolErrorBudget, ToolExecutor, check_sandbox, resolve_tools
 
     limits = MultiTurnLimits(
         max_assistant_turns=mt.max_assistant_turns,
@@ -536,15 +537,21 @@ def build_agent_loop(cfg: Any, generator, tokenizer):
     if mt.env == "guess_number":
         return AgentLoop(generator, tokenizer, lambda row: GuessNumberEnv(), limits, parser=parser, error_budget=budget)
     try:
-        tools = resolve_tools(mt.tools)
+        tools = resolve_tools(mt.tools, sandboxed=mt.sandboxed_tools)
     except Exception as e:
         raise ConfigError(f"config.rollout.multi_turn.tools={mt.tools!r}: {type(e).__name__}: {e}") from e
+    try:
+        check_sandbox(tools, bool(mt.allow_unsandboxed_tools))
+    except SandboxUnavailableError as e:
+        raise ConfigError(f"config.rollout.multi_turn.tools={mt.tools!r}: {e}") from e
     executor = ToolExecutor(
         tools,
         num_workers=int(mt.tool_num_workers),
         timeout_s=float(mt.tool_timeout_s),
         memory_mb=int(mt.tool_memory_mb),
         max_output_chars=int(mt.tool_max_output_chars),
+        max_processes=int(mt.tool_max_processes),
+        allow_unsandboxed=bool(mt.allow_unsandboxed_tools),
     )
     side, length, par = limits.tool_response_truncate_side, limits.max_tool_response_length, limits.max_parallel_calls
     loop = AgentLoop(

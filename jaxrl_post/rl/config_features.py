@@ -104,6 +104,9 @@ def check_multi_turn(cfg: Any, check, err, is_int, is_num) -> None:
     check("rollout.multi_turn.tool_memory_mb", lambda v: is_int(v) and v >= 0, "must be an int >= 0 (0 = no cap)")
     check("rollout.multi_turn.tool_max_output_chars", lambda v: is_int(v) and v > 0, "must be a positive int")
     check("rollout.multi_turn.max_error_fraction", lambda v: is_num(v) and 0 <= v <= 1, "must be in [0, 1]")
+    check("rollout.multi_turn.sandboxed_tools", lambda v: isinstance(v, str), "must be a string of tool names")
+    check("rollout.multi_turn.tool_max_processes", lambda v: is_int(v) and v > 0, "must be a positive int")
+    check("rollout.multi_turn.allow_unsandboxed_tools", lambda v: isinstance(v, bool), "must be a bool")
     if mt.env == "tools":
         check("rollout.multi_turn.tools", lambda v: isinstance(v, str) and v.strip(), "must name at least one tool")
     if cfg.rollout.sampling_mask_replay is True:

@@ -4,13 +4,16 @@ A `Tool` is a module-level function plus its OpenAI function spec (`{"type": "fu
 "description", "parameters"}}`), by default derived from the type hints and the Google-style docstring by
 `transformers.utils.get_json_schema`; the agent loop passes the specs to the chat template (`tools=`).
 
-`ToolExecutor` runs calls in a `RewardWorkerPool` (rewards/pool.py: one process per worker, forkserver, a
-hung call's worker is killed and replaced) with, per call, a timeout, an address-space cap
-(`resource.setrlimit(RLIMIT_AS)`, set once in each worker) and an output cap (characters; the rest is cut
-and marked). A call that raises, hangs (timeout), kills its worker, exhausts its memory or returns
-something that is not text becomes an error observation and is counted (`tool/errors`, `tool/timeouts`);
-the rollout goes on. `ToolErrorBudget` raises `ToolError` when more than `max_error_fraction` of a step's
-calls fail (as `rewards/manager.py` does for reward calls): a tool that fails on most calls is a bug.
+`ToolExecutor` runs calls in a `RewardWorkerPool` (rewards/pool.py: one process per worker, forkserver, a hung
+call's worker is killed and replaced) with, per call, a timeout, an address-space cap
+(`resource.setrlimit(RLIMIT_AS)`, set once in each worker) and an output cap (characters; the rest is cut and
+marked). Workers get an allowlisted environment (`worker_env`: `PATH`, `LANG`, `LC_ALL`, `HOME` and `TMPDIR` set to
+the executor's own directory), not the trainer's. Tools marked `sandboxed` (file tools only) run each call in the
+sandbox of `sandbox.py` instead, as the built-in `python` tool does. A call that raises, hangs (timeout), kills its
+worker, exhausts its memory or returns something that is not text becomes an error observation and is counted
+(`tool/errors`, `tool/timeouts`); the rollout goes on. `ToolErrorBudget` raises `ToolError` when more than
+`max_error_fraction` of a step's calls fail (as `rewards/manager.py` does for reward calls): a tool that fails on
+most calls is a bug.
 
 Built-in tools (`BUILTIN_TOOLS`): `calculator` (arithmetic through `ast`, no `eval`) and `python` (code in a
 sandboxed subprocess, `sandbox.py`).
@@ -18,16 +21,18 @@ sandboxed subprocess, `sandbox.py`).
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import functools
 import json
-import math
-import operator
+import logging
 import os
+import shutil
+import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from jaxrl_post.rollout import sandbox
+from jaxrl_post.rollout.calculator import calculator, evaluate_arithmetic
 from jaxrl_post.rollout.sandbox import python
 
 __all__ = [
@@ -40,8 +45,10 @@ __all__ = [
     "ToolResult",
     "calculator",
     "cap_text",
+    "check_sandbox",
     "evaluate_arithmetic",
     "resolve_tools",
+    "worker_env",
 ]
 
 
@@ -54,10 +61,12 @@ class ToolError(RuntimeError):
 class Tool:
     """A callable tool: `fn(**arguments) -> str` and its OpenAI function spec `schema`.
 
-    `fn` must be picklable (defined at module level) to run in the worker processes."""
+    `fn` must be picklable (defined at module level) to run in the worker processes. `sandboxed`: each call runs
+    in the sandbox (`sandbox.run_function_sandboxed`); only for a `FileFunction`."""
 
     fn: Callable[..., Any]
     schema: dict
+    sandboxed: bool = False
 
     @property
     def name(self) -> str:
@@ -86,68 +95,6 @@ class ToolResult:
 
     text: str
     status: str = "ok"
-
-
-# ------------------------------------------------------------------------------------------ calculator
-_BINOPS = {
-    ast.Add: operator.add,
-    ast.Sub: operator.sub,
-    ast.Mult: operator.mul,
-    ast.Div: operator.truediv,
-    ast.FloorDiv: operator.floordiv,
-    ast.Mod: operator.mod,
-    ast.Pow: operator.pow,
-}
-_UNOPS = {ast.UAdd: operator.pos, ast.USub: operator.neg}
-_MAX_POW = 1000  # largest exponent magnitude
-_MAX_DIGITS = 4000  # largest integer result, in decimal digits
-
-
-def _eval_node(node: ast.AST):
-    if isinstance(node, ast.Expression):
-        return _eval_node(node.body)
-    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-        return node.value
-    if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
-        left, right = _eval_node(node.left), _eval_node(node.right)
-        if isinstance(node.op, ast.Pow) and abs(right) > _MAX_POW:
-            raise ValueError(f"exponent {right} too large (limit {_MAX_POW})")
-        out = _BINOPS[type(node.op)](left, right)
-        if isinstance(out, int) and out.bit_length() > _MAX_DIGITS * 3.33:
-            raise ValueError(f"result has more than {_MAX_DIGITS} digits")
-        return out
-    if isinstance(node, ast.UnaryOp) and type(node.op) in _UNOPS:
-        return _UNOPS[type(node.op)](_eval_node(node.operand))
-    raise ValueError(f"unsupported expression element {type(node).__name__}; use numbers, + - * / // % ** ( )")
-
-
-def calculator(expression: str) -> str:
-    """Evaluate an arithmetic expression and return the result.
-
-    Args:
-        expression: an arithmetic expression with numbers, + - * / // % ** and parentheses, e.g. "12*(3+4)"
-    """
-    try:
-        return str(evaluate_arithmetic(expression))
-    except (ValueError, ArithmeticError) as e:  # the model's mistake: an observation, not a tool failure
-        return f"Error: {e}"
-
-
-def evaluate_arithmetic(expression: str) -> int | float:
-    """The value of an arithmetic `expression` (numbers, + - * / // % ** and parentheses), walked with `ast`
-    (no `eval`): integral floats under 1e15 come back as ints. Raises ValueError for anything else (names,
-    calls, attributes...), an exponent over 1000, a result over 4000 digits or not finite; ZeroDivisionError."""
-    try:
-        tree = ast.parse(str(expression).strip(), mode="eval")
-    except SyntaxError as e:
-        raise ValueError(f"cannot parse {expression!r}: {e.msg}") from None
-    value = _eval_node(tree)
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            raise ValueError(f"result is not finite: {value}")
-        if value.is_integer() and abs(value) < 1e15:
-            value = int(value)
-    return value
 
 
 BUILTIN_TOOLS: dict[str, Callable[..., Any]] = {"calculator": calculator, "python": python}
@@ -198,14 +145,19 @@ class FileFunction:
         self.path, self.name, self._fn = state["path"], state["name"], None
 
 
-def resolve_tools(names: str | Sequence[str | Callable | Tool]) -> list[Tool]:
+def _split(names):
+    return [n.strip() for n in names.split(",") if n.strip()] if isinstance(names, str) else list(names)
+
+
+def resolve_tools(names: str | Sequence[str | Callable | Tool], sandboxed: str | Sequence[str] = ()) -> list[Tool]:
     """`Tool`s from built-in names (`BUILTIN_TOOLS`), `'path/to/file.py:function'` specs (a comma-separated
     string of either allowed), functions or `Tool`s. A function's schema comes from its type hints and
-    docstring (`Tool.from_function`).
+    docstring (`Tool.from_function`). `sandboxed`: names of file tools to run in the sandbox (comma-separated
+    string or sequence; the built-in `python` always is).
 
-    Raises ValueError for an unknown name or two tools with the same name (and what `FileFunction` raises)."""
-    if isinstance(names, str):
-        names = [n.strip() for n in names.split(",") if n.strip()]
+    Raises ValueError for an unknown name, two tools with the same name, or a `sandboxed` name that is not a file
+    tool here (and what `FileFunction` raises)."""
+    names, sandboxed = _split(names), set(_split(sandboxed))
     tools = []
     for t in names:
         if isinstance(t, Tool):
@@ -226,7 +178,32 @@ def resolve_tools(names: str | Sequence[str | Callable | Tool]) -> list[Tool]:
     seen = [t.name for t in tools]
     if len(set(seen)) != len(seen):
         raise ValueError(f"tool names must be unique, got {seen}")
-    return tools
+    files = {t.name for t in tools if isinstance(t.fn, FileFunction)}
+    if sandboxed - files:
+        raise ValueError(
+            f"sandboxed tools {sorted(sandboxed - files)} (rollout.multi_turn.sandboxed_tools) are not file tools "
+            f"('path/to/file.py:function') of this run; its file tools: {sorted(files)}"
+        )
+    return [dataclasses.replace(t, sandboxed=True) if t.name in sandboxed else t for t in tools]
+
+
+def check_sandbox(tools: Sequence[Tool], allow_unsandboxed: bool) -> None:
+    """At start-up: the tools that need the sandbox (`python`, `sandboxed` ones) get it here, or
+    SandboxUnavailableError with one line saying what is missing and naming the opt-out
+    (`rollout.multi_turn.allow_unsandboxed_tools`); opted out, a warning line instead."""
+    names = [t.name for t in tools if t.sandboxed or t.fn is python]
+    problem = sandbox.isolation_problem() if names else None
+    if problem is None:
+        return
+    if not allow_unsandboxed:
+        raise sandbox.SandboxUnavailableError(
+            f"tools {names} need the sandbox, which this machine cannot provide: {problem}; set "
+            "rollout.multi_turn.allow_unsandboxed_tools=True to run them without file and process isolation"
+        )
+    logging.getLogger(__name__).warning(
+        "tools %s run WITHOUT file and process isolation (rollout.multi_turn.allow_unsandboxed_tools=True): %s",
+        names, problem,
+    )  # fmt: skip
 
 
 def _schema_of(fn) -> dict:
@@ -236,27 +213,62 @@ def _schema_of(fn) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ execution
-_CAPPED_WORKER_MB: list[int] = []  # the address-space cap already set in this worker process
+_WORKER_SET: list = []  # the settings already applied in this worker process (address-space cap, environment)
 
 
-def _call_tool(fns: Mapping[str, Callable[..., Any]], memory_mb: int, max_output_chars: int, name: str, arguments):
-    """Runs in a worker process: cap this worker's address space (once), call the tool with its printing sent
-    to a capped buffer, and return its result as capped text."""
+def worker_env(home: str) -> dict[str, str]:
+    """The environment of a tool worker: the trainer's `PATH`, `LANG` and `LC_ALL` (`C.UTF-8` when unset),
+    `HOME` and `TMPDIR` = `home`; nothing else (no tokens, credentials or paths of the trainer)."""
+    env = {"PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"), "HOME": home, "TMPDIR": home}
+    env["LANG"] = os.environ.get("LANG", "C.UTF-8")
+    env["LC_ALL"] = os.environ.get("LC_ALL", env["LANG"])
+    return env
+
+
+@dataclasses.dataclass(frozen=True)
+class _WorkerSettings:
+    fns: Mapping[str, Callable[..., Any]]
+    memory_mb: int
+    max_output_chars: int
+    env: Mapping[str, str] | None  # None: keep the inherited environment
+    sandboxed: frozenset[str]  # file tools run in the sandbox
+    timeout_s: float
+    max_processes: int
+    allow_unisolated: bool
+
+
+def _call_tool(settings: _WorkerSettings, name: str, arguments):
+    """Runs in a worker process: apply the worker settings (once: address-space cap, environment, sandbox
+    settings), call the tool (in the sandbox when it is marked so) with its printing sent to a capped buffer, and
+    return its result as capped text."""
     import contextlib
     import io
     import resource
 
-    if memory_mb and [memory_mb] != _CAPPED_WORKER_MB:
-        resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, resource.getrlimit(resource.RLIMIT_AS)[1]))
-        _CAPPED_WORKER_MB[:] = [memory_mb]
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        out = fns[name](**arguments)
+    if [settings] != _WORKER_SET:
+        if settings.memory_mb:
+            cap = settings.memory_mb << 20
+            resource.setrlimit(resource.RLIMIT_AS, (cap, resource.getrlimit(resource.RLIMIT_AS)[1]))
+        if settings.env is not None:
+            os.environ.clear()
+            os.environ.update(settings.env)
+        sandbox.configure(allow_unisolated=settings.allow_unisolated, max_processes=settings.max_processes)
+        _WORKER_SET[:] = [settings]
+    fn = settings.fns[name]
+    if name in settings.sandboxed:  # the worker's own cap does not apply to the sandbox's processes
+        out = sandbox.run_function_sandboxed(
+            fn.path, fn.name, dict(arguments), timeout_s=max(0.5, settings.timeout_s - 1.0),
+            memory_mb=settings.memory_mb or 2048, max_output_bytes=max(4096, 4 * settings.max_output_chars),
+        )  # fmt: skip
+    else:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            out = fn(**arguments)
     if not isinstance(out, str):
         try:
             out = json.dumps(out)
         except (TypeError, ValueError):
             raise TypeError(f"tool {name!r} returned {type(out).__name__}, not text or JSON") from None
-    return cap_text(out, max_output_chars)
+    return cap_text(out, settings.max_output_chars)
 
 
 def cap_text(text: str, max_chars: int, side: str = "left") -> str:
@@ -284,6 +296,11 @@ class ToolExecutor:
       memory_mb: address-space cap of each worker (RLIMIT_AS), MiB; 0 = none.
       max_output_chars: a result longer than this is cut (in the worker, before it is sent back).
       mp_context: 'forkserver' (default on POSIX) or 'spawn'.
+      max_processes: processes of one sandboxed call (the `python` tool, `sandboxed` tools).
+      allow_unsandboxed: run sandboxed tools without isolation where `sandbox.isolation_problem()` is not None
+        (the explicit opt-out); False: such calls fail with `SandboxUnavailableError`'s message.
+      minimal_env: workers get `worker_env(dir)` (`dir`: a temporary directory of this executor, removed by
+        `close`); False: the trainer's environment.
     """
 
     def __init__(
@@ -294,11 +311,21 @@ class ToolExecutor:
         memory_mb: int = 2048,
         max_output_chars: int = 8192,
         mp_context: str | None = None,
+        max_processes: int = 16,
+        allow_unsandboxed: bool = False,
+        minimal_env: bool = True,
     ):
         from jaxrl_post.rewards.pool import RewardWorkerPool
 
         self.tools = {t.name: t for t in tools}
-        fn = functools.partial(_call_tool, {n: t.fn for n, t in self.tools.items()}, int(memory_mb), max_output_chars)
+        self.home = tempfile.mkdtemp(prefix="jaxrl_post_tools_")
+        settings = _WorkerSettings(
+            fns={n: t.fn for n, t in self.tools.items()}, memory_mb=int(memory_mb), max_output_chars=max_output_chars,
+            env=worker_env(self.home) if minimal_env else None,
+            sandboxed=frozenset(n for n, t in self.tools.items() if t.sandboxed), timeout_s=float(timeout_s),
+            max_processes=int(max_processes), allow_unisolated=bool(allow_unsandboxed),
+        )  # fmt: skip
+        fn = functools.partial(_call_tool, settings)
         self._pool = RewardWorkerPool(fn, int(num_workers), timeout_s, mp_context, label="tool")
         self.schemas = [t.schema for t in tools]
 
@@ -318,6 +345,7 @@ class ToolExecutor:
 
     def close(self) -> None:
         self._pool.close()
+        shutil.rmtree(self.home, ignore_errors=True)
 
     def __enter__(self):
         return self
