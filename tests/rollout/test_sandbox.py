@@ -1,4 +1,4 @@
-"""The tool sandbox (jaxrl_post/rollout/sandbox.py) against each escape (tests/sandbox_escapes.py), as the test's
+"""The tool sandbox (jaxrl_post/rollout/sandbox.py) against each escape (sandbox_escapes.py beside it), as the test's
 user (root in CI) and as an unprivileged one (uid 65534), with isolation on (every escape held) and switched off
 (every escape succeeds: each check catches a broken sandbox); a fork bomb; 4 GB; tool workers' environment; the
 start-up refusal."""
@@ -17,6 +17,7 @@ from jaxrl_post.rollout import sandbox, unisolated
 from jaxrl_post.rollout.tools import ToolExecutor, resolve_tools
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
 ESCAPES = ("read_outside", "write_outside", "list_dirs", "fork_and_return", "process_count", "memory_4gb", "network",
            "environment", "tool_environment")  # fmt: skip
 SECRET_VAR, SECRET = "JAXRL_POST_FAKE_TOKEN", "fake-secret-6d1f0c"  # as in sandbox_escapes.py
@@ -199,11 +200,11 @@ def test_run_refuses_the_python_tool_without_the_sandbox_in_one_line(monkeypatch
     """Start-up (`build_agent_loop`): where the sandbox is unavailable a run with the python tool (or a sandboxed
     file tool) stops with one ConfigError line naming what is missing and the opt-out key; opted out, a warning.
     A run with only unsandboxed tools is not asked."""
-    sys.path.insert(0, os.path.dirname(HERE))
+    sys.path.insert(0, REPO)
     from configs import base
+    from jaxrl_post.errors import ConfigError
+    from jaxrl_post.rl.builders import build_agent_loop
     from jaxrl_post.rollout.tools import check_sandbox
-    from jaxrl_post.trainer.builders import build_agent_loop
-    from jaxrl_post.trainer.config_check import ConfigError
 
     monkeypatch.setattr(sandbox, "isolation_problem", lambda: "bubblewrap is missing (test)")
     cfg = base.get_base_config()
@@ -224,7 +225,7 @@ def test_readme_and_docs_state_the_same_enforcement_table():
     """README.md and docs/agents.md give the same table of what the sandbox enforces, word for word."""
 
     def table(path):
-        with open(os.path.join(os.path.dirname(HERE), path), encoding="utf-8") as f:
+        with open(os.path.join(REPO, path), encoding="utf-8") as f:
             text = f.read()
         start = text.index("| what | enforced |")
         return text[start : text.index("\n\n", start)]

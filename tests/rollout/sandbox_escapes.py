@@ -1,6 +1,6 @@
 """Escape attempts against the tool sandbox (jaxrl_post/rollout/sandbox.py), one per property it enforces.
 
-tests/test_sandbox.py copies this file, sandbox.py and unisolated.py (in a `jaxrl_post.rollout` skeleton) into a
+tests/rollout/test_sandbox.py copies this file, sandbox.py and unisolated.py (in a `jaxrl_post.rollout` skeleton) into a
 world-readable directory and runs
 `python sandbox_escapes.py DIR ISOLATE` there (as the test's own user and as uid 65534), with `SECRET_VAR` in the
 process's environment from its start; it prints `{escape: [held, output]}` as JSON. ISOLATE 1: the sandbox;
