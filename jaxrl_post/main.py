@@ -28,6 +28,10 @@ class ConfigFileError(ValueError):
     """The `--config` file's `get_config(arg)` refused its argument (e.g. an unknown variant)."""
 
 
+class OverrideValueError(ValueError):
+    """A `--config.<key>=VALUE` whose value the key's type cannot take (absl would stop with a FATAL line)."""
+
+
 def _load_config_file(spec: str):
     path, _, arg = spec.partition(":")
     if not os.path.exists(path):
@@ -87,6 +91,8 @@ def check_override_keys(argv: list[str]) -> None:
 
     ml_collections rejects unknown keys too, but with a bare `AttributeError: "'key'"` traceback.
 
+    Returns: the config the file builds (None without `--config`).
+
     Raises:
       UnknownConfigKeyError: an unknown key, or a positional argument.
       FileNotFoundError: the `--config` file does not exist.
@@ -122,6 +128,58 @@ def check_override_keys(argv: list[str]) -> None:
             raise UnknownConfigKeyError(
                 f"unknown config key config.{key} (from --{_CONFIG_FLAG}.{key}){_suggest(key, valid)}"
             )
+    return cfg
+
+
+_TYPE_NAMES = {int: "an int", float: "a number", bool: "True or False", str: "a string"}
+
+
+def split_override_values(argv: list[str], cfg) -> tuple[list[str], list[str]]:
+    """Check each `--config.KEY=VALUE` (or `--config.KEY VALUE`) of argv against the type of KEY in `cfg` (int,
+    float, bool: absl's parsers) and take the `None` ones out. None is accepted where the config makes the key
+    optional: a `FieldReference` field (`configs/base.py`'s `_opt_int` etc.), a string, or a None value.
+
+    Returns: (argv without the None overrides, their keys; `apply_none_overrides` sets them after parsing).
+    Raises: OverrideValueError naming the key and the type it takes.
+    """
+    from absl import flags
+    from ml_collections import FieldReference
+    from ml_collections.config_flags import config_path
+
+    parsers = {int: flags.IntegerParser(), float: flags.FloatParser(), bool: flags.BooleanParser()}
+    prefix = f"--{_CONFIG_FLAG}."
+    out, none_keys, i = [], [], 0
+    while i < len(argv):
+        a, i = argv[i], i + 1
+        key, eq, value = a[len(prefix) :].partition("=") if a.startswith(prefix) else ("", "", "")
+        if not key or cfg is None:
+            out.append(a)
+            continue
+        ftype, current = config_path.get_type(key, cfg), config_path.get_value(key, cfg)
+        if not eq and ftype is not bool and i < len(argv) and not argv[i].startswith("-"):  # absl's `--flag value`
+            eq, value, i = "=", argv[i], i + 1
+            a = f"{a}={value}"
+        none_keys = [k for k in none_keys if k != key]  # the last override of a key wins
+        want = _TYPE_NAMES.get(ftype, getattr(ftype, "__name__", str(ftype)))
+        if eq and value == "None":
+            *path, leaf = key.split(".")
+            node = cfg
+            for part in path:
+                node = node[part]
+            field = dict(node.items(preserve_field_references=True)).get(leaf)
+            if not (isinstance(field, FieldReference) or ftype is str or current is None):
+                raise OverrideValueError(
+                    f"config.{key}=None: this key takes {want} and cannot be None (e.g. {current})"
+                )
+            none_keys.append(key)
+            continue
+        if eq and ftype in parsers:
+            try:
+                parsers[ftype].parse(value)
+            except ValueError:
+                raise OverrideValueError(f"config.{key}={value!r}: expected {want} (e.g. {current!r})") from None
+        out.append(a)
+    return out, none_keys
 
 
 def has_config_flag(argv: list[str]) -> bool:
@@ -210,8 +268,9 @@ def reward_error_text(e: BaseException) -> str:
     if cause is not None and cause.__traceback__ is not None:
         ours = os.path.dirname(os.path.abspath(__file__)) + os.sep  # the reward manager's calling frames
         frames = [f for f in traceback.extract_tb(cause.__traceback__) if not f.filename.startswith(ours)]
-        tb = "".join(traceback.format_list(frames) + traceback.format_exception_only(type(cause), cause)).rstrip()
-        text += f"\nthe reward function's traceback:\n{tb}"
+        if frames:  # none: our own check refused the value it returned (NaN, not a number); the line says it
+            tb = "".join(traceback.format_list(frames) + traceback.format_exception_only(type(cause), cause))
+            text += f"\nthe reward function's traceback:\n{tb.rstrip()}"
     return text
 
 
@@ -221,10 +280,13 @@ def main(argv) -> None:
     from jaxrl_post.api import build_trainer
     from jaxrl_post.data.sources import MalformedRowError
     from jaxrl_post.distributed import DistributedConfigError, initialize_from_config
+    from jaxrl_post.error_log import OrbaxTracebacks, failure_text, is_disk_full
     from jaxrl_post.rewards.manager import RewardFunctionError
+    from jaxrl_post.rollout.tools import ToolError
     from jaxrl_post.trainer.checkpoint import CheckpointError
     from jaxrl_post.trainer.config_check import ConfigError
     from jaxrl_post.trainer.interrupt import GracefulStop, exit_now
+    from jaxrl_post.trainer.nonfinite import NonFiniteError
     from jaxrl_post.trainer.trainer import summarize
 
     stop = _STOP if _STOP is not None else GracefulStop()  # `run()` installs it; a bare one installs nothing
@@ -241,15 +303,31 @@ def main(argv) -> None:
         sys.exit(2)
     stop.abort_line = _nothing_saved_line(trainer)  # printed by a signal before the first completed step
     stop.lost_line = lambda: lost_line(trainer)  # printed by a second signal
-    failed = None
+    failed, finished = None, False
+    orbax = OrbaxTracebacks.install()  # a failed save's orbax tracebacks: into error.log, not onto the console
     try:
         result = trainer.fit(stop=stop)
-    except (RewardFunctionError, ConfigError) as e:  # the user's reward code or a batch shape: plainly, exit 2
+        finished = True
+    except (RewardFunctionError, ConfigError, CheckpointError, ToolError, NonFiniteError) as e:  # plainly, exit 2
+        failed = e  # the user's reward code or tool, a batch shape, a full disk, a diverging run
+    except OSError as e:
+        if not is_disk_full(e):
+            raise
         failed = e
     finally:
-        trainer.close()  # waits for the (async) checkpoint save, stops the reward workers
+        try:
+            trainer.close()  # waits for the (async) checkpoint save, stops the reward workers
+        except CheckpointError as e:  # the last save failed
+            if failed is None and not finished:
+                raise  # another error is on its way: both are shown (chained)
+            failed = failed or e
     if failed is not None:
-        text = reward_error_text(failed) if isinstance(failed, RewardFunctionError) else f"error: {failed}"
+        run_dir = _CONFIG.value.trainer.get("default_local_dir")
+        text = (
+            reward_error_text(failed)
+            if isinstance(failed, RewardFunctionError)
+            else failure_text(failed, trainer, run_dir, orbax.records)
+        )
         print(text, file=sys.stderr, flush=True)
         sys.exit(2)
     if stop.requested:
@@ -281,9 +359,9 @@ def run(argv=None) -> None:
         from jaxrl_post.log_noise import quiet_startup_noise
 
         quiet_startup_noise()
-        try:
-            check_override_keys(argv)
-        except (UnknownConfigKeyError, FileNotFoundError, ConfigFileError) as e:
+        try:  # our one-line errors for unknown keys and values of the wrong type, before absl's FATAL
+            argv, _NONE_KEYS = split_override_values(argv, check_override_keys(argv))
+        except (UnknownConfigKeyError, FileNotFoundError, ConfigFileError, OverrideValueError) as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
         if any(a in _HELP_FLAGS for a in argv[1:]):  # absl prints __main__'s docstring: add the console legend
@@ -291,9 +369,8 @@ def run(argv=None) -> None:
 
             entry = sys.modules["__main__"]
             entry.__doc__ = f"{entry.__doc__ or __doc__}\n{console_legend()}\n"
-        _NONE_KEYS = none_override_keys(argv)
-        _CONFIG = config_flags.DEFINE_config_file(
-            _CONFIG_FLAG, None, "Job config: path/to/config.py[:variant].", lock_config=True
+        _CONFIG = config_flags.DEFINE_config_file(  # overrides read from argv (the None ones taken out), not sys.argv
+            _CONFIG_FLAG, None, "Job config: path/to/config.py[:variant].", lock_config=True, sys_argv=argv
         )
         app.run(main, argv=argv)
 
