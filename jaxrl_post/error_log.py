@@ -6,8 +6,9 @@ Python traceback, which helps only to report a bug, goes to `<trainer.default_lo
 (appended; `write_error_log`), and the line names that file.
 
 A failed asynchronous checkpoint save makes orbax log ERROR records with tracebacks of its own background
-threads (dozens of frames each) before our `CheckpointError` names the directory and the last complete
-checkpoint; `OrbaxTracebacks` keeps those records off the console and hands them to the error log. After a
+threads (dozens of frames each), and tensorstore print a traceback per write still in flight, before our
+`CheckpointError` names the directory and the last complete checkpoint; `OrbaxTracebacks` keeps those off
+the console and hands them to the error log. After a
 full disk, the failed save's partial directory (`checkpoint_layout.unfinished_steps`, what the next run would
 remove) is removed first (`remove_unfinished`), so that the log fits where the save did not.
 """
@@ -18,6 +19,7 @@ import errno
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import time
 import traceback
@@ -26,34 +28,46 @@ __all__ = ["ERROR_LOG", "OrbaxTracebacks", "failure_text", "is_disk_full", "remo
 
 ERROR_LOG = "error.log"
 _MAX_RECORDS = 8
+_NO_SPACE = ("No space left on device", "Disk quota exceeded", "os_error_code='28'")  # orbax/tensorstore wrap errno
 
 
 class OrbaxTracebacks(logging.Filter):
-    """A filter for the `absl` logger: orbax's ERROR records that carry a traceback are kept (formatted, the
-    last 8) in `records` instead of printed; every other record passes."""
+    """Keeps a failed save's tracebacks (the last 8, formatted) in `records` instead of printing them: orbax's
+    ERROR records that carry one (a filter on the `absl` logger) and tensorstore's "Event loop is closed"
+    RuntimeErrors (`sys.unraisablehook`: its writes finishing after orbax closed the failed save's event loop).
+    Every other record and unraisable exception passes as before."""
 
     def __init__(self):
         super().__init__()
         self.records: list[str] = []
+        self._unraisablehook = sys.unraisablehook
+
+    def _keep(self, text: str) -> None:
+        self.records = [*self.records, text][-_MAX_RECORDS:]
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if f"{os.sep}orbax{os.sep}" not in (record.pathname or "") or record.levelno < logging.ERROR:
+        orbax = f"{os.sep}orbax{os.sep}" in (record.pathname or "")
+        if not orbax or record.levelno < logging.ERROR or not record.exc_info:
             return True
-        if not record.exc_info:
-            return True
-        self.records = [*self.records, logging.Formatter("%(levelname)s %(pathname)s: %(message)s").format(record)]
-        del self.records[:-_MAX_RECORDS]
+        self._keep(logging.Formatter("%(levelname)s %(pathname)s: %(message)s").format(record))
         return False
+
+    def unraisable(self, u) -> None:
+        if isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed":
+            self._keep("".join(traceback.format_exception(u.exc_type, u.exc_value, u.exc_traceback)))
+        else:
+            self._unraisablehook(u)
 
     @classmethod
     def install(cls) -> OrbaxTracebacks:
-        """The filter on the `absl` logger (orbax logs through absl), installed once."""
+        """The filter on the `absl` logger (orbax logs through absl) and the unraisable hook, installed once."""
         logger = logging.getLogger("absl")
         for f in logger.filters:
             if isinstance(f, cls):
                 return f
         f = cls()
         logger.addFilter(f)
+        sys.unraisablehook = f.unraisable
         return f
 
 
@@ -101,11 +115,11 @@ def write_error_log(run_dir: str | None, exc: BaseException, extra: list[str] = 
         return None
 
 
-def failure_text(e: BaseException, trainer, run_dir: str | None, orbax_records: list[str] = ()) -> str:
+def failure_text(e: BaseException, trainer, run_dir: str | None, kept_records: list[str] = ()) -> str:
     """The one `error:` line main prints for a failure of `fit` the user can act on (a reward function's:
-    `main.reward_error_text`). A failed checkpoint save or a full disk also names the last complete
-    checkpoint; its partial save is removed and the traceback (with orbax's) goes to `<run_dir>/error.log`
-    (`error_log.py`), as does a diverging run's (NonFiniteError)."""
+    `main.reward_error_text`). A full disk (an OSError, or a checkpoint save that ran out of space) names the
+    directory and the last complete checkpoint; the failed save's partial directory is removed and the traceback
+    (with `kept_records`: orbax's) goes to `<run_dir>/error.log`, as does a failed save's or a diverging run's."""
     from jaxrl_post.trainer import checkpoint as ckpt
     from jaxrl_post.trainer.nonfinite import NonFiniteError
 
@@ -113,11 +127,12 @@ def failure_text(e: BaseException, trainer, run_dir: str | None, orbax_records: 
         return f"error: {e}"
     line = " ".join(str(e).split())  # one line, whatever orbax's message holds
     c = getattr(trainer, "checkpointer", None)
-    if is_disk_full(e):
-        done = ckpt.list_complete_steps(c.directory) if c is not None else []
+    if c is not None and (is_disk_full(e) or any(s in line for s in _NO_SPACE)):
+        done = ckpt.list_complete_steps(c.directory)
         kept = f"the last complete checkpoint {c.step_path(done[-1])} is intact" if done else "no checkpoint was saved"
-        line = f"writing {e.filename or 'a file'} failed ({e.strerror}); {kept}. Free disk space, then rerun to resume"
+        what = f"writing {e.filename}" if getattr(e, "filename", None) else f"saving a checkpoint to {c.directory}"
+        line = f"{what} failed: no space left on device; {kept}. Free disk space, then rerun the command to resume"
     if not isinstance(e, NonFiniteError):
         remove_unfinished(c.directory if c is not None else None)
-    log = write_error_log(run_dir, e, list(orbax_records))
+    log = write_error_log(run_dir, e, list(kept_records))
     return f"error: {line} (traceback: {log})" if log else f"error: {line} (the traceback could not be written)"

@@ -304,7 +304,7 @@ def main(argv) -> None:
     stop.abort_line = _nothing_saved_line(trainer)  # printed by a signal before the first completed step
     stop.lost_line = lambda: lost_line(trainer)  # printed by a second signal
     failed, finished = None, False
-    orbax = OrbaxTracebacks.install()  # a failed save's orbax tracebacks: into error.log, not onto the console
+    orbax = OrbaxTracebacks.install()  # a failed save's tracebacks: into error.log, not onto the console
     try:
         result = trainer.fit(stop=stop)
         finished = True

@@ -3,6 +3,7 @@ empty data, unknown reasoning-gym task, every prompt too long, too few prompts f
 custom reward file, an unwritable working directory."""
 
 import os
+import re
 import sys
 
 import pytest
@@ -367,3 +368,191 @@ def test_config_none_override_means_none_not_the_string():
     c.data.val_files = "None"  # what absl's parser leaves
     apply_none_overrides(c, keys)
     assert c.data.val_files is None
+
+
+def test_corrupt_model_files_are_named(tmp_path):
+    """A corrupt or truncated config.json, model.safetensors or .gguf: the pre-flight check names model.path, the
+    file and what is wrong (main prints it as one `error:` line before anything is built); the loader says the
+    same as a ValueError instead of json's / safetensors' / gguf's messages, which name no file."""
+    import shutil
+
+    import gguf
+    import ml_collections
+    import numpy as np
+    from flax import nnx
+
+    from jaxrl_post.models import get_preset, hf_io, load_pretrained
+    from jaxrl_post.models.decoder import Transformer
+    from jaxrl_post.trainer.preflight import check_model_path
+
+    mcfg = get_preset("smollm2_135m").replace(
+        num_layers=1, hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=1, head_dim=16, vocab_size=64
+    )
+    good = tmp_path / "good"
+    hf_io.save_pretrained(Transformer(mcfg, rngs=nnx.Rngs(0)), None, str(good))
+    w = gguf.GGUFWriter(str(tmp_path / "good.gguf"), "llama")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    gguf_bytes = (tmp_path / "good.gguf").read_bytes()
+
+    def hf_variant(name, file, data):
+        shutil.copytree(good, tmp_path / name)
+        (tmp_path / name / file).write_bytes(data)
+        return tmp_path / name, tmp_path / name / file
+
+    st = (good / "model.safetensors").read_bytes()
+    cases = [
+        (*hf_variant("cfg_cut", "config.json", (good / "config.json").read_bytes()[:20]), "not valid JSON (Expecting"),
+        (*hf_variant("st_cut", "model.safetensors", st[: len(st) // 2]), "incomplete metadata, file not fully covered"),
+        (*hf_variant("st_junk", "model.safetensors", b"\xff" * 100), "header too large"),
+    ]
+    for name, data, what in [
+        ("magic.gguf", b"XXXX" + gguf_bytes[4:], "it starts with b'XXXX', not b'GGUF'"),
+        ("cut.gguf", gguf_bytes[:-100], "the GGUF file is corrupt or truncated (188 bytes"),
+    ]:
+        (tmp_path / name).write_bytes(data)
+        cases.append((tmp_path / name, tmp_path / name, what))
+    for path, file, what in cases:
+        c = ml_collections.ConfigDict({"trainer_type": "rl", "model": {"random_init": False, "path": str(path)}})
+        with pytest.raises(ConfigError) as e:
+            check_model_path(c)
+        assert str(e.value).startswith(f"config.model.path={str(path)!r}: {file}: "), str(e.value)
+        assert what in str(e.value) and "\n" not in str(e.value)
+        with pytest.raises(ValueError, match=f"^{file}: .*{re.escape(what)}"):
+            load_pretrained(str(path))
+    c = ml_collections.ConfigDict({"trainer_type": "rl", "model": {"random_init": False, "path": str(good)}})
+    check_model_path(c)  # the intact checkpoint passes
+
+
+def test_config_overrides_none_for_optional_keys_and_wrong_types_named():
+    """`--config.KEY=None` sets None for the keys the config makes optional (an int `_opt_int(2)`, a float
+    FieldReference, a string), through absl's own parse; a value of the wrong type, or None for a key that is
+    not optional, is our one line naming the key and the type it takes (absl stops with a FATAL line)."""
+    from absl import flags
+    from ml_collections import config_flags
+
+    from configs import grpo
+    from jaxrl_post.main import OverrideValueError, apply_none_overrides, split_override_values
+
+    cfg = grpo.get_config("tiny")
+    argv = [
+        "main",
+        "--config=configs/grpo.py:tiny",
+        "--config.trainer.max_actor_ckpt_to_keep=None",
+        "--config.actor.clip_ratio_low=0.1",
+        "--config.actor.clip_ratio_low=None",  # the last override of a key wins
+        "--config.data.val_files=None",
+        "--config.data.max_val_samples=None",
+        "--config.data.max_val_samples=7",
+        "--config.rollout.n",
+        "8",
+    ]
+    rest, keys = split_override_values(argv, cfg)
+    assert keys == ["trainer.max_actor_ckpt_to_keep", "actor.clip_ratio_low", "data.val_files"]
+    assert rest == argv[:2] + ["--config.actor.clip_ratio_low=0.1", "--config.data.max_val_samples=7"] + [
+        "--config.rollout.n=8"
+    ]
+    fv = flags.FlagValues()
+    holder = config_flags.DEFINE_config_file("config", None, "", flag_values=fv, lock_config=True, sys_argv=rest)
+    fv(rest)
+    c = holder.value
+    apply_none_overrides(c, keys)
+    assert c.trainer.max_actor_ckpt_to_keep is None and c.actor.clip_ratio_low is None and c.data.val_files is None
+    assert c.data.max_val_samples == 7 and c.rollout.n == 8
+    for bad, msg in [
+        ("--config.rollout.n=four", "config.rollout.n='four': expected an int (e.g. 4)"),
+        ("--config.actor.optim.lr=1e-3x", "config.actor.optim.lr='1e-3x': expected a number (e.g. 0.001)"),
+        ("--config.trainer.val_before_train=maybe", "config.trainer.val_before_train='maybe': expected True or False"),
+        ("--config.rollout.n=None", "config.rollout.n=None: this key takes an int and cannot be None (e.g. 4)"),
+    ]:
+        with pytest.raises(OverrideValueError) as e:
+            split_override_values(["main", "--config=configs/grpo.py:tiny", bad], cfg)
+        assert str(e.value).startswith(msg), str(e.value)
+    proc, secs = _main("--config=configs/grpo.py:tiny", "--config.rollout.n=four")
+    assert proc.returncode == 2 and secs < 60
+    assert proc.stderr.strip().splitlines() == ["error: config.rollout.n='four': expected an int (e.g. 4)"]
+
+
+def test_failures_during_training_are_one_line(tmp_path, monkeypatch, capsys):
+    """main() when fit() fails in a way the user can act on: a reward function returning NaN, a tool failing on
+    most calls, a full disk (ENOSPC). Each is one `error:` line on stderr and exit 2, the trainer closed; the
+    full disk names the file and the last intact checkpoint, removes the partial save and puts the traceback in
+    <run>/error.log."""
+    import errno
+
+    import jax.numpy as jnp
+
+    from configs import grpo
+    from jaxrl_post import main as main_mod
+    from jaxrl_post.rewards import RewardManager
+    from jaxrl_post.rollout.tools import ToolErrorBudget
+    from jaxrl_post.trainer import trainer as trainer_mod
+    from jaxrl_post.trainer.checkpoint import Checkpointer
+    from tests.test_reward_failures import CharTokenizer, _batch
+
+    run_dir = tmp_path / "run"
+    ckpt = Checkpointer(str(run_dir / "checkpoints"), max_to_keep=None)
+    ckpt.save(1, {"host": {}, "actor": {"w": jnp.ones((4,))}})
+    ckpt.wait_until_finished()
+    nan_mgr = RewardManager(lambda *a: float("nan"), CharTokenizer(), num_workers=0)
+
+    def tool_failure():
+        budget = ToolErrorBudget(0.5)
+        for _ in range(7):
+            budget.add("error", "tool 'lookup': Error: KeyError: 'x'\n(more text)")
+        budget.check()
+
+    def disk_full():
+        (run_dir / "checkpoints" / "global_step_2.orbax-checkpoint-tmp").mkdir()  # a partial save
+        raise OSError(errno.ENOSPC, "No space left on device", str(run_dir / "metrics.jsonl"))
+
+    c = grpo.get_config("tiny")
+    c.trainer.default_local_dir = str(run_dir)
+    monkeypatch.setattr(main_mod, "_CONFIG", type("F", (), {"value": c})())
+    monkeypatch.setattr(main_mod, "_STOP", None)
+    for fail, expected in [
+        (
+            lambda: nan_mgr.compute(_batch(["a", "b"])),
+            "error: reward function test_failures_during_training_are_one_line.<locals>.<lambda> failed on 2 of 2 "
+            "responses (100%, 0 timeouts; limit reward_model.max_error_fraction=0.5). First failure, row 0 "
+            "(data_source='my/source'), in process: ValueError: reward nan is not a finite number",
+        ),
+        (
+            tool_failure,
+            "error: 7 of 7 tool calls failed in this step (0 timeouts; limit rollout.multi_turn.max_error_fraction=0.5)"
+            ". First failure: tool 'lookup': Error: KeyError: 'x' (more text)",
+        ),
+        (
+            disk_full,
+            f"error: writing {run_dir / 'metrics.jsonl'} failed: no space left on device; the last complete "
+            f"checkpoint {run_dir / 'checkpoints' / 'global_step_1'} is intact. Free disk space, then rerun the "
+            f"command to resume (traceback: {run_dir / 'error.log'})",
+        ),
+    ]:
+        closed = []
+
+        class FakeTrainer:  # fit() fails as the real one would, from inside the step
+            global_steps, resumed_from, checkpointer = 1, None, ckpt
+
+            def __init__(self, cfg):
+                pass
+
+            def fit(self, stop=None, fail=fail):
+                return fail()
+
+            def close(self, closed=closed):
+                closed.append(True)
+
+        monkeypatch.setattr(trainer_mod, "RLTrainer", FakeTrainer)
+        with pytest.raises(SystemExit) as e:
+            main_mod.main([])
+        assert e.value.code == 2 and closed == [True]
+        assert capsys.readouterr().err.splitlines() == [expected]
+    log = (run_dir / "error.log").read_text()
+    assert "Traceback (most recent call last)" in log and "in disk_full" in log and "No space left" in log
+    assert os.listdir(run_dir / "checkpoints") == ["global_step_1"]
+    ckpt.close()
