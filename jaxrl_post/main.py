@@ -285,6 +285,7 @@ def main(argv) -> None:
     from jaxrl_post.rollout.tools import ToolError
     from jaxrl_post.trainer.checkpoint import CheckpointError
     from jaxrl_post.trainer.config_check import ConfigError
+    from jaxrl_post.trainer.dynamic_sampling import FilterGroupsError
     from jaxrl_post.trainer.interrupt import GracefulStop, exit_now
     from jaxrl_post.trainer.nonfinite import NonFiniteError
     from jaxrl_post.trainer.trainer import summarize
@@ -308,8 +309,8 @@ def main(argv) -> None:
     try:
         result = trainer.fit(stop=stop)
         finished = True
-    except (RewardFunctionError, ConfigError, CheckpointError, ToolError, NonFiniteError) as e:  # plainly, exit 2
-        failed = e  # the user's reward code or tool, a batch shape, a full disk, a diverging run
+    except (RewardFunctionError, ConfigError, CheckpointError, ToolError, FilterGroupsError, NonFiniteError) as e:
+        failed = e  # the user's reward code or tool, a batch shape, a full disk, dynamic sampling, a diverging run
     except OSError as e:
         if not is_disk_full(e):
             raise

@@ -249,3 +249,35 @@ def test_main_full_disk_during_a_checkpoint_is_one_line(tmp_path):
         assert json.loads((workdir / "config.json").read_text())["trainer"]["max_actor_ckpt_to_keep"] is None
     finally:
         subprocess.run(["umount", str(disk)], check=False)
+
+
+def test_tool_error_in_a_step_or_validation_saves_the_last_step():
+    """A tool failing on most calls (`ToolError`, raised by the rollout before any update) is handled like a
+    reward function's failure: RNG and data position put back, the last completed step checkpointed, one line,
+    the error re-raised (main prints it as one `error:` line); in the validation after a step, that step's
+    metrics are logged first."""
+    from types import SimpleNamespace
+
+    from jaxrl_post.rollout.tools import ToolError
+    from jaxrl_post.trainer.run_dir import RunDir
+
+    said, saved, restored, logged = [], [], [], []
+    fake = SimpleNamespace(
+        say=said.append,
+        checkpointer=SimpleNamespace(step_path=lambda s: f"/ck/global_step_{s}", wait_until_finished=lambda: None),
+        tracker=SimpleNamespace(log=lambda m, step: logged.append((step, m))),
+    )
+    fake.save_after_error = lambda where, step, save: RunDir.save_after_error(fake, where, step, save)
+    save = lambda: saved.append(True) or True
+    guard = RunDir.save_on_error_in_step(fake, 2, lambda: "marks", "snapshot", restored.append, save)
+    with pytest.raises(ToolError, match="7 of 7"), guard:
+        raise ToolError("7 of 7 tool calls failed in this step")
+    assert restored == ["snapshot"] and saved == [True]
+    assert said == [
+        "stopped by an error in step 3; checkpoint of step 2 saved to /ck/global_step_2; fix the cause and rerun the "
+        "same command to resume"
+    ]
+    with pytest.raises(ToolError), RunDir.save_on_error_in_validation(fake, 2, {"score": 0.5}, save):
+        raise ToolError("7 of 7 tool calls failed in this step")
+    assert logged == [(2, {"score": 0.5})] and len(saved) == 2
+    assert said[-1].startswith("stopped by an error in the validation after step 2; checkpoint of step 2 saved")

@@ -8,9 +8,9 @@ check first, then the arrays); what is saved is `train_state.state_dict`.
 
 A run stopped by an error does not lose its completed steps where the state is provably that of the last
 completed step N (`save_on_error_in_step` / `save_on_error_in_validation`): a `RewardFunctionError` in
-the reward stage of step N+1, or a `FilterGroupsError` of its dynamic sampling (before any update; the RNG
-and the data position, which the step already advanced, are put back), or one in the validation after
-step N. Then step N is checkpointed before the error propagates, with one line saying so. Not after other
+the reward stage of step N+1, a `ToolError` of its rollout, or a `FilterGroupsError` of its dynamic sampling
+(before any update; the RNG and the data position, which the step already advanced, are put back), or one in
+the validation after step N. Then step N is checkpointed before the error propagates, with one line saying so. Not after other
 errors: a `NonFiniteError` is raised after the updates ran (the critic may have been updated, the KL
 controller, update counters and skip counters moved), and an error inside a jitted update may leave donated
 params half-written; there the last scheduled checkpoint stays the one to resume from.
@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from jaxrl_post.rewards.manager import RewardFunctionError
+from jaxrl_post.rollout.tools import ToolError
 from jaxrl_post.trainer import checkpoint as ckpt
 from jaxrl_post.trainer.dynamic_sampling import FilterGroupsError
 from jaxrl_post.trainer.loggers import config_to_dict, save_run_config
@@ -242,14 +243,14 @@ class RunDir:
 
     @contextlib.contextmanager
     def save_on_error_in_step(self, step: int, marks: Callable[[], str], snapshot, restore, save):
-        """Wrap step `step + 1` (`next(train_loader)` + `train_step`): on a `RewardFunctionError` or a
+        """Wrap step `step + 1` (`next(train_loader)` + `train_step`): on a `RewardFunctionError`, `ToolError` or
         `FilterGroupsError` raised before any update of the step (`marks()` unchanged: nothing but the RNG
         and the data position moved), `restore(snapshot)` puts both back, step `step` is checkpointed with
         `save()` and the error re-raised unchanged. Other errors pass untouched."""
         before = marks()
         try:
             yield
-        except (RewardFunctionError, FilterGroupsError):
+        except (RewardFunctionError, ToolError, FilterGroupsError):
             where = f"in step {step + 1}"
             if marks() != before:  # cannot happen today (rewards come before the updates)
                 self.say(f"stopped by an error {where} after its updates began; nothing new was saved")
@@ -260,12 +261,12 @@ class RunDir:
 
     @contextlib.contextmanager
     def save_on_error_in_validation(self, step: int, step_metrics: dict[str, float], save):
-        """Wrap the validation after completed step `step`: on a `RewardFunctionError`, log the step's training
-        metrics (so `metrics.jsonl` has its line), checkpoint the step and re-raise. A resumed run continues
-        with the next step; the failed validation is not redone."""
+        """Wrap the validation after completed step `step`: on a `RewardFunctionError` or `ToolError`, log the
+        step's training metrics (so `metrics.jsonl` has its line), checkpoint the step and re-raise. A resumed run
+        continues with the next step; the failed validation is not redone."""
         try:
             yield
-        except RewardFunctionError:
+        except (RewardFunctionError, ToolError):
             self.tracker.log(step_metrics, step=step)
             self.save_after_error(f"in the validation after step {step}", step, save)
             raise
