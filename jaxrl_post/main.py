@@ -85,7 +85,7 @@ def _suggest(key: str, valid: set[str]) -> str:
     return f"; did you mean {', '.join('config.' + c for c in close)}?" if close else ""
 
 
-def check_override_keys(argv: list[str]) -> None:
+def check_override_keys(argv: list[str]):
     """Fail with a clear message (and suggestions) when a `--config.<key>=...` names no config field, or when
     argv has a bare `key=value` (Hydra/verl style), which absl would silently ignore.
 
