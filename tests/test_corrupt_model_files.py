@@ -65,3 +65,16 @@ def test_corrupt_model_files_are_named(tmp_path):
             load_pretrained(str(path))
     c = ml_collections.ConfigDict({"trainer_type": "rl", "model": {"random_init": False, "path": str(good)}})
     check_model_path(c)  # the intact checkpoint passes
+    # the other model keys: a reward model's directory and a teacher (`distillation.teacher_models...model_path`)
+    st_junk, junk_file, junk_what = cases[2]
+    with pytest.raises(ValueError, match=f"^{junk_file}: .*{junk_what}"):
+        hf_io.load_reward_model(str(st_junk))
+    from configs import opd
+    from jaxrl_post.trainer.roles.teacher import check_teacher_path
+
+    oc = opd.get_config("smollm2")
+    oc.distillation.teacher_models.teacher_model.model_path = str(tmp_path / "magic.gguf")
+    with pytest.raises(
+        ConfigError, match=r"^config\.distillation\.teacher_models\.teacher_model\.model_path=.*b'XXXX'"
+    ):
+        check_teacher_path(oc)

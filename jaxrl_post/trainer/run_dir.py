@@ -10,8 +10,8 @@ A run stopped by an error does not lose its completed steps where the state is p
 completed step N (`save_on_error_in_step` / `save_on_error_in_validation`): a `RewardFunctionError` in
 the reward stage of step N+1, a `ToolError` of its rollout, or a `FilterGroupsError` of its dynamic sampling
 (before any update; the RNG and the data position, which the step already advanced, are put back), or one in
-the validation after step N. Then step N is checkpointed before the error propagates, with one line saying so. Not after other
-errors: a `NonFiniteError` is raised after the updates ran (the critic may have been updated, the KL
+the validation after step N. Then step N is checkpointed before the error propagates, with one line saying so.
+Not after other errors: a `NonFiniteError` is raised after the updates ran (the critic may have been updated, the KL
 controller, update counters and skip counters moved), and an error inside a jitted update may leave donated
 params half-written; there the last scheduled checkpoint stays the one to resume from.
 """
