@@ -91,12 +91,13 @@ def remove_unfinished(checkpoint_dir: str | None) -> list[str]:
     return removed
 
 
-def write_error_log(run_dir: str | None, exc: BaseException, extra: list[str] = ()) -> str | None:
-    """Append `exc`'s traceback (its causes included) and the `extra` texts to `<run_dir>/error.log`, or, when
-    that cannot be written (no run directory yet, a full disk), to a new file in the temporary directory.
+def write_error_log(run_dir: str | None, exc: BaseException | None, extra: list[str] = ()) -> str | None:
+    """Append `exc`'s traceback (its causes included; none for None) and the `extra` texts to
+    `<run_dir>/error.log`, or, when that cannot be written (no run directory yet, a full disk), to a new file in
+    the temporary directory.
 
     Returns: the path written, or None when neither could be written (the line then says so)."""
-    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)) if exc is not None else ""
     body = f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()}\n{text}" + "".join(f"\n{x}\n" for x in extra)
     if run_dir:
         path = os.path.join(run_dir, ERROR_LOG)
@@ -115,11 +116,12 @@ def write_error_log(run_dir: str | None, exc: BaseException, extra: list[str] = 
         return None
 
 
-def failure_text(e: BaseException, trainer, run_dir: str | None, kept_records: list[str] = ()) -> str:
+def failure_text(e: BaseException, trainer, run_dir: str | None, kept_records: list[str] | None = None) -> str:
     """The one `error:` line main prints for a failure of `fit` the user can act on (a reward function's:
     `main.reward_error_text`). A full disk (an OSError, or a checkpoint save that ran out of space) names the
     directory and the last complete checkpoint; the failed save's partial directory is removed and the traceback
-    (with `kept_records`: orbax's) goes to `<run_dir>/error.log`, as does a failed save's or a diverging run's."""
+    (with `kept_records`: orbax's; the list is emptied once written) goes to `<run_dir>/error.log`, as does a
+    failed save's or a diverging run's."""
     from jaxrl_post.trainer import checkpoint as ckpt
     from jaxrl_post.trainer.nonfinite import NonFiniteError
 
@@ -134,5 +136,7 @@ def failure_text(e: BaseException, trainer, run_dir: str | None, kept_records: l
         line = f"{what} failed: no space left on device; {kept}. Free disk space, then rerun the command to resume"
     if not isinstance(e, NonFiniteError):
         remove_unfinished(c.directory if c is not None else None)
-    log = write_error_log(run_dir, e, list(kept_records))
+    log = write_error_log(run_dir, e, list(kept_records or ()))
+    if kept_records:
+        kept_records.clear()
     return f"error: {line} (traceback: {log})" if log else f"error: {line} (the traceback could not be written)"

@@ -280,7 +280,7 @@ def main(argv) -> None:
     from jaxrl_post.api import build_trainer
     from jaxrl_post.data.sources import MalformedRowError
     from jaxrl_post.distributed import DistributedConfigError, initialize_from_config
-    from jaxrl_post.error_log import OrbaxTracebacks, failure_text, is_disk_full
+    from jaxrl_post.error_log import OrbaxTracebacks, failure_text, is_disk_full, write_error_log
     from jaxrl_post.rewards.manager import RewardFunctionError
     from jaxrl_post.rollout.tools import ToolError
     from jaxrl_post.trainer.checkpoint import CheckpointError
@@ -322,13 +322,16 @@ def main(argv) -> None:
             if failed is None and not finished:
                 raise  # another error is on its way: both are shown (chained)
             failed = failed or e
+    run_dir, text = _CONFIG.value.trainer.get("default_local_dir"), None
     if failed is not None:
-        run_dir = _CONFIG.value.trainer.get("default_local_dir")
         text = (
             reward_error_text(failed)
             if isinstance(failed, RewardFunctionError)
-            else failure_text(failed, trainer, run_dir, orbax.records)
+            else failure_text(failed, trainer, run_dir, orbax.records)  # writes (and empties) orbax.records
         )
+    if orbax.records:  # kept off the console, not written with a failure: say where they are
+        print(f"warning: orbax logged errors ({write_error_log(run_dir, None, orbax.records)})", file=sys.stderr)
+    if text is not None:
         print(text, file=sys.stderr, flush=True)
         sys.exit(2)
     if stop.requested:

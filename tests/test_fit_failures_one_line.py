@@ -89,3 +89,37 @@ def test_failures_during_training_are_one_line(tmp_path, monkeypatch, capsys):
     assert "Traceback (most recent call last)" in log and "in disk_full" in log and "No space left" in log
     assert os.listdir(run_dir / "checkpoints") == ["global_step_1"]
     ckpt.close()
+
+
+def test_orbax_tracebacks_are_kept_for_the_error_log(monkeypatch):
+    """A failed save's noise: orbax's ERROR records with a traceback and tensorstore's unraisable "Event loop is
+    closed" errors are kept (for error.log), everything else reaches the console as before."""
+    import logging
+    import sys
+    from types import SimpleNamespace
+
+    from jaxrl_post.error_log import OrbaxTracebacks
+
+    passed = []
+    monkeypatch.setattr(sys, "unraisablehook", passed.append)
+    f = OrbaxTracebacks()
+    try:
+        raise OSError(28, "No space left on device")
+    except OSError:
+        exc_info = sys.exc_info()
+    orbax_file = os.path.join("site-packages", "orbax", "checkpoint", "x.py")
+
+    def record(path, level, exc):
+        return logging.LogRecord("absl", level, path, 1, "save failed", None, exc)
+
+    assert f.filter(record(orbax_file, logging.ERROR, exc_info)) is False
+    assert f.filter(record(orbax_file, logging.WARNING, exc_info)) is True  # warnings pass
+    assert f.filter(record(orbax_file, logging.ERROR, None)) is True  # an error without a traceback passes
+    assert f.filter(record("jaxrl_post/x.py", logging.ERROR, exc_info)) is True  # not orbax's
+    closed = SimpleNamespace(exc_type=RuntimeError, exc_value=RuntimeError("Event loop is closed"), exc_traceback=None)
+    other = SimpleNamespace(exc_type=ValueError, exc_value=ValueError("x"), exc_traceback=None)
+    f.unraisable(closed)
+    f.unraisable(other)
+    assert passed == [other] and len(f.records) == 2
+    assert "save failed" in f.records[0] and "OSError: [Errno 28] No space left on device" in f.records[0]
+    assert f.records[1].strip() == "RuntimeError: Event loop is closed"
