@@ -25,6 +25,10 @@ class ConfigFileError(ValueError):
     """The `--config` file's `get_config(arg)` refused its argument (e.g. an unknown variant)."""
 
 
+class OverrideValueError(ValueError):
+    """A `--config.<key>=VALUE` whose value the key's type cannot take (absl would stop with a FATAL line)."""
+
+
 def _load_config_file(spec: str):
     path, _, arg = spec.partition(":")
     if not os.path.exists(path):
@@ -78,11 +82,13 @@ def _suggest(key: str, valid: set[str]) -> str:
     return f"; did you mean {', '.join('config.' + c for c in close)}?" if close else ""
 
 
-def check_override_keys(argv: list[str]) -> None:
+def check_override_keys(argv: list[str]):
     """Fail with a clear message (and suggestions) when a `--config.<key>=...` names no config field, or when
     argv has a bare `key=value` (Hydra/verl style), which absl would silently ignore.
 
     ml_collections rejects unknown keys too, but with a bare `AttributeError: "'key'"` traceback.
+
+    Returns: the config the file builds (None without `--config`).
 
     Raises:
       UnknownConfigKeyError: an unknown key, or a positional argument.
@@ -119,6 +125,58 @@ def check_override_keys(argv: list[str]) -> None:
             raise UnknownConfigKeyError(
                 f"unknown config key config.{key} (from --{_CONFIG_FLAG}.{key}){_suggest(key, valid)}"
             )
+    return cfg
+
+
+_TYPE_NAMES = {int: "an int", float: "a number", bool: "True or False", str: "a string"}
+
+
+def split_override_values(argv: list[str], cfg) -> tuple[list[str], list[str]]:
+    """Check each `--config.KEY=VALUE` (or `--config.KEY VALUE`) of argv against the type of KEY in `cfg` (int,
+    float, bool: absl's parsers) and take the `None` ones out. None is accepted where the config makes the key
+    optional: a `FieldReference` field (`configs/base.py`'s `_opt_int` etc.), a string, or a None value.
+
+    Returns: (argv without the None overrides, their keys; `apply_none_overrides` sets them after parsing).
+    Raises: OverrideValueError naming the key and the type it takes.
+    """
+    from absl import flags
+    from ml_collections import FieldReference
+    from ml_collections.config_flags import config_path
+
+    parsers = {int: flags.IntegerParser(), float: flags.FloatParser(), bool: flags.BooleanParser()}
+    prefix = f"--{_CONFIG_FLAG}."
+    out, none_keys, i = [], [], 0
+    while i < len(argv):
+        a, i = argv[i], i + 1
+        key, eq, value = a[len(prefix) :].partition("=") if a.startswith(prefix) else ("", "", "")
+        if not key or cfg is None:
+            out.append(a)
+            continue
+        ftype, current = config_path.get_type(key, cfg), config_path.get_value(key, cfg)
+        if not eq and ftype is not bool and i < len(argv) and not argv[i].startswith("-"):  # absl's `--flag value`
+            eq, value, i = "=", argv[i], i + 1
+            a = f"{a}={value}"
+        none_keys = [k for k in none_keys if k != key]  # the last override of a key wins
+        want = _TYPE_NAMES.get(ftype, getattr(ftype, "__name__", str(ftype)))
+        if eq and value == "None":
+            *path, leaf = key.split(".")
+            node = cfg
+            for part in path:
+                node = node[part]
+            field = dict(node.items(preserve_field_references=True)).get(leaf)
+            if not (isinstance(field, FieldReference) or ftype is str or current is None):
+                raise OverrideValueError(
+                    f"config.{key}=None: this key takes {want} and cannot be None (e.g. {current})"
+                )
+            none_keys.append(key)
+            continue
+        if eq and ftype in parsers:
+            try:
+                parsers[ftype].parse(value)
+            except ValueError:
+                raise OverrideValueError(f"config.{key}={value!r}: expected {want} (e.g. {current!r})") from None
+        out.append(a)
+    return out, none_keys
 
 
 def has_config_flag(argv: list[str]) -> bool:

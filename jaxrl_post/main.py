@@ -18,11 +18,12 @@ from jaxrl_post.config import (
     _HELP_FLAGS,
     USAGE,
     ConfigFileError,
+    OverrideValueError,
     UnknownConfigKeyError,
     apply_none_overrides,
     check_override_keys,
     has_config_flag,
-    none_override_keys,
+    split_override_values,
 )
 
 
@@ -77,8 +78,9 @@ def reward_error_text(e: BaseException) -> str:
     if cause is not None and cause.__traceback__ is not None:
         ours = os.path.dirname(os.path.abspath(__file__)) + os.sep  # the reward manager's calling frames
         frames = [f for f in traceback.extract_tb(cause.__traceback__) if not f.filename.startswith(ours)]
-        tb = "".join(traceback.format_list(frames) + traceback.format_exception_only(type(cause), cause)).rstrip()
-        text += f"\nthe reward function's traceback:\n{tb}"
+        if frames:  # none: our own check refused the value it returned (NaN, not a number); the line says it
+            tb = "".join(traceback.format_list(frames) + traceback.format_exception_only(type(cause), cause))
+            text += f"\nthe reward function's traceback:\n{tb.rstrip()}"
     return text
 
 
@@ -88,10 +90,13 @@ def main(argv) -> None:
     from jaxrl_post.api import build_trainer
     from jaxrl_post.data.sources import MalformedRowError
     from jaxrl_post.engine.interrupt import GracefulStop, exit_now
+    from jaxrl_post.engine.nonfinite import NonFiniteError
     from jaxrl_post.engine.run.checkpoint import CheckpointError
-    from jaxrl_post.errors import ConfigError
+    from jaxrl_post.engine.run.error_log import OrbaxTracebacks, failure_text, is_disk_full, write_error_log
+    from jaxrl_post.errors import ConfigError, FilterGroupsError
     from jaxrl_post.rewards.manager import RewardFunctionError
     from jaxrl_post.rl.trainer import summarize
+    from jaxrl_post.rollout.tools import ToolError
     from jaxrl_post.runtime.distributed import DistributedConfigError, initialize_from_config
 
     stop = _STOP if _STOP is not None else GracefulStop()  # `run()` installs it; a bare one installs nothing
@@ -108,15 +113,34 @@ def main(argv) -> None:
         sys.exit(2)
     stop.abort_line = _nothing_saved_line(trainer)  # printed by a signal before the first completed step
     stop.lost_line = lambda: lost_line(trainer)  # printed by a second signal
-    failed = None
+    failed, finished = None, False
+    orbax = OrbaxTracebacks.install()  # a failed save's tracebacks: into error.log, not onto the console
     try:
         result = trainer.fit(stop=stop)
-    except (RewardFunctionError, ConfigError) as e:  # the user's reward code or a batch shape: plainly, exit 2
+        finished = True
+    except (RewardFunctionError, ConfigError, CheckpointError, ToolError, FilterGroupsError, NonFiniteError) as e:
+        failed = e  # the user's reward code or tool, a batch shape, a full disk, dynamic sampling, a diverging run
+    except OSError as e:
+        if not is_disk_full(e):
+            raise
         failed = e
     finally:
-        trainer.close()  # waits for the (async) checkpoint save, stops the reward workers
+        try:
+            trainer.close()  # waits for the (async) checkpoint save, stops the reward workers
+        except CheckpointError as e:  # the last save failed
+            if failed is None and not finished:
+                raise  # another error is on its way: both are shown (chained)
+            failed = failed or e
+    run_dir, text = _CONFIG.value.trainer.get("default_local_dir"), None
     if failed is not None:
-        text = reward_error_text(failed) if isinstance(failed, RewardFunctionError) else f"error: {failed}"
+        text = (
+            reward_error_text(failed)
+            if isinstance(failed, RewardFunctionError)
+            else failure_text(failed, trainer, run_dir, orbax.records)  # writes (and empties) orbax.records
+        )
+    if orbax.records:  # kept off the console, not written with a failure: say where they are
+        print(f"warning: orbax logged errors ({write_error_log(run_dir, None, orbax.records)})", file=sys.stderr)
+    if text is not None:
         print(text, file=sys.stderr, flush=True)
         sys.exit(2)
     if stop.requested:
@@ -148,9 +172,9 @@ def run(argv=None) -> None:
         from jaxrl_post.runtime.log_noise import quiet_startup_noise
 
         quiet_startup_noise()
-        try:
-            check_override_keys(argv)
-        except (UnknownConfigKeyError, FileNotFoundError, ConfigFileError) as e:
+        try:  # our one-line errors for unknown keys and values of the wrong type, before absl's FATAL
+            argv, _NONE_KEYS = split_override_values(argv, check_override_keys(argv))
+        except (UnknownConfigKeyError, FileNotFoundError, ConfigFileError, OverrideValueError) as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
         if any(a in _HELP_FLAGS for a in argv[1:]):  # absl prints __main__'s docstring: add the console legend
@@ -158,9 +182,8 @@ def run(argv=None) -> None:
 
             entry = sys.modules["__main__"]
             entry.__doc__ = f"{entry.__doc__ or __doc__}\n{console_legend()}\n"
-        _NONE_KEYS = none_override_keys(argv)
-        _CONFIG = config_flags.DEFINE_config_file(
-            _CONFIG_FLAG, None, "Job config: path/to/config.py[:variant].", lock_config=True
+        _CONFIG = config_flags.DEFINE_config_file(  # overrides read from argv (the None ones taken out), not sys.argv
+            _CONFIG_FLAG, None, "Job config: path/to/config.py[:variant].", lock_config=True, sys_argv=argv
         )
         app.run(main, argv=argv)
 

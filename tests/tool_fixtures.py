@@ -73,6 +73,15 @@ def not_text(text: str) -> str:
     return object()
 
 
+def no_return(text: str) -> str:
+    """Forget to return (None).
+
+    Args:
+        text: any text
+    """
+    text.upper()
+
+
 def read_env(name: str) -> str:
     """An environment variable of the tool worker.
 

@@ -89,9 +89,12 @@ def load_pretrained(path_or_alias, *, dtype="float32", mesh=None, param_dtype=No
 
     dtype is the compute dtype, param_dtype the storage dtype of the weights (None: = dtype). For an HF
     directory without tokenizer files the tokenizer is None. Raises what `resolve_model_path` raises for
-    unknown / unreachable names.
+    unknown / unreachable names, and ValueError naming a corrupt or truncated file (`resolve.check_model_files`).
     """
     kind, path = resolve_model_path(path_or_alias)
+    from jaxrl_post.models.resolve import check_model_files  # lazily, as resolve_model_path above
+
+    check_model_files(kind, path)  # a corrupt or truncated file: ValueError naming it
     if kind == "gguf":
         from jaxrl_post.models.gguf_io import load_gguf
 

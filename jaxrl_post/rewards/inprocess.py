@@ -8,11 +8,16 @@ Why a thread and not SIGALRM: an alarm works only on the main thread, there is o
 (math-verify sets its own, which would cancel ours), and it would race with the job's own signal handlers.
 The thread needs none of that. Its limit: an abandoned call still uses CPU (and, in pure-C code holding the
 GIL, can stall the trainer) until it returns; worker processes (`num_workers > 0`) kill a hung call instead.
+
+In process, a call that ends the process (`os._exit`, a crash in native code) ends the trainer with it: no
+Python code runs after it, so nothing can report it. `warn_unprotected` says so at start-up for a user's
+reward file (`custom_reward_function.path` outside this project); `sys.exit` is caught and counted.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import traceback
@@ -21,17 +26,40 @@ from typing import Any
 
 from jaxrl_post.rewards.pool import CallResult
 
-__all__ = ["ThreadCaller", "call_safely"]
+__all__ = ["ThreadCaller", "call_safely", "warn_unprotected"]
 
 log = logging.getLogger(__name__)
 
 
+# files shipped with the project (the :tiny configs' toy rewards, the agent environments): not user code
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_SHIPPED = (_PACKAGE + os.sep, os.path.join(os.path.dirname(_PACKAGE), "configs") + os.sep)
+
+
 def call_safely(fn: Callable[..., Any], args: tuple) -> CallResult:
-    """fn(*args) -> CallResult 'ok' (value) or 'error' (message, the exception and its traceback text)."""
+    """fn(*args) -> CallResult 'ok' (value) or 'error' (message, the exception and its traceback text); a
+    `sys.exit()` in `fn` is an 'error' too, not the end of the trainer."""
     try:
         return CallResult("ok", value=fn(*args))
-    except Exception as e:
-        return CallResult("error", message=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(), exception=e)
+    except (Exception, SystemExit) as e:
+        msg = f"the function called sys.exit({e.code!r})" if isinstance(e, SystemExit) else f"{type(e).__name__}: {e}"
+        return CallResult("error", message=msg, traceback=traceback.format_exc(), exception=e)
+
+
+def warn_unprotected(fn: Any) -> bool:
+    """Log one warning when `fn` is a user's reward file (`CustomRewardFunction` outside this project) scored in
+    process: a call that ends the process ends the run without a message. Returns whether it warned."""
+    path = getattr(fn, "path", None)
+    if not isinstance(path, str) or not hasattr(fn, "name") or os.path.abspath(path).startswith(_SHIPPED):
+        return False
+    log.warning(
+        "reward: %r from %s runs in the trainer process (reward_model.num_workers=0), unprotected: a call that "
+        "ends the process (os._exit, a crash in native code) ends the run with no message; "
+        "--config.reward_model.num_workers=2 runs it in worker processes, which report such a call",
+        fn.name,
+        path,
+    )
+    return True
 
 
 class ThreadCaller:

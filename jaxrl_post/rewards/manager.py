@@ -5,8 +5,8 @@ For each row: decode the response tokens that exist (`response_attention_mask`),
 last trained token (`loss_mask`: the model's last token; the last existing token when there is no
 `loss_mask`). Calls run in a process pool with a per-call timeout (`pool.py`), or in
 process on a helper thread with the same timeout when `num_workers=0` (`inprocess.py`). A call that
-raises, times out, kills its worker or returns something that is not a number / a dict with a numeric
-'score' scores 0.0 and is counted. When more than `max_error_fraction` of a batch's calls fail, the
+raises, times out, kills its worker or returns something that is not a finite number / a dict with a finite
+'score' (NaN, inf) scores 0.0 and is counted. When more than `max_error_fraction` of a batch's calls fail, the
 batch raises `RewardFunctionError` (the first failure, its traceback, the function and the data source):
 a reward function that fails on most inputs is a bug, not a zero reward.
 
@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxrl_post.rewards.inprocess import ThreadCaller, call_safely
+from jaxrl_post.rewards.inprocess import ThreadCaller, call_safely, warn_unprotected
 from jaxrl_post.rewards.pool import CallResult, RewardWorkerPool
 
 __all__ = ["RewardFunctionError", "RewardManager", "RewardOutput", "rm_score"]
@@ -174,8 +174,9 @@ class RewardManager:
         self._thread = (
             ThreadCaller(compute_score, timeout_s) if self._pool is None and timeout_s and not self._batched else None
         )
-        self.total_errors = 0
-        self.total_timeouts = 0
+        if self._pool is None and not self._batched:
+            warn_unprotected(compute_score)
+        self.total_errors = self.total_timeouts = 0
 
     # ----------------------------------------------------------------------------------------------
     @staticmethod
@@ -288,12 +289,13 @@ class RewardManager:
                                 extra.setdefault(k, [None] * B)[i] = v
                     else:
                         s = _to_float(value)
+                    if not np.isfinite(s):  # NaN/inf would reach the advantages: a failed call (as the remote client)
+                        raise ValueError(f"reward {s!r} is not a finite number")
                     scores[i] = s
                     continue
                 except Exception as e:
                     res = CallResult("error", message=f"{type(e).__name__}: {e}", exception=e)
-            if first_fail is None:
-                first_fail = (i, res)
+            first_fail = first_fail or (i, res)
             n_err += 1  # every failed call, timeouts included (issue: "raises or exceeds its timeout")
             if res.status == "timeout":
                 n_timeout += 1
@@ -380,9 +382,7 @@ class RewardManager:
     def _raise_failed(self, first: tuple[int, CallResult], sources: list, n_err: int, n_timeout: int, B: int):
         i, res = first
         key = getattr(self.compute_score, "max_error_fraction_key", "reward_model.max_error_fraction")
-        where = "in worker processes" if self._pool is not None else "in process"
-        if self._batched:
-            where = "batch scorer"
+        where = "batch scorer" if self._batched else "in worker processes" if self._pool is not None else "in process"
         msg = (
             f"reward function {_fn_label(self.compute_score)} failed on {n_err} of {B} responses "
             f"({n_err / B:.0%}, {n_timeout} timeouts; limit {key}="

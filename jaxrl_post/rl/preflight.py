@@ -71,13 +71,14 @@ def check_model_path(cfg: Any) -> None:
 
     Raises:
       ConfigError: naming `model.path` (missing path, a directory that is not a checkpoint, a file that is
-        not a .gguf, an alias whose package is not installed, a reward model's *ForSequenceClassification
-        directory except for the reward-model trainer, or no model.path at all).
+        not a .gguf, a corrupt or truncated model file (`models.resolve.check_model_files`), an alias whose
+        package is not installed, a reward model's *ForSequenceClassification directory except for the
+        reward-model trainer, or no model.path at all).
     """
     if cfg.model.random_init:
         return
     from jaxrl_post.models.hf_io import check_causal_lm_dir
-    from jaxrl_post.models.resolve import _HUB_GGUF_RE, _HUB_ID_RE, resolve_model_path
+    from jaxrl_post.models.resolve import _HUB_GGUF_RE, _HUB_ID_RE, check_model_files, resolve_model_path
 
     given = cfg.model.path
     key = f"config.model.path={given!r}"
@@ -88,6 +89,7 @@ def check_model_path(cfg: Any) -> None:
         return
     try:
         kind, local = resolve_model_path(name)
+        check_model_files(kind, local)  # a corrupt or truncated file, named
         if kind == "hf_dir" and cfg.get("trainer_type", "rl") != "reward_model":  # a reward model may start from one
             check_causal_lm_dir(local)
     except (FileNotFoundError, ValueError) as e:

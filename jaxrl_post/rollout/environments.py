@@ -128,7 +128,7 @@ class ToolEnv(Environment):
                     text = v
                 else:
                     out = outs[v]
-                    statuses.append((out.status, out.text))
+                    statuses.append((out.status, f"tool {calls[v][0]!r}: {out.text}"))
                     text = out.text
                     if out.status != "ok":
                         res.info["tool_errors"] += 1

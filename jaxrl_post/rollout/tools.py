@@ -263,6 +263,8 @@ def _call_tool(settings: _WorkerSettings, name: str, arguments):
     else:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             out = fn(**arguments)
+    if out is None:  # a function that forgot its `return`: an error observation (docs/agents.md), not "null"
+        raise TypeError(f"tool {name!r} returned None, not text")
     if not isinstance(out, str):
         try:
             out = json.dumps(out)
@@ -380,7 +382,7 @@ class ToolErrorBudget:
             self.errors += 1
             self.timeouts += status == "timeout"
             if self.first_error is None:
-                self.first_error = message
+                self.first_error = " ".join(message.split())  # ToolError is one line
 
     def check(self) -> None:
         """Raises ToolError when errors > max_error_fraction * calls (and at least one call failed)."""

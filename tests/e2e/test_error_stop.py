@@ -200,3 +200,84 @@ def test_main_reward_failure_config_change_and_model_mismatch(jax_cache, tmp_pat
         "--config.trainer.resume_mode=disable (the old run is moved aside)"
     )
     assert "Traceback" not in r.stderr and "Exception ignored" not in r.stderr
+
+
+@pytest.mark.slow  # one tiny run of 2 steps in a subprocess (about 70 s on 2 shared, loaded cores)
+def test_main_full_disk_during_a_checkpoint_is_one_line(tmp_path):
+    """The run directory on a 1.8 MB tmpfs: step 1's checkpoint (about 1.2 MB) fits, step 2's does not. One
+    `error:` line naming the directory and the last intact checkpoint, exit 2, no traceback on the console (it
+    is in <run>/error.log, with orbax's), step 2's partial save removed, step 1 resumable. The run also takes
+    `--config.trainer.max_actor_ckpt_to_keep=None` (documented "None = all") as None."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs (a disk that fills up) needs root")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    m = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1800k", "tmpfs", str(disk)], capture_output=True, text=True)
+    if m.returncode != 0:
+        pytest.skip(f"mount -t tmpfs is not permitted here ({m.stderr.strip()})")
+    try:
+        workdir, root = disk / "run", disk / "run" / "checkpoints"
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "jaxrl_post.main",
+                "--config=configs/grpo.py:tiny",
+                f"--config.trainer.default_local_dir={workdir}",
+                "--config.trainer.save_freq=1",
+                "--config.trainer.max_actor_ckpt_to_keep=None",
+                "--config.trainer.val_before_train=False",
+                "--config.trainer.val_at_end=False",
+            ],
+            cwd=REPO,
+            env=dict(os.environ, JAX_PLATFORMS="cpu"),
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert r.returncode == 2, r.stderr[-3000:]
+        errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+        assert errors == [
+            f"error: saving a checkpoint to {root} failed: no space left on device; the last complete checkpoint "
+            f"{root / 'global_step_1'} is intact. Free disk space, then rerun the command to resume (traceback: "
+            f"{workdir / 'error.log'})"
+        ], r.stderr[-3000:]
+        assert "Traceback" not in r.stderr and "Event loop is closed" not in r.stderr, r.stderr[-3000:]
+        log = (workdir / "error.log").read_text()
+        assert "Traceback (most recent call last)" in log and "No space left on device" in log
+        assert ckpt.list_complete_steps(root) == [1] and ckpt.unfinished_steps(root) == []
+        assert json.loads((workdir / "config.json").read_text())["trainer"]["max_actor_ckpt_to_keep"] is None
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
+
+
+def test_tool_error_in_a_step_or_validation_saves_the_last_step():
+    """A tool failing on most calls (`ToolError`, raised by the rollout before any update) is handled like a
+    reward function's failure: RNG and data position put back, the last completed step checkpointed, one line,
+    the error re-raised (main prints it as one `error:` line); in the validation after a step, that step's
+    metrics are logged first."""
+    from types import SimpleNamespace
+
+    from jaxrl_post.engine.run.run_dir import RunDir
+    from jaxrl_post.rollout.tools import ToolError
+
+    said, saved, restored, logged = [], [], [], []
+    fake = SimpleNamespace(
+        say=said.append,
+        checkpointer=SimpleNamespace(step_path=lambda s: f"/ck/global_step_{s}", wait_until_finished=lambda: None),
+        tracker=SimpleNamespace(log=lambda m, step: logged.append((step, m))),
+    )
+    fake.save_after_error = lambda where, step, save: RunDir.save_after_error(fake, where, step, save)
+    save = lambda: saved.append(True) or True
+    guard = RunDir.save_on_error_in_step(fake, 2, lambda: "marks", "snapshot", restored.append, save)
+    with pytest.raises(ToolError, match="7 of 7"), guard:
+        raise ToolError("7 of 7 tool calls failed in this step")
+    assert restored == ["snapshot"] and saved == [True]
+    assert said == [
+        "stopped by an error in step 3; checkpoint of step 2 saved to /ck/global_step_2; fix the cause and rerun the "
+        "same command to resume"
+    ]
+    with pytest.raises(ToolError), RunDir.save_on_error_in_validation(fake, 2, {"score": 0.5}, save):
+        raise ToolError("7 of 7 tool calls failed in this step")
+    assert logged == [(2, {"score": 0.5})] and len(saved) == 2
+    assert said[-1].startswith("stopped by an error in the validation after step 2; checkpoint of step 2 saved")

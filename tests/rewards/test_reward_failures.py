@@ -149,3 +149,95 @@ def test_reward_registry_and_unknown_sources():
     assert known_data_sources()[:2] == ["openai/gsm8k", "gsm8k"]
     with pytest.raises(NotImplementedError, match="data_source='nope'"):  # still a NotImplementedError (verl)
         default_compute_score("nope", "x", "y")
+
+
+NONFINITE_SRC = textwrap.dedent(
+    """
+    import os
+    import sys
+
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+        if solution_str.startswith("nan"):
+            return float("nan")
+        if solution_str.startswith("inf"):
+            return {"score": float("-inf"), "acc": 1.0}
+        if solution_str.startswith("exit"):
+            os._exit(3)
+        if solution_str.startswith("sysexit"):
+            sys.exit(4)
+        return 0.5
+    """
+)
+
+
+def test_nonfinite_reward_is_a_failure_in_process(tmp_path):
+    """NaN / inf from a reward function (plain or a dict's 'score') is a failed call, as the remote client's: scored
+    0 and counted in reward/num_errors; past max_error_fraction the batch raises naming the function and the
+    value. A `sys.exit` in process is a failed call too, not the end of the trainer."""
+    path = tmp_path / "nonfinite.py"
+    path.write_text(NONFINITE_SRC)
+    mgr = RewardManager(load_custom_reward_fn(str(path)), CharTokenizer(), num_workers=0, timeout_s=5.0)
+    out = mgr.compute(_batch(["ok1", "nan1", "ok2", "inf1"]))  # 2 of 4: at the limit, not over it
+    np.testing.assert_array_equal(out.scores, [0.5, 0, 0.5, 0])
+    assert np.isfinite(out.token_level_scores).all()
+    assert out.metrics["reward/num_errors"] == 2 and out.metrics["reward/num_timeouts"] == 0
+    assert out.errors == [
+        "row 1 (data_source='my/source'): ValueError: reward nan is not a finite number",
+        "row 3 (data_source='my/source'): ValueError: reward -inf is not a finite number",
+    ]
+    with pytest.raises(RewardFunctionError) as e:
+        mgr.compute(_batch(["nan", "ok", "nan"]))
+    assert str(e.value) == (
+        f"reward function 'compute_score' from {path} (custom_reward_function) failed on 2 of 3 responses (67%, 0 "
+        "timeouts; limit reward_model.max_error_fraction=0.5). First failure, row 0 (data_source='my/source'), in "
+        "process: ValueError: reward nan is not a finite number"
+    )
+    out = mgr.compute(_batch(["sysexit", "ok", "ok"]))  # SystemExit would otherwise end the trainer
+    assert out.errors == ["row 0 (data_source='my/source'): the function called sys.exit(4)"]
+    mgr.close()
+
+
+def test_nonfinite_reward_and_process_exit_in_a_worker(tmp_path):
+    """In a reward worker: NaN is a failed call as in process; a call that ends its process (`os._exit(3)`) is
+    reported as such (the worker is replaced) and past max_error_fraction stops the batch naming the exit code."""
+    path = tmp_path / "nonfinite.py"
+    path.write_text(NONFINITE_SRC)
+    mgr = RewardManager(load_custom_reward_fn(str(path)), CharTokenizer(), num_workers=1, timeout_s=60.0)
+    try:
+        out = mgr.compute(_batch(["ok", "nan", "exit", "ok"]))
+        np.testing.assert_array_equal(out.scores, [0.5, 0, 0, 0.5])
+        assert out.metrics["reward/num_errors"] == 2
+        assert out.errors == [
+            "row 1 (data_source='my/source'): ValueError: reward nan is not a finite number",
+            "row 2 (data_source='my/source'): reward worker died (exit code 3)",
+        ]
+        with pytest.raises(
+            RewardFunctionError, match=r"failed on 2 of 3 .* in worker processes: ValueError: reward nan"
+        ):
+            mgr.compute(_batch(["nan", "ok", "inf"]))
+        with pytest.raises(RewardFunctionError, match=r"failed on 2 of 2 .* in worker processes: reward worker died"):
+            mgr.compute(_batch(["exit", "exit"]))
+    finally:
+        mgr.close()
+
+
+def test_user_reward_in_process_says_it_is_unprotected(tmp_path, caplog):
+    """num_workers=0 with a user's reward file: one warning at construction that a call ending the process ends
+    the run without a message, and how to run it in workers; none for the project's own toy rewards (:tiny)."""
+    import logging
+    import os
+
+    path = tmp_path / "nonfinite.py"
+    path.write_text(NONFINITE_SRC)
+    with caplog.at_level(logging.WARNING, logger="jaxrl_post.rewards.inprocess"):
+        RewardManager(load_custom_reward_fn(str(path)), CharTokenizer(), num_workers=0).close()
+        assert len(caplog.records) == 1
+        msg = caplog.records[0].getMessage()
+        assert msg.startswith(f"reward: 'compute_score' from {path} runs in the trainer process")
+        assert "os._exit" in msg and "--config.reward_model.num_workers=2" in msg
+        caplog.clear()
+        repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        tiny = load_custom_reward_fn(os.path.join(repo, "configs", "tiny_reward.py"))
+        RewardManager(tiny, CharTokenizer(), num_workers=0).close()
+        RewardManager(lambda *a: 1.0, CharTokenizer(), num_workers=0).close()  # a function passed in code
+        assert caplog.records == []

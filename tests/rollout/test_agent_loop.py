@@ -300,7 +300,7 @@ def test_failing_tool_past_the_error_budget_raises():
         strict = AgentLoop(
             ScriptedGenerator(scripts), TOK, factory, lim, tools=schemas, error_budget=ToolErrorBudget(0.5)
         )
-        with pytest.raises(ToolError, match="2 of 2 tool calls failed.*RuntimeError: tool failed on a"):
+        with pytest.raises(ToolError, match="2 of 2 tool calls failed.*First failure: tool 'raiser': Error: Runtime"):
             strict.generate(_prompts(2, p=1600), _params(400))
 
 

@@ -118,7 +118,7 @@ def _tool(name):
 
 def test_executor_failure_modes(monkeypatch):
     monkeypatch.setenv("SECRET_TOKEN", "abc")
-    tools = [_tool(n) for n in ("echo", "raiser", "hang", "crash", "flood", "memory_bomb", "not_text")]
+    tools = [_tool(n) for n in ("echo", "raiser", "hang", "crash", "flood", "memory_bomb", "not_text", "no_return")]
     tools.append(resolve_tools("calculator")[0])
     with ToolExecutor(tools, num_workers=2, timeout_s=3.0, memory_mb=1024, max_output_chars=100) as ex:
         t0 = time.monotonic()
@@ -133,17 +133,30 @@ def test_executor_failure_modes(monkeypatch):
                 ("not_text", {"text": "q"}),
                 ("calculator", {"expression": "6*7"}),
                 ("echo", {"text": "still alive"}),
+                ("no_return", {"text": "q"}),
             ]
         )
         elapsed = time.monotonic() - t0
-        assert [r.status for r in res] == ["ok", "error", "timeout", "error", "ok", "error", "error", "ok", "ok"]
-        assert res[0].text == "hi" and res[-1].text == "still alive" and res[7].text == "42"
+        assert [r.status for r in res] == [
+            "ok",
+            "error",
+            "timeout",
+            "error",
+            "ok",
+            "error",
+            "error",
+            "ok",
+            "ok",
+            "error",
+        ]
+        assert res[0].text == "hi" and res[8].text == "still alive" and res[7].text == "42"
         assert "RuntimeError: tool failed on q" in res[1].text
         assert "tool call exceeded 3 s" in res[2].text
         assert "tool worker died (exit code 3)" in res[3].text
         assert res[4].text == "y" * 100 + "...(truncated)"  # capped in the worker; prints went nowhere
         assert "MemoryError" in res[5].text
         assert "returned object, not text or JSON" in res[6].text
+        assert res[9].text == "Error: TypeError: tool 'no_return' returned None, not text"  # docs/agents.md, not "null"
         assert elapsed < 60
         with pytest.raises(ValueError, match="unknown tools"):
             ex.run([("nope", {})])

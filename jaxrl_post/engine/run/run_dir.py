@@ -8,10 +8,10 @@ check first, then the arrays); what is saved is `train_state.state_dict`.
 
 A run stopped by an error does not lose its completed steps where the state is provably that of the last
 completed step N (`save_on_error_in_step` / `save_on_error_in_validation`): a `RewardFunctionError` in
-the reward stage of step N+1, or a `FilterGroupsError` of its dynamic sampling (before any update; the RNG
-and the data position, which the step already advanced, are put back), or one in the validation after
-step N. Then step N is checkpointed before the error propagates, with one line saying so. Not after other
-errors: a `NonFiniteError` is raised after the updates ran (the critic may have been updated, the KL
+the reward stage of step N+1, a `ToolError` of its rollout, or a `FilterGroupsError` of its dynamic sampling
+(before any update; the RNG and the data position, which the step already advanced, are put back), or one in
+the validation after step N. Then step N is checkpointed before the error propagates, with one line saying so.
+Not after other errors: a `NonFiniteError` is raised after the updates ran (the critic may have been updated, the KL
 controller, update counters and skip counters moved), and an error inside a jitted update may leave donated
 params half-written; there the last scheduled checkpoint stays the one to resume from.
 """
@@ -39,6 +39,7 @@ from jaxrl_post.engine.run.run_files import (
 from jaxrl_post.engine.run.run_lock import RunLock
 from jaxrl_post.errors import FilterGroupsError
 from jaxrl_post.rewards.manager import RewardFunctionError
+from jaxrl_post.rollout.tools import ToolError
 
 # ModelConfig fields that decide the shapes / structure of the params: a checkpoint whose values differ
 # cannot be restored into this model (the others, e.g. rope_theta or dtype, load fine)
@@ -243,14 +244,14 @@ class RunDir:
 
     @contextlib.contextmanager
     def save_on_error_in_step(self, step: int, marks: Callable[[], str], snapshot, restore, save):
-        """Wrap step `step + 1` (`next(train_loader)` + `train_step`): on a `RewardFunctionError` or a
+        """Wrap step `step + 1` (`next(train_loader)` + `train_step`): on a `RewardFunctionError`, `ToolError` or
         `FilterGroupsError` raised before any update of the step (`marks()` unchanged: nothing but the RNG
         and the data position moved), `restore(snapshot)` puts both back, step `step` is checkpointed with
         `save()` and the error re-raised unchanged. Other errors pass untouched."""
         before = marks()
         try:
             yield
-        except (RewardFunctionError, FilterGroupsError):
+        except (RewardFunctionError, ToolError, FilterGroupsError):
             where = f"in step {step + 1}"
             if marks() != before:  # cannot happen today (rewards come before the updates)
                 self.say(f"stopped by an error {where} after its updates began; nothing new was saved")
@@ -261,12 +262,12 @@ class RunDir:
 
     @contextlib.contextmanager
     def save_on_error_in_validation(self, step: int, step_metrics: dict[str, float], save):
-        """Wrap the validation after completed step `step`: on a `RewardFunctionError`, log the step's training
-        metrics (so `metrics.jsonl` has its line), checkpoint the step and re-raise. A resumed run continues
-        with the next step; the failed validation is not redone."""
+        """Wrap the validation after completed step `step`: on a `RewardFunctionError` or `ToolError`, log the
+        step's training metrics (so `metrics.jsonl` has its line), checkpoint the step and re-raise. A resumed run
+        continues with the next step; the failed validation is not redone."""
         try:
             yield
-        except RewardFunctionError:
+        except (RewardFunctionError, ToolError):
             self.tracker.log(step_metrics, step=step)
             self.save_after_error(f"in the validation after step {step}", step, save)
             raise

@@ -93,13 +93,14 @@ def check_teacher_path(cfg: Any) -> None:
     if not cfg.distillation.enabled or t.random_init:
         return
     from jaxrl_post.models.hf_io import check_causal_lm_dir
-    from jaxrl_post.models.resolve import _HUB_GGUF_RE, _HUB_ID_RE, resolve_model_path
+    from jaxrl_post.models.resolve import _HUB_GGUF_RE, _HUB_ID_RE, check_model_files, resolve_model_path
 
     name = os.path.expanduser(str(t.model_path or ""))
     if name and not os.path.exists(name) and (_HUB_ID_RE.match(name) or _HUB_GGUF_RE.match(name)):
         return
     try:
         kind, local = resolve_model_path(name)
+        check_model_files(kind, local)  # a corrupt or truncated file, named
         if kind == "hf_dir":
             check_causal_lm_dir(local)  # a reward model's export has no LM head to distil from
     except (FileNotFoundError, ValueError) as e:
