@@ -13,7 +13,6 @@ def test_failures_during_training_are_one_line(tmp_path, monkeypatch, capsys):
     import errno
 
     import jax.numpy as jnp
-    from tests.rewards.test_reward_failures import CharTokenizer, _batch
 
     from configs import grpo
     from jaxrl_post import main as main_mod
@@ -22,6 +21,7 @@ def test_failures_during_training_are_one_line(tmp_path, monkeypatch, capsys):
     from jaxrl_post.rewards import RewardManager
     from jaxrl_post.rl import trainer as trainer_mod
     from jaxrl_post.rollout.tools import ToolErrorBudget
+    from tests.rewards.test_reward_failures import CharTokenizer, _batch
 
     run_dir = tmp_path / "run"
     ckpt = Checkpointer(str(run_dir / "checkpoints"), max_to_keep=None)
