@@ -55,7 +55,7 @@ def user_text(prompt: list[dict]) -> str:
 def rl_val_prompts(cfg) -> set[str]:
     """User texts of the config's validation prompts, as the RL trainer loads them (`builders.load_data_rows`:
     held out from training, topped up to `val_size`)."""
-    from jaxrl_post.rl.builders import load_data_rows
+    from jaxrl_post.rl.data_rows import load_data_rows
 
     data = load_data_rows(cfg)
     return set() if data.val is None else {user_text(r["prompt"]) for r in data.val.rows}
@@ -76,7 +76,7 @@ def item_ranges(cfg) -> dict[str, tuple[int, int]]:
 
 def draw_rows(cfg, seed: int, size: int) -> list[dict]:
     """`size` RL prompt rows of the config's training spec drawn with `seed` (`builders.load_split_rows`)."""
-    from jaxrl_post.rl.builders import load_split_rows
+    from jaxrl_post.rl.data_rows import load_split_rows
 
     c = cfg.copy_and_resolve_references()
     c.data.reasoning_gym.seed, c.data.reasoning_gym.size = int(seed), int(size)
@@ -168,7 +168,8 @@ def main(argv: list[str] | None = None) -> dict:
     if a.n_train < 1 or a.n_val < 0:
         raise SystemExit(f"--n-train={a.n_train} must be >= 1 and --n-val={a.n_val} >= 0")
     from jaxrl_post.api import load_config
-    from jaxrl_post.rl.builders import build_agent_loop, load_tokenizer
+    from jaxrl_post.rl.builders import load_tokenizer
+    from jaxrl_post.rl.reward_builders import build_agent_loop
 
     cfg = load_config(a.config)
     mt = cfg.rollout.multi_turn

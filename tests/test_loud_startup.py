@@ -75,7 +75,7 @@ def test_malformed_row_reported_before_model_load(tmp_path):
         "count malformed rows with skip_malformed=True (--config.data.skip_malformed=True)."
     )
     # with data.skip_malformed the row is skipped and counted in the data stats (logged at step 0)
-    from jaxrl_post.rl.builders import load_data_rows
+    from jaxrl_post.rl.data_rows import load_data_rows
 
     c = _unloadable_model_config(tmp_path, train)
     c.data.skip_malformed = True
@@ -106,7 +106,7 @@ def test_unknown_data_source_reported_before_model_load(tmp_path):
 
 
 def test_identical_train_and_val_files(tmp_path, caplog):
-    from jaxrl_post.rl.builders import load_data_rows
+    from jaxrl_post.rl.data_rows import load_data_rows
 
     f = _write(tmp_path / "data.jsonl", [_row(i) for i in range(4)])
     c = _unloadable_model_config(tmp_path, f, f)

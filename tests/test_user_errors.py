@@ -15,19 +15,19 @@ if REPO not in sys.path:
 
 from jaxrl_post.errors import ConfigError
 from jaxrl_post.models.char_tokenizer import build_char_tokenizer
-from jaxrl_post.rl import builders
+from jaxrl_post.rl import builders, data_rows, reward_builders
 from tests.test_loud_startup import _row, _unloadable_model_config, _write
 
 
 def _loaders(c):
-    data = builders.load_data_rows(c)
-    return builders.build_dataloaders(c, data, build_char_tokenizer(), 0)
+    data = data_rows.load_data_rows(c)
+    return data_rows.build_dataloaders(c, data, build_char_tokenizer(), 0)
 
 
 def test_empty_train_file(tmp_path):
     f = _write(tmp_path / "train.jsonl", [])
     with pytest.raises(ConfigError) as e:
-        builders.load_data_rows(_unloadable_model_config(tmp_path, f))
+        data_rows.load_data_rows(_unloadable_model_config(tmp_path, f))
     assert str(e.value) == (
         f"config.data.train_files={f!r}: the data has no rows (an empty file?); "
         "point data.train_files at a file with prompt rows"
@@ -37,7 +37,7 @@ def test_empty_train_file(tmp_path):
 def test_unknown_reasoning_gym_task(tmp_path):
     c = _unloadable_model_config(tmp_path, "reasoning_gym:basic_arithmetc")
     with pytest.raises(ConfigError) as e:
-        builders.load_data_rows(c)
+        data_rows.load_data_rows(c)
     msg = str(e.value)
     assert msg.startswith(
         "config.data.train_files='reasoning_gym:basic_arithmetc': reasoning-gym has no task 'basic_arithmetc'; "
@@ -103,8 +103,8 @@ def test_custom_reward_file_is_imported_once(tmp_path):
     )
     c.custom_reward_function.path = str(reward)
     c.reward_model.num_workers = 0
-    data = builders.load_data_rows(c)
-    manager = builders.build_reward_manager(c, build_char_tokenizer(), data.custom_reward_fn)
+    data = data_rows.load_data_rows(c)
+    manager = reward_builders.build_reward_manager(c, build_char_tokenizer(), data.custom_reward_fn)
     try:
         assert manager.compute_score("d", "x", "y") == 1.0
     finally:

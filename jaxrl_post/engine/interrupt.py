@@ -26,11 +26,14 @@ closes.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
 import threading
 from collections.abc import Callable
+
+log = logging.getLogger(__name__)
 
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}  # 128 + signal number, what shells report
 
@@ -64,13 +67,13 @@ def exit_now(code: int) -> None:
     for fn in _AT_EXIT_NOW:
         try:
             fn()
-        except Exception:  # pylint: disable=broad-except
-            pass
+        except Exception:  # an exit callback must not stop the exit; recorded for a debug log
+            log.debug("at_exit_now callback %r failed", fn, exc_info=True)
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except Exception:  # pylint: disable=broad-except
-            pass
+        except Exception:  # a closed or broken stream: nothing left to flush it to
+            log.debug("flushing %r failed", stream, exc_info=True)
     os._exit(code)
 
 
@@ -128,8 +131,8 @@ class GracefulStop:
             if self.lost_line is not None:
                 try:
                     lost = self.lost_line()
-                except Exception:  # pylint: disable=broad-except  (a handler must exit, whatever happens)
-                    pass
+                except Exception as e:  # a handler must exit, whatever happens; the line says why it has no detail
+                    lost = f"nothing more is saved (could not tell what is lost: {type(e).__name__}: {e})"
             self._write(f"second {signal_name(signum)}: exiting now; {lost}")
             self._hard_exit(exit_code_for(self.signum))
             return

@@ -415,5 +415,5 @@ class RewardManager:
     def __del__(self):
         try:
             self.close()
-        except Exception:
-            pass
+        except Exception:  # at interpreter shutdown modules may be gone; close() ran or the workers are ending
+            log.debug("%s.close() at garbage collection failed", type(self).__name__, exc_info=True)

@@ -12,6 +12,7 @@ them down after a Ctrl-C, see `engine/interrupt.py`).
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import pickle
 import signal
@@ -23,6 +24,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 __all__ = ["CallResult", "RewardWorkerPool", "default_mp_context"]
 
@@ -235,5 +238,5 @@ class RewardWorkerPool:
     def __del__(self):
         try:
             self.close()
-        except Exception:
-            pass
+        except Exception:  # at interpreter shutdown modules may be gone; close() ran or the workers are ending
+            log.debug("%s.close() at garbage collection failed", type(self).__name__, exc_info=True)

@@ -1,44 +1,22 @@
 """`RLTrainer`: verl's `RayPPOTrainer.fit()` dataflow as one host loop (the only impure orchestration).
 
-Per training step (`train_step`):
-
-    prompts -> generate rollout.n each, interleaved, one prefill per prompt           timing_s/gen
-    -> reward (RewardManager; score on the last valid response token; with           timing_s/reward
-       reward_model.enable the frozen reward model scores each trajectory first: rm_scores)
-       [DAPO overlong shaping (reward_model.overlong_buffer) inside the RewardManager; DAPO dynamic sampling
-       (algorithm.filter_groups, dynamic_sampling.py): drop groups whose metric does not vary, generate and
-       score further prompt batches until data.train_batch_size groups are kept]
-    -> old log-probs (skipped when exactly on-policy)                               timing_s/old_log_prob
-    -> reference log-probs (only when a KL term is on)                              timing_s/ref
-    -> teacher log-probs (on-policy distillation, teacher.py)                        timing_s/teacher
-    -> critic values (PPO)                                                           timing_s/values
-    -> KL penalty in reward (fixed/adaptive controller) -> advantages                timing_s/adv
-    -> critic update (epochs x mini-batches)                                         timing_s/update_critic
-    -> actor update (after critic_warmup; epochs x shuffled mini-batches)            timing_s/update_actor
-    -> metrics (verl names) -> console + metrics.jsonl
-
-Jit boundaries (each built once here, compiled once per run): rollout's prefill/decode, `forward`
-(`steps.make_log_prob_fn` / `make_value_fn`) and `update` (`steps.make_actor_update` / `make_critic_update`,
-params and optimizer state donated).
+Per training step (`train_step`), each stage a named timer (`timing_s/<stage>`): gen (rollout.n responses per
+prompt) -> reward (the reward manager; DAPO's overlong shaping and dynamic sampling, `dynamic_sampling.py`) ->
+old_log_prob (skipped when exactly on-policy) -> ref (a KL term on) -> teacher (on-policy distillation) ->
+values (PPO) -> adv (KL in reward, the estimator: `advantage_fn.py`) -> update_critic -> update_actor (after
+`critic_warmup`) -> metrics (verl's names) -> console + metrics.jsonl. docs/architecture.md follows one step
+file by file.
 
 "Exactly on-policy" (verl: `on_policy` in the actor): `actor.ppo_epochs == 1`, one mini-batch per step and
 no KL-in-reward. Then the old log-probs equal the current ones, so the update uses
 `stop_gradient(log_prob)` as old log-probs (ratio == 1) and the separate forward pass is skipped.
 
-Where the code lives: the trainer composes role objects (roles/: `PolicyRole`, `ReferencePolicy`,
-`CriticRole`, `TeacherRole`, `RolloutRole`, wrapped by `dynamic_sampling.FilteredRollout` for DAPO), one
-device pytree `TrainState` and one `HostState` (train_state.py), a `Placement` (placement.py: mesh, jit and
-placement helpers) and a `RunDir` (run_dir.py: lock, checkpoints, resume, saves after an error); the
-mini-batch update loops and step metrics are functions in updates.py, the validation loop in
-validation_loop.py; this module holds the host loop (`train_step`, `fit`).
-
-Checkpointable state (see `state_dict`): actor/critic params and optimizer states, global step, update
-counters, RNG key, KL controller, data iterator position, non-finite skip counters; the reference params
-only as a pointer (they are the initial actor, rebuilt the same way); the distillation teacher not at all
-(frozen, rebuilt from `distillation.teacher_models.teacher_model`). Checkpoints (`checkpoint.py`,
-orbax, async) are written every `trainer.save_freq` steps and after the last one, into
-`<trainer.default_local_dir>/checkpoints/global_step_<N>`; `trainer.resume_mode` picks what to resume
-from when the trainer is built. Resuming is exact: the same steps give bit-identical params and metrics.
+The trainer composes role objects (roles/), one device pytree `TrainState` and one `HostState`
+(engine/train_state.py), a `Placement` (engine/placement.py) and a `RunDir` (engine/run/run_dir.py: lock,
+checkpoints, resume, saves after an error); the update loops are functions in updates.py, the validation loop in
+validation_loop.py. Checkpoints (see `state_dict`) hold actor/critic params and optimizer states, counters, the
+RNG key, the KL controller, the data position and the non-finite counters (the reference as a pointer, the
+teacher not at all); resuming is exact: the same steps give bit-identical params and metrics.
 """
 
 from __future__ import annotations
@@ -64,7 +42,7 @@ from jaxrl_post.engine.run.run_files import config_to_dict
 from jaxrl_post.engine.run.tracking import Tracking, console_legend
 from jaxrl_post.engine.train_state import HostState, OptimizedParams, TrainState, place_like
 from jaxrl_post.errors import ConfigError
-from jaxrl_post.rl import builders, preflight, updates
+from jaxrl_post.rl import advantage_fn, builders, data_rows, preflight, reward_builders, updates
 from jaxrl_post.rl import metrics as metrics_lib
 from jaxrl_post.rl.config_check import critic_enabled, kl_in_use, validate_config
 from jaxrl_post.rl.dynamic_sampling import FilteredRollout
@@ -87,22 +65,6 @@ class RunData:
     stats: dict[str, float]
 
 
-def build_advantage_fn(cfg, placement: Placement):
-    """Jitted KL-in-reward + advantage estimator (`algorithm.*`, `steps.make_advantage_fn`)."""
-    al = cfg.algorithm
-    return jax.jit(
-        steps.make_advantage_fn(
-            adv_estimator=al.adv_estimator,
-            gamma=float(al.gamma),
-            lam=float(al.lam),
-            norm_adv_by_std_in_grpo=bool(al.norm_adv_by_std_in_grpo),
-            use_kl_in_reward=bool(al.use_kl_in_reward),
-            kl_penalty=al.kl_penalty,
-            on_trace=placement.tracer("adv"),
-        )
-    )
-
-
 class RLTrainer:
     """PPO / GRPO / DAPO trainer driven by a job ConfigDict (configs/grpo.py, configs/ppo.py, configs/dapo.py).
 
@@ -116,7 +78,7 @@ class RLTrainer:
         unusable `trainer.default_local_dir` (`preflight.check_workdir`) or one another live run holds
         (`run_lock.RunDirBusyError`), a missing `model.path` (`preflight.check_model_path`), a
         data_source with no reward function (without `custom_reward_function.path`), and validation data
-        that all occurs in the training data while validation is on (`builders.load_data_rows`), and a
+        that all occurs in the training data while validation is on (`data_rows.load_data_rows`), and a
         distillation teacher that does not exist (`teacher.check_teacher_path`), whose tokenizer differs from
         the student's or whose vocabulary is smaller (`teacher.build_teacher`).
       MalformedRowError: a malformed data row (file, row, problem), before the model is loaded.
@@ -134,7 +96,7 @@ class RLTrainer:
         # model, data loaders and reward function are built, so a failed start leaves no empty directory),
         # then the data rows (malformed rows, unknown data sources, ...)
         preflight.check_workdir(cfg)
-        data_rows = builders.load_data_rows(cfg)
+        rows = data_rows.load_data_rows(cfg)
         preflight.check_model_path(cfg)  # a missing model: one line now, not a traceback from the loader
         check_teacher_path(cfg)  # the same for a distillation teacher
 
@@ -146,16 +108,16 @@ class RLTrainer:
         eos_token_ids, pad_token_id = builders.eos_and_pad(self.tokenizer)
 
         # ---- data, rewards
-        train_loader, val_loader, data_stats = builders.build_dataloaders(cfg, data_rows, self.tokenizer, pad_token_id)
+        train_loader, val_loader, data_stats = data_rows.build_dataloaders(cfg, rows, self.tokenizer, pad_token_id)
         self.data = RunData(train_loader, val_loader, data_stats)
         # multi-process: each process loads only its share of every global prompt batch (distributed.py)
         try:
             process_local = distributed.shard_loader(train_loader, mesh, int(cfg.rollout.n))
         except ValueError as e:  # shares that are not whole prompt groups, a tensor axis across processes
             raise ConfigError(str(e)) from e
-        rm_scorer = builders.build_rm_scorer(cfg, mesh, self.tokenizer)  # None without reward_model.enable
-        self.reward_fn = builders.build_reward_manager(
-            cfg, self.tokenizer, data_rows.custom_reward_fn, rm_scorer=rm_scorer
+        rm_scorer = reward_builders.build_rm_scorer(cfg, mesh, self.tokenizer)  # None without reward_model.enable
+        self.reward_fn = reward_builders.build_reward_manager(
+            cfg, self.tokenizer, rows.custom_reward_fn, rm_scorer=rm_scorer
         )
         peak_flops = metrics_lib.device_peak_flops(override=cfg.trainer.device_peak_flops)
         self.geometry = g = StepGeometry.from_config(cfg, len(train_loader), peak_flops)
@@ -173,7 +135,7 @@ class RLTrainer:
         self.critic, critic = (None, None)
         if critic_enabled(cfg):
             self.critic, critic = CriticRole.build(cfg, self.policy, self.placement, g)
-        self.advantage = build_advantage_fn(cfg, self.placement)
+        self.advantage = advantage_fn.build_advantage_fn(cfg, self.placement)
 
         # ---- state: one device pytree, one host dataclass (train_state.py)
         self.state = TrainState(actor=actor, critic=critic, rollout=None, rng=jax.random.key(int(cfg.trainer.seed)))
@@ -369,7 +331,7 @@ class RLTrainer:
             set was dropped because validation was off). RewardFunctionError: see `RewardManager.compute`.
         """
         if self.data.val_loader is None:
-            if self.config.data.val_files:  # dropped by builders.load_data_rows (validation was off)
+            if self.config.data.val_files:  # dropped by data_rows.load_data_rows (validation was off)
                 raise ValueError(
                     "validate(): no validation set: every prompt of config.data.val_files also occurs in "
                     "config.data.train_files (allowed only while validation is off)"

@@ -52,7 +52,7 @@ def detect_cluster() -> str | None:
             if env.is_env_present():
                 return env.__name__
         except Exception:  # a probe that cannot run (e.g. no metadata server) means: not this cluster
-            continue
+            log.debug("cluster probe %s failed: not this cluster", env.__name__, exc_info=True)
     return None
 
 
@@ -130,8 +130,8 @@ def initialize(coordinator_address=None, num_processes=None, process_id=None) ->
         return True
     try:  # CPU multi-process collectives (harmless on TPU/GPU, whose backends bring their own)
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    except Exception:  # pragma: no cover - option removed
-        pass
+    except Exception:  # pragma: no cover - option removed: the backend's own collectives are used
+        log.debug("jax_cpu_collectives_implementation=gloo not available", exc_info=True)
     jax.distributed.initialize(
         coordinator_address=coordinator_address,
         num_processes=None if num_processes is None else int(num_processes),

@@ -51,7 +51,7 @@ def build_rows(n_prompts: int, variant: str | None = None) -> list[dict]:
 
     Raises ValueError when the config is not a tools run or has fewer rows than asked for."""
     from configs import grpo_tools
-    from jaxrl_post.rl.builders import load_split_rows
+    from jaxrl_post.rl.data_rows import load_split_rows
 
     cfg = grpo_tools.get_config(variant)
     mt = cfg.rollout.multi_turn

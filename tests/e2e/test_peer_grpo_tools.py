@@ -54,7 +54,7 @@ def rows():
 
 def test_rows_are_the_configs_rows_in_our_training_order(rows):
     from configs import grpo_tools
-    from jaxrl_post.rl.builders import load_split_rows
+    from jaxrl_post.rl.data_rows import load_split_rows
 
     cfg = grpo_tools.get_config()
     ours = load_split_rows(cfg, val=False).rows
@@ -75,7 +75,7 @@ def test_rows_are_the_configs_rows_in_our_training_order(rows):
 def test_training_order_is_the_dataloaders(smol_tok):
     from configs import grpo_tools
     from jaxrl_post.data.pipeline import PromptDataLoader
-    from jaxrl_post.rl.builders import load_split_rows
+    from jaxrl_post.rl.data_rows import load_split_rows
 
     cfg = grpo_tools.get_config()
     ours = load_split_rows(cfg, val=False).rows
@@ -93,7 +93,7 @@ def test_trl_renders_our_prompt_and_tool_suffix(rows, smol_tok):
 
     trl_peer = _load("grpo_tools_trl")
     from configs import grpo_tools
-    from jaxrl_post.rl.builders import load_split_rows
+    from jaxrl_post.rl.data_rows import load_split_rows
     from jaxrl_post.rollout.agent_loop import AgentLoop
     from jaxrl_post.rollout.chat_suffix import _render, observation_suffix
     from jaxrl_post.rollout.tools import calculator, resolve_tools

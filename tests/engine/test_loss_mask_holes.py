@@ -17,8 +17,8 @@ from jaxrl_post.algos.rollout_corr import compute_rollout_correction_and_rejecti
 from jaxrl_post.batch.protocol import DataProto
 from jaxrl_post.engine import packed_steps, packing, steps
 from jaxrl_post.rewards.manager import RewardManager
+from jaxrl_post.rl import advantage_fn, ppo_update
 from jaxrl_post.rl import metrics as metrics_lib
-from jaxrl_post.rl import ppo_update
 
 P, R, B, V = 4, 7, 6, 50
 
@@ -196,7 +196,7 @@ def test_kl_in_reward_and_gae_skip_the_holes():
     last = R - 1 - np.argmax(mask[:, ::-1], 1)
     scores[np.arange(B), last] = np.arange(B, dtype=np.float32) - 2.0
     fn = jax.jit(
-        steps.make_advantage_fn(
+        advantage_fn.make_advantage_fn(
             adv_estimator="gae",
             gamma=0.9,
             lam=0.8,
@@ -226,7 +226,7 @@ def test_kl_in_reward_and_gae_skip_the_holes():
 
     # GRPO: the outcome advantage is broadcast to the model's tokens only
     grpo = jax.jit(
-        steps.make_advantage_fn(
+        advantage_fn.make_advantage_fn(
             adv_estimator="grpo",
             gamma=1.0,
             lam=1.0,

@@ -165,8 +165,8 @@ def test_judge_from_config(tmp_path):
     from jaxrl_post.errors import ConfigError
     from jaxrl_post.models.char_tokenizer import build_char_tokenizer
     from jaxrl_post.models.hf_io import save_pretrained
-    from jaxrl_post.rl.builders import build_reward_manager
     from jaxrl_post.rl.config_check import validate_config
+    from jaxrl_post.rl.reward_builders import build_reward_manager
 
     tok = build_char_tokenizer()
     save_pretrained(_bigram_judge_model(tok), tok, str(tmp_path / "judge"))

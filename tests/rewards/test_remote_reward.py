@@ -359,7 +359,7 @@ def test_client_and_config_refuse_bad_settings():
         validate_config(c)
     c.custom_reward_function.path = None
     validate_config(c)
-    from jaxrl_post.rl.builders import build_reward_manager
+    from jaxrl_post.rl.reward_builders import build_reward_manager
 
     c.reward_model.num_workers = 2  # ignored: the client is not a per-row function, no worker pool
     mgr = build_reward_manager(c, CharTokenizer())

@@ -203,7 +203,7 @@ def test_run_refuses_the_python_tool_without_the_sandbox_in_one_line(monkeypatch
     sys.path.insert(0, REPO)
     from configs import base
     from jaxrl_post.errors import ConfigError
-    from jaxrl_post.rl.builders import build_agent_loop
+    from jaxrl_post.rl.reward_builders import build_agent_loop
     from jaxrl_post.rollout.tools import check_sandbox
 
     monkeypatch.setattr(sandbox, "isolation_problem", lambda: "bubblewrap is missing (test)")

@@ -58,7 +58,7 @@ def _user(row):
 
 
 def test_held_out_prompts_stay_out_and_the_answer_is_the_tools_output(made, cfg):
-    from jaxrl_post.rl.builders import load_data_rows
+    from jaxrl_post.rl.data_rows import load_data_rows
     from jaxrl_post.rollout.tools import calculator
 
     _, stats, rows = made
@@ -123,7 +123,8 @@ def test_sft_tokens_and_loss_equal_the_agent_loops(script, cfg, made, tok):
     from jaxrl_post.batch.protocol import DataProto
     from jaxrl_post.data.sft import load_sft_data
     from jaxrl_post.rewards import default_compute_score
-    from jaxrl_post.rl.builders import build_agent_loop, eos_and_pad
+    from jaxrl_post.rl.builders import eos_and_pad
+    from jaxrl_post.rl.reward_builders import build_agent_loop
     from jaxrl_post.rollout.sampling import SamplingParams
 
     out, _, rows = made

@@ -168,7 +168,8 @@ def test_tiny_run_via_main_resumes_exactly_and_exports_for_the_rl_loop(tmp_path,
     for x, y in zip(jax.tree.leaves(exported), jax.tree.leaves(b2.actor_params)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     from configs import grpo
-    from jaxrl_post.rl.builders import build_rm_scorer, load_tokenizer
+    from jaxrl_post.rl.builders import load_tokenizer
+    from jaxrl_post.rl.reward_builders import build_rm_scorer
 
     rl = grpo.get_config("tiny")
     rl.reward_model.enable, rl.reward_model.model.path = True, str(tmp_path / "a")

@@ -218,8 +218,8 @@ class Checkpointer:
             try:
                 self._manager.reload()
                 return sorted(self._manager.all_steps())
-            except Exception:  # pylint: disable=broad-except
-                pass
+            except Exception:  # the manager cannot list (e.g. a step directory half removed): read the directory
+                log.debug("orbax could not list %s; reading the directory instead", self.directory, exc_info=True)
         return list_complete_steps(self.directory)
 
     # ------------------------------------------------------------------------------------ queries
@@ -325,8 +325,8 @@ class Checkpointer:
         finally:
             try:
                 self._manager.close()
-            except Exception:  # pylint: disable=broad-except
-                pass
+            except Exception:  # the saves are finished (above); a failure to release the manager loses nothing
+                log.warning("closing the checkpoint manager of %s failed", self.directory, exc_info=True)
             self._manager = None
 
     # ------------------------------------------------------------------------------------ restore

@@ -20,7 +20,7 @@ from flax import nnx
 
 from jaxrl_post.algos.registry import adv_estimator_needs
 from jaxrl_post.engine.placement import Placement, to_numpy
-from jaxrl_post.rl import builders
+from jaxrl_post.rl import reward_builders
 from jaxrl_post.rl.dynamic_sampling import score_everywhere, timer
 from jaxrl_post.runtime import platform_defaults
 
@@ -68,7 +68,7 @@ class RolloutRole:
             mesh=placement.active_mesh,
             cache_segment_len=platform_defaults.cache_segment_len(),  # one segment off CPU (no per-segment cond)
         )
-        self.agent_loop = builders.build_agent_loop(cfg, self.generator, tokenizer)  # None: single-turn
+        self.agent_loop = reward_builders.build_agent_loop(cfg, self.generator, tokenizer)  # None: single-turn
         self._multi_turn_stats: list[dict] = []  # agent-loop counts of each generation batch of the step
 
     @property
