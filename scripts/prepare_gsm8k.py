@@ -52,7 +52,8 @@ def local_examples(path: str) -> dict[str, list[tuple[str, dict]]]:
     """`{split: [(where, example), ...]}` from a directory of `<split>.jsonl` files or one `.jsonl` file
     (`where` = "file:line"). Raises PrepareError: nothing to read, a line that is not a JSON object."""
     if os.path.isdir(path):
-        files = {s: os.path.join(path, f"{s}.jsonl") for s in SPLITS if os.path.isfile(os.path.join(path, f"{s}.jsonl"))}
+        files = {s: os.path.join(path, f"{s}.jsonl") for s in SPLITS}
+        files = {s: f for s, f in files.items() if os.path.isfile(f)}
         if not files:
             raise PrepareError(f"--local_dataset_path={path}: no train.jsonl or test.jsonl in this directory")
     elif os.path.isfile(path):

@@ -28,7 +28,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from jaxrl_post.api import build_trainer  # noqa: E402
+from jaxrl_post.api import build_trainer
 
 pytestmark = pytest.mark.slow
 
