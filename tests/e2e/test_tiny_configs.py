@@ -74,21 +74,32 @@ def test_tiny_builds_on_data_in_the_repo_and_its_trainer_constructs(name, tmp_pa
 
 @pytest.mark.parametrize("variant", ["configs/grpo_tools.py:tiny", "configs/sft.py:tiny"])
 def test_tiny_runs_one_step_through_the_command_line(variant, tmp_path):
+    """One step; the console shows this trainer's legend (a new run directory) and, for the agent run, turns /
+    tool calls / tool errors on the step line; the SFT run's summary has no empty `val_before`."""
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "jaxrl_post.main", f"--config={variant}"]
     cmd += ["--config.trainer.total_training_steps=1", f"--config.trainer.default_local_dir={run_dir}"]
-    cmd += ["--config.trainer.val_before_train=False", "--config.trainer.val_at_end=False"]
-    cmd += ["--config.trainer.save_freq=-1"]
+    cmd += ["--config.trainer.val_before_train=False", "--config.trainer.save_freq=-1"]
     if "sft" in variant:
-        cmd += ["--config.trainer.export_hf=False"]
+        cmd += ["--config.trainer.export_hf=False"]  # validation after the step: 16 shipped held-out rows
+    else:
+        cmd += ["--config.trainer.val_at_end=False"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(run_dir / "metrics.jsonl", encoding="utf-8") as f:
         steps = {row["step"]: row for row in map(json.loads, f)}
     assert max(steps) == 1
+    out = proc.stdout
+    assert out.count("console step line") == 1
+    step_line = next(line for line in out.splitlines() if line.startswith("step 1 |"))
     if "grpo_tools" in variant:  # a multi-turn run with the calculator: the agent loop's metrics
         assert {"num_turns/mean", "tool_calls/mean", "tool/errors"} <= set(steps[1])
         assert steps[1]["critic/score/mean"] >= 0.0
+        assert "tool_calls/mean (multi-turn)" in out and "loss (SFT)" not in out and "vf_ev" not in out
+        assert f"turns={steps[1]['num_turns/mean']:.4g} | tool_calls=" in step_line and "| tool_err=" in step_line
     else:
         assert steps[0]["data/num_examples"] == 64 and steps[0]["data/num_truncated"] == 0
-        assert steps[1]["loss"] > 0.0
+        assert steps[1]["loss"] > 0.0 and steps[1]["val/loss"] > 0.0
+        assert "loss (SFT)" in out and "critic/score/mean" not in out and "loss (DPO)" not in out
+        summary = json.loads(out[out.index("\n{") :])  # the last lines: the validation summary
+        assert list(summary) == ["val_after"]
