@@ -95,7 +95,7 @@ def test_tiny_runs_one_step_through_the_command_line(variant, tmp_path):
     if "grpo_tools" in variant:  # a multi-turn run with the calculator: the agent loop's metrics
         assert {"num_turns/mean", "tool_calls/mean", "tool/errors"} <= set(steps[1])
         assert steps[1]["critic/score/mean"] >= 0.0
-        assert "tool_calls/mean (multi-turn)" in out and "loss (SFT)" not in out and "vf_ev" not in out
+        assert "tool_calls/mean (multi-turn)" in out and "loss (SFT)" not in out and "critic/vf_loss" not in out
         assert f"turns={steps[1]['num_turns/mean']:.4g} | tool_calls=" in step_line and "| tool_err=" in step_line
     else:
         assert steps[0]["data/num_examples"] == 64 and steps[0]["data/num_truncated"] == 0
