@@ -72,6 +72,7 @@ def tiny(c):
     c.trainer.experiment_name = "dpo_tiny"
     c.trainer.default_local_dir = "runs/dpo_tiny"
     c.data.train_files = TINY_PAIRS
+    c.data.val_files = None  # (sft.tiny's rows are not pairs)
     c.data.max_length = 16  # characters: "a+b=" + answer + <|im_end|>
     c.data.train_batch_size = 8
     c.data.micro_batch_size = 4

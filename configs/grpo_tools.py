@@ -8,6 +8,9 @@ Variants (`--config=configs/grpo_tools.py:VARIANT`):
              `<answer></answer>` tags in its own turn (the reward reads the last tag: a number that only appears in the
              tool output earns nothing). SmolLM2's template ignores `tools=`, so the tool list goes into the system
              prompt (Qwen2.5's Hermes tool prompt).
+  tiny       random 2-layer llama with the character tokenizer (configs/grpo.py:tiny's model) and the calculator on
+             reasoning-gym multiplications (generated, no download), the toy reward; 2 steps (tests, smoke runs).
+             The tool list in the system prompt is ~1,000 characters (one token each), hence max_prompt_length 1088.
   guess      the number-guessing game (`GuessNumberEnv`): feedback "too low / too high" every turn, reward 1 on a
              correct guess (`guess_number_score` reads the turn scores).
 """
@@ -19,7 +22,7 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO not in sys.path:  # config files are loaded by path; make `configs.*` importable from anywhere
     sys.path.insert(0, _REPO)
 
-from configs import base
+from configs import base, grpo
 
 SYSTEM_PROMPT = (
     "You are a careful assistant. Use the calculator tool for arithmetic: call it, read its result, then give the "
@@ -71,12 +74,29 @@ def _guess(c):
     return c
 
 
+def _tiny(c):
+    _default(c)  # the calculator task (multiplications, answer tags, the tool prompt) on the tiny model
+    grpo.tiny(c)
+    c.trainer.experiment_name = "grpo_tools_tiny"
+    c.trainer.default_local_dir = "runs/grpo_tools_tiny"
+    # characters: the system prompt with the calculator's schema (Hermes tool prompt) and the question: 1,014
+    c.data.max_prompt_length = 1088
+    c.data.max_response_length = 32  # every turn of a trajectory (a random model rarely writes a tool call)
+    c.data.train_batch_size = 2
+    c.actor.ppo_mini_batch_size = 2  # prompts (8 responses): one on-policy update per step
+    c.actor.ppo_micro_batch_size = 8
+    c.actor.use_kl_loss = False  # no reference forward over the long prompts
+    c.model.seqs_per_packed_row = 1  # rows of one 1,120-token sequence: attention costs row_len^2
+    c.rollout.multi_turn.max_assistant_turns = 2
+    return c
+
+
 def get_config(arg=None):
     c = base.get_base_config()
     c.algorithm.adv_estimator = "grpo"
     c.critic.enable = False
     variant = arg or "default"
-    fns = {"default": _default, "guess": _guess}
+    fns = {"default": _default, "tiny": _tiny, "guess": _guess}
     if variant not in fns:
         raise ValueError(f"configs/grpo_tools.py: unknown variant {variant!r}; valid: {sorted(fns)}")
     return fns[variant](c)

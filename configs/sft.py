@@ -11,8 +11,10 @@ Variants (`--config=configs/sft.py:VARIANT`):
              + tool prompt, question, `<tool_call>`, the tool's result, `<answer>`) written by
              `python scripts/make_tool_sft_data.py --out-dir runs/tool_sft`; loss on the two assistant turns. The
              result is the RL model source `--config.model.path=runs/sft_tools` (docs/agents.md).
-  tiny       random 2-layer llama with the character tokenizer (tests); data.max_length is 96 characters, so pass
-             short rows of your own: --config.data.train_files=... --config.data.val_files=...
+  tiny       random 2-layer llama with the character tokenizer on `configs/data/sft_tiny.jsonl` (64 generated
+             additions, `question` "What is a+b?" -> `answer` "a+b=c\n#### c", GSM8K's keys and answer rule) and
+             `configs/data/sft_tiny_val.jsonl` (16 other ones); seconds on a CPU (tests, smoke runs). Rows of your
+             own: --config.data.train_files=... --config.data.val_files=... (data.max_length is 96 characters).
 
 The `model.*` and `trainer.*` sections are `configs/base.py`'s (same meanings; the RL-only keys removed);
 `data.*` and `optim.*` follow verl's `sft_trainer.yaml` (batch sizes count examples, global).
@@ -30,6 +32,8 @@ import ml_collections as mlc
 from configs import base
 
 GSM8K_DIR = os.path.normpath(os.path.join(_REPO, "..", "shared", "data", "gsm8k"))
+TINY_ROWS = os.path.join(_REPO, "configs", "data", "sft_tiny.jsonl")
+TINY_VAL_ROWS = os.path.join(_REPO, "configs", "data", "sft_tiny_val.jsonl")
 
 _RL_ONLY_MODEL = ("seqs_per_packed_row", "pack_shared_prompts")
 _RL_ONLY_TRAINER = ("critic_warmup", "device_peak_flops")
@@ -122,7 +126,7 @@ def _tools(c):
 
 
 def tiny(c):
-    """Random tiny llama, character tokenizer, rows written by the test (data.*_files set there)."""
+    """Random tiny llama, character tokenizer, the generated addition rows shipped in configs/data/."""
     c.trainer.experiment_name = "sft_tiny"
     c.trainer.default_local_dir = "runs/sft_tiny"
     c.model.random_init = True
@@ -135,7 +139,9 @@ def tiny(c):
     c.model.arch.num_heads = 4
     c.model.arch.num_kv_heads = 2
     c.model.arch.head_dim = 8
-    c.data.max_length = 96  # characters (char tokenizer)
+    c.data.train_files = TINY_ROWS
+    c.data.val_files = TINY_VAL_ROWS
+    c.data.max_length = 96  # characters (char tokenizer): the rows above are 55-62 with the chat template
     c.data.train_batch_size = 4
     c.data.micro_batch_size = 2
     c.data.max_val_samples = None

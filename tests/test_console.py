@@ -1,6 +1,7 @@
 """The console: the legend (docs/console.md == the code == `--help`), 'n/a' for undefined values, explained
 variance of constant returns undefined, the dropped-validation count in words, the critic_warmup warning."""
 
+import json
 import math
 import os
 import subprocess
@@ -12,17 +13,22 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
+from jaxrl_post.engine.loop import print_legend
+from jaxrl_post.engine.run.run_files import has_metrics, prepare_metrics_file
 from jaxrl_post.engine.run.tracking import _CONSOLE_KEYS, CONSOLE_LEGEND, ConsoleLogger, console_legend
+from jaxrl_post.rl.config_check import console_tags
 from jaxrl_post.rl.metrics import compute_data_metrics
 from jaxrl_post.rl.preflight import critic_warmup_warning
+from jaxrl_post.rl.trainer import summarize
 
 
 def test_legend_covers_every_console_label_and_docs_and_help_agree():
     labels = {label for _, label in _CONSOLE_KEYS if label} | {"val-core/..."}
-    assert {label for label, _ in CONSOLE_LEGEND} == labels
+    assert {label for label, _, _ in CONSOLE_LEGEND} == labels
     for key, label in _CONSOLE_KEYS:  # each meaning names the metric the label shows
-        if label:
-            assert dict(CONSOLE_LEGEND)[label].startswith(key), (key, label)
+        for lab, _, meaning in CONSOLE_LEGEND:
+            if label and lab == label:
+                assert meaning.startswith(key), (key, label)
     with open(os.path.join(REPO, "docs", "console.md"), encoding="utf-8") as f:
         assert f"```\n{console_legend()}\n```" in f.read()
     proc = subprocess.run(
@@ -66,8 +72,7 @@ def test_dropped_validation_prompts_are_said_in_words():
     stats = {"data/num_train_prompts": 64.0, "data/num_val_prompts": 12.0, "data/val_dropped_seen_in_train": 4.0}
     assert ConsoleLogger.format(stats, 0) == (
         "step 0 | data/num_train_prompts=64 | data/num_val_prompts=12 | "
-        "4 validation prompts left out: they also occur in the training data "
-        "(data/num_val_prompts counts the validation prompts used)"
+        "4 validation prompts were also training prompts: left out; validating on 12 prompts not in the training data"
     )
     stats["data/val_dropped_seen_in_train"] = 0.0
     assert ConsoleLogger.format(stats, 0) == "step 0 | data/num_train_prompts=64 | data/num_val_prompts=12"
@@ -90,3 +95,87 @@ def test_dpo_and_reward_model_lines_show_their_trl_metrics():
     )
     rm = {"loss": 0.5, "accuracy": 0.875, "margin": 1.5, "val/accuracy": 0.5}
     assert ConsoleLogger.format(rm, 2) == "step 2 | loss=0.5 | pair_acc=0.875 | margin=1.5 | val_pair_acc=0.5"
+
+
+def _legend_labels(text):
+    return [line.split()[0] for line in text.splitlines()[1:]]
+
+
+def _load_config(name, variant="tiny"):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"cfg_{name}", os.path.join(REPO, "configs", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.get_config(variant)
+
+
+def test_a_run_prints_only_its_trainers_legend():
+    grpo = _legend_labels(console_legend(console_tags(_load_config("grpo"))))  # GRPO with the KL loss
+    assert grpo == ["score", "val-core/...", "reward", "resp_len", "truncated", "pg", "ent", "ppo_kl", "kl_loss"] + [
+        "gnorm",
+        "step_s",
+        "gen_s",
+        "upd_s",
+    ]
+    ppo = _legend_labels(console_legend(console_tags(_load_config("ppo"))))
+    assert {"vf_ev", "vf_loss", "kl_rew"} <= set(ppo) and "kl_loss" not in ppo and "turns" not in ppo
+    tools = _legend_labels(console_legend(console_tags(_load_config("grpo_tools"))))
+    assert {"turns", "tool_calls", "tool_err"} <= set(tools) and "vf_ev" not in tools
+    assert {"distill", "kl_teacher"} <= set(_legend_labels(console_legend(console_tags(_load_config("opd")))))
+    dpo = console_legend({"dpo"})
+    assert _legend_labels(dpo) == ["loss", "val_loss", "rew_acc", "rew_margin", "val_rew_acc", "grad_norm", "step_s"]
+    assert "loss (DPO)" in dpo and "(SFT)" not in dpo and "critic/" not in dpo
+    assert _legend_labels(console_legend({"sft"})) == ["loss", "acc", "val_loss", "val_ppl", "grad_norm", "step_s"]
+    assert _legend_labels(console_legend({"reward_model"}))[:2] == ["loss", "val_loss"]
+    assert len(_legend_labels(console_legend())) == len(CONSOLE_LEGEND)  # --help and the docs: every line
+
+
+class _Run:
+    def __init__(self, new):
+        self.new_directory = new
+
+
+class _Trainer:
+    def __init__(self, new, loggers=("console", "jsonl")):
+        self.run, self.lines = _Run(new), []
+        self.tracker = type("T", (), {"backends": dict.fromkeys(loggers)})()
+        self._say = self.lines.append
+
+    def console_tags(self):
+        return {"sft"}
+
+
+def test_the_legend_is_printed_once_per_run_directory(tmp_path):
+    t = _Trainer(new=True)
+    assert print_legend(t) and t.lines == [console_legend({"sft"})]
+    for t in (_Trainer(new=False), _Trainer(new=True, loggers=("jsonl",))):  # a directory with metrics; no console
+        assert not print_legend(t) and t.lines == []
+    run = tmp_path / "run"
+    assert not has_metrics(str(run))  # no directory yet
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("")
+    assert not has_metrics(str(run))  # an empty file: nothing logged
+    (run / "metrics.jsonl").write_text('{"step": 0}\n')
+    assert has_metrics(str(run))
+    assert "moved to" in prepare_metrics_file(str(run), None)  # a restart from scratch moves the old file aside
+    assert not (run / "metrics.jsonl").exists() and has_metrics(str(run))  # the directory has seen a run
+
+
+def test_agent_step_line_shows_turns_tool_calls_and_tool_errors():
+    m = {"critic/score/mean": 0.5, "response_length/mean": 30.0, "num_turns/mean": 2.5, "tool_calls/mean": 0.75}
+    m |= {"tool/errors": 2.0, "tool/format_errors": 1.0, "actor/pg_loss": 0.1}
+    assert ConsoleLogger.format(m, 4) == (
+        "step 4 | score=0.5 | resp_len=30 | turns=2.5 | tool_calls=0.75 | tool_err=2 | pg=0.1"
+    )
+
+
+def test_the_summary_leaves_out_a_side_without_validation():
+    after = {"val/loss": 1.5, "timing_s/testing": 2.0}
+    assert json.loads(summarize({"val_before": None, "val_after": after})) == {"val_after": {"val/loss": 1.5}}
+    assert json.loads(summarize({"val_before": {}, "val_after": after})) == {"val_after": {"val/loss": 1.5}}
+    both = {"val_before": {"val-core/x/acc/mean@1": 0.25}, "val_after": after}
+    assert json.loads(summarize(both)) == {
+        "val_before": {"val-core/x/acc/mean@1": 0.25},
+        "val_after": {"val/loss": 1.5},
+    }

@@ -21,6 +21,7 @@ import contextlib
 from typing import Any
 
 from jaxrl_post.engine.progress import progress_bar
+from jaxrl_post.engine.run.tracking import console_legend
 from jaxrl_post.runtime import distributed
 
 
@@ -42,6 +43,17 @@ def _val_before(trainer, result: dict[str, Any]) -> None:
             else "unknown (the original run's step-0 validation was not saved)"
         )
     )
+
+
+def print_legend(trainer) -> bool:
+    """Print the console legend of the metrics this trainer logs (`trainer.console_tags()`), once per run
+    directory: only when the console logger is on and no run logged metrics in the directory before
+    (`RunDir.new_directory`). Returns whether it printed."""
+    run = getattr(trainer, "run", None)
+    if run is None or not run.new_directory or "console" not in getattr(trainer.tracker, "backends", {}):
+        return False
+    trainer._say(console_legend(trainer.console_tags()))
+    return True
 
 
 def fit(trainer, max_steps: int | None = None, *, stop=None, desc: str = "training") -> dict[str, Any]:
@@ -78,6 +90,7 @@ def fit(trainer, max_steps: int | None = None, *, stop=None, desc: str = "traini
     if max_steps is not None:
         stop_at = min(stop_at, trainer.global_steps + int(max_steps))
     save_freq, freq = int(cfg.trainer.save_freq), int(cfg.trainer.test_freq)
+    print_legend(trainer)  # what score | loss | ... on the step lines mean
     if hasattr(trainer, "on_fit_start"):
         trainer.on_fit_start()
     if cfg.trainer.val_before_train and trainer.has_validation():

@@ -81,6 +81,19 @@ def critic_enabled(cfg: Any) -> bool:
     return bool(cfg.critic.enable)
 
 
+def console_tags(cfg: Any) -> set[str]:
+    """The metric groups an RL run logs, for the console legend (`tracking.CONSOLE_LEGEND`): 'rl' plus 'critic',
+    'kl_loss', 'kl_in_reward', 'opd' (on-policy distillation) and 'agent' (multi-turn) when they are on."""
+    on = {
+        "critic": critic_enabled(cfg),
+        "kl_loss": bool(cfg.actor.use_kl_loss),
+        "kl_in_reward": bool(cfg.algorithm.use_kl_in_reward),
+        "opd": bool(cfg.distillation.enabled),
+        "agent": bool(cfg.rollout.multi_turn.enable),
+    }
+    return {"rl", *(tag for tag, yes in on.items() if yes)}
+
+
 # (use_dynamic_bsz key, its fallback, max_token_len key, its fallback) of each packed pass
 _DYNAMIC_BSZ_KEYS = {
     "actor": ("actor.use_dynamic_bsz", None, "actor.ppo_max_token_len_per_gpu", None),

@@ -39,10 +39,10 @@ from jaxrl_post.engine.placement import to_numpy as _np
 from jaxrl_post.engine.run import checkpoint as ckpt
 from jaxrl_post.engine.run.run_dir import RunDir
 from jaxrl_post.engine.run.run_files import config_to_dict
-from jaxrl_post.engine.run.tracking import Tracking, console_legend
+from jaxrl_post.engine.run.tracking import Tracking
 from jaxrl_post.engine.train_state import HostState, OptimizedParams, TrainState, place_like
 from jaxrl_post.errors import ConfigError
-from jaxrl_post.rl import advantage_fn, builders, data_rows, preflight, reward_builders, updates
+from jaxrl_post.rl import advantage_fn, builders, config_check, data_rows, preflight, reward_builders, updates
 from jaxrl_post.rl import metrics as metrics_lib
 from jaxrl_post.rl.config_check import critic_enabled, kl_in_use, validate_config
 from jaxrl_post.rl.dynamic_sampling import FilteredRollout
@@ -392,9 +392,10 @@ class RLTrainer:
     def has_validation(self) -> bool:
         return self.data.val_loader is not None
 
+    def console_tags(self) -> set[str]:
+        return config_check.console_tags(self.config)  # the console legend's lines for this run
+
     def on_fit_start(self) -> None:
-        if "console" in getattr(self.tracker, "backends", {}):
-            self._say(console_legend())  # once per run: what score | reward | ... on each step line mean
         warn = preflight.critic_warmup_warning(int(self.config.trainer.critic_warmup), self.total_training_steps)
         if warn:
             self._say(warn)
@@ -505,8 +506,8 @@ class RLTrainer:
 
 
 def summarize(result: dict[str, Any]) -> str:
-    """Before/after validation numbers of a `fit()` result, as JSON text."""
+    """Before/after validation numbers of a `fit()` result, as JSON text; a side without validation (none
+    before training, none at the end) is left out, not shown as `{}`."""
     keep = lambda m: {k: v for k, v in (m or {}).items() if k.startswith(("val-", "val/"))}
-    return json.dumps(
-        {"val_before": keep(result.get("val_before")), "val_after": keep(result.get("val_after"))}, indent=1
-    )
+    out = {name: keep(result.get(name)) for name in ("val_before", "val_after")}
+    return json.dumps({name: m for name, m in out.items() if m}, indent=1)

@@ -379,6 +379,10 @@ class SFTTrainer:
     def has_validation(self) -> bool:
         return self.val_data is not None
 
+    def console_tags(self) -> set[str]:
+        """Which lines of the console legend apply: this trainer's (`TRAINER_TYPE`)."""
+        return {self.TRAINER_TYPE}
+
     def on_fit_start(self) -> None:
         packed = {} if self.packed_rows is None else {"data/num_packed_rows": len(self.packed_rows)}  # bfd
         self.tracker.log({**self.train_data.stats, **packed}, step=self.global_steps)

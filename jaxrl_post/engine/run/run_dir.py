@@ -27,6 +27,7 @@ from jaxrl_post.engine.run import checkpoint as ckpt
 from jaxrl_post.engine.run.run_files import (
     config_to_dict,
     first_validation,
+    has_metrics,
     is_lead_process,
     keep_previous_config,
     move_aside_old_checkpoints,
@@ -110,6 +111,7 @@ class RunDir:
         self.run_lock: RunLock | None = None
         self.resumed_from: str | None = None
         self.checkpoint_config: dict | None = None
+        self.new_directory = True  # no run has logged metrics here before (set by `open`; the console legend)
 
     def open(self, owner) -> None:
         """Take the lock, resume (`owner.load_checkpoint(root, step)`), prepare `metrics.jsonl`, write the
@@ -158,6 +160,7 @@ class RunDir:
         if found is not None and owner.val_before_metrics is None and is_lead_process():
             # checkpoints written before `host['val_before']` existed: the run's step-0 line of metrics.jsonl
             owner.val_before_metrics = first_validation(self.workdir)
+        self.new_directory = not has_metrics(self.workdir)  # before an earlier run's file is moved aside
         # metrics.jsonl holds this run only: an earlier run's file is moved aside, a resumed one truncated
         resumed_step = owner.global_steps if found is not None else None
         notice = prepare_metrics_file(self.workdir, resumed_step) if is_lead_process() else None

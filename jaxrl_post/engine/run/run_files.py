@@ -22,6 +22,7 @@ from the checkpointed run's prints one warning listing the changed keys (`resume
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import shlex
@@ -143,6 +144,14 @@ def _human_size(n: int) -> str:
             return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
     raise AssertionError("unreachable")
+
+
+def has_metrics(workdir: str, filename: str = METRICS_FILE) -> bool:
+    """Whether a run has logged metrics in `workdir`: a non-empty `<filename>` or one an earlier run's start moved
+    aside (`<stem>.<stamp><ext>`, `prepare_metrics_file`)."""
+    stem, ext = os.path.splitext(filename)
+    paths = [os.path.join(workdir, filename), *glob.glob(os.path.join(glob.escape(workdir), f"{stem}.*{ext}"))]
+    return any(os.path.isfile(p) and os.path.getsize(p) > 0 for p in paths)
 
 
 def prepare_metrics_file(workdir: str, resumed_step: int | None, filename: str = METRICS_FILE) -> str | None:

@@ -37,6 +37,9 @@ _CONSOLE_KEYS = (
     ("critic/vf_explained_var", "vf_ev"),
     ("response_length/mean", "resp_len"),
     ("response_length/clip_ratio", "truncated"),  # share of responses cut at max_response_length (not PPO clip)
+    ("num_turns/mean", "turns"),  # multi-turn (rollout/trajectory.py rollout_metrics)
+    ("tool_calls/mean", "tool_calls"),
+    ("tool/errors", "tool_err"),
     ("actor/pg_loss", "pg"),
     ("actor/entropy", "ent"),
     ("actor/ppo_kl", "ppo_kl"),
@@ -52,46 +55,77 @@ _CONSOLE_KEYS = (
 )
 
 
-# What each console label means (printed once at the start of a run and in `--help`; docs/console.md holds
-# the same text, checked by tests/test_console.py). Labels of metrics a run does not produce are not shown.
+# What each console label means (printed at the start of a run in a new run directory, and in `--help`;
+# docs/console.md holds the same text, checked by tests/test_console.py): (label, tags, meaning). A run prints the
+# lines whose tags meet its own (`console_tags`): the trainer (`rl`, `sft`, `dpo`, `reward_model`) and, for RL,
+# the features that add metrics (`critic`, `kl_loss`, `kl_in_reward`, `opd`, `agent`).
+_SUPERVISED = ("sft", "dpo", "reward_model")
 CONSOLE_LEGEND = (
-    ("score", "critic/score/mean: mean score the reward function gave a response (before any KL penalty)"),
-    ("loss", "loss (SFT): mean negative log-likelihood per trained token of the step"),
-    ("acc", "mean_token_accuracy (SFT): share of trained tokens the model's argmax predicts"),
-    ("val_loss", "val/loss (SFT): mean negative log-likelihood per trained token on the held-out set"),
-    ("val_ppl", "val/perplexity (SFT): exp(val/loss)"),
-    ("rew_acc", "rewards/accuracies (DPO): share of pairs whose implicit reward of chosen > rejected"),
-    ("rew_margin", "rewards/margins (DPO): mean implicit reward of chosen minus rejected (beta * log-ratio gap)"),
-    ("val_rew_acc", "val/rewards/accuracies (DPO): rewards/accuracies on the held-out pairs"),
-    ("pair_acc", "accuracy (reward model): share of pairs scored chosen > rejected"),
-    ("margin", "margin (reward model): mean score of chosen minus rejected"),
-    ("val_pair_acc", "val/accuracy (reward model): accuracy on the held-out pairs"),
-    ("grad_norm", "grad_norm (SFT/DPO/RM): the gradient norm before clipping"),
-    ("val-core/...", "validation score on the held-out set (verl's val-core/<data_source>/<metric>)"),
-    ("reward", "critic/rewards/mean: mean reward per response after the KL-in-reward penalty (PPO)"),
-    ("vf_ev", "critic/vf_explained_var (PPO): 1 - Var(returns - values) / Var(returns); n/a if returns are constant"),
-    ("resp_len", "response_length/mean: mean response length in tokens"),
-    ("truncated", "response_length/clip_ratio: share of responses cut at data.max_response_length"),
-    ("pg", "actor/pg_loss: policy-gradient (clipped surrogate) loss of the actor update"),
-    ("ent", "actor/entropy: mean per-token entropy of the policy on the responses"),
-    ("ppo_kl", "actor/ppo_kl: KL between the rollout (old) policy and the updated one, how far the update moved"),
-    ("kl_loss", "actor/kl_loss: KL to the reference model (actor.use_kl_loss)"),
-    ("kl_rew", "actor/reward_kl_penalty (PPO): KL to the reference subtracted from the reward"),
-    ("distill", "actor/distillation/loss (OPD): the distillation loss of the actor update"),
-    ("kl_teacher", "actor/distillation/reverse_kl (OPD): mean log pi_student - log pi_teacher of the sampled tokens"),
-    ("gnorm", "actor/grad_norm: the actor's gradient norm before clipping"),
-    ("vf_loss", "critic/vf_loss (PPO): the critic's value loss"),
-    ("step_s", "timing_s/step: seconds for the whole step"),
-    ("gen_s", "timing_s/gen: seconds generating the responses"),
-    ("upd_s", "timing_s/update_actor: seconds in the actor update"),
+    ("score", ("rl",), "critic/score/mean: mean score the reward function gave a response (before any KL penalty)"),
+    ("loss", ("sft",), "loss (SFT): mean negative log-likelihood per trained token of the step"),
+    ("loss", ("dpo",), "loss (DPO): mean preference loss of the step's pairs (dpo.loss_type)"),
+    ("loss", ("reward_model",), "loss (reward model): mean -log sigmoid(score chosen - score rejected) of the pairs"),
+    ("acc", ("sft",), "mean_token_accuracy (SFT): share of trained tokens the model's argmax predicts"),
+    ("val_loss", ("sft",), "val/loss (SFT): mean negative log-likelihood per trained token on the held-out set"),
+    ("val_loss", ("dpo", "reward_model"), "val/loss (DPO / reward model): the loss on the held-out pairs"),
+    ("val_ppl", ("sft",), "val/perplexity (SFT): exp(val/loss)"),
+    ("rew_acc", ("dpo",), "rewards/accuracies (DPO): share of pairs whose implicit reward of chosen > rejected"),
+    (
+        "rew_margin",
+        ("dpo",),
+        "rewards/margins (DPO): mean implicit reward of chosen minus rejected (beta * log-ratio gap)",
+    ),
+    ("val_rew_acc", ("dpo",), "val/rewards/accuracies (DPO): rewards/accuracies on the held-out pairs"),
+    ("pair_acc", ("reward_model",), "accuracy (reward model): share of pairs scored chosen > rejected"),
+    ("margin", ("reward_model",), "margin (reward model): mean score of chosen minus rejected"),
+    ("val_pair_acc", ("reward_model",), "val/accuracy (reward model): accuracy on the held-out pairs"),
+    ("grad_norm", _SUPERVISED, "grad_norm (SFT/DPO/RM): the gradient norm before clipping"),
+    ("val-core/...", ("rl",), "validation score on the held-out set (verl's val-core/<data_source>/<metric>)"),
+    ("reward", ("rl",), "critic/rewards/mean: mean reward per response after the KL-in-reward penalty (PPO)"),
+    (
+        "vf_ev",
+        ("critic",),
+        "critic/vf_explained_var (PPO): 1 - Var(returns - values) / Var(returns); n/a if returns are constant",
+    ),
+    ("resp_len", ("rl",), "response_length/mean: mean response length in tokens"),
+    ("truncated", ("rl",), "response_length/clip_ratio: share of responses cut at data.max_response_length"),
+    ("turns", ("agent",), "num_turns/mean (multi-turn): mean turns per trajectory (the model's and the environment's)"),
+    ("tool_calls", ("agent",), "tool_calls/mean (multi-turn): mean tool calls per trajectory"),
+    ("tool_err", ("agent",), "tool/errors (multi-turn): tool calls of the step that failed (error, bad call, timeout)"),
+    ("pg", ("rl",), "actor/pg_loss: policy-gradient (clipped surrogate) loss of the actor update"),
+    ("ent", ("rl",), "actor/entropy: mean per-token entropy of the policy on the responses"),
+    (
+        "ppo_kl",
+        ("rl",),
+        "actor/ppo_kl: KL between the rollout (old) policy and the updated one, how far the update moved",
+    ),
+    ("kl_loss", ("kl_loss",), "actor/kl_loss: KL to the reference model (actor.use_kl_loss)"),
+    ("kl_rew", ("kl_in_reward",), "actor/reward_kl_penalty (PPO): KL to the reference subtracted from the reward"),
+    ("distill", ("opd",), "actor/distillation/loss (OPD): the distillation loss of the actor update"),
+    (
+        "kl_teacher",
+        ("opd",),
+        "actor/distillation/reverse_kl (OPD): mean log pi_student - log pi_teacher of the sampled tokens",
+    ),
+    ("gnorm", ("rl",), "actor/grad_norm: the actor's gradient norm before clipping"),
+    ("vf_loss", ("critic",), "critic/vf_loss (PPO): the critic's value loss"),
+    ("step_s", ("rl", *_SUPERVISED), "timing_s/step: seconds for the whole step"),
+    ("gen_s", ("rl",), "timing_s/gen: seconds generating the responses"),
+    ("upd_s", ("rl",), "timing_s/update_actor: seconds in the actor update"),
 )
 
 
-def console_legend() -> str:
-    """The console legend: a header line and one `  label  metric: meaning` line per label."""
-    width = max(len(label) for label, _ in CONSOLE_LEGEND)
+def console_legend(tags=None) -> str:
+    """The console legend: a header line and one `  label  metric: meaning` line per label.
+
+    Args:
+      tags: the running trainer's `console_tags` (e.g. `{"rl", "critic"}`, `{"dpo"}`): only the lines of the
+        metrics it logs; None: every line (docs/console.md, `--help`).
+    """
+    rows = [(label, meaning) for label, when, meaning in CONSOLE_LEGEND if tags is None or set(when) & set(tags)]
+    width = max(len(label) for label, _ in rows)
     lines = ["console step line (all metrics in metrics.jsonl; 'n/a': undefined, e.g. vf_ev of constant returns):"]
-    lines += [f"  {label:<{width}}  {meaning}" for label, meaning in CONSOLE_LEGEND]
+    lines += [f"  {label:<{width}}  {meaning}" for label, meaning in rows]
     return "\n".join(lines)
 
 
@@ -148,6 +182,14 @@ class JsonlLogger:
             self._f = None
 
 
+def _dropped_validation_words(dropped: float, used: Any) -> str:
+    """The step-0 note on validation prompts that also occur in the training data (`rl/data_rows.py` drops them;
+    a reasoning-gym validation set draws others in their place)."""
+    n = _to_float(used)
+    kept = "" if n is None else f"; validating on {n:.0f} prompts not in the training data"
+    return f"{dropped:.0f} validation prompts were also training prompts: left out{kept}"
+
+
 class ConsoleLogger:
     """Prints a compact line every `print_every` steps (validation lines always)."""
 
@@ -175,10 +217,7 @@ class ConsoleLogger:
                 f = _to_float(v)
                 if k == "data/val_dropped_seen_in_train":  # a count of what was done, not an error
                     if f:
-                        parts.append(
-                            f"{f:.0f} validation prompts left out: they also occur in the training data "
-                            "(data/num_val_prompts counts the validation prompts used)"
-                        )
+                        parts.append(_dropped_validation_words(f, metrics.get("data/num_val_prompts")))
                     continue
                 parts.append(f"{k}={_fmt(f)}" if f is not None else f"{k}={v}")
         return " | ".join(parts)
