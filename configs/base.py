@@ -113,6 +113,12 @@ def get_base_config() -> mlc.ConfigDict:
     c.model.arch.num_kv_heads = _opt_int()  # key/value heads (grouped-query attention)
     c.model.arch.head_dim = _opt_int()  # per-head width K
     c.model.arch.vocab_size = _opt_int()  # vocabulary size V (>= the tokenizer's)
+    c.model.arch.num_experts = _opt_int()  # MoE experts E per MoE layer (HF name; docs/moe.md)
+    c.model.arch.num_experts_per_tok = _opt_int()  # MoE experts k each token is routed to (HF name)
+    c.model.arch.moe_intermediate_size = _opt_int()  # MoE expert MLP width (HF name)
+    # MoE: add the load-balancing loss to the actor loss (HF's switch)
+    c.model.arch.output_router_logits = mlc.FieldReference(None, field_type=bool)
+    c.model.arch.router_aux_loss_coef = mlc.FieldReference(None, field_type=float)  # MoE: its weight (HF: 0.001)
 
     # ---------------------------------------------------------------- data
     c.data = mlc.ConfigDict()

@@ -6,6 +6,7 @@ Variants (`--config=configs/grpo.py:VARIANT`):
   lora       the default run with LoRA (rank 16, alpha 32, all linear projections; higher lr): only the adapters
              and their AdamW moments are trained and checkpointed, the reference is the base model.
   tiny       random 2-layer llama, a deterministic toy reward; a few steps in well under a minute (tests).
+  moe_tiny   `tiny` with a random 2-layer Qwen3-MoE (4 experts, top-2; docs/moe.md).
 """
 
 import os
@@ -126,12 +127,24 @@ def tiny(c):
     return c
 
 
+def moe_tiny(c):
+    """`tiny` on a random Qwen3-MoE: 2 MoE layers of 4 experts (top-2, norm_topk_prob), 32 wide."""
+    tiny(c)
+    c.trainer.experiment_name = "grpo_moe_tiny"
+    c.trainer.default_local_dir = "runs/grpo_moe_tiny"
+    c.model.preset = "qwen3_30b_a3b"
+    c.model.arch.num_experts = 4
+    c.model.arch.num_experts_per_tok = 2
+    c.model.arch.moe_intermediate_size = 32  # the dense tiny's intermediate_size 128 = 4 experts x 32
+    return c
+
+
 def get_config(arg=None):
     c = base.get_base_config()
     c.algorithm.adv_estimator = "grpo"
     c.critic.enable = False
     variant = arg or "default"
-    fns = {"default": _default, "gsm8k": _gsm8k, "lora": _lora, "tiny": tiny}
+    fns = {"default": _default, "gsm8k": _gsm8k, "lora": _lora, "tiny": tiny, "moe_tiny": moe_tiny}
     if variant not in fns:
         raise ValueError(f"configs/grpo.py: unknown variant {variant!r}; valid: {sorted(fns)}")
     return fns[variant](c)

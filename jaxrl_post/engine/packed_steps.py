@@ -43,19 +43,23 @@ from jaxrl_post.engine import update_core
 from jaxrl_post.runtime.sharding import constrain
 
 
-def _hidden_at_slots(backbone, mb) -> jax.Array:
+def _hidden_at_slots(backbone, mb, with_moe: bool = False):
     """Final hidden states at the micro-batch's response slots, `[Q, D]`. With per-shard slot blocks
     (`slot_pos [G, Q / G]`) each block is gathered from its own shard's rows (`[G, rows / G * L, D]`, the
-    shard dim constrained to the batch axes), so no device gathers another's hidden states."""
+    shard dim constrained to the batch axes), so no device gathers another's hidden states.
+    with_moe: `(h, moe.MoEOutput | None)` (the routing of every real token of the packed rows)."""
     seg = mb["segment_ids"]
-    h = backbone.hidden_states(mb["input_ids"], seg != 0, mb["positions"], segment_ids=seg)
+    h = backbone.hidden_states(mb["input_ids"], seg != 0, mb["positions"], segment_ids=seg, with_moe=with_moe)
+    h, moe = h if with_moe else (h, None)
     sp = mb["slot_pos"]
     if sp.ndim == 1:
-        return h.reshape(-1, h.shape[-1])[sp]
-    g, qb = sp.shape
-    hs = constrain(h.reshape(g, -1, h.shape[-1]), ("batch", None, None))
-    out = constrain(jax.vmap(lambda hb, ib: hb[ib])(hs, sp), ("batch", None, None))  # [G, Q / G, D]
-    return out.reshape(g * qb, h.shape[-1])
+        out = h.reshape(-1, h.shape[-1])[sp]
+    else:
+        g, qb = sp.shape
+        hs = constrain(h.reshape(g, -1, h.shape[-1]), ("batch", None, None))
+        out = constrain(jax.vmap(lambda hb, ib: hb[ib])(hs, sp), ("batch", None, None))  # [G, Q / G, D]
+        out = out.reshape(g * qb, h.shape[-1])
+    return (out, moe) if with_moe else out
 
 
 # Slots per LM-head chunk in the per-block head. The vmapped blocks' [chunk, V] float32 temporaries are what
@@ -213,8 +217,8 @@ class PackedLayout:
 
     name = "packed"
 
-    def head(self, model, mb):
-        return _hidden_at_slots(model, mb)
+    def head(self, model, mb, with_moe=False):
+        return _hidden_at_slots(model, mb, with_moe)
 
     def log_probs(self, model, mb, head, temperature, entropy):
         return packed_log_probs(model, mb, temperature, entropy, head)

@@ -137,13 +137,13 @@ def response_log_probs(
     return _log_probs_of_logits(response_logits(model, batch), batch, temperature, with_entropy)
 
 
-def response_logits(model: nnx.Module, batch: dict[str, jax.Array]) -> jax.Array:
+def response_logits(model: nnx.Module, batch: dict[str, jax.Array], with_moe: bool = False):
     """The logits that score the response tokens, `[b, R, V]` (model dtype): only the R + 1 last positions go
-    through the LM head; position t predicts `responses[:, t]`."""
+    through the LM head; position t predicts `responses[:, t]`. with_moe: `(logits, moe.MoEOutput | None)`."""
     r = batch["responses"].shape[1]
-    return model(
-        batch["input_ids"], batch["attention_mask"], positions=batch.get("position_ids"), logits_to_keep=r + 1
-    )[:, :-1]
+    ids, mask, pos = batch["input_ids"], batch["attention_mask"], batch.get("position_ids")
+    out = model(ids, mask, positions=pos, logits_to_keep=r + 1, with_moe=with_moe)
+    return (out[0][:, :-1], out[1]) if with_moe else out[:, :-1]
 
 
 def _log_probs_of_logits(logits, batch, temperature: float, with_entropy: bool | str):
@@ -189,8 +189,8 @@ class PaddedLayout:
         n = self.n_micro if self.n_micro is not None else rows // self.micro_batch_size
         return jax.tree.map(lambda x: to_micro(x, n), batch)
 
-    def head(self, model, mb):
-        return response_logits(model, mb)
+    def head(self, model, mb, with_moe=False):
+        return response_logits(model, mb, with_moe)
 
     def log_probs(self, model, mb, head, temperature, entropy):
         return _log_probs_of_logits(head, mb, temperature, entropy)

@@ -1,4 +1,5 @@
-"""Decoder architecture as data: one frozen dataclass covers Llama, Qwen2/2.5, Qwen3, Gemma 2 and Gemma 3.
+"""Decoder architecture as data: one frozen dataclass covers Llama, Qwen2/2.5, Qwen3, Gemma 2, Gemma 3 and
+Qwen3-MoE.
 
 The families differ only in fields (qkv bias, q/k norm, norm offset, embedding scale, post norms,
 soft-capping, sliding-window layers, rope bases). `ModelConfig.from_hf_config` reads a transformers
@@ -20,6 +21,7 @@ HF_ARCH = {
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
     "gemma2": ("gemma2", "Gemma2ForCausalLM"),
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+    "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
 }
 _MODEL_TYPE_TO_FAMILY = {mt: fam for fam, (mt, _) in HF_ARCH.items()}
 _MODEL_TYPE_TO_FAMILY.update({"mistral": "llama", "gemma3": "gemma3"})
@@ -47,6 +49,12 @@ class ModelConfig:
     'sliding_attention'; `None` means every layer is full. `norm_offset` is 1.0 for Gemma's `x * (1 + w)`
     RMSNorm, 0.0 for Llama's `x * w`. `embed_scale` multiplies embeddings by sqrt(hidden_size) (Gemma), in
     the compute dtype. `query_pre_attn_scalar`: scores are scaled by its -1/2 power (default head_dim).
+
+    Mixture of experts (HF Qwen3-MoE names; `num_experts = 0`: dense): layer i is an MoE block (`models/moe.py`)
+    iff `is_moe_layer(i)`: `num_experts > 0`, i not in `mlp_only_layers` and `(i + 1) % decoder_sparse_step == 0`;
+    other layers keep the dense MLP of width `intermediate_size`. Each token goes to `num_experts_per_tok` of
+    `num_experts` experts of width `moe_intermediate_size`; `norm_topk_prob` renormalizes the chosen
+    probabilities to sum 1. `router_aux_loss_coef` weights the load-balancing loss when `output_router_logits`.
     """
 
     family: str = "llama"
@@ -77,6 +85,14 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: Any = None  # int, tuple of ints or None
     pad_token_id: int | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    router_aux_loss_coef: float = 0.001
+    output_router_logits: bool = False
     dtype: str = "float32"  # default compute dtype
     param_dtype: str = "float32"  # default parameter dtype
 
@@ -105,6 +121,15 @@ class ModelConfig:
             raise NotImplementedError(f"rope_type {rope_type!r} not supported; supported: {SUPPORTED_ROPE_TYPES}")
         if self.hidden_act not in ("silu", "gelu_pytorch_tanh", "gelu_new", "gelu"):
             raise NotImplementedError(f"hidden_act {self.hidden_act!r} not supported")
+        object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers or ()))
+        if self.num_experts:
+            e, k = self.num_experts, self.num_experts_per_tok
+            if not 1 <= k <= e or self.moe_intermediate_size < 1 or self.decoder_sparse_step < 1:
+                raise ValueError(
+                    f"MoE config: need 1 <= num_experts_per_tok ({k}) <= num_experts ({e}), "
+                    f"moe_intermediate_size >= 1 ({self.moe_intermediate_size}), decoder_sparse_step >= 1 "
+                    f"({self.decoder_sparse_step})"
+                )
 
     # ----------------------------------------------------------------- derived
     @property
@@ -120,6 +145,17 @@ class ModelConfig:
             return float(self.rope_local_base_freq), {}
         return float(self.rope_theta), self.rope_scaling_dict
 
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer `layer` is a mixture-of-experts block (HF Qwen3-MoE's rule)."""
+        return (
+            self.num_experts > 0 and layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+        )
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """Indices of the MoE layers, in order (their routes are `[..., len(moe_layers), k]`)."""
+        return tuple(i for i in range(self.num_layers) if self.is_moe_layer(i))
+
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         if self.eos_token_id is None:
@@ -129,8 +165,8 @@ class ModelConfig:
     def replace(self, **kw) -> ModelConfig:
         return dataclasses.replace(self, **kw)
 
-    def num_params(self) -> int:
-        """Parameter count (embedding counted once when tied)."""
+    def num_params(self, active: bool = False) -> int:
+        """Parameter count (embedding counted once when tied); active: per token (the routed experts only)."""
         d, f, k = self.hidden_size, self.intermediate_size, self.head_dim
         attn = d * k * (2 * self.num_heads + 2 * self.num_kv_heads)
         if self.qkv_bias:
@@ -138,9 +174,11 @@ class ModelConfig:
         if self.qk_norm:
             attn += 2 * k
         norms = d * (4 if self.post_norms else 2)
-        per_layer = attn + 3 * d * f + norms
+        n_moe = len(self.moe_layers)
+        experts = self.num_experts_per_tok if active else self.num_experts
+        moe = d * self.num_experts + 3 * d * self.moe_intermediate_size * experts
         emb = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + emb + d
+        return self.num_layers * (attn + norms) + (self.num_layers - n_moe) * 3 * d * f + n_moe * moe + emb + d
 
     # ---------------------------------------------------------------- HF I/O
     @classmethod
@@ -210,7 +248,7 @@ class ModelConfig:
             elif family == "gemma3":
                 pattern = cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", 6))
                 layer_types = [SLIDING if (i + 1) % pattern else FULL for i in range(num_layers)]
-            elif family in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
+            elif family in ("qwen2", "qwen3", "qwen3_moe") and cfg.get("use_sliding_window"):
                 mwl = cfg.get("max_window_layers", num_layers)
                 layer_types = [SLIDING if i >= mwl else FULL for i in range(num_layers)]
         if layer_types is not None and SLIDING not in layer_types:
@@ -234,7 +272,7 @@ class ModelConfig:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             tie_word_embeddings=cfg.get("tie_word_embeddings", gemma),
             qkv_bias=bool(family == "qwen2" or (gemma and cfg.get("attention_bias"))),
-            qk_norm=family in ("qwen3", "gemma3"),
+            qk_norm=family in ("qwen3", "gemma3", "qwen3_moe"),
             norm_offset=1.0 if gemma else 0.0,
             embed_scale=gemma,
             post_norms=gemma,
@@ -251,6 +289,19 @@ class ModelConfig:
             eos_token_id=cfg.get("eos_token_id"),
             pad_token_id=cfg.get("pad_token_id"),
         )
+        if family == "qwen3_moe":
+            if cfg.get("attention_bias"):
+                raise NotImplementedError("Qwen3-MoE attention_bias checkpoints are not supported")
+            kw.update(
+                num_experts=cfg.get("num_experts", cfg.get("num_local_experts", 0)),
+                num_experts_per_tok=cfg["num_experts_per_tok"],
+                moe_intermediate_size=cfg["moe_intermediate_size"],
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                decoder_sparse_step=cfg.get("decoder_sparse_step", 1),
+                mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
+                router_aux_loss_coef=cfg.get("router_aux_loss_coef", 0.001),
+                output_router_logits=bool(cfg.get("output_router_logits", False)),
+            )
         if gemma and kw["hidden_act"] == "gelu":  # HF Gemma maps legacy exact gelu to the tanh approximation
             kw["hidden_act"] = "gelu_pytorch_tanh"
         kw.update(overrides)
@@ -311,7 +362,20 @@ class ModelConfig:
             out["use_bidirectional_attention"] = False
         else:
             out["rope_parameters"] = full
-        if self.family in ("qwen2", "qwen3"):
+        if self.family == "qwen3_moe":
+            out.update(
+                num_experts=self.num_experts,
+                num_experts_per_tok=self.num_experts_per_tok,
+                moe_intermediate_size=self.moe_intermediate_size,
+                norm_topk_prob=self.norm_topk_prob,
+                decoder_sparse_step=self.decoder_sparse_step,
+                mlp_only_layers=list(self.mlp_only_layers),
+                router_aux_loss_coef=self.router_aux_loss_coef,
+                output_router_logits=self.output_router_logits,
+            )
+        elif self.num_experts:
+            raise ValueError(f"family {self.family!r} has no mixture-of-experts layers; use family='qwen3_moe'")
+        if self.family in ("qwen2", "qwen3", "qwen3_moe"):
             sliding = self.layer_types is not None
             out["use_sliding_window"] = sliding
             out["sliding_window"] = self.sliding_window if sliding else None

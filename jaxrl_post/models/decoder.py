@@ -1,4 +1,4 @@
-"""One decoder-only transformer (Flax NNX) for Llama, Qwen2/2.5, Qwen3, Gemma 2 and Gemma 3.
+"""One decoder-only transformer (Flax NNX) for Llama, Qwen2/2.5, Qwen3, Gemma 2, Gemma 3 and Qwen3-MoE.
 
 Families differ only by `ModelConfig` fields. Layout follows HF transformers (rotate-half RoPE, GQA where
 query head h uses kv head h // (H / Hkv)), so HF checkpoints map 1:1 (see hf_io.py).
@@ -7,7 +7,8 @@ Shape letters: B batch, T new tokens, S key/cache slots, D width, H query heads,
 K head dim, F mlp width, V vocab, L layers.
 Params carry logical axis names (`out_sharding` metadata) mapped to mesh axes by `jaxrl_post.runtime.sharding`.
 Every q/k/v/o/gate/up/down projection is a `linear.Linear` (weight `<proj>.kernel`, bias, optional LoRA);
-param init, RMSNorm and RoPE live in layers.py.
+param init, RMSNorm, RoPE and the dense MLP live in layers.py, the MoE block in moe.py, the residual block and the
+layer scan in block.py.
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ import numpy as np
 from flax import nnx
 
 from jaxrl_post.models import attention as fused
+from jaxrl_post.models.block import Block, layer_period, run_block, scan_blocks
 from jaxrl_post.models.config import ModelConfig
 from jaxrl_post.models.kv_cache import KVCache, per_row_index, write_slots, write_slots_per_row
-from jaxrl_post.models.layers import ParamInit, RMSNorm, _constrain, _rope_angles, apply_rope
+from jaxrl_post.models.layers import ParamInit, RMSNorm, _constrain, _rope_angles, apply_rope, positions_from_mask
 from jaxrl_post.models.linear import Linear
-from jaxrl_post.models.lm_head import head_token_stats
+from jaxrl_post.models.lm_head import model_logits, model_token_stats
+from jaxrl_post.models.moe import collect, layer_routes
 
 _NEG = float(np.finfo(np.float32).min)
 # Dense attention without a cache (training / scoring forwards) over rows longer than CAUSAL_BLOCK tokens runs
@@ -45,25 +48,6 @@ def segment_mask(segment_ids: jax.Array) -> jax.Array:
     q, k = segment_ids[:, :, None], segment_ids[:, None, :]
     prompt_key = (k & ((1 << SEGMENT_SUB_BITS) - 1)) == 0
     return (q == k) | (prompt_key & ((q >> SEGMENT_SUB_BITS) == (k >> SEGMENT_SUB_BITS)))
-
-
-class MLP(nnx.Module):
-    """Gated MLP: down(act(x @ gate) * (x @ up)); SwiGLU (silu) or GeGLU (tanh gelu)."""
-
-    def __init__(self, cfg: ModelConfig, *, dtype, init: ParamInit):
-        d, f = cfg.hidden_size, cfg.intermediate_size
-        self.act, self.dtype = cfg.hidden_act, dtype
-        self.gate_proj = Linear("BTD,DF->BTF", init.normal((d, f), ("embed", "mlp")), dtype=dtype)
-        self.up_proj = Linear("BTD,DF->BTF", init.normal((d, f), ("embed", "mlp")), dtype=dtype)
-        self.down_proj = Linear("BTF,FD->BTD", init.normal((f, d), ("mlp", "embed")), dtype=dtype)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        gate, up = self.gate_proj(x), self.up_proj(x)
-        if self.act == "silu":
-            gate = jax.nn.silu(gate)
-        else:  # gelu_pytorch_tanh / gelu_new: tanh approximation; "gelu": exact erf
-            gate = jax.nn.gelu(gate, approximate=self.act != "gelu")
-        return self.down_proj(gate * up)
 
 
 class Attention(nnx.Module):
@@ -235,87 +219,6 @@ class Attention(nnx.Module):
         return y, kv
 
 
-class Block(nnx.Module):
-    """Pre-norm residual block; Gemma adds post-attention and post-MLP norms (`post_norms`)."""
-
-    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, init: ParamInit):
-        norm = partial(
-            RMSNorm, cfg.hidden_size, eps=cfg.rms_norm_eps, offset=cfg.norm_offset, names=("norm",), init=init
-        )
-        self.input_norm = norm()
-        self.attn = Attention(cfg, layer, dtype=dtype, init=init)
-        self.post_attn_norm = norm() if cfg.post_norms else None
-        self.pre_mlp_norm = norm()
-        self.mlp = MLP(cfg, dtype=dtype, init=init)
-        self.post_mlp_norm = norm() if cfg.post_norms else None
-
-    def __call__(self, x, positions, kv_mask, index, kv=None, segment_ids=None):
-        h, kv = self.attn(self.input_norm(x), positions, kv_mask, index, kv, segment_ids)
-        if self.post_attn_norm is not None:
-            h = self.post_attn_norm(h)
-        x = x + h
-        h = self.mlp(self.pre_mlp_norm(x))
-        if self.post_mlp_norm is not None:
-            h = self.post_mlp_norm(h)
-        return _constrain(x + h, ("batch", None, None)), kv
-
-
-def _run_block(block: Block, x, positions, kv_mask, index, segment_ids=None):
-    return block(x, positions, kv_mask, index, segment_ids=segment_ids)[0]
-
-
-def layer_period(config: ModelConfig) -> int:
-    """Smallest p such that layer i and layer i % p have the same static attributes (sliding window,
-    rope base/scaling): 1 for Llama/Qwen, 2 for Gemma 2, 6 for Gemma 3 (5 local : 1 global)."""
-    sig = [
-        (config.is_sliding(i), config.layer_rope(i)[0], str(config.layer_rope(i)[1])) for i in range(config.num_layers)
-    ]
-    for p in range(1, len(sig) + 1):
-        if all(sig[i] == sig[i % p] for i in range(len(sig))):
-            return p
-    return len(sig)
-
-
-def _scan_blocks(layers, p: int, run, x, positions, kv_mask, index, segment_ids=None):
-    """Apply `layers` (length L, period p = `layer_period`) as `lax.scan` over L // p groups of p layers,
-    then the L % p remaining layers unrolled (MaxText `scan_layers`; Gemma's local/global pattern is one
-    group). Each group's params are stacked `[L // p, ...]` inside the traced function (one copy of the
-    params; the gradient flows back to every layer's own params), so the body is traced and compiled once
-    instead of L times. Equal to the unrolled loop up to float reassociation.
-
-    Raises ValueError when layers j, j + p, ... differ in param structure."""
-    n_groups = len(layers) // p
-    if n_groups < 2:
-        for block in layers:
-            x = run(block, x, positions, kv_mask, index, segment_ids)
-        return x
-    graphdefs, stacked = [], []
-    for j in range(p):
-        splits = [nnx.split(layers[g * p + j]) for g in range(n_groups)]
-        if any(gd != splits[0][0] for gd, _ in splits):
-            raise ValueError(f"layers {j}, {j + p}, ... differ in structure; they cannot be scanned with period {p}")
-        graphdefs.append(splits[0][0])
-        stacked.append(jax.tree.map(lambda *xs: jnp.stack(xs), *[st for _, st in splits]))
-
-    def body(h, states):
-        for gd, st in zip(graphdefs, states):
-            h = run(nnx.merge(gd, st), h, positions, kv_mask, index, segment_ids)
-        return h, None
-
-    x, _ = jax.lax.scan(body, x, tuple(stacked))
-    for block in list(layers)[n_groups * p :]:
-        x = run(block, x, positions, kv_mask, index, segment_ids)
-    return x
-
-
-def positions_from_mask(attention_mask: jax.Array, prior: jax.Array | int = 0) -> jax.Array:
-    """Per-row positions [B, T] int32: number of real tokens before each token (plus `prior` [B] real tokens
-    already in the cache), clamped at 0 for leading padding (verl: clip(cumsum(mask) - 1, 0))."""
-    m = attention_mask.astype(jnp.int32)
-    pos = jnp.cumsum(m, axis=1) - 1 + jnp.asarray(prior, jnp.int32).reshape(-1, 1)
-    return jnp.maximum(pos, 0)
-
-
 class Transformer(nnx.Module):
     """Decoder-only LM. `Transformer(config, *, rngs, dtype=None, param_dtype=None, remat=False, scan_layers=False)`.
 
@@ -323,7 +226,7 @@ class Transformer(nnx.Module):
     config.param_dtype). remat: False, True (save nothing per layer) or the name of a
     `jax.checkpoint_policies` policy; applied per layer with `nnx.remat` (forward without a cache only).
     scan_layers: run the layers of a forward without a cache as a `lax.scan` over repeating groups
-    (`_scan_blocks`: traces one group instead of L layers); params stay one `Block` per layer, so
+    (`block.scan_blocks`: traces one group instead of L layers); params stay one `Block` per layer, so
     checkpoints and HF/GGUF loading do not depend on it. The cached (rollout) path is unrolled. Off by
     default: measured on XLA:CPU (SmolLM2 shapes, 30 layers) the trace is ~6x faster but the XLA compile of
     fwd+bwd is ~1.7x slower, because the params are stacked inside the program on every call.
@@ -341,7 +244,10 @@ class Transformer(nnx.Module):
         self.attention_impl = "xla"
         init = ParamInit(rngs.params(), self.param_dtype)  # one key; params salted by creation order
         self.embedding = init.normal((config.vocab_size, config.hidden_size), ("vocab", "embed"))
-        self.layers = nnx.List([Block(config, i, dtype=self.dtype, init=init) for i in range(config.num_layers)])
+        layers, dt = [], self.dtype
+        for i in range(config.num_layers):  # attention's params, then the MLP's (init salts follow creation order)
+            layers.append(Block(config, i, Attention(config, i, dtype=dt, init=init), dtype=dt, init=init))
+        self.layers = nnx.List(layers)
         self.final_norm = RMSNorm(
             config.hidden_size, eps=config.rms_norm_eps, offset=config.norm_offset, names=("norm",), init=init
         )
@@ -387,7 +293,16 @@ class Transformer(nnx.Module):
         )
 
     # ---------------------------------------------------------------- forward
-    def hidden_states(self, input_ids, attention_mask, positions=None, cache: KVCache | None = None, segment_ids=None):
+    def hidden_states(
+        self,
+        input_ids,
+        attention_mask,
+        positions=None,
+        cache: KVCache | None = None,
+        segment_ids=None,
+        routed_experts=None,
+        with_moe: bool = False,
+    ):
         """Final-normed hidden states [B, T, D] (compute dtype); with a cache returns (hidden, new_cache).
 
         input_ids [B, T] int32; attention_mask [B, T] int/bool (1 = real token; left padding allowed);
@@ -395,6 +310,9 @@ class Transformer(nnx.Module):
         segment_ids [B, T] int32 or None: packed rows (no cache only; `engine/packing.py`): several
         sequences per row, each a contiguous segment with its own positions, attention masked per segment
         (0 = padding; pass `attention_mask = segment_ids != 0`). Raises ValueError with a cache.
+        routed_experts: forced MoE routes [B, T, M, k] int (M = len(config.moe_layers); routing replay,
+        `models/moe.py`); raises ValueError on another shape. with_moe: also return the routing, as
+        `(out, moe.MoEOutput)` (None for a dense model).
         """
         if segment_ids is not None and cache is not None:
             raise ValueError("segment_ids (packed rows) are only supported without a KV cache")
@@ -421,63 +339,37 @@ class Transformer(nnx.Module):
             x = x * jnp.asarray(math.sqrt(self.config.hidden_size), self.dtype)
         x = _constrain(x, ("batch", None, None))
 
-        run = _run_block
+        run = run_block
         if self.remat and cache is None:
             policy = None if self.remat is True else getattr(jax.checkpoint_policies, self.remat)
-            run = nnx.remat(_run_block, policy=policy)
+            run = nnx.remat(run_block, policy=policy)
+        routes = layer_routes(self.config, routed_experts, input_ids.shape)
         if cache is None and self.scan_layers:
-            x = _scan_blocks(self.layers, layer_period(self.config), run, x, positions, kv_mask, index, segment_ids)
+            p = layer_period(self.config)
+            x, stats = scan_blocks(self.layers, p, run, x, positions, kv_mask, index, segment_ids, mask, routes)
         else:
+            stats = [None] * len(self.layers)
             for i, block in enumerate(self.layers):
                 if cache is None:
-                    x = run(block, x, positions, kv_mask, index, segment_ids)
+                    x, stats[i] = run(block, x, positions, kv_mask, index, segment_ids, (mask, routes[i]))
                 else:
-                    x, (new_k[i], new_v[i]) = block(x, positions, kv_mask, index, (new_k[i], new_v[i]))
+                    kv, moe_in = (new_k[i], new_v[i]), (mask, routes[i])
+                    x, (new_k[i], new_v[i]), stats[i] = block(x, positions, kv_mask, index, kv, moe_in=moe_in)
         h = self.final_norm(x)
-        if cache is None:
-            return h
-        return h, KVCache(k=tuple(new_k), v=tuple(new_v), mask=kv_mask, index=cache.index + t)
+        out = h if cache is None else (h, KVCache(k=tuple(new_k), v=tuple(new_v), mask=kv_mask, index=cache.index + t))
+        if not with_moe:
+            return out
+        moe = [s for s in stats if s is not None]
+        return out, (collect(moe, mask, self.config.num_experts) if moe else None)
 
     def logits_from_hidden(self, h: jax.Array) -> jax.Array:
-        """[B, T, D] -> logits [B, T, V] float32 (tied or untied head, final soft-cap)."""
-        if self.lm_head is None:
-            logits = jnp.einsum(
-                "BTD,VD->BTV", h, self.embedding[...].astype(self.dtype), preferred_element_type=jnp.float32
-            )
-        else:
-            logits = jnp.einsum(
-                "BTD,DV->BTV", h, self.lm_head[...].astype(self.dtype), preferred_element_type=jnp.float32
-            )
-        cap = self.config.final_logit_softcap
-        if cap is not None:
-            logits = jnp.tanh(logits / cap) * cap
-        return logits
+        """[B, T, D] -> logits [B, T, V] float32 (tied or untied head, final soft-cap; `lm_head.model_logits`)."""
+        return model_logits(self, h)
 
-    def token_stats_from_hidden(
-        self, h, labels, n_valid, temperature=1.0, entropy="metric", chunk=512, *, in_loop_with=None
-    ):
-        """Log-probs `[Q] float32` of `labels [Q]` (and entropy `[Q]` or None) from hidden states `h [Q, D]`
-        through the LM head, chunked (`lm_head.head_token_stats`: no `[Q, V]` logits; slots >= `n_valid`
-        are skipped and give 0). entropy: 'none' | 'metric' | 'loss' (as `losses.token_log_probs`).
-        in_loop_with: an optional array computed inside the caller's loop; the head weight is tied to it by
-        `lax.optimization_barrier`, so XLA gathers an FSDP-sharded weight where it is used instead of hoisting
-        the gather out of the loop (the whole weight would then stay on every device for the program)."""
-        tied = self.lm_head is None
-        w = (self.embedding if tied else self.lm_head)[...]
-        if in_loop_with is not None:
-            w, _ = jax.lax.optimization_barrier((w, in_loop_with))
-        w = w.astype(self.dtype)
-        return head_token_stats(
-            h,
-            w,
-            labels,
-            n_valid,
-            temperature=temperature,
-            w_layout="vd" if tied else "dv",
-            softcap=self.config.final_logit_softcap,
-            chunk=chunk,
-            entropy=entropy,
-        )
+    def token_stats_from_hidden(self, h, labels, n_valid, temperature=1.0, entropy="metric", chunk=512, **kw):
+        """(log-probs `[Q]`, entropy `[Q]` or None) float32 of `labels [Q]` from `h [Q, D]`, chunked; see
+        `lm_head.model_token_stats` (keyword `in_loop_with`)."""
+        return model_token_stats(self, h, labels, n_valid, temperature, entropy, chunk, **kw)
 
     def __call__(
         self,
@@ -487,15 +379,19 @@ class Transformer(nnx.Module):
         cache: KVCache | None = None,
         logits_to_keep: int | None = None,
         segment_ids=None,
+        routed_experts=None,
+        with_moe: bool = False,
     ):
         """Logits [B, T, V] float32 (or (logits, new_cache) when a cache is given).
 
         logits_to_keep: if set, only the last that many positions' logits are computed ([B, n, V]).
-        segment_ids: packed rows, see `hidden_states`.
+        segment_ids, routed_experts, with_moe: see `hidden_states` (with_moe: `(out, MoEOutput | None)`).
         """
-        out = self.hidden_states(input_ids, attention_mask, positions, cache, segment_ids)
+        out = self.hidden_states(input_ids, attention_mask, positions, cache, segment_ids, routed_experts, with_moe)
+        out, moe = out if with_moe else (out, None)
         h, new_cache = (out, None) if cache is None else out
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
         logits = self.logits_from_hidden(h)
-        return logits if cache is None else (logits, new_cache)
+        out = logits if cache is None else (logits, new_cache)
+        return (out, moe) if with_moe else out

@@ -8,6 +8,8 @@ Layout changes HF -> ours (inverse on export): linear weights [out, in] are tran
 [H*K, D] -> [D, H, K]; o_proj [D, H*K] -> [H, K, D]; qkv biases [H*K] -> [H, K]; lm_head [V, D] -> [D, V].
 Projection weights and biases live in `Linear` modules (`layers.<i>.attn.q_proj.kernel`, `.bias`).
 Llama/Qwen's `post_attention_layernorm` is the pre-MLP norm; Gemma's is the post-attention norm.
+MoE layers (Qwen3-MoE): router `mlp.gate.weight` [E, D] -> `mlp.router` [D, E]; the per-expert
+`mlp.experts.<j>.<proj>.weight` are stacked into `mlp.<proj>` [E, in, out] (`moe.stack_experts` / `split_experts`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from flax import nnx
 
 from jaxrl_post.models.config import ModelConfig
 from jaxrl_post.models.decoder import Transformer
+from jaxrl_post.models.moe import experts_key, split_experts, stack_experts
 from jaxrl_post.models.resolve import check_model_files
 
 _SKIP_PREFIXES = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.", "multi_modal_projector.")
@@ -34,6 +37,7 @@ def param_map(config: ModelConfig) -> dict[str, tuple[tuple, Callable, Callable]
     d, h, n, k = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
     ident = (lambda w: w, lambda w: w)
     t = (lambda w: w.T, lambda w: w.T)
+    stacked_t = (lambda w: w.transpose(0, 2, 1), lambda w: w.transpose(0, 2, 1))
 
     def qkv(heads):
         return (lambda w: w.T.reshape(d, heads, k), lambda w: w.reshape(d, heads * k).T)
@@ -61,8 +65,14 @@ def param_map(config: ModelConfig) -> dict[str, tuple[tuple, Callable, Callable]
         if config.qk_norm:
             out[p + "self_attn.q_norm.weight"] = (a + ("attn", "q_norm", "scale"), *ident)
             out[p + "self_attn.k_norm.weight"] = (a + ("attn", "k_norm", "scale"), *ident)
+        moe = config.is_moe_layer(i)
+        if moe:  # router [E, D] -> [D, E]; experts: the [E, out, in] stack of HF's per-expert weights (`experts_key`)
+            out[p + "mlp.gate.weight"] = (a + ("mlp", "router"), *t)
         for name in ("gate_proj", "up_proj", "down_proj"):
-            out[p + f"mlp.{name}.weight"] = (a + ("mlp", name, "kernel"), *t)
+            if moe:
+                out[experts_key(i, name)] = (a + ("mlp", name), *stacked_t)
+            else:
+                out[p + f"mlp.{name}.weight"] = (a + ("mlp", name, "kernel"), *t)
         out[p + "input_layernorm.weight"] = (a + ("input_norm", "scale"), *ident)
         if config.post_norms:
             out[p + "post_attention_layernorm.weight"] = (a + ("post_attn_norm", "scale"), *ident)
@@ -135,20 +145,18 @@ def load_state_dict_into(
     unexpected tensors and shape mismatches (after the iterator is exhausted).
     """
     mapping = param_map(model.config) if mapping is None else mapping
-    seen, unexpected, bad_shape = set(), [], []
-    for raw_name, array in hf_named_tensors:
-        name = _normalize_name(raw_name)
-        if name is None:
-            continue
+    seen, unexpected, bad_shape, incomplete = set(), [], [], []
+    named = ((n, a) for n, a in ((_normalize_name(r), a) for r, a in hf_named_tensors) if n is not None)
+    for name, array in stack_experts(named, model.config.num_experts, incomplete):
         if name not in mapping:
             if not (name == "lm_head.weight" and model.config.tie_word_embeddings):
-                unexpected.append(raw_name)
+                unexpected.append(name)
             continue
         path, to_ours, _ = mapping[name]
         var = _get_variable(model, path)
         arr = np.asarray(to_ours(np.asarray(array)))
         if tuple(arr.shape) != tuple(var.shape):
-            bad_shape.append(f"{raw_name}: got {tuple(np.shape(array))} -> {arr.shape}, expected {var.shape}")
+            bad_shape.append(f"{name}: got {tuple(np.shape(array))} -> {arr.shape}, expected {var.shape}")
             continue
         arr = np.ascontiguousarray(arr.astype(var.dtype))
         sharding = _target_sharding(var, mesh, path)
@@ -160,6 +168,7 @@ def load_state_dict_into(
         seen.add(name)
         del arr, array
     missing = sorted(set(mapping) - seen)
+    unexpected += incomplete
     if missing or unexpected or bad_shape:
 
         def show(xs):
@@ -287,9 +296,10 @@ def save_pretrained(
         tensors = {}
         for name in names:
             path, _, to_hf = mapping[name]
-            tensors[name] = np.ascontiguousarray(to_hf(_to_host(_export_value(model, path))))
-            weight_map[name] = fname
-            total += tensors[name].nbytes
+            for hf_name, array in split_experts(name, to_hf(_to_host(_export_value(model, path)))):
+                tensors[hf_name] = np.ascontiguousarray(array)
+                weight_map[hf_name] = fname
+                total += tensors[hf_name].nbytes
         if write:
             save_file(tensors, os.path.join(out_dir, fname), metadata={"format": "pt"})
         del tensors

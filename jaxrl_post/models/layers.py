@@ -1,4 +1,4 @@
-"""Building blocks of the decoder (decoder.py): deterministic hashed init, `ParamInit`, RMSNorm, RoPE.
+"""Building blocks of the decoder (decoder.py): deterministic hashed init, `ParamInit`, RMSNorm, RoPE, gated MLP.
 
 Shape letters as in decoder.py (B batch, T tokens, K head dim). Params carry logical axis names
 (`out_sharding` metadata) mapped to mesh axes by `jaxrl_post.runtime.sharding`.
@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from jaxrl_post.models.linear import Linear
 
 
 def _fmix32(h: jax.Array) -> jax.Array:
@@ -126,6 +128,14 @@ def apply_rope(x: jax.Array, angles: jax.Array) -> jax.Array:
     return (xf * jnp.cos(ang) + rotated * jnp.sin(ang)).astype(x.dtype)
 
 
+def positions_from_mask(attention_mask: jax.Array, prior: jax.Array | int = 0) -> jax.Array:
+    """Per-row positions [B, T] int32: number of real tokens before each token (plus `prior` [B] real tokens
+    already in the cache), clamped at 0 for leading padding (verl: clip(cumsum(mask) - 1, 0))."""
+    m = attention_mask.astype(jnp.int32)
+    pos = jnp.cumsum(m, axis=1) - 1 + jnp.asarray(prior, jnp.int32).reshape(-1, 1)
+    return jnp.maximum(pos, 0)
+
+
 # ------------------------------------------------------------------------------------ layers
 class RMSNorm(nnx.Module):
     """RMSNorm over the last axis, statistics in float32.
@@ -144,3 +154,26 @@ class RMSNorm(nnx.Module):
         if self.offset:
             return (y * (self.offset + self.scale[...].astype(jnp.float32))).astype(x.dtype)
         return y.astype(x.dtype) * self.scale[...].astype(x.dtype)
+
+
+def activation(name: str, x: jax.Array) -> jax.Array:
+    """The gated MLPs' activation: 'silu' (SwiGLU), 'gelu_pytorch_tanh' / 'gelu_new' (tanh approximation),
+    'gelu' (exact erf)."""
+    if name == "silu":
+        return jax.nn.silu(x)
+    return jax.nn.gelu(x, approximate=name != "gelu")
+
+
+class MLP(nnx.Module):
+    """Gated MLP: down(act(x @ gate) * (x @ up)); SwiGLU (silu) or GeGLU (tanh gelu). `intermediate_size`
+    overrides `cfg.intermediate_size` (F)."""
+
+    def __init__(self, cfg, *, dtype, init: ParamInit, intermediate_size: int | None = None):
+        d, f = cfg.hidden_size, intermediate_size or cfg.intermediate_size
+        self.act, self.dtype = cfg.hidden_act, dtype
+        self.gate_proj = Linear("BTD,DF->BTF", init.normal((d, f), ("embed", "mlp")), dtype=dtype)
+        self.up_proj = Linear("BTD,DF->BTF", init.normal((d, f), ("embed", "mlp")), dtype=dtype)
+        self.down_proj = Linear("BTF,FD->BTD", init.normal((f, d), ("mlp", "embed")), dtype=dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(activation(self.act, self.gate_proj(x)) * self.up_proj(x))

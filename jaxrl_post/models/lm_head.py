@@ -152,3 +152,39 @@ def head_token_stats(
     if entropy == "none":
         return lp, None
     return lp, ent if entropy == "loss" else jax.lax.stop_gradient(ent)
+
+
+def model_logits(model, h: jax.Array) -> jax.Array:
+    """`decoder.Transformer.logits_from_hidden`: h `[B, T, D]` -> logits `[B, T, V]` float32 through `model`'s tied
+    (`embedding`) or untied (`lm_head`) head in its compute dtype, then the final soft-cap."""
+    if model.lm_head is None:
+        spec, w = "BTD,VD->BTV", model.embedding[...]
+    else:
+        spec, w = "BTD,DV->BTV", model.lm_head[...]
+    logits = jnp.einsum(spec, h, w.astype(model.dtype), preferred_element_type=jnp.float32)
+    cap = model.config.final_logit_softcap
+    return logits if cap is None else jnp.tanh(logits / cap) * cap
+
+
+def model_token_stats(model, h, labels, n_valid, temperature=1.0, entropy="metric", chunk=512, *, in_loop_with=None):
+    """`decoder.Transformer.token_stats_from_hidden`: log-probs `[Q] float32` of `labels [Q]` (and entropy `[Q]`
+    or None) from hidden states `h [Q, D]` through `model`'s LM head, chunked (`head_token_stats`: no `[Q, V]`
+    logits; slots >= `n_valid` are skipped and give 0). entropy: 'none' | 'metric' | 'loss' (as
+    `losses.token_log_probs`). in_loop_with: an optional array computed inside the caller's loop; the head weight
+    is tied to it by `lax.optimization_barrier`, so XLA gathers an FSDP-sharded weight where it is used instead of
+    hoisting the gather out of the loop (the whole weight would then stay on every device for the program)."""
+    tied = model.lm_head is None
+    w = (model.embedding if tied else model.lm_head)[...]
+    if in_loop_with is not None:
+        w, _ = jax.lax.optimization_barrier((w, in_loop_with))
+    return head_token_stats(
+        h,
+        w.astype(model.dtype),
+        labels,
+        n_valid,
+        temperature=temperature,
+        w_layout="vd" if tied else "dv",
+        softcap=model.config.final_logit_softcap,
+        chunk=chunk,
+        entropy=entropy,
+    )

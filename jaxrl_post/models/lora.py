@@ -81,12 +81,16 @@ class LoRAConfig:
 
 
 def iter_projections(model) -> Iterator[tuple[int, str, str, Linear]]:
-    """(layer, 'attn' | 'mlp', name, Linear) for every projection of a `Transformer` (or a critic's backbone)."""
+    """(layer, 'attn' | 'mlp', name, Linear) for every projection of a `Transformer` (or a critic's backbone).
+    An MoE layer's stacked experts (`models/moe.py`) are not `Linear`s: its MLP projections are skipped (LoRA on
+    attention only there)."""
     model = getattr(model, "backbone", model)
     for i, block in enumerate(model.layers):
         for parent, names in (("attn", TARGET_MODULES[:4]), ("mlp", TARGET_MODULES[4:])):
             for name in names:
-                yield i, parent, name, getattr(getattr(block, parent), name)
+                proj = getattr(getattr(block, parent), name)
+                if isinstance(proj, Linear):
+                    yield i, parent, name, proj
 
 
 def lora_config_of(model) -> LoRAConfig | None:

@@ -104,6 +104,39 @@ qwen3_0_6b = ModelConfig(
     eos_token_id=151645,
 )
 
+# Qwen3-30B-A3B / Qwen3-235B-A22B: every layer MoE (128 experts, top-8, norm_topk_prob), no dense MLP layers.
+qwen3_30b_a3b = ModelConfig(
+    family="qwen3_moe",
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=6144,
+    num_layers=48,
+    num_heads=32,
+    num_kv_heads=4,
+    head_dim=128,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    qk_norm=True,
+    max_position_embeddings=40960,
+    bos_token_id=151643,
+    eos_token_id=151645,
+    num_experts=128,
+    num_experts_per_tok=8,
+    moe_intermediate_size=768,
+    norm_topk_prob=True,
+)
+
+qwen3_235b_a22b = dataclasses.replace(
+    qwen3_30b_a3b,
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_layers=94,
+    num_heads=64,
+    num_kv_heads=4,
+    moe_intermediate_size=1536,
+)
+
 _GEMMA = dict(
     norm_offset=1.0,
     embed_scale=True,
@@ -163,6 +196,8 @@ PRESETS: dict[str, ModelConfig] = {
     "qwen3_0_6b": qwen3_0_6b,
     "gemma2_2b": gemma2_2b,
     "gemma3_1b": gemma3_1b,
+    "qwen3_30b_a3b": qwen3_30b_a3b,
+    "qwen3_235b_a22b": qwen3_235b_a22b,
 }
 
 

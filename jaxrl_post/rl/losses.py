@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_post.algos import core_algos, distillation, distillation_topk
+from jaxrl_post.models import moe as moe_lib
 
 
 def actor_loss(c, log_prob, entropy, mb, counts):
@@ -60,6 +61,18 @@ def actor_loss(c, log_prob, entropy, mb, counts):
         m["rollout_probs_diff_mean"] = core_algos.masked_mean(diff, mask) * w
     if c.distillation is not None:
         loss = _add_distillation(c, loss, log_prob, old, mb, counts, w, m)
+    return loss, m
+
+
+def add_moe_terms(cfg, loss, m, moe, mb, counts):
+    """An MoE actor's micro-batch: `moe.router_metrics` as `moe/*` metrics (pre-multiplied by the token share,
+    as the others) and, when `cfg.output_router_logits` (HF's switch), `cfg.router_aux_loss_coef` times the
+    load-balancing loss (`moe.load_balancing_loss` of this micro-batch's tokens, prompts included, as HF) times
+    the token share, so the summed loss holds the token-weighted mean aux loss. Returns (loss, metrics)."""
+    w = jnp.sum((mb["loss_mask"] != 0).astype(jnp.float32)) / jnp.maximum(counts["global_batch_tokens"], 1.0)
+    m = dict(m, **{k: jax.lax.stop_gradient(v) * w for k, v in moe_lib.router_metrics(moe, prefix="moe").items()})
+    if cfg.output_router_logits:
+        loss = loss + cfg.router_aux_loss_coef * moe_lib.load_balancing_loss(moe) * w
     return loss, m
 
 

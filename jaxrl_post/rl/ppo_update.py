@@ -79,12 +79,14 @@ def make_actor_update(
 
     def loss_fn(params, mb, counts, frozen=None):
         model = merge_model(graphdef, params, frozen, rest)
-        head = layout.head(model, mb)
+        moe = bool(model.config.moe_layers)  # MoE: routing metrics (+ HF's aux loss when output_router_logits)
+        head, moe = layout.head(model, mb, with_moe=True) if moe else (layout.head(model, mb), None)
         log_prob, entropy = layout.log_probs(model, mb, head, c.temperature, ent_mode)
         if topk:  # the student's log-probs at the teacher's top-k ids, from the same head
             s_topk = layout.gather_log_probs(model, mb, head, mb["teacher_topk_ids"], c.temperature)
             mb = dict(mb, student_topk_log_probs=s_topk)
-        return losses.actor_loss(c, log_prob, entropy, mb, counts)
+        loss, metrics = losses.actor_loss(c, log_prob, entropy, mb, counts)
+        return (loss, metrics) if moe is None else losses.add_moe_terms(model.config, loss, metrics, moe, mb, counts)
 
     def check(batch):
         if topk and "teacher_topk_ids" not in batch:

@@ -29,6 +29,7 @@ LOGICAL_AXIS_RULES: dict[str, Any] = {
     "norm": None,
     "layers": None,
     "lora": None,  # rank dim of LoRA A/B (tiny: replicated)
+    "expert": None,  # experts dim of MoE weights (models/moe.py): replicated until an expert mesh axis exists
     "cache_seq": None,
 }
 

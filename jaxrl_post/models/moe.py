@@ -1,0 +1,216 @@
+"""Mixture-of-experts feed-forward block (HF Qwen3-MoE's `Qwen3MoeSparseMoeBlock`), its routing statistics and
+the load-balancing loss.
+
+Shape letters as in decoder.py, plus N = B * T tokens, E experts, k = `num_experts_per_tok`, F =
+`moe_intermediate_size`, M = number of MoE layers (`ModelConfig.moe_layers`).
+
+Per token: router logits `x @ router` in float32 (HIGHEST precision, also under bf16 compute), softmax over
+the E experts, top-k, optionally renormalized (`norm_topk_prob`); each chosen expert j computes
+`down_j(act(x @ gate_j) * (x @ up_j))` and the outputs are summed weighted by the chosen probabilities.
+Dispatch is dropless: the N * k (token, expert) assignments are sorted by expert and every expert's
+contiguous group goes through one grouped matmul (`jax.lax.ragged_dot`, group sizes = tokens per expert),
+so the FLOPs are those of the k chosen experts only (no dense all-experts einsum).
+
+Rollout routing replay (R3, arXiv 2510.11370): `MoE.__call__(x, routes=...)` takes the experts to use
+instead of the router's top-k; their probabilities are still computed by the router (and renormalized), so
+the router weights get gradients, and the same forced routes as those emitted give bitwise the same output.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxrl_post.models.layers import ParamInit, activation
+
+EXPERT_AXIS = "expert"  # logical name of the experts dim (sharding.LOGICAL_AXIS_RULES)
+_EXPERT_NAME = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_STACKED_NAME = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_proj|up_proj|down_proj)$")
+
+
+def routes_dtype(num_experts: int):
+    """Smallest integer dtype that holds expert ids: uint8 up to 256 experts, else int16 (verl/ROLL's rule)."""
+    return jnp.uint8 if num_experts <= 256 else jnp.int16
+
+
+class MoEOutput(NamedTuple):
+    """Routing of one forward over its M MoE layers (`Transformer.hidden_states(..., with_moe=True)`).
+
+    routed_experts: `[B, T, M, k]` uint8/int16 (`routes_dtype`), the experts each token used per layer, in
+        the router's top-k order (verl's `routed_experts`; pass back as forced routes to replay them).
+    expert_load: `[M, E]` float32, assignments per expert over the valid tokens (each token counts k times).
+    router_prob_sum: `[M, E]` float32, the router's softmax probabilities summed over the valid tokens.
+    router_entropy_sum: `[M]` float32, the router's softmax entropy (nats) summed over the valid tokens.
+    num_tokens: `[]` float32, valid (attention-mask) tokens.
+    """
+
+    routed_experts: jax.Array
+    expert_load: jax.Array
+    router_prob_sum: jax.Array
+    router_entropy_sum: jax.Array
+    num_tokens: jax.Array
+
+
+class MoE(nnx.Module):
+    """Top-k routed experts. Params: `router` `[D, E]`, `gate_proj` / `up_proj` `[E, D, F]`, `down_proj`
+    `[E, F, D]` (logical axes 'expert', 'embed', 'mlp'); HF's `mlp.gate.weight` and `mlp.experts.<j>.*`."""
+
+    def __init__(self, cfg, *, dtype, init: ParamInit):
+        d, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+        self.num_experts, self.top_k, self.norm_topk_prob = e, cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.act, self.dtype = cfg.hidden_act, dtype
+        self.router = init.normal((d, e), ("embed", EXPERT_AXIS))
+        self.gate_proj = init.normal((e, d, f), (EXPERT_AXIS, "embed", "mlp"))
+        self.up_proj = init.normal((e, d, f), (EXPERT_AXIS, "embed", "mlp"))
+        self.down_proj = init.normal((e, f, d), (EXPERT_AXIS, "mlp", "embed"))
+
+    def route(self, x: jax.Array, routes: jax.Array | None = None):
+        """x `[N, D]` -> (probs `[N, E]` float32, weights `[N, k]` float32, experts `[N, k]` int32).
+
+        routes: optional forced experts `[N, k]` (any int dtype); their probabilities are gathered from the
+        router's softmax (differentiable), else the top-k of the softmax (ties: lowest expert id first)."""
+        logits = jnp.einsum(
+            "ND,DE->NE",
+            x.astype(jnp.float32),
+            self.router[...].astype(jnp.float32),
+            precision=jax.lax.Precision.HIGHEST,
+        )
+        probs = jax.nn.softmax(logits, axis=-1)
+        if routes is None:
+            weights, experts = jax.lax.top_k(probs, self.top_k)
+        else:
+            experts = routes.astype(jnp.int32)
+            weights = jnp.take_along_axis(probs, experts, axis=-1)
+        if self.norm_topk_prob:
+            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        return probs, weights, experts
+
+    def experts(self, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
+        """Dropless grouped-matmul dispatch: x `[N, D]`, weights/experts `[N, k]` -> `[N, D]` float32."""
+        n, k = experts.shape
+        flat = experts.reshape(-1)  # [N*k] assignment a = token a // k, slot a % k
+        order = jnp.argsort(flat, stable=True)  # assignments grouped by expert
+        sizes = jnp.bincount(flat, length=self.num_experts).astype(jnp.int32)
+        xs = jnp.take(x, order // k, axis=0).astype(self.dtype)  # [N*k, D]
+
+        def gmm(lhs, w):  # grouped matmul in the compute dtype, float32 accumulation (as `linear._dot`)
+            out = jax.lax.ragged_dot(lhs, w.astype(self.dtype), sizes, preferred_element_type=jnp.float32)
+            return out.astype(self.dtype)
+
+        h = activation(self.act, gmm(xs, self.gate_proj[...])) * gmm(xs, self.up_proj[...])
+        ys = gmm(h, self.down_proj[...])  # [N*k, D], sorted order
+        inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=order.dtype))
+        ys = jnp.take(ys, inverse, axis=0).astype(jnp.float32).reshape(n, k, -1)
+        return jnp.einsum("NKD,NK->ND", ys, weights)
+
+    def __call__(self, x: jax.Array, token_mask: jax.Array, routes: jax.Array | None = None):
+        """x `[B, T, D]`; token_mask `[B, T]` bool (tokens counted in the statistics); routes: optional
+        forced experts `[B, T, k]`. Returns (y `[B, T, D]` compute dtype, stats): stats = (experts
+        `[B, T, k]` int32, expert load `[E]`, router prob sum `[E]`, entropy sum `[]`), float32 sums over the
+        masked tokens (`MoEOutput`)."""
+        b, t, d = x.shape
+        xf = x.reshape(b * t, d)
+        probs, weights, experts = self.route(xf, None if routes is None else routes.reshape(b * t, self.top_k))
+        y = self.experts(xf, weights, experts).astype(self.dtype).reshape(b, t, d)
+        m = token_mask.reshape(-1).astype(jnp.float32)
+        load = jnp.bincount(experts.reshape(-1), weights=jnp.repeat(m, self.top_k), length=self.num_experts)
+        entropy = -jnp.sum(probs * jnp.log(jnp.maximum(probs, jnp.finfo(jnp.float32).tiny)), axis=-1)
+        stats = (experts.reshape(b, t, self.top_k), load, m @ probs, m @ entropy)
+        return y, stats
+
+
+def layer_routes(cfg, routed_experts, shape) -> list:
+    """Forced routes `[B, T, M, k]` (or None) -> per layer `[B, T, k]` (None for dense layers or without routes).
+    Raises ValueError when the shape is not `(*shape, len(cfg.moe_layers), cfg.num_experts_per_tok)`."""
+    routes = [None] * cfg.num_layers
+    if routed_experts is None:
+        return routes
+    want = (*shape, len(cfg.moe_layers), cfg.num_experts_per_tok)
+    if not cfg.moe_layers or tuple(routed_experts.shape) != want:
+        raise ValueError(f"routed_experts has shape {tuple(routed_experts.shape)}, this model needs {want}")
+    for j, i in enumerate(cfg.moe_layers):
+        routes[i] = routed_experts[:, :, j]
+    return routes
+
+
+def collect(stats: list, token_mask: jax.Array, num_experts: int) -> MoEOutput:
+    """Per-MoE-layer `MoE.__call__` stats (in layer order) -> one `MoEOutput`."""
+    experts, load, prob_sum, entropy = (list(x) for x in zip(*stats))
+    routes = jnp.stack(experts, axis=2).astype(routes_dtype(num_experts))
+    n = jnp.sum(token_mask.astype(jnp.float32))
+    return MoEOutput(routes, jnp.stack(load), jnp.stack(prob_sum), jnp.stack(entropy), n)
+
+
+def load_balancing_loss(moe: MoEOutput) -> jax.Array:
+    """HF's `load_balancing_loss_func` (Switch Transformer eqs. 4-6, summed over layers as transformers does):
+    `E * sum_e f_e * P_e`, f_e = expert e's share of all layers' assignments per token, P_e = its mean router
+    probability, both over the M layers' valid tokens. `[]` float32; the gradient flows through P only.
+    Counts come from the experts actually used (the forced routes under replay)."""
+    m, e = moe.expert_load.shape
+    rows = jnp.maximum(moe.num_tokens * m, 1.0)
+    f = jnp.sum(moe.expert_load, axis=0) / rows
+    p = jnp.sum(moe.router_prob_sum, axis=0) / rows
+    return e * jnp.sum(jax.lax.stop_gradient(f) * p)
+
+
+def router_metrics(moe: MoEOutput, prefix: str = "actor/moe") -> dict[str, jax.Array]:
+    """Per-layer routing metrics (float32 scalars), keyed `{prefix}/layer_{j}/...` for MoE layer j:
+    `expert_load_max` (the busiest expert's share of assignments times E: 1 = balanced, E = collapsed),
+    `expert_load_min` (same, the idlest), `router_entropy` (mean softmax entropy per token, nats), plus
+    `{prefix}/aux_loss` (`load_balancing_loss`)."""
+    m, e = moe.expert_load.shape
+    share = moe.expert_load / jnp.maximum(jnp.sum(moe.expert_load, axis=1, keepdims=True), 1.0) * e
+    ent = moe.router_entropy_sum / jnp.maximum(moe.num_tokens, 1.0)
+    out = {f"{prefix}/aux_loss": load_balancing_loss(moe)}
+    for j in range(m):
+        out[f"{prefix}/layer_{j}/expert_load_max"] = jnp.max(share[j])
+        out[f"{prefix}/layer_{j}/expert_load_min"] = jnp.min(share[j])
+        out[f"{prefix}/layer_{j}/router_entropy"] = ent[j]
+    return out
+
+
+# ------------------------------------------------------------------------ HF checkpoint layout (hf_io.py)
+def experts_key(layer: int, proj: str) -> str:
+    """Name of layer `layer`'s stacked expert weights `[E, out, in]` (HF's `mlp.experts.<j>.<proj>.weight`
+    stacked over j; for down_proj also transformers' own in-memory name and layout)."""
+    return f"model.layers.{layer}.mlp.experts.{proj}"
+
+
+def stack_experts(named: Iterable[tuple[str, np.ndarray]], num_experts: int, incomplete: list):
+    """HF's per-expert tensors `model.layers.<i>.mlp.experts.<j>.<proj>.weight` -> one `[E, out, in]` array named
+    `experts_key(i, proj)`, yielded once all E experts are in (one layer's projection is buffered at a time in a
+    layer-ordered checkpoint); transformers' fused `mlp.experts.gate_up_proj` `[E, 2F, D]` -> gate and up
+    stacks; other tensors pass through. Stacks still incomplete at the end are appended to `incomplete`."""
+    pending: dict[str, dict[int, np.ndarray]] = {}
+    for name, array in named:
+        m = _EXPERT_NAME.match(name)
+        if num_experts and m:
+            key = experts_key(int(m.group(1)), m.group(3))
+            parts = pending.setdefault(key, {})
+            parts[int(m.group(2))] = np.asarray(array)
+            if set(parts) == set(range(num_experts)):
+                yield key, np.stack([parts.pop(j) for j in range(num_experts)])
+                del pending[key]
+        elif num_experts and name.endswith(".mlp.experts.gate_up_proj"):
+            gate, up = np.split(np.asarray(array), 2, axis=1)
+            yield name[: -len("gate_up_proj")] + "gate_proj", gate
+            yield name[: -len("gate_up_proj")] + "up_proj", up
+        else:
+            yield name, array
+    incomplete.extend(f"{k} ({len(v)} of {num_experts} experts)" for k, v in pending.items())
+
+
+def split_experts(name: str, array: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
+    """Inverse of `stack_experts` on export: a stacked `experts_key` array -> HF's per-expert tensors."""
+    m = _STACKED_NAME.match(name)
+    if m is None:
+        yield name, array
+        return
+    for j in range(array.shape[0]):
+        yield f"model.layers.{m.group(1)}.mlp.experts.{j}.{m.group(2)}.weight", array[j]
