@@ -251,7 +251,12 @@ class PagedGenerator:
             tokens[s.row, :k], logps[s.row, :k], ths[s.row, :k] = s.tokens, s.log_probs, s.thresholds
         if n > 1:
             prompts, ids, mask = prompts.repeat(n, interleave=True), np.repeat(ids, n, 0), np.repeat(mask, n, 0)
-        return _assemble(prompts, ids, mask, tokens, logps, ths, params)
+        out = _assemble(prompts, ids, mask, tokens, logps, ths, params)
+        for s in self.unfinished:  # stopped early: only the tokens it has exist (no EOS yet: truncated)
+            for key in ("response_attention_mask", "loss_mask"):
+                out.batch[key][s.row, len(s.tokens) :] = 0
+            out.batch["attention_mask"][s.row, ids.shape[1] + len(s.tokens) :] = 0
+        return out
 
 
 def pages_for_memory(budget_bytes: int, model_config, page_size: int, dtype) -> int:
