@@ -86,6 +86,7 @@ class PagedGenerator:
         n: int = 1,
         should_stop: Callable[[int], bool] | None = None,
         resume: list[Seq] | None = None,
+        process_local: bool = False,
     ) -> DataProto:
         """`Generator.generate`'s contract (same keys, shapes, row order `i * n + j`; see it for the details).
 
@@ -93,9 +94,12 @@ class PagedGenerator:
           then holds every sequence's tokens so far, and `self.unfinished` the unfinished `Seq`s (tokens,
           log-probs) to pass back as `resume` (with the same prompts, params and seed) to go on.
         resume: sequences a stopped call handed back; only those are generated further.
-        Raises ValueError: prompts not left-padded / a row without a real token / bad `n`, or a pool too small for
-          one sequence.
+        process_local: as `Generator.generate`; this engine runs in one process (True with several: ValueError).
+        Raises ValueError: prompts not left-padded / a row without a real token / bad `n`, a pool too small for
+          one sequence, or several processes.
         """
+        if process_local and jax.process_count() > 1:
+            raise ValueError("the paged rollout engine runs in one process for now (rollout.name='dense')")
         if isinstance(n, bool) or not float(n).is_integer() or int(n) < 1:
             raise ValueError(f"n (responses per prompt) must be an integer >= 1, got {n!r}")
         n = int(n)
@@ -109,8 +113,8 @@ class PagedGenerator:
             raise ValueError("every prompt needs at least one real token")
         b, p = ids.shape
         r = params.max_new_tokens
-        if self._stacked is None:
-            self.update_weights()
+        if resume is None or self._stacked is None:
+            self.update_weights()  # the model's current params, as `Generator` reads them at every call
         p_pad = 1 << max(self.min_prompt_bucket - 1, p - 1).bit_length()
         pps = -(-(p_pad + r) // self.page_size)
         num_pages = self.num_pages or self.max_num_seqs * pps + 1
@@ -265,3 +269,33 @@ def pages_for_memory(budget_bytes: int, model_config, page_size: int, dtype) -> 
     c = model_config
     per_page = pool_bytes(c.num_layers, 1, page_size, c.num_kv_heads, c.head_dim, dtype)
     return int(budget_bytes) // per_page
+
+
+def paged_generator_from_config(model, rollout) -> PagedGenerator:
+    """The engine of `rollout.name='paged'` from the `rollout.*` keys (configs/base.py): `max_num_seqs`,
+    `max_num_batched_tokens`, `block_size`, `num_scheduler_steps`, and the pool from `num_gpu_blocks_override`, else
+    `gpu_memory_utilization` x the device's memory limit minus the bytes in use (weights), else None (enough pages
+    for every slot). Raises ValueError when `gpu_memory_utilization` is set on a device without memory stats or
+    leaves no room for two pages."""
+    pages = rollout.num_gpu_blocks_override
+    if pages is None and rollout.gpu_memory_utilization is not None:
+        stats = jax.devices()[0].memory_stats() or {}
+        if "bytes_limit" not in stats:
+            raise ValueError(
+                f"rollout.gpu_memory_utilization={rollout.gpu_memory_utilization}: the device reports no memory "
+                "limit; set rollout.num_gpu_blocks_override (pages) instead"
+            )
+        budget = rollout.gpu_memory_utilization * stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+        dtype = kv_cache_dtype(model)
+        pages = pages_for_memory(int(budget), model.config, int(rollout.block_size), dtype)
+        if pages < 2:
+            raise ValueError(f"rollout.gpu_memory_utilization={rollout.gpu_memory_utilization} leaves {pages} KV pages")
+        log.info("paged rollout: %d KV pages of %d tokens (%.2f GB)", pages, rollout.block_size, budget / 1e9)
+    return PagedGenerator(
+        model,
+        max_num_seqs=int(rollout.max_num_seqs),
+        max_num_batched_tokens=int(rollout.max_num_batched_tokens),
+        page_size=int(rollout.block_size),
+        num_pages=pages,
+        steps_per_dispatch=int(rollout.num_scheduler_steps),
+    )
