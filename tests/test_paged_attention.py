@@ -213,3 +213,38 @@ def test_paged_decode_attention_lowers_at_qwen2_7b_heads(platform, impl, monkeyp
 
     text = jax.jit(step).trace(*args).lower(lowering_platforms=(platform,)).as_text()
     assert ("ragged_paged_attention" in text) == (impl == "pallas_tpu")
+
+
+@pytest.mark.slow  # the reference runs eagerly, op by op: 18-45 s on 2 loaded cores
+def test_tpu_kernel_arguments_match_the_xla_path_under_the_kernels_reference(monkeypatch):
+    """The 'pallas_tpu' dispatch (layer offset into the flattened pool, scale, window, soft-cap) run through the
+    kernel package's own reference `ref_ragged_paged_attention` (this CPU cannot run the kernel) equals 'xla'."""
+    from jax.experimental.pallas.ops.tpu import ragged_paged_attention as rpa
+
+    def ref(*args, num_kv_pages_per_block, num_queries_per_block, vmem_limit_bytes, **kw):
+        return rpa.ref_ragged_paged_attention(*args, **kw)
+
+    monkeypatch.setattr(rpa, "ragged_paged_attention", ref)
+    rng = np.random.default_rng(1)
+    kv = jnp.asarray(rng.standard_normal((3, 12, 4, 4, 8)), jnp.float32)  # 3 layers, 12 pages of 4, N=2, K=8
+    tables = jnp.asarray([[3, 5, 7], [2, 4, 0], [11, 0, 0]], jnp.int32)
+    kv_lens, cu = jnp.asarray([10, 6, 3], jnp.int32), jnp.asarray([0, 4, 5, 6], jnp.int32)
+    q = jnp.asarray(rng.standard_normal((6, 4, 8)), jnp.float32)
+    for window, softcap in ((None, None), (3, 30.0)):
+        got, want = (
+            paged_attention(
+                q,
+                kv,
+                kv_lens,
+                tables,
+                cu,
+                jnp.array([3], jnp.int32),
+                sm_scale=0.35,
+                sliding_window=window,
+                soft_cap=softcap,
+                impl=impl,
+                layer=jnp.int32(2),
+            )
+            for impl in ("pallas_tpu", "xla")
+        )
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)

@@ -132,9 +132,13 @@ def paged_attention(
     the module docstring (kv_pages one layer's, or the whole pool with `layer`); returns `[T, H, K]` in dtype
     (default q.dtype)."""
     if impl == "pallas_tpu":
+        if layer is not None:  # the layers' pages as one pool (a free reshape), the tables offset to this layer's
+            num_layers, num_pages = kv_pages.shape[:2]
+            kv_pages = kv_pages.reshape(num_layers * num_pages, *kv_pages.shape[2:])
+            page_indices = page_indices + layer * num_pages
         out = paged_attention_pallas_tpu(
             q.astype(dtype or q.dtype),
-            kv_pages if layer is None else kv_pages[layer],
+            kv_pages,
             kv_lens,
             page_indices,
             cu_q_lens,
