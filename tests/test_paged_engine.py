@@ -2,7 +2,10 @@
 tokens, masks and truncation, log-probs and sampling thresholds to float rounding (1e-5: prefill and decode batch
 differently), with n = 3 samples per prompt, more sequences than slots, EOS at different steps (at the first one
 too), prompts longer than the prefill budget (chunked prefill), and a pool so small that sequences are preempted
-and recomputed; a call stopped at a dispatch boundary and resumed gives the same result; programs compile once."""
+and recomputed; a call stopped at a dispatch boundary and resumed gives the same result, and with the weights
+swapped at the boundary the rows that had not started are the new model's; programs compile once."""
+
+import copy
 
 import numpy as np
 import pytest
@@ -93,6 +96,7 @@ def test_stopped_and_resumed_equals_uninterrupted(setup):
     done = [r for r in range(15) if r not in have]  # finished rows are final
     for key in EXACT:
         np.testing.assert_array_equal(part.batch[key][done], dense.batch[key][done], err_msg=key)
+    snapshot = copy.deepcopy(left)
     rest = eng.generate(dp, SAMPLED, n=3, resume=left)
     for row in have:
         np.testing.assert_array_equal(rest.batch["responses"][row], dense.batch["responses"][row])
@@ -100,3 +104,17 @@ def test_stopped_and_resumed_equals_uninterrupted(setup):
             rest.batch["rollout_log_probs"][row], dense.batch["rollout_log_probs"][row], atol=1e-5, rtol=0
         )
     assert not eng.unfinished
+    # weight swap at the boundary: the handed-back rows go on under model B; rows that had not started yet are
+    # then wholly B's (same keys), rows with a prefix keep A's prefix
+    model_b = init_model(ModelConfig(**TINY), seed=4)
+    dense_b = Generator(model_b, decode_chunk=4).generate(dp, SAMPLED, n=3)
+    eng.update_weights(model_b)
+    fresh = [s.row for s in snapshot if not s.tokens]
+    started = {s.row: list(s.tokens) for s in snapshot if s.tokens}
+    assert fresh and started
+    swapped = eng.generate(dp, SAMPLED, n=3, resume=snapshot)
+    for key in EXACT[1:]:
+        np.testing.assert_array_equal(swapped.batch[key][fresh], dense_b.batch[key][fresh], err_msg=key)
+    for row, tokens in started.items():
+        np.testing.assert_array_equal(swapped.batch["responses"][row, : len(tokens)], tokens)
+    assert not np.array_equal(swapped.batch["responses"][fresh], dense.batch["responses"][fresh])
