@@ -64,8 +64,12 @@ def _numpy_attention(q, k, v, q_len, scale, window, softcap):
     return out
 
 
-@pytest.mark.parametrize("heads,window,softcap", [((4, 2), None, None), ((6, 2), 5, None), ((4, 4), None, 20.0)])
-def test_xla_paged_attention_matches_numpy_on_ragged_sequences(heads, window, softcap):
+@pytest.mark.parametrize(
+    "heads,window,softcap,segment",
+    [((4, 2), None, None, None), ((6, 2), 5, None, 2), ((4, 4), None, 20.0, 1), ((4, 2), None, None, 3)],
+)
+def test_xla_paged_attention_matches_numpy_on_ragged_sequences(heads, window, softcap, segment):
+    """segment: pages per segment of the table (None: one segment here); sequences see 1 to 4 segments."""
     h, n = heads
     kd, ps, rng = 8, 4, np.random.default_rng(0)
     kv_lens, q_lens = [9, 1, 13, 4, 6], [9, 1, 1, 3, 1]  # a whole prompt, decodes, a prefill chunk after 3 tokens
@@ -94,6 +98,7 @@ def test_xla_paged_attention_matches_numpy_on_ragged_sequences(heads, window, so
         sm_scale=0.3,
         sliding_window=window,
         soft_cap=softcap,
+        segment_pages=segment,
     )
     for i in range(5):
         want = _numpy_attention(q[cu[i] : cu[i + 1]], ks[i], vs[i], q_lens[i], 0.3, window, softcap)

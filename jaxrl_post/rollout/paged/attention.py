@@ -22,6 +22,7 @@ import numpy as np
 
 PAGED_ATTENTION_IMPLS = ("xla", "pallas_tpu")
 _NEG = float(np.finfo(np.float32).min)  # the decoder's mask fill
+MIN_SEGMENT_SLOTS = 128  # the XLA path's page-table segments hold at least this many slots (`_segment_pages`)
 
 
 def resolve_paged_attention_impl(impl: str, platform: str) -> str:
@@ -47,6 +48,11 @@ def query_positions(cu_q_lens: jax.Array, kv_lens: jax.Array, num_seqs: jax.Arra
     return seq, jnp.where(real, pos, 0), real
 
 
+def _segment_pages(pps: int, page_size: int) -> int:
+    """Pages per segment of the XLA path: an eighth of the table, at least `MIN_SEGMENT_SLOTS` slots."""
+    return max(-(-MIN_SEGMENT_SLOTS // page_size), -(-pps // 8))
+
+
 def paged_attention_xla(
     q,
     kv_pages,
@@ -60,11 +66,14 @@ def paged_attention_xla(
     soft_cap=None,
     dtype=None,
     layer=None,
+    segment_pages=None,
 ):
     """Exact XLA ragged paged attention (module docstring). kv_pages `[P, page_size, 2N, K]`, or the whole pool
     `[L, P, page_size, 2N, K]` with `layer` (int32 scalar): the pages are gathered from it directly (no copy of
-    the layer); dtype: the compute dtype the probabilities are rounded to (default q.dtype). Returns `[T, H, K]`
-    in dtype; padding queries give 0."""
+    the layer); dtype: the compute dtype the probabilities are rounded to (default q.dtype). The page tables are
+    split into segments of `segment_pages` pages (default `_segment_pages`); a segment no query sees is neither
+    gathered nor multiplied (`lax.cond`, as the dense cache's segments), so a step costs about the pages written.
+    Returns `[T, H, K]` in dtype; padding queries give 0."""
     dtype = jnp.dtype(dtype or q.dtype)
     t, h, kd = q.shape
     ps, n2 = kv_pages.shape[-3:-1]
@@ -73,19 +82,51 @@ def paged_attention_xla(
     seq, pos, real = query_positions(cu_q_lens, kv_lens, num_seqs, t)
     att = jnp.promote_types(dtype, kv_pages.dtype)  # a wider cache is read as it is (decoder.Attention)
     tables = page_indices[seq]  # [T, pages_per_seq]
-    kv = (kv_pages[tables] if layer is None else kv_pages[layer, tables]).reshape(t, pps * ps, n2, kd)
-    k, v = kv[:, :, 0::2], kv[:, :, 1::2]
-    qg = q.reshape(t, n, g, kd).astype(att)
-    scores = jnp.einsum("TNGK,TSNK->TNGS", qg, k.astype(att), preferred_element_type=jnp.float32) * sm_scale
-    if soft_cap is not None:
-        scores = jnp.tanh(scores / soft_cap) * soft_cap
     slot = jnp.arange(pps * ps, dtype=jnp.int32)[None]
     allowed = (slot <= pos[:, None]) & real[:, None]  # [T, S_max]
     if sliding_window is not None:
         allowed &= slot > pos[:, None] - sliding_window
+    sp = segment_pages or _segment_pages(pps, ps)
+    bounds = [(lo, min(lo + sp, pps)) for lo in range(0, pps, sp)]
+    visible = [jnp.any(allowed[:, lo * ps : hi * ps]) for lo, hi in bounds]
+
+    def pages(lo, hi, half):  # keys (half 0) or values (half 1) of pages [lo, hi): [T, (hi - lo) * ps, N, K]
+        x = kv_pages[tables[:, lo:hi]] if layer is None else kv_pages[layer, tables[:, lo:hi]]
+        return x[..., half::2, :].reshape(t, (hi - lo) * ps, n, kd).astype(att)
+
+    def segment(i, fn, shape, fill):
+        if len(bounds) == 1:
+            return fn()
+        return jax.lax.cond(visible[i], fn, lambda: jnp.full(shape, fill, jnp.float32))
+
+    qg = q.reshape(t, n, g, kd).astype(att)
+    scores = [
+        segment(
+            i,
+            lambda lo=lo, hi=hi: jnp.einsum(
+                "TNGK,TSNK->TNGS", qg, pages(lo, hi, 0), preferred_element_type=jnp.float32
+            ),
+            (t, n, g, (hi - lo) * ps),
+            _NEG,
+        )
+        for i, (lo, hi) in enumerate(bounds)
+    ]
+    scores = jnp.concatenate(scores, axis=-1) * sm_scale
+    if soft_cap is not None:
+        scores = jnp.tanh(scores / soft_cap) * soft_cap
     scores = jnp.where(allowed[:, None, None], scores, _NEG)
     probs = jax.nn.softmax(scores, axis=-1).astype(dtype).astype(att)
-    out = jnp.einsum("TNGS,TSNK->TNGK", probs, v.astype(att), preferred_element_type=jnp.float32)
+    out = None
+    for i, (lo, hi) in enumerate(bounds):
+        part = segment(
+            i,
+            lambda lo=lo, hi=hi: jnp.einsum(
+                "TNGS,TSNK->TNGK", probs[..., lo * ps : hi * ps], pages(lo, hi, 1), preferred_element_type=jnp.float32
+            ),
+            (t, n, g, kd),
+            0.0,
+        )
+        out = part if out is None else out + part
     return jnp.where(real[:, None, None, None], out, 0.0).astype(dtype).reshape(t, h, kd)
 
 
@@ -127,10 +168,11 @@ def paged_attention(
     dtype=None,
     impl: str = "xla",
     layer=None,
+    segment_pages=None,
 ):
     """Ragged paged attention through `impl` ("xla" or "pallas_tpu"; `resolve_paged_attention_impl`). Shapes as
-    the module docstring (kv_pages one layer's, or the whole pool with `layer`); returns `[T, H, K]` in dtype
-    (default q.dtype)."""
+    the module docstring (kv_pages one layer's, or the whole pool with `layer`); segment_pages: the XLA path's
+    (`paged_attention_xla`). Returns `[T, H, K]` in dtype (default q.dtype)."""
     if impl == "pallas_tpu":
         if layer is not None:  # the layers' pages as one pool (a free reshape), the tables offset to this layer's
             num_layers, num_pages = kv_pages.shape[:2]
@@ -160,4 +202,5 @@ def paged_attention(
         soft_cap=soft_cap,
         dtype=dtype,
         layer=layer,
+        segment_pages=segment_pages,
     )
