@@ -94,6 +94,7 @@ def run(workloads, reps: int) -> dict:
         rec["paged_stats"] = engines["paged"].last_stats
         rec["dense_stats"] = engines["dense"].last_decode_stats
         out["workloads"][name] = rec
+        print(json.dumps({name: {k: rec[k] for k in ("lengths", "tokens_per_s", "compile_call_s", "s")}}), flush=True)
     out["uptime_after"] = _uptime()
     return out
 
