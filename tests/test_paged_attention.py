@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxrl_post.models import ModelConfig, init_model
 from jaxrl_post.rollout.paged import forward
@@ -253,3 +254,28 @@ def test_tpu_kernel_arguments_match_the_xla_path_under_the_kernels_reference(mon
             for impl in ("pallas_tpu", "xla")
         )
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("platform,impl", [("tpu", "pallas_tpu"), ("cuda", "xla")])
+def test_whole_paged_decode_program_lowers(platform, impl, monkeypatch):
+    """The engine's K-step decode program (sampling, the layer scan over the pool, the LM head) of a 2-layer model
+    with 128-wide heads, bf16, lowers for the accelerator (TPU device kind stubbed as in the test above)."""
+    from jax._src.pallas.mosaic import tpu_info
+
+    from jaxrl_post.rollout import SamplingParams
+    from jaxrl_post.rollout.paged import programs
+
+    monkeypatch.setattr(tpu_info, "get_device_kind", lambda: "TPU v5p")
+    monkeypatch.setattr(tpu_info, "get_num_device_cores", lambda: 1)
+    cfg = ModelConfig(**{**TINY, "hidden_size": 256, "num_heads": 4, "num_kv_heads": 2, "head_dim": 128})
+    model = init_model(cfg, seed=0, dtype="bfloat16")
+    graphdef, state = nnx.split(model)
+    graphdefs, layers = forward.stack_layers(model)
+    s, pps, ps = 8, 4, 16
+    kv = jax.ShapeDtypeStruct((2, 33, ps, 4, 128), jnp.bfloat16)
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+    args = (graphdef, state, graphdefs, layers, kv, jax.ShapeDtypeStruct((s, 96), jnp.float32))
+    args += (i32(s), i32(s), i32(s), i32(s), jax.ShapeDtypeStruct((s,), jnp.bool_), i32(s, pps), jax.random.key(0))
+    params = SamplingParams(max_new_tokens=8, top_p=0.9, eos_token_ids=(4,))
+    lowered = programs.decode.trace(*args, impl=impl, params=params, steps=4).lower(lowering_platforms=(platform,))
+    assert ("ragged_paged_attention" in lowered.as_text()) == (impl == "pallas_tpu")
