@@ -31,8 +31,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import numpy as np
 
 WORKLOADS = {  # prompts, n, max_new_tokens, paged slots, mean length (None: no EOS)
-    "equal": dict(prompts=8, n=4, max_new_tokens=64, slots=32, mean_len=None),
-    "tail": dict(prompts=16, n=4, max_new_tokens=192, slots=32, mean_len=48),
+    "equal": dict(prompts=8, n=4, max_new_tokens=48, slots=32, mean_len=None),
+    "tail": dict(prompts=12, n=4, max_new_tokens=160, slots=16, mean_len=32),
 }
 
 
