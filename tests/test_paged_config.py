@@ -34,6 +34,7 @@ def test_paged_keys_are_validated():
         (dict(block_size=0), r"config\.rollout\.block_size=0: must be an integer >= 1"),
         (dict(gpu_memory_utilization=1.5), r"config\.rollout\.gpu_memory_utilization=1\.5: must be in \(0, 1\]"),
         (dict(num_gpu_blocks_override=1), r"config\.rollout\.num_gpu_blocks_override=1"),
+        (dict(max_num_seqs=3), r"config\.rollout\.max_num_seqs=3: must be >= rollout\.n=4"),
     ]
     for keys, msg in cases:
         with pytest.raises(ConfigError, match=msg):

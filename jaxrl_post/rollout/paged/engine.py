@@ -65,6 +65,7 @@ class PagedGenerator:
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"PagedGenerator.{name} must be >= 1, got {getattr(self, name)}")
         self._stacked = None
+        self.unfinished: list[Seq] = []  # sequences the last call stopped before they finished
 
     def update_weights(self, model: nnx.Module | None = None) -> None:
         """Take `model`'s (or the current model's) params for the next dispatch: the layers are restacked once
