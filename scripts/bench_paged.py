@@ -1,7 +1,8 @@
 """Paged rollout engine vs the dense `Generator` on this CPU (issue 56): tokens/s of whole `generate` calls.
 
 SmolLM2-135M's shape (`models.presets.smollm2_135m`) with random weights (no download), float32, temperature 1.0,
-left-padded random prompts of 16-40 tokens. Workloads:
+left-padded random prompts of 16-40 tokens. Engines: `dense` (`Generator`), `paged` (`PagedGenerator`, layers
+unrolled: its CPU default) and `paged_scan` (layers scanned over stacked params). Workloads:
 
 - `equal`: every row runs to `max_new_tokens` (no EOS): the dense engine's best case (no tail, no compaction).
 - `tail`: the last `V / mean_len` vocabulary ids are EOS ids, so with near-uniform random logits each step stops a
@@ -9,9 +10,9 @@ left-padded random prompts of 16-40 tokens. Workloads:
   paged engine's slots.
 
 Each engine gets one warm-up call per workload (compile; its time is printed), then the systems alternate
-(dense, paged, dense, paged, ...) `--reps` times; tokens/s = response tokens that exist / wall seconds, median of
-the reps. `uptime`'s load average is recorded before and after (the machine is shared). The fraction of rows
-whose tokens the two engines agree on is reported (1.0 expected: same per-row keys).
+(dense, paged, paged_scan, dense, ...) `--reps` times; tokens/s = response tokens that exist / wall seconds, median
+of the reps. `uptime`'s load average is recorded before and after (the machine is shared). The fraction of rows
+whose tokens each engine shares with the dense one is reported (1.0 expected: same per-row keys).
 
 Usage: python scripts/bench_paged.py [--workloads equal,tail] [--reps 2] [--json out.json]
 """
@@ -69,9 +70,17 @@ def run(workloads, reps: int) -> dict:
         dp = _prompts(w["prompts"], v - v // 8)  # prompt ids below every EOS id
         engines = {
             "dense": Generator(model),
-            "paged": PagedGenerator(
-                model, max_num_seqs=w["slots"], max_num_batched_tokens=256, page_size=16, steps_per_dispatch=16
-            ),
+            **{
+                name: PagedGenerator(
+                    model,
+                    max_num_seqs=w["slots"],
+                    max_num_batched_tokens=256,
+                    page_size=16,
+                    steps_per_dispatch=16,
+                    scan_layers=scan,
+                )
+                for name, scan in (("paged", False), ("paged_scan", True))
+            },
         }
         rec = {"config": w, "compile_call_s": {}, "s": {k: [] for k in engines}, "tokens": None}
         for k, eng in engines.items():
@@ -84,13 +93,15 @@ def run(workloads, reps: int) -> dict:
                 t = time.perf_counter()
                 results[k] = eng.generate(dp, params, n=w["n"])
                 rec["s"][k].append(round(time.perf_counter() - t, 3))
-        a, b = results["dense"].batch, results["paged"].batch
-        rec["rows_with_equal_tokens"] = float(np.mean(np.all(a["responses"] == b["responses"], axis=1)))
+        a = results["dense"].batch
+        rec["rows_with_equal_tokens"] = {
+            k: float(np.mean(np.all(a["responses"] == r.batch["responses"], axis=1))) for k, r in results.items()
+        }
         lengths = a["response_attention_mask"].sum(1)
         rec["tokens"] = int(lengths.sum())
         rec["lengths"] = {"mean": float(lengths.mean()), "max": int(lengths.max()), "rows": len(lengths)}
         rec["tokens_per_s"] = {k: round(rec["tokens"] / float(np.median(s)), 1) for k, s in rec["s"].items()}
-        rec["paged_over_dense"] = round(rec["tokens_per_s"]["paged"] / rec["tokens_per_s"]["dense"], 3)
+        rec["over_dense"] = {k: round(v / rec["tokens_per_s"]["dense"], 3) for k, v in rec["tokens_per_s"].items()}
         rec["paged_stats"] = engines["paged"].last_stats
         rec["dense_stats"] = engines["dense"].last_decode_stats
         out["workloads"][name] = rec
@@ -107,17 +118,12 @@ def main() -> None:
     args = ap.parse_args()
     res = run(args.workloads.split(","), args.reps)
     print(f"load: {res['uptime_before']}")
-    print(
-        f"{'workload':9s} {'rows':>5s} {'mean len':>8s} {'tokens':>7s} {'dense tok/s':>11s} {'paged tok/s':>11s} "
-        f"{'paged/dense':>11s} {'compile+call s (dense, paged)':>30s}"
-    )
     for name, r in res["workloads"].items():
-        c = r["compile_call_s"]
-        print(
-            f"{name:9s} {r['lengths']['rows']:5d} {r['lengths']['mean']:8.1f} {r['tokens']:7d} "
-            f"{r['tokens_per_s']['dense']:11.1f} {r['tokens_per_s']['paged']:11.1f} {r['paged_over_dense']:11.3f} "
-            f"{c['dense']:>14.1f}, {c['paged']:.1f}"
-        )
+        print(f"{name}: {r['lengths']['rows']} rows, mean length {r['lengths']['mean']:.1f}, {r['tokens']} tokens")
+        print(f"  {'engine':11s} {'tok/s':>7s} {'/ dense':>7s} {'compile + 1st call s':>20s} {'equal rows':>10s}")
+        for k, v in r["tokens_per_s"].items():
+            eq = r["rows_with_equal_tokens"][k]
+            print(f"  {k:11s} {v:7.1f} {r['over_dense'][k]:7.3f} {r['compile_call_s'][k]:20.1f} {eq:10.2f}")
     print(f"load: {res['uptime_after']}")
     if args.json:
         with open(args.json, "w") as f:

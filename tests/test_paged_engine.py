@@ -2,8 +2,9 @@
 tokens, masks and truncation, log-probs and sampling thresholds to float rounding (1e-5: prefill and decode batch
 differently), with n = 3 samples per prompt, more sequences than slots, EOS at different steps (at the first one
 too), prompts longer than the prefill budget (chunked prefill), and a pool so small that sequences are preempted
-and recomputed; a call stopped at a dispatch boundary and resumed gives the same result, and with the weights
-swapped at the boundary the rows that had not started are the new model's; programs compile once."""
+and recomputed (layers scanned there, unrolled elsewhere); a call stopped at a dispatch boundary and resumed gives
+the same result, and with the weights swapped at the boundary the rows that had not started are the new model's;
+programs compile once."""
 
 import copy
 
@@ -70,7 +71,7 @@ def test_paged_engine_equals_the_dense_generator(setup):
     traces = dict(programs.TRACE_COUNTS)
     _assert_same(eng.generate(dp[:3], SAMPLED, n=2), Generator(model, decode_chunk=4).generate(dp[:3], SAMPLED, n=2))
     assert traces == programs.TRACE_COUNTS, "another batch of the same prompt bucket compiled again"
-    small = PagedGenerator(model, **ENGINE, num_pages=13)  # 12 pages: room for 1.5 longest sequences
+    small = PagedGenerator(model, **ENGINE, num_pages=13, scan_layers=True)  # 12 pages: 1.5 longest sequences
     _assert_same(small.generate(dp, SAMPLED, n=3), dense)
     assert small.last_stats["preemptions"] > 0
     # greedy, the EOS set to a token some rows draw first: EOS at step 0

@@ -46,6 +46,9 @@ class PagedGenerator:
       cache_dtype: pool dtype; None as `Generator` (`kv_cache_dtype`).
       attention_impl: "auto" (TPU: the Pallas kernel, else XLA), "xla" or "pallas_tpu".
       min_prompt_bucket: prompts are padded to a power of two >= this for the page-table width (compile once).
+      scan_layers: run the layers as a `lax.scan` over params stacked once per call (compiles one layer); False:
+        unrolled. None: scanned off CPU, unrolled on CPU, where the scan's per-layer slice of the stacked params is
+        a copy of every weight at every step (docs/paged_rollout.md#measurements).
     """
 
     model: nnx.Module
@@ -57,14 +60,17 @@ class PagedGenerator:
     cache_dtype: str | None = None
     attention_impl: str = "auto"
     min_prompt_bucket: int = 16
+    scan_layers: bool | None = None
     last_stats: dict | None = dataclasses.field(default=None, init=False, repr=False)
 
     def __post_init__(self):
         self.impl = resolve_paged_attention_impl(self.attention_impl, jax.default_backend())
+        if self.scan_layers is None:
+            self.scan_layers = jax.default_backend() != "cpu"
         for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "steps_per_dispatch"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"PagedGenerator.{name} must be >= 1, got {getattr(self, name)}")
-        self._stacked = None
+        self._weights_read = False
         self.unfinished: list[Seq] = []  # sequences the last call stopped before they finished
 
     def update_weights(self, model: nnx.Module | None = None) -> None:
@@ -73,7 +79,8 @@ class PagedGenerator:
         if model is not None:
             self.model = model
         self._graphdef, self._state = nnx.split(self.model)
-        self._graphdefs, self._stacked = forward.stack_layers(self.model)
+        self._graphdefs, self._stacked = forward.stack_layers(self.model) if self.scan_layers else (None, None)
+        self._weights_read = True
 
     def __call__(self, prompts: DataProto, params: SamplingParams, *, seed: int | None = None) -> DataProto:
         return self.generate(prompts, params, seed=seed)
@@ -114,7 +121,7 @@ class PagedGenerator:
             raise ValueError("every prompt needs at least one real token")
         b, p = ids.shape
         r = params.max_new_tokens
-        if resume is None or self._stacked is None:
+        if resume is None or not self._weights_read:
             self.update_weights()  # the model's current params, as `Generator` reads them at every call
         p_pad = 1 << max(self.min_prompt_bucket - 1, p - 1).bit_length()
         pps = -(-(p_pad + r) // self.page_size)

@@ -106,13 +106,18 @@ def _block(block, x, positions, kv, layer, rag: Ragged, impl: str):
 def hidden_states(model, graphdefs, layers: LayerStack, kv, rag: Ragged, impl: str = "xla"):
     """Final-normed hidden states `[B', T', D]` (compute dtype) of `rag.tokens` and the pool `kv [L, ...]` with
     their keys/values written. `model`: the decoder (its embedding and final norm are read; its blocks' params
-    come from `layers`, `stack_layers`'s)."""
-    gds, tail_gds = graphdefs
-    p = len(gds)
+    come from `layers`, `stack_layers`'s). graphdefs and layers None: the model's own blocks, unrolled (each layer
+    reads its params in place: no per-layer slice of stacked params, which XLA:CPU copies)."""
     x = jnp.take(model.embedding[...], rag.tokens, axis=0).astype(model.dtype)
     if model.config.embed_scale:
         x = x * jnp.asarray(math.sqrt(model.config.hidden_size), model.dtype)
     positions = rag.positions
+    if layers is None:
+        for i, block in enumerate(model.layers):
+            x, kv = _block(block, x, positions, kv, i, rag, impl)
+        return model.final_norm(x), kv
+    gds, tail_gds = graphdefs
+    p = len(gds)
 
     def body(carry, states):
         x, kv, layer = carry
