@@ -42,7 +42,7 @@ def _uptime() -> str:
 
 
 def _prompts(b: int, vocab: int, seed: int = 0):
-    from jaxrl_post.protocol import DataProto
+    from jaxrl_post.batch.protocol import DataProto
 
     rng = np.random.default_rng(seed)
     lens = rng.integers(16, 41, b)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxrl_post.protocol import DataProto
+from jaxrl_post.batch.protocol import DataProto
 from jaxrl_post.rollout.generate import _assemble, _left_padded, kv_cache_dtype
 from jaxrl_post.rollout.paged import forward, programs
 from jaxrl_post.rollout.paged.allocator import PageAllocator
@@ -47,8 +47,8 @@ class PagedGenerator:
       attention_impl: "auto" (TPU: the Pallas kernel, else XLA), "xla" or "pallas_tpu".
       min_prompt_bucket: prompts are padded to a power of two >= this for the page-table width (compile once).
       scan_layers: run the layers as a `lax.scan` over params stacked once per call (compiles one layer); False:
-        unrolled. None: scanned off CPU, unrolled on CPU, where the scan's per-layer slice of the stacked params is
-        a copy of every weight at every step (docs/paged_rollout.md#measurements).
+        unrolled. None: scanned off CPU, unrolled on CPU, where the scan materializes each layer's slice of the
+        stacked MLP kernels at every step (docs/paged_rollout.md#how-it-works).
     """
 
     model: nnx.Module

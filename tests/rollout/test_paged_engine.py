@@ -11,8 +11,8 @@ import copy
 import numpy as np
 import pytest
 
+from jaxrl_post.batch.protocol import DataProto
 from jaxrl_post.models import ModelConfig, init_model
-from jaxrl_post.protocol import DataProto
 from jaxrl_post.rollout import Generator, SamplingParams
 from jaxrl_post.rollout.paged import programs
 from jaxrl_post.rollout.paged.engine import PagedGenerator

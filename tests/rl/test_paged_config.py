@@ -7,15 +7,15 @@ import sys
 import numpy as np
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from configs import grpo
-from jaxrl_post.models import ModelConfig, init_model
-from jaxrl_post.rollout.paged.engine import PagedGenerator, paged_generator_from_config
 from jaxrl_post.errors import ConfigError
+from jaxrl_post.models import ModelConfig, init_model
 from jaxrl_post.rl.config_check import validate_config
+from jaxrl_post.rollout.paged.engine import PagedGenerator, paged_generator_from_config
 
 
 def _paged(**keys):
