@@ -209,6 +209,18 @@ def get_base_config() -> mlc.ConfigDict:
     # Mask replay: with top-k/top-p/min-p, rollout and training log-probs are those of the truncated distribution
     # the sampler drew from (its per-token threshold replayed on the training logits), so on-policy ratios are 1.
     c.rollout.sampling_mask_replay = False  # False: full-softmax log-probs, as verl (biased ratio with truncation)
+    # Rollout engine (verl: rollout.name picks the inference engine; docs/paged_rollout.md): 'dense' = today's
+    # Generator (a dense KV cache of B x (P + R) slots, compaction); 'paged' = the paged, continuously batched engine
+    # (jaxrl_post/rollout/paged: single-turn, one device for now). The keys below are read by 'paged' only.
+    c.rollout.name = "dense"  # 'dense' | 'paged'
+    c.rollout.max_num_seqs = 256  # paged: sequences decoded at once (slots of the decode batch)
+    c.rollout.max_num_batched_tokens = 2048  # paged: prompt tokens per prefill dispatch (chunked prefill)
+    # paged: fraction of the device memory the KV page pool may use after the weights (vLLM / verl); None = enough
+    # pages for every slot to hold a longest sequence (no preemption)
+    c.rollout.gpu_memory_utilization = mlc.FieldReference(None, field_type=float)
+    c.rollout.num_gpu_blocks_override = _opt_int()  # paged: pages of the pool, overrides the above (vLLM)
+    c.rollout.block_size = 16  # paged: tokens per KV page (vLLM)
+    c.rollout.num_scheduler_steps = 16  # paged: decode steps per dispatch between scheduling rounds (vLLM)
     c.rollout.log_prob_micro_batch_size = 16  # responses per micro-batch when recomputing old log-probs, global
     c.rollout.log_prob_use_dynamic_bsz = mlc.FieldReference(None, field_type=bool)  # None -> actor.use_dynamic_bsz
     c.rollout.log_prob_max_token_len_per_gpu = _opt_int()  # None -> actor.ppo_max_token_len_per_gpu
@@ -474,7 +486,8 @@ _VERL_KEYS_TEXT = """
     rollout.log_prob_use_dynamic_bsz rollout.log_prob_max_token_len_per_gpu
     ref.log_prob_use_dynamic_bsz ref.log_prob_max_token_len_per_gpu
     critic.use_dynamic_bsz critic.ppo_max_token_len_per_gpu critic.forward_max_token_len_per_gpu
-    rollout.n rollout.dtype rollout.temperature rollout.top_k rollout.top_p rollout.do_sample
+    rollout.n rollout.dtype rollout.temperature rollout.top_k rollout.top_p rollout.do_sample rollout.name
+    rollout.max_num_seqs rollout.max_num_batched_tokens rollout.gpu_memory_utilization
     rollout.log_prob_micro_batch_size
     rollout.multi_turn.enable rollout.multi_turn.max_assistant_turns rollout.multi_turn.max_user_turns
     rollout.multi_turn.max_parallel_calls rollout.multi_turn.max_tool_response_length

@@ -404,6 +404,18 @@ def validate_config(cfg: Any, n_devices: int | None = None) -> None:
         check(f"{p}.eps", lambda v: is_num(v) and v > 0, "must be > 0")
 
     # ---- rollout
+    check("rollout.name", lambda v: v in ("dense", "paged"), "valid: 'dense', 'paged'")
+    if cfg.rollout.name == "paged":
+        for key in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_scheduler_steps"):
+            check(f"rollout.{key}", lambda v: is_int(v) and v >= 1, "must be an integer >= 1")
+        check("rollout.num_gpu_blocks_override", lambda v: v is None or (is_int(v) and v >= 2), "must be None or >= 2")
+        check("rollout.gpu_memory_utilization", lambda v: v is None or (is_num(v) and 0 < v <= 1), "must be in (0, 1]")
+        if is_int(cfg.rollout.max_num_seqs) and is_int(cfg.rollout.n) and cfg.rollout.max_num_seqs < cfg.rollout.n:
+            err("rollout.max_num_seqs", f"must be >= rollout.n={cfg.rollout.n} (a prompt's samples decode together)")
+        if cfg.rollout.multi_turn.enable:
+            err("rollout.name", "'paged' is single-turn for now; use 'dense' with rollout.multi_turn.enable")
+        if (n_devices or 1) > 1:
+            err("rollout.name", f"'paged' runs on one device for now, the run has {n_devices}; use 'dense'")
     if cfg.rollout.do_sample:
         check("rollout.temperature", lambda v: is_num(v) and v > 0, "must be > 0 when rollout.do_sample")
     check("rollout.top_p", lambda v: is_num(v) and 0 < v <= 1, "must be in (0, 1]")

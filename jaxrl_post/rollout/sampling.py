@@ -222,8 +222,12 @@ _BISECT_STEPS = 32
 
 
 def _row_uniforms(key: jax.Array, row_ids: jax.Array) -> jax.Array:
-    """One U[0, 1) per row from ``fold_in(key, row_id)`` -> ``[B] float32`` (independent of the batch layout)."""
-    keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(row_ids.astype(jnp.uint32))
+    """One U[0, 1) per row from ``fold_in(key, row_id)`` -> ``[B] float32`` (independent of the batch layout).
+    ``key`` is one key, or ``[B]`` keys, one per row (rows at different steps: the paged engine)."""
+    if jnp.ndim(key):
+        keys = jax.vmap(jax.random.fold_in)(key, row_ids.astype(jnp.uint32))
+    else:
+        keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(row_ids.astype(jnp.uint32))
     return jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)
 
 
@@ -314,7 +318,8 @@ def sample_tokens(
 
     Args:
       logits: ``[B, V]`` float logits of the next token.
-      key: a ``jax.random`` key for this step; row ``b`` draws its uniform from ``fold_in(key, row_ids[b])``.
+      key: a ``jax.random`` key for this step, or ``[B]`` keys (one per row); row ``b`` draws its uniform from
+        ``fold_in(key, row_ids[b])`` (``fold_in(key[b], row_ids[b])``).
       params: static sampling parameters.
       row_ids: ``[B]`` int32 ids of the rows (default ``arange(B)``), so a row draws the same numbers
         wherever it sits in the batch (the decode loop compacts finished rows away).

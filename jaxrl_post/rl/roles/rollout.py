@@ -36,7 +36,8 @@ class RolloutRole:
       process_local: multi-process runs where each process holds only its share of every prompt batch.
 
     Attributes: `model` (the sampling nnx module), `copy` (True: a separate copy in `rollout.dtype`),
-    `generator` (`rollout.Generator`), `agent_loop` (multi-turn `AgentLoop`, None: single-turn).
+    `generator` (`rollout.Generator`, or `PagedGenerator` under `rollout.name='paged'`), `agent_loop`
+    (multi-turn `AgentLoop`, None: single-turn).
     """
 
     def __init__(self, cfg, policy, placement: Placement, tokenizer, eos_token_ids, pad_token_id, process_local: bool):
@@ -63,11 +64,16 @@ class RolloutRole:
             self._cast_donating = jax.jit(lambda p, f, old: to_rollout(p, f), donate_argnums=(2,), out_shardings=out)
         else:
             self.model = m
-        self.generator = Generator(
-            self.model,
-            mesh=placement.active_mesh,
-            cache_segment_len=platform_defaults.cache_segment_len(),  # one segment off CPU (no per-segment cond)
-        )
+        if cfg.rollout.name == "paged":  # docs/paged_rollout.md; validate_config keeps it single-turn, one device
+            from jaxrl_post.rollout.paged.engine import paged_generator_from_config
+
+            self.generator = paged_generator_from_config(self.model, cfg.rollout)
+        else:
+            self.generator = Generator(
+                self.model,
+                mesh=placement.active_mesh,
+                cache_segment_len=platform_defaults.cache_segment_len(),  # one segment off CPU (no per-segment cond)
+            )
         self.agent_loop = reward_builders.build_agent_loop(cfg, self.generator, tokenizer)  # None: single-turn
         self._multi_turn_stats: list[dict] = []  # agent-loop counts of each generation batch of the step
 

@@ -1,0 +1,206 @@
+"""Attention of queries over the paged KV pool, ragged: sequences with different query and key counts in one call.
+
+The inputs are those of the Pallas TPU kernel `jax.experimental.pallas.ops.tpu.ragged_paged_attention` (vLLM's
+TPU backend uses the same): queries `q [T, H, K]` of all sequences concatenated, `cu_q_lens [S + 1] int32`
+(sequence i's queries are `q[cu_q_lens[i]:cu_q_lens[i + 1]]`), `kv_lens [S] int32` (keys in its pages, its new
+tokens' included: its queries are its last `q_len` tokens, causal), `page_indices [S, pages_per_seq] int32`, and
+`num_seqs [1] int32` (only the first `num_seqs` sequences are real). Shape letters: T query tokens, H query heads,
+N kv heads (head h reads kv head h // (H / N), the decoder's GQA layout), K head dim, S sequences.
+
+- "xla": exact, any platform (the CPU rollout and the tests): each query gathers its sequence's pages and runs the
+  decoder's dense math (`decoder.Attention`): float32 scores, the scale, the soft-cap, a causal (and sliding-window)
+  mask with the same fill value, probabilities rounded to the compute dtype before the value product. Memory
+  `[T, pages_per_seq * page_size]` per head: meant for decode and small prefills.
+- "pallas_tpu": the TPU kernel (flash-style online softmax in float32).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+PAGED_ATTENTION_IMPLS = ("xla", "pallas_tpu")
+_NEG = float(np.finfo(np.float32).min)  # the decoder's mask fill
+MIN_SEGMENT_SLOTS = 128  # the XLA path's page-table segments hold at least this many slots (`_segment_pages`)
+
+
+def resolve_paged_attention_impl(impl: str, platform: str) -> str:
+    """ "auto" -> "pallas_tpu" on TPU, else "xla". Raises ValueError for an unknown name or "pallas_tpu" off TPU."""
+    if impl == "auto":
+        return "pallas_tpu" if platform == "tpu" else "xla"
+    if impl not in PAGED_ATTENTION_IMPLS:
+        raise ValueError(f"paged attention impl {impl!r}: expected 'auto' or one of {PAGED_ATTENTION_IMPLS}")
+    if impl == "pallas_tpu" and platform != "tpu":
+        raise ValueError(f"paged attention impl 'pallas_tpu' is a TPU kernel but the platform is {platform!r}")
+    return impl
+
+
+def query_positions(cu_q_lens: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array, t: int):
+    """(sequence `[T] int32`, position in that sequence `[T] int32`, real `[T] bool`) of each of the T query
+    tokens of the ragged layout; padding tokens past `cu_q_lens[num_seqs]` are not real (sequence clamped)."""
+    tok = jnp.arange(t, dtype=jnp.int32)
+    s = kv_lens.shape[0]
+    seq = jnp.clip(jnp.searchsorted(cu_q_lens[1:], tok, side="right").astype(jnp.int32), 0, s - 1)
+    real = tok < cu_q_lens[num_seqs[0]]
+    q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
+    pos = kv_lens[seq] - q_len + (tok - cu_q_lens[seq])
+    return seq, jnp.where(real, pos, 0), real
+
+
+def _segment_pages(pps: int, page_size: int) -> int:
+    """Pages per segment of the XLA path: an eighth of the table, at least `MIN_SEGMENT_SLOTS` slots."""
+    return max(-(-MIN_SEGMENT_SLOTS // page_size), -(-pps // 8))
+
+
+def paged_attention_xla(
+    q,
+    kv_pages,
+    kv_lens,
+    page_indices,
+    cu_q_lens,
+    num_seqs,
+    *,
+    sm_scale,
+    sliding_window=None,
+    soft_cap=None,
+    dtype=None,
+    layer=None,
+    segment_pages=None,
+):
+    """Exact XLA ragged paged attention (module docstring). kv_pages `[P, page_size, 2N, K]`, or the whole pool
+    `[L, P, page_size, 2N, K]` with `layer` (int32 scalar): the pages are gathered from it directly (no copy of
+    the layer); dtype: the compute dtype the probabilities are rounded to (default q.dtype). The page tables are
+    split into segments of `segment_pages` pages (default `_segment_pages`); a segment no query sees is neither
+    gathered nor multiplied (`lax.cond`, as the dense cache's segments), so a step costs about the pages written.
+    Returns `[T, H, K]` in dtype; padding queries give 0."""
+    dtype = jnp.dtype(dtype or q.dtype)
+    t, h, kd = q.shape
+    ps, n2 = kv_pages.shape[-3:-1]
+    n, pps = n2 // 2, page_indices.shape[1]
+    g = h // n
+    seq, pos, real = query_positions(cu_q_lens, kv_lens, num_seqs, t)
+    att = jnp.promote_types(dtype, kv_pages.dtype)  # a wider cache is read as it is (decoder.Attention)
+    tables = page_indices[seq]  # [T, pages_per_seq]
+    slot = jnp.arange(pps * ps, dtype=jnp.int32)[None]
+    allowed = (slot <= pos[:, None]) & real[:, None]  # [T, S_max]
+    if sliding_window is not None:
+        allowed &= slot > pos[:, None] - sliding_window
+    sp = segment_pages or _segment_pages(pps, ps)
+    bounds = [(lo, min(lo + sp, pps)) for lo in range(0, pps, sp)]
+    visible = [jnp.any(allowed[:, lo * ps : hi * ps]) for lo, hi in bounds]
+
+    def pages(lo, hi, half):  # keys (half 0) or values (half 1) of pages [lo, hi): [T, (hi - lo) * ps, N, K]
+        x = kv_pages[tables[:, lo:hi]] if layer is None else kv_pages[layer, tables[:, lo:hi]]
+        return x[..., half::2, :].reshape(t, (hi - lo) * ps, n, kd).astype(att)
+
+    def segment(i, fn, shape, fill):
+        if len(bounds) == 1:
+            return fn()
+        return jax.lax.cond(visible[i], fn, lambda: jnp.full(shape, fill, jnp.float32))
+
+    qg = q.reshape(t, n, g, kd).astype(att)
+    scores = [
+        segment(
+            i,
+            lambda lo=lo, hi=hi: jnp.einsum(
+                "TNGK,TSNK->TNGS", qg, pages(lo, hi, 0), preferred_element_type=jnp.float32
+            ),
+            (t, n, g, (hi - lo) * ps),
+            _NEG,
+        )
+        for i, (lo, hi) in enumerate(bounds)
+    ]
+    scores = jnp.concatenate(scores, axis=-1) * sm_scale
+    if soft_cap is not None:
+        scores = jnp.tanh(scores / soft_cap) * soft_cap
+    scores = jnp.where(allowed[:, None, None], scores, _NEG)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dtype).astype(att)
+    out = None
+    for i, (lo, hi) in enumerate(bounds):
+        part = segment(
+            i,
+            lambda lo=lo, hi=hi: jnp.einsum(
+                "TNGS,TSNK->TNGK", probs[..., lo * ps : hi * ps], pages(lo, hi, 1), preferred_element_type=jnp.float32
+            ),
+            (t, n, g, kd),
+            0.0,
+        )
+        out = part if out is None else out + part
+    return jnp.where(real[:, None, None, None], out, 0.0).astype(dtype).reshape(t, h, kd)
+
+
+def paged_attention_pallas_tpu(
+    q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale, sliding_window=None, soft_cap=None
+):
+    """The Pallas TPU kernel, with static block sizes (so tracing needs no TPU device kind): all of a sequence's
+    pages per block up to 16, queries per block min(T, 32). Returns `[T, H, K]` in q.dtype."""
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
+
+    q_blk = min(q.shape[0], 32)
+    return ragged_paged_attention(
+        q,
+        kv_pages.astype(q.dtype),
+        kv_lens,
+        page_indices,
+        cu_q_lens,
+        num_seqs,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        num_kv_pages_per_block=min(page_indices.shape[1], 16),
+        num_queries_per_block=q_blk,
+        vmem_limit_bytes=64 * 1024 * 1024,
+    )
+
+
+def paged_attention(
+    q,
+    kv_pages,
+    kv_lens,
+    page_indices,
+    cu_q_lens,
+    num_seqs,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    dtype=None,
+    impl: str = "xla",
+    layer=None,
+    segment_pages=None,
+):
+    """Ragged paged attention through `impl` ("xla" or "pallas_tpu"; `resolve_paged_attention_impl`). Shapes as
+    the module docstring (kv_pages one layer's, or the whole pool with `layer`); segment_pages: the XLA path's
+    (`paged_attention_xla`). Returns `[T, H, K]` in dtype (default q.dtype)."""
+    if impl == "pallas_tpu":
+        if layer is not None:  # the layers' pages as one pool (a free reshape), the tables offset to this layer's
+            num_layers, num_pages = kv_pages.shape[:2]
+            kv_pages = kv_pages.reshape(num_layers * num_pages, *kv_pages.shape[2:])
+            page_indices = page_indices + layer * num_pages
+        out = paged_attention_pallas_tpu(
+            q.astype(dtype or q.dtype),
+            kv_pages,
+            kv_lens,
+            page_indices,
+            cu_q_lens,
+            num_seqs,
+            sm_scale=sm_scale,
+            sliding_window=sliding_window,
+            soft_cap=soft_cap,
+        )
+        return out.astype(dtype or q.dtype)
+    return paged_attention_xla(
+        q,
+        kv_pages,
+        kv_lens,
+        page_indices,
+        cu_q_lens,
+        num_seqs,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        dtype=dtype,
+        layer=layer,
+        segment_pages=segment_pages,
+    )

@@ -1,0 +1,309 @@
+"""`PagedGenerator`: the paged, continuously batched rollout engine behind the dense `Generator`'s interface.
+
+The host loop alternates dispatches: a prefill chunk when sequences wait for their prompt (`Scheduler`), else `K`
+decode steps of the whole slot batch. Shapes are fixed per engine and prompt bucket (slots, pages, page-table
+width, prefill budget), so each program compiles once. Samples use the dense `Generator`'s per-row keys
+(`fold_in(fold_in(key, step), row)`, row `i * n + j` = sample j of prompt i), so on CPU float32 both engines give
+the same tokens, and log-probs equal to float rounding (prefill and decode batch differently).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxrl_post.batch.protocol import DataProto
+from jaxrl_post.rollout.generate import _assemble, _left_padded, kv_cache_dtype
+from jaxrl_post.rollout.paged import forward, programs
+from jaxrl_post.rollout.paged.allocator import PageAllocator
+from jaxrl_post.rollout.paged.attention import resolve_paged_attention_impl
+from jaxrl_post.rollout.paged.kv_pool import init_pool, pool_bytes, token_slots
+from jaxrl_post.rollout.paged.scheduler import Piece, Scheduler, Seq
+from jaxrl_post.rollout.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class PagedGenerator:
+    """Paged rollout engine for one model (single device for now).
+
+    Args:
+      model: a `jaxrl_post.models.Transformer`; its params are read (and layers stacked) at each `generate` call
+        and by `update_weights`.
+      max_num_seqs: slots of the decode batch (vLLM / verl `max_num_seqs`).
+      max_num_batched_tokens: prompt tokens per prefill dispatch (vLLM / verl; chunked prefill).
+      page_size: tokens per page (vLLM `block_size`).
+      num_pages: pages of the pool, the null page included (vLLM `num_gpu_blocks_override`); None: enough for
+        every slot to hold a sequence of the longest prompt bucket plus `max_new_tokens` (no preemption).
+      steps_per_dispatch: decode steps per dispatch (`K`, one `lax.scan`); the host retires and admits between.
+      cache_dtype: pool dtype; None as `Generator` (`kv_cache_dtype`).
+      attention_impl: "auto" (TPU: the Pallas kernel, else XLA), "xla" or "pallas_tpu".
+      min_prompt_bucket: prompts are padded to a power of two >= this for the page-table width (compile once).
+      scan_layers: run the layers as a `lax.scan` over params stacked once per call (compiles one layer); False:
+        unrolled. None: scanned off CPU, unrolled on CPU, where the scan materializes each layer's slice of the
+        stacked MLP kernels at every step (docs/paged_rollout.md#how-it-works).
+    """
+
+    model: nnx.Module
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    page_size: int = 16
+    num_pages: int | None = None
+    steps_per_dispatch: int = 16
+    cache_dtype: str | None = None
+    attention_impl: str = "auto"
+    min_prompt_bucket: int = 16
+    scan_layers: bool | None = None
+    last_stats: dict | None = dataclasses.field(default=None, init=False, repr=False)
+
+    def __post_init__(self):
+        self.impl = resolve_paged_attention_impl(self.attention_impl, jax.default_backend())
+        if self.scan_layers is None:
+            self.scan_layers = jax.default_backend() != "cpu"
+        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "steps_per_dispatch"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"PagedGenerator.{name} must be >= 1, got {getattr(self, name)}")
+        self._weights_read = False
+        self.unfinished: list[Seq] = []  # sequences the last call stopped before they finished
+
+    def update_weights(self, model: nnx.Module | None = None) -> None:
+        """Take `model`'s (or the current model's) params for the next dispatch: the layers are restacked once
+        here, not per dispatch (weight swap between dispatches, asynchronous RL)."""
+        if model is not None:
+            self.model = model
+        self._graphdef, self._state = nnx.split(self.model)
+        self._graphdefs, self._stacked = forward.stack_layers(self.model) if self.scan_layers else (None, None)
+        self._weights_read = True
+
+    def __call__(self, prompts: DataProto, params: SamplingParams, *, seed: int | None = None) -> DataProto:
+        return self.generate(prompts, params, seed=seed)
+
+    def generate(
+        self,
+        prompts: DataProto,
+        params: SamplingParams,
+        *,
+        seed: int | None = None,
+        n: int = 1,
+        should_stop: Callable[[int], bool] | None = None,
+        resume: list[Seq] | None = None,
+        process_local: bool = False,
+    ) -> DataProto:
+        """`Generator.generate`'s contract (same keys, shapes, row order `i * n + j`; see it for the details).
+
+        should_stop: called with the dispatch count after each dispatch; True stops at that boundary: the result
+          then holds every sequence's tokens so far, and `self.unfinished` the unfinished `Seq`s (tokens,
+          log-probs) to pass back as `resume` (with the same prompts, params and seed) to go on.
+        resume: sequences a stopped call handed back; only those are generated further.
+        process_local: as `Generator.generate`; this engine runs in one process (True with several: ValueError).
+        Raises ValueError: prompts not left-padded / a row without a real token / bad `n`, a pool too small for
+          one sequence, or several processes.
+        """
+        if process_local and jax.process_count() > 1:
+            raise ValueError("the paged rollout engine runs in one process for now (rollout.name='dense')")
+        if isinstance(n, bool) or not float(n).is_integer() or int(n) < 1:
+            raise ValueError(f"n (responses per prompt) must be an integer >= 1, got {n!r}")
+        n = int(n)
+        ids = np.asarray(jax.device_get(prompts.batch["input_ids"])).astype(np.int32)
+        mask = np.asarray(jax.device_get(prompts.batch["attention_mask"])).astype(np.int32)
+        if ids.ndim != 2 or ids.shape != mask.shape:
+            raise ValueError(f"input_ids {ids.shape} and attention_mask {mask.shape} must both be [B, P]")
+        if not _left_padded(mask):
+            raise ValueError("prompts must be left-padded (attention_mask 0...0 1...1 in every row)")
+        if not np.all(mask.sum(axis=1) > 0):
+            raise ValueError("every prompt needs at least one real token")
+        b, p = ids.shape
+        r = params.max_new_tokens
+        if resume is None or not self._weights_read:
+            self.update_weights()  # the model's current params, as `Generator` reads them at every call
+        p_pad = 1 << max(self.min_prompt_bucket - 1, p - 1).bit_length()
+        pps = -(-(p_pad + r) // self.page_size)
+        num_pages = self.num_pages or self.max_num_seqs * pps + 1
+        cfg = self.model.config
+        dtype = jnp.dtype(kv_cache_dtype(self.model, self.cache_dtype))
+        alloc = PageAllocator(num_pages, self.page_size)
+        sched = Scheduler(
+            alloc,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            steps_per_dispatch=self.steps_per_dispatch,
+        )
+        if resume is None:
+            seqs = [Seq(row=i * n + j, prompt=ids[i][mask[i] > 0], limit=r) for i in range(b) for j in range(n)]
+            for i in range(b):
+                sched.add(seqs[i * n : (i + 1) * n])
+        else:
+            seqs = list(resume)
+            for s in seqs:
+                sched.add([s])
+        kv = init_pool(cfg.num_layers, num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim, dtype).kv
+        logits = jnp.zeros((self.max_num_seqs, cfg.vocab_size), jnp.float32)
+        key = jax.random.key(params.seed if seed is None else seed)
+        static = dataclasses.replace(params, seed=0)
+        stats = {"prefill_dispatches": 0, "decode_dispatches": 0, "decode_slot_steps": 0, "emitted": 0}
+        dispatches = 0
+        while not sched.idle:
+            pieces = sched.schedule_prefill()
+            if pieces:
+                kv, logits = self._prefill(kv, logits, sched, pieces, pps)
+                stats["prefill_dispatches"] += 1
+            else:
+                kv, logits = self._decode(kv, logits, sched, pps, key, static, stats)
+                stats["decode_dispatches"] += 1
+            dispatches += 1
+            if should_stop is not None and should_stop(dispatches) and not sched.idle:
+                break
+        self.unfinished = sched.stop()
+        stats.update(
+            num_pages=num_pages,
+            pool_bytes=pool_bytes(cfg.num_layers, num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim, dtype),
+            preemptions=sched.num_preemptions,
+        )
+        self.last_stats = stats
+        return self._result(prompts, ids, mask, seqs, b * n if resume is None else None, n, params)
+
+    # ------------------------------------------------------------------ dispatches
+    def _prefill(self, kv, logits, sched: Scheduler, pieces: list[Piece], pps: int):
+        t_budget, s_max, ps = self.max_num_batched_tokens, self.max_num_seqs, self.page_size
+        tok = np.zeros(t_budget, np.int32)
+        pos = np.zeros(t_budget, np.int32)
+        seq_of = np.zeros(t_budget, np.int32)
+        kv_lens = np.zeros(s_max, np.int32)
+        cu = np.zeros(s_max + 1, np.int32)
+        last = np.zeros(s_max, np.int32)
+        tables = np.zeros((s_max, pps), np.int32)
+        off = 0
+        for i, pc in enumerate(pieces):
+            ctx = pc.seq.context
+            tok[off : off + pc.count] = ctx[pc.start : pc.start + pc.count]
+            pos[off : off + pc.count] = np.arange(pc.start, pc.start + pc.count)
+            seq_of[off : off + pc.count] = i
+            kv_lens[i] = pc.start + pc.count
+            tables[i] = sched.alloc.page_table([pc.seq.row], pps)[0]
+            off += pc.count
+            cu[i + 1 :] = off
+            last[i] = off - 1
+        real = np.arange(t_budget) < off
+        slots = np.where(real, np.asarray(token_slots(jnp.asarray(pos), jnp.asarray(tables[seq_of]), ps)), 0)
+        rag = forward.Ragged(
+            tokens=jnp.asarray(tok[None]),
+            positions=jnp.asarray(pos[None]),
+            slots=jnp.asarray(slots, jnp.int32),
+            kv_lens=jnp.asarray(kv_lens),
+            page_indices=jnp.asarray(tables),
+            cu_q_lens=jnp.asarray(cu),
+            num_seqs=jnp.asarray([len(pieces)], jnp.int32),
+        )
+        kv, new = programs.prefill(
+            self._graphdef, self._state, self._graphdefs, self._stacked, kv, rag, jnp.asarray(last), impl=self.impl
+        )
+        complete, copies = sched.prefill_done(pieces)
+        src, dst = np.full(s_max, 0, np.int32), np.full(s_max, s_max, np.int32)
+        k = 0
+        index = {id(pc.seq): i for i, pc in enumerate(pieces)}
+        for first, group in complete:
+            for s in group:
+                src[k], dst[k] = index[id(first)], s.slot
+                k += 1
+        if k:
+            logits = programs.place_logits(logits, new, jnp.asarray(src), jnp.asarray(dst))
+        if copies:
+            c = -(-len(copies) // s_max) * s_max  # fixed sizes: multiples of the slot count
+            pairs = np.zeros((c, 2), np.int32)
+            pairs[: len(copies)] = copies
+            kv = programs.copy_pages(kv, jnp.asarray(pairs[:, 0]), jnp.asarray(pairs[:, 1]))
+        return kv, logits
+
+    def _decode(self, kv, logits, sched: Scheduler, pps: int, key, params, stats):
+        s_max = self.max_num_seqs
+        seqs = sched.schedule_decode()
+        pos, t, rows = (np.zeros(s_max, np.int32) for _ in range(3))
+        limit = np.ones(s_max, np.int32)
+        done = np.ones(s_max, bool)
+        tables = np.zeros((s_max, pps), np.int32)
+        for s in seqs:
+            pos[s.slot], t[s.slot], rows[s.slot], limit[s.slot] = s.length, len(s.tokens), s.row, s.limit
+            done[s.slot] = False
+            tables[s.slot] = sched.alloc.page_table([s.row], pps)[0]
+        kv, logits, tokens, lps, ths, emitted, done_out = programs.decode(
+            self._graphdef,
+            self._state,
+            self._graphdefs,
+            self._stacked,
+            kv,
+            logits,
+            *(jnp.asarray(a) for a in (pos, t, rows, limit, done, tables)),
+            key,
+            impl=self.impl,
+            params=params,
+            steps=self.steps_per_dispatch,
+        )
+        host = [np.asarray(a) for a in jax.device_get((tokens, lps, ths, emitted, done_out))]
+        stats["decode_slot_steps"] += len(seqs) * self.steps_per_dispatch
+        stats["emitted"] += int(host[3].sum())
+        sched.decode_done(seqs, *host)
+        return kv, logits
+
+    # ------------------------------------------------------------------ output
+    def _result(self, prompts, ids, mask, seqs, rows, n, params):
+        r = params.max_new_tokens
+        rows = rows if rows is not None else max(s.row for s in seqs) + 1
+        tokens = np.full((rows, r), params.pad_token_id, np.int32)
+        logps = np.zeros((rows, r), np.float32)
+        ths = np.full((rows, r), -np.inf, np.float32)
+        for s in seqs:
+            k = len(s.tokens)
+            tokens[s.row, :k], logps[s.row, :k], ths[s.row, :k] = s.tokens, s.log_probs, s.thresholds
+        if n > 1:
+            prompts, ids, mask = prompts.repeat(n, interleave=True), np.repeat(ids, n, 0), np.repeat(mask, n, 0)
+        out = _assemble(prompts, ids, mask, tokens, logps, ths, params)
+        for s in self.unfinished:  # stopped early: only the tokens it has exist (no EOS yet: truncated)
+            for key in ("response_attention_mask", "loss_mask"):
+                out.batch[key][s.row, len(s.tokens) :] = 0
+            out.batch["attention_mask"][s.row, ids.shape[1] + len(s.tokens) :] = 0
+        return out
+
+
+def pages_for_memory(budget_bytes: int, model_config, page_size: int, dtype) -> int:
+    """Pages (null page included) whose pool fits in `budget_bytes` (e.g. `gpu_memory_utilization` x the device
+    memory minus the weights): budget // bytes per page."""
+    c = model_config
+    per_page = pool_bytes(c.num_layers, 1, page_size, c.num_kv_heads, c.head_dim, dtype)
+    return int(budget_bytes) // per_page
+
+
+def paged_generator_from_config(model, rollout) -> PagedGenerator:
+    """The engine of `rollout.name='paged'` from the `rollout.*` keys (configs/base.py): `max_num_seqs`,
+    `max_num_batched_tokens`, `block_size`, `num_scheduler_steps`, and the pool from `num_gpu_blocks_override`, else
+    `gpu_memory_utilization` x the device's memory limit minus the bytes in use (weights), else None (enough pages
+    for every slot). Raises ValueError when `gpu_memory_utilization` is set on a device without memory stats or
+    leaves no room for two pages."""
+    pages = rollout.num_gpu_blocks_override
+    if pages is None and rollout.gpu_memory_utilization is not None:
+        stats = jax.devices()[0].memory_stats() or {}
+        if "bytes_limit" not in stats:
+            raise ValueError(
+                f"rollout.gpu_memory_utilization={rollout.gpu_memory_utilization}: the device reports no memory "
+                "limit; set rollout.num_gpu_blocks_override (pages) instead"
+            )
+        budget = rollout.gpu_memory_utilization * stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+        dtype = kv_cache_dtype(model)
+        pages = pages_for_memory(int(budget), model.config, int(rollout.block_size), dtype)
+        if pages < 2:
+            raise ValueError(f"rollout.gpu_memory_utilization={rollout.gpu_memory_utilization} leaves {pages} KV pages")
+        log.info("paged rollout: %d KV pages of %d tokens (%.2f GB)", pages, rollout.block_size, budget / 1e9)
+    return PagedGenerator(
+        model,
+        max_num_seqs=int(rollout.max_num_seqs),
+        max_num_batched_tokens=int(rollout.max_num_batched_tokens),
+        page_size=int(rollout.block_size),
+        num_pages=pages,
+        steps_per_dispatch=int(rollout.num_scheduler_steps),
+    )

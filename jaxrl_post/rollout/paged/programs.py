@@ -1,0 +1,84 @@
+"""The paged engine's jitted programs: a ragged prefill chunk, `K` decode steps over the slot batch (`lax.scan`),
+and the small moves between them (first logits into slots, forked pages). Module-level with static graphdefs and
+shapes, so every call with the same model structure and engine shapes reuses one compiled program each.
+`TRACE_COUNTS` counts traces (tests assert compile-once on it)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxrl_post.rollout.paged import forward
+from jaxrl_post.rollout.paged.kv_pool import token_slots
+from jaxrl_post.rollout.sampling import is_eos, sample_tokens
+
+TRACE_COUNTS = {"prefill": 0, "decode": 0}
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "graphdefs", "impl"), donate_argnames=("kv",))
+def prefill(graphdef, state, graphdefs, layers, kv, rag: forward.Ragged, last, *, impl):
+    """One ragged prefill chunk `rag` (tokens `[1, T]`). Returns (pool with its keys/values written, logits
+    `[S, V] float32` at flat token indices `last [S] int32`)."""
+    TRACE_COUNTS["prefill"] += 1
+    model = nnx.merge(graphdef, state)
+    h, kv = forward.hidden_states(model, graphdefs, layers, kv, rag, impl)
+    h_last = jnp.take(h[0], last, axis=0)[:, None]  # [S, 1, D]
+    return kv, model.logits_from_hidden(h_last)[:, 0]
+
+
+@functools.partial(jax.jit, donate_argnames=("logits",))
+def place_logits(logits, new, src, dst):
+    """`logits [S, V]` with rows `dst [S] int32` set to `new[src]` (`dst` = S: dropped)."""
+    return logits.at[dst].set(new[src], mode="drop")
+
+
+@functools.partial(jax.jit, donate_argnames=("kv",))
+def copy_pages(kv, src, dst):
+    """Pool `[L, P, ...]` with pages `dst [C]` set to pages `src [C]` in every layer ((0, 0) pads: a no-op)."""
+    return kv.at[:, dst].set(kv[:, src])
+
+
+@functools.partial(
+    jax.jit, static_argnames=("graphdef", "graphdefs", "impl", "params", "steps"), donate_argnames=("kv", "logits")
+)
+def decode(
+    graphdef, state, graphdefs, layers, kv, logits, pos, t, rows, limit, done, tables, key, *, impl, params, steps
+):
+    """`steps` decode steps of the slot batch. Per slot: logits `[S, V] float32` of its next token, pos `[S] int32`
+    (its next token's position), t `[S] int32` (tokens it has generated), rows `[S] int32` (sampling ids), limit
+    `[S] int32`, done `[S] bool` (idle or finished), tables `[S, pages_per_seq] int32`. Each step samples with
+    `fold_in(fold_in(key, t), row)` per slot (the dense `Generator`'s key of that row and step), records the token,
+    then runs it through the model. Returns (pool, logits, tokens `[S, steps] int32`, log_probs, thresholds
+    `[S, steps] float32`, emitted `[S, steps] bool`, done `[S] bool`)."""
+    TRACE_COUNTS["decode"] += 1
+    model = nnx.merge(graphdef, state)
+    s, ps = logits.shape[0], kv.shape[2]
+    pad = jnp.int32(params.pad_token_id)
+
+    def step(carry, _):
+        kv, logits, pos, t, done = carry
+        keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(t)
+        tok, lp, th = sample_tokens(logits, keys, params, row_ids=rows)
+        emitted = ~done
+        tok, lp = jnp.where(done, pad, tok), jnp.where(done, 0.0, lp)
+        rag = forward.Ragged(
+            tokens=tok[:, None],
+            positions=pos[:, None],
+            slots=jnp.where(emitted, token_slots(pos, tables, ps), 0),
+            kv_lens=pos + 1,
+            page_indices=tables,
+            cu_q_lens=jnp.arange(s + 1, dtype=jnp.int32),
+            num_seqs=jnp.array([s], jnp.int32),
+        )
+        h, kv = forward.hidden_states(model, graphdefs, layers, kv, rag, impl)
+        new_done = done | is_eos(tok, params.eos_token_ids) | (t + 1 >= limit)
+        step_ = emitted.astype(jnp.int32)
+        out = (tok, lp, th, emitted)
+        return (kv, model.logits_from_hidden(h)[:, 0], pos + step_, t + step_, new_done), out
+
+    (kv, logits, _, _, done), outs = jax.lax.scan(step, (kv, logits, pos, t, done), None, length=steps)
+    tokens, lps, ths, emitted = (o.T for o in outs)
+    return kv, logits, tokens, lps, ths, emitted, done

@@ -1,0 +1,196 @@
+"""Continuous batching on the host: a fixed batch of `max_num_seqs` slots, a prefill token budget
+`max_num_batched_tokens` (chunked prefill), pages from a `PageAllocator` (vLLM's scheduler, simplified).
+
+A prompt enters as a group of its `n` samples (one `Seq` each, row ids `i * n + j`). It is admitted when `n` slots
+are free and the pool holds its prompt's pages (plus one page per sample of headroom); its first sample's prompt is
+prefilled (in chunks of the budget), then the other samples fork it (`PageAllocator.fork`: full prompt pages shared,
+the partly filled last page copied). Running sequences decode `K` steps per dispatch; before a dispatch each gets the
+pages its next `K` tokens need; when the pool runs short the most recently admitted sequences are preempted (pages
+freed, re-queued at the front with their tokens so far: recomputed by a prefill when readmitted, vLLM's recompute
+preemption). A sequence retires at its first EOS or after `limit` tokens; its slot and pages go back at once.
+The same re-queueing resumes sequences that a caller stopped at a dispatch boundary (`Seq.resumable`).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import numpy as np
+
+from jaxrl_post.rollout.paged.allocator import PageAllocator
+
+
+@dataclasses.dataclass
+class Seq:
+    """One sequence (a sample of a prompt). row: its output row and sampling key id; prompt `[P] int32`; limit:
+    response tokens at most; tokens / log_probs / thresholds: its response so far; prefilled: tokens of its
+    context (prompt + response) whose keys/values are in the pool."""
+
+    row: int
+    prompt: np.ndarray
+    limit: int
+    tokens: list = dataclasses.field(default_factory=list)
+    log_probs: list = dataclasses.field(default_factory=list)
+    thresholds: list = dataclasses.field(default_factory=list)
+    prefilled: int = 0
+    slot: int | None = None
+    done: bool = False
+
+    @property
+    def context(self) -> np.ndarray:
+        """Prompt and response tokens `[P + t] int32`."""
+        return np.concatenate([self.prompt, np.asarray(self.tokens, np.int32)]).astype(np.int32)
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt) + len(self.tokens)
+
+
+@dataclasses.dataclass
+class Piece:
+    """Prefill work of one dispatch: `count` context tokens of `seq` from position `start`."""
+
+    seq: Seq
+    start: int
+    count: int
+
+
+class Scheduler:
+    """Host-side continuous-batching state. Raises ValueError when the pool cannot hold one longest sequence."""
+
+    def __init__(
+        self, alloc: PageAllocator, *, max_num_seqs: int, max_num_batched_tokens: int, steps_per_dispatch: int
+    ):
+        self.alloc, self.k = alloc, int(steps_per_dispatch)
+        self.max_num_seqs, self.budget = int(max_num_seqs), int(max_num_batched_tokens)
+        self.waiting: collections.deque[list[Seq]] = collections.deque()  # groups; group[0] is prefilled
+        self.prefilling: list[list[Seq]] = []
+        self.running: list[Seq] = []  # admission order (preemption takes the last)
+        self.free_slots = list(range(self.max_num_seqs - 1, -1, -1))
+        self.finished: list[Seq] = []
+        self.num_preemptions = 0
+
+    def add(self, group: list[Seq], front: bool = False) -> None:
+        """Queue a group of sequences with equal contexts (a prompt's samples, or one resumed sequence)."""
+        need = self.alloc.pages_for(group[0].length + group[0].limit - len(group[0].tokens))
+        if need > self.alloc.num_pages - 1 or len(group) > self.max_num_seqs:
+            raise ValueError(
+                f"a group of {len(group)} sequences of up to {group[0].length + group[0].limit} tokens needs "
+                f"{need} pages and {len(group)} slots; the pool has {self.alloc.num_pages - 1} pages and "
+                f"{self.max_num_seqs} slots (raise the page budget or max_num_seqs)"
+            )
+        (self.waiting.appendleft if front else self.waiting.append)(group)
+
+    @property
+    def idle(self) -> bool:
+        return not (self.waiting or self.prefilling or self.running)
+
+    # ------------------------------------------------------------------ prefill
+    def _admit(self) -> None:
+        while self.waiting:
+            group = self.waiting[0]
+            first = group[0]
+            pages = self.alloc.pages_for(first.length) + len(group)  # + one page of headroom per sample
+            if len(group) > len(self.free_slots) or not self.alloc.can_allocate(pages):
+                return
+            self.waiting.popleft()
+            self.alloc.allocate(first.row, first.length)
+            for s in group:
+                s.slot, s.prefilled = self.free_slots.pop(), 0
+            self.prefilling.append(group)
+
+    def schedule_prefill(self) -> list[Piece]:
+        """Admit waiting groups, then pack the prefilling sequences' remaining context tokens into one budget of
+        `max_num_batched_tokens` (at most `max_num_seqs` pieces), first admitted first."""
+        self._admit()
+        pieces, left = [], self.budget
+        for group in self.prefilling:
+            s = group[0]
+            if left == 0 or len(pieces) == self.max_num_seqs:
+                break
+            count = min(s.length - s.prefilled, left)
+            pieces.append(Piece(s, s.prefilled, count))
+            left -= count
+        return pieces
+
+    def prefill_done(self, pieces: list[Piece]) -> tuple[list[tuple[Seq, list[Seq]]], list[tuple[int, int]]]:
+        """Record a prefill dispatch. Returns (groups whose context is now whole, as (prefilled sequence, all
+        its samples): their slots take its last logits; (src, dst) page copies the forks need)."""
+        complete, copies = [], []
+        for piece in pieces:
+            piece.seq.prefilled += piece.count
+        for group in list(self.prefilling):
+            first = group[0]
+            if first.prefilled < first.length:
+                continue
+            self.prefilling.remove(group)
+            for s in group[1:]:
+                copy = self.alloc.fork(first.row, s.row)
+                if copy is not None:
+                    copies.append(copy)
+                s.prefilled = first.prefilled
+            self.running += group
+            complete.append((first, group))
+        return complete, copies
+
+    # ------------------------------------------------------------------ decode
+    def _preempt(self, seq: Seq) -> None:
+        self.running.remove(seq)
+        self.alloc.free(seq.row)
+        self.free_slots.append(seq.slot)
+        seq.slot, seq.prefilled = None, 0
+        self.add([seq], front=True)
+        self.num_preemptions += 1
+
+    def schedule_decode(self) -> list[Seq]:
+        """Reserve the pages of the next `K` tokens of every running sequence (capped at its limit), preempting
+        the most recently admitted ones while the pool is short. Returns the running sequences."""
+        for seq in list(self.running):
+            if seq not in self.running:
+                continue  # preempted for an older one
+            target = min(seq.length + self.k, len(seq.prompt) + seq.limit)
+            while not self.alloc.can_allocate(self.alloc.pages_for(target) - len(self.alloc.pages(seq.row))):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq in self.running and self.alloc.length(seq.row) < target:
+                self.alloc.append(seq.row, target - self.alloc.length(seq.row))
+        return list(self.running)
+
+    def decode_done(self, seqs: list[Seq], tokens, log_probs, thresholds, emitted, done) -> None:
+        """Record a decode dispatch: `tokens / log_probs / thresholds / emitted [S, K]` by slot, `done [S] bool`.
+        Retires finished sequences (pages and slot freed)."""
+        for s in seqs:
+            keep = np.asarray(emitted[s.slot], bool)
+            s.tokens += [int(x) for x in tokens[s.slot][keep]]
+            s.log_probs += [float(x) for x in log_probs[s.slot][keep]]
+            s.thresholds += [float(x) for x in thresholds[s.slot][keep]]
+            s.prefilled = s.length
+            if done[s.slot]:
+                s.done = True
+                self.running.remove(s)
+                self.alloc.free(s.row)
+                self.free_slots.append(s.slot)
+                s.slot = None
+                self.finished.append(s)
+
+    def stop(self) -> list[Seq]:
+        """Hand back every unfinished sequence (running, prefilling, waiting; their tokens so far) and free their
+        pages and slots: at a dispatch boundary, to be resumed later (`add([seq])` each)."""
+        out = []
+        for s in list(self.running):
+            self.running.remove(s)
+            self.alloc.free(s.row)
+            out.append(s)
+        for group in self.prefilling:
+            self.alloc.free(group[0].row)
+            out += group
+        for group in self.waiting:
+            out += group
+        self.prefilling, self.waiting = [], collections.deque()
+        self.free_slots = list(range(self.max_num_seqs - 1, -1, -1))
+        for s in out:
+            s.slot, s.prefilled = None, 0
+        return out
