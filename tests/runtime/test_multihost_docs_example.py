@@ -21,7 +21,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def _docs_command() -> tuple[int, str, dict]:
     """(devices per process, --config spec, {key: value}) of the section's bash block."""
-    text = open(os.path.join(REPO, "docs", "multihost.md")).read()
+    with open(os.path.join(REPO, "docs", "multihost.md")) as f:
+        text = f.read()
     section = text.split("## Several processes on one machine", 1)[1].split("\n## ", 1)[0]
     block = section.split("```bash\n", 1)[1].split("```", 1)[0].replace("$i", "0")  # process 0's command
     devices = int(re.search(r"xla_force_host_platform_device_count=(\d+)", block).group(1))
@@ -45,7 +46,7 @@ def test_docs_two_process_example_passes_the_config_check():
 
 
 def test_tiny_without_the_docs_micro_batch_is_refused_on_eight_devices():
-    devices, spec, overrides = _docs_command()
+    _, spec, overrides = _docs_command()
     overrides.pop("actor.ppo_micro_batch_size")
     cfg = load_config(os.path.join(REPO, spec), overrides)
     with pytest.raises(ConfigError, match=r"actor\.ppo_micro_batch_size.*4 responses \(global\) are not divisible"):
