@@ -108,6 +108,7 @@ def _decode(
     row_done,
     key,
     limit=None,
+    row_ids=None,
     *,
     params,
     num_steps,
@@ -124,7 +125,10 @@ def _decode(
     Compaction: the loop runs at batch ``sizes[0] = B`` until at most ``sizes[1]`` rows (per group of
     ``groups``) are unfinished, then keeps those rows (plus finished ones to fill; ``_compact``) and goes
     on at ``sizes[1]``, and so on, so rows that are done stop costing compute. Row ``b`` samples with
-    ``fold_in(fold_in(key, t), b)`` wherever it sits, so the tokens do not depend on ``sizes``.
+    ``fold_in(fold_in(key, t), row_ids[b])`` wherever it sits, so the tokens do not depend on ``sizes``.
+    row_ids: [B] int32 or None (= ``arange(B)``): each row's sample id, the index of the row in the batch without
+    the bucket's filler rows (a multi-process batch holds each process's filler rows after its own rows, so
+    there a row's place is not its id; `Generator.generate`).
     Returns tokens [B, n] int32 (pad after a row's first EOS), log_probs [B, n] float32 (0 there),
     sampling thresholds [B, n] float32 (`sample_tokens`; -inf there), stage_end [len(sizes)] int32 (steps
     run when each size's loop ended; n = num_steps rounded up to a multiple of chunk), the cache and
@@ -140,8 +144,8 @@ def _decode(
     pad = jnp.int32(params.pad_token_id)
 
     def step(carry, _):
-        (cache, logits, done, rows), t, outs = carry
-        tok, lp, th = sample_tokens(logits, jax.random.fold_in(key, t), params, row_ids=rows)
+        (cache, logits, done, rows, ids), t, outs = carry
+        tok, lp, th = sample_tokens(logits, jax.random.fold_in(key, t), params, row_ids=ids)
         tok = jnp.where(done, pad, tok)
         lp = jnp.where(done, 0.0, lp)
         outs = tuple(o.at[rows, t].set(x) for o, x in zip(outs, (tok, lp, th), strict=True))
@@ -150,7 +154,7 @@ def _decode(
             done = done | (t + 1 >= limit[rows])
         new_logits, cache = model(tok[:, None], jnp.ones((tok.shape[0], 1), jnp.int32), cache=cache)
         new_logits = _constrain_batch(new_logits[:, 0], mesh)
-        return ((_constrain_cache(cache, mesh), new_logits, done, rows), t + 1, outs), None
+        return ((_constrain_cache(cache, mesh), new_logits, done, rows, ids), t + 1, outs), None
 
     def body(carry):
         return jax.lax.scan(step, carry, None, length=chunk)[0]
@@ -169,20 +173,21 @@ def _decode(
         _constrain_batch(jnp.full((batch, n_alloc), -jnp.inf, jnp.float32), mesh),
     )
     rows = _constrain_batch(jnp.arange(batch, dtype=jnp.int32), mesh)
-    carry, stage_end = ((cache, logits, row_done, rows), jnp.int32(0), outs), []
+    ids = rows if row_ids is None else _constrain_batch(row_ids.astype(jnp.int32), mesh)
+    carry, stage_end = ((cache, logits, row_done, rows, ids), jnp.int32(0), outs), []
     full = None  # keep_cache: every row's cache, updated from the running rows as each stage ends
     for i, size in enumerate(sizes):
         if i:
-            (cache, logits, done, rows), t, outs = carry
+            (cache, logits, done, rows, ids), t, outs = carry
             if keep_cache and i > 1:  # after the first stage `full` is that stage's cache itself
                 full = _put_rows(full, cache, rows)
-            k, v, mask, logits, done, rows = _compact(
-                (cache.k, cache.v, cache.mask, logits, done, rows), done, size, groups
+            k, v, mask, logits, done, rows, ids = _compact(
+                (cache.k, cache.v, cache.mask, logits, done, rows, ids), done, size, groups
             )
             if jnp.ndim(cache.index) == 1:  # a per-row write slot (multi-turn) moves with its row
                 cache = cache.replace(index=_compact(cache.index, carry[0][2], size, groups))
             cache = _constrain_cache(cache.replace(k=k, v=v, mask=mask), mesh)
-            carry = ((cache, *(_constrain_batch(x, mesh) for x in (logits, done, rows))), t, outs)
+            carry = ((cache, *(_constrain_batch(x, mesh) for x in (logits, done, rows, ids))), t, outs)
         carry = run_until(carry, sizes[i + 1] // groups if i + 1 < len(sizes) else 0)
         if i == 0:
             first_cache, first_logits = carry[0][:2]

@@ -248,8 +248,14 @@ class Generator:
         key = jax.random.key(params.seed if seed is None else seed)
 
         graphdef, state = nnx.split(self.model)
-        arrays = (pid, pmask, row_done)
+        arrays, row_ids = (pid, pmask, row_done), None
         if nproc > 1:
+            # each process's filler rows follow its own rows, so a row's place in the global batch is not its
+            # place in the batch one process would build: its sample id is (real rows of all processes first)
+            i = jax.process_index()
+            prompt_id = np.concatenate([i * b + np.arange(b), nproc * b + i * (b_pad - b) + np.arange(b_pad - b)])
+            row_ids = (prompt_id[:, None] * n + np.arange(n)).reshape(-1).astype(np.int32)
+            arrays = (*arrays, row_ids)
             from jaxrl_post.runtime.distributed import global_from_local, local_rows
 
             own = local_rows(self.mesh, b_pad * nproc)
@@ -259,7 +265,7 @@ class Generator:
                     f"batch; process {jax.process_index()} holds {own} (a mesh axis other than the batch spans "
                     "processes?)"
                 )
-            arrays = tuple(global_from_local(a, self.mesh) for a in arrays)
+            *arrays, row_ids = (global_from_local(a, self.mesh) for a in arrays)
         elif self.mesh is not None:
             from jaxrl_post.runtime.sharding import shard_batch
 
@@ -292,6 +298,7 @@ class Generator:
             logits,
             done_d,
             key,
+            row_ids=row_ids,
             params=static,
             num_steps=r,
             chunk=chunk,

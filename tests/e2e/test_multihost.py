@@ -4,11 +4,11 @@ included, and final params); save on 2 processes, resume on 1 process with anoth
 
 Launches (all subprocesses: fake device counts must be set before jax starts), started together so that a
 process waiting on its collectives leaves the cores to the others:
-- GRPO through the CLI, `python -m jaxrl_post.main` x 2 with the `trainer.distributed.*` keys (checkpoint
-  every step);
-- PPO through a script, 2 processes;
-- one 8-device process: GRPO 1x8 on mesh (1, 8, 1) (FSDP shard checks), PPO 1x8 on (1, 4, 2), the resume of the CLI
-  run's step-1 checkpoint (saved on 2 processes with mesh (1, 4, 2)) on (1, 8, 1);
+- GRPO through the CLI, `python -m jaxrl_post.main` x 2 with the `trainer.distributed.*` keys on the default mesh
+  (fsdp = -1: pure data parallel over the processes, as docs/multihost.md runs it; checkpoint every step);
+- PPO through a script, 2 processes, mesh fsdp 4 x tensor 2;
+- one 8-device process: GRPO 1x8 on mesh (1, 8, 1) (the default mesh; FSDP shard checks), PPO 1x8 on (1, 4, 2), the
+  resume of the CLI run's step-1 checkpoint (saved on 2 processes with mesh (1, 8, 1)) on (1, 4, 2);
 - one 1-device process: GRPO 1x1, PPO 1x1.
 The single-process launches use a persistent compilation cache (a later trainer's programs equal to an
 earlier one's are loaded, not recompiled; the numbers do not depend on it); the 2-process launches do not
@@ -216,15 +216,14 @@ def _load(tmp, name) -> dict:
 
 
 def _cli_command(tmp, port):
-    """`python -m jaxrl_post.main` for 2 processes x 4 devices, tiny GRPO, checkpoint every step."""
+    """`python -m jaxrl_post.main` for 2 processes x 4 devices, tiny GRPO, the default mesh (data*fsdp = 8: each
+    process holds 2 prompts and 2 filler rows of the 8-prompt batch bucket), checkpoint every step."""
     base = [sys.executable, "-m", "jaxrl_post.main", "--config=configs/grpo.py:tiny"]
     base += [f"--config.{k}={v}" for k, v in _GRPO.items()]
     base += [
         f"--config.custom_reward_function.path={tmp / 'reward.py'}",
         f"--config.trainer.default_local_dir={tmp / 'cli2'}",
         "--config.trainer.save_freq=1",
-        "--config.trainer.mesh.fsdp=4",
-        "--config.trainer.mesh.tensor=2",
         f"--config.trainer.distributed.coordinator_address=localhost:{port}",
         "--config.trainer.distributed.num_processes=2",
     ]
@@ -262,7 +261,7 @@ def runs(tmp_path_factory):
         [
             _job(tmp, "grpo8", "grpo", [1, 8, 1], _GRPO, shard_stats=True),
             _job(tmp, "ppo8", "ppo", [1, 4, 2], _PPO),
-            _job(tmp, "resumed", "grpo", [1, 8, 1], _GRPO, **resume),
+            _job(tmp, "resumed", "grpo", [1, 4, 2], _GRPO, **resume),
         ],
     )
     one1 = [_job(tmp, "grpo1", "grpo", [1, 1, 1], _GRPO), _job(tmp, "ppo1", "ppo", [1, 1, 1], _PPO)]

@@ -1,7 +1,9 @@
 """Multi-host SFT, DPO and reward-model training: tiny runs through `python -m jaxrl_post.main` on 2 processes x
 4 fake CPU devices (jax.distributed, coordinator on localhost) equal the same runs on 1 process x 8 devices (every
-logged metric and the exported weights); process 0 alone writes metrics.jsonl; a micro-batch whose rows the batch
-devices do not divide is a one-line error (exit 2) before any step.
+logged metric and the exported weights), SFT and DPO on the default mesh (fsdp = -1: pure data parallel over the
+processes), the reward model on fsdp 4 x tensor 2 (the three share the batch placement, `SFTTrainer._on_mesh`);
+process 0 alone writes metrics.jsonl; a micro-batch whose rows the batch devices do not divide is a one-line error
+(exit 2) before any step.
 """
 
 from __future__ import annotations
@@ -90,9 +92,10 @@ def test_sft_dpo_and_rm_on_two_processes_equal_one_process(tmp_path):
     sft = ("configs/sft.py:tiny", f"--config.data.train_files={data}", f"--config.data.val_files={data}")
     sft += ("--config.data.train_batch_size=16", "--config.data.micro_batch_size=8")
     dpo = ("configs/dpo.py", "--config.data.micro_batch_size=8")
+    rm = ("configs/reward_model.py", "--config.trainer.mesh.fsdp=4", "--config.trainer.mesh.tensor=2")
     runs = {}
     # the 1 x 8 runs one after the other in one launch group, the 2 x 4 runs beside them
-    for name, (cfg, *extra) in {"sft": sft, "dpo": dpo, "rm": ("configs/reward_model.py",)}.items():
+    for name, (cfg, *extra) in {"sft": sft, "dpo": dpo, "rm": rm}.items():
         two = _launch(cfg, tmp_path / f"{name}_2x4", 2, 4, *extra)
         one = _wait(_launch(cfg, tmp_path / f"{name}_1x8", 1, 8, *extra))
         runs[name] = (one, _wait(two))
