@@ -184,7 +184,7 @@ def test_a_new_loss_is_one_file_in_the_package(tmp_path):
     shutil.copytree(
         os.path.join(REPO, "jaxrl_post"), tmp_path / "jaxrl_post", ignore=shutil.ignore_patterns("__pycache__")
     )
-    (tmp_path / "jaxrl_post" / "policy_losses" / "toy_loss.py").write_text(
+    (tmp_path / "jaxrl_post" / "algos" / "policy_losses" / "toy_loss.py").write_text(
         textwrap.dedent(
             '''
             """A toy loss."""

@@ -271,13 +271,10 @@ def test_nonfinite_updates_stop_the_run_and_keep_the_checkpoint(jax_cache, tmp_p
     from jaxrl_post.engine.nonfinite import NonFiniteError
     from jaxrl_post.rl.trainer import RLTrainer
 
-    reward = tmp_path / "nan_reward.py"
-    reward.write_text(
-        'def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n  return float("nan")\n'
-    )
+    # an infinite entropy bonus makes every actor loss non-finite (a NaN reward no longer can: it is a reward error)
     c = _cfg(
         tmp_path / "run",
-        **{"custom_reward_function.path": str(reward), "trainer.save_freq": 1, "trainer.max_consecutive_nonfinite": 3},
+        **{"actor.entropy_coeff": float("inf"), "trainer.save_freq": 1, "trainer.max_consecutive_nonfinite": 3},
     )
     t = RLTrainer(c, console_write=lambda s: None)
     init = _host(t.state.actor.params)

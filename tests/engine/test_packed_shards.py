@@ -93,6 +93,7 @@ _SCRIPT = textwrap.dedent(
     from jaxrl_post.models import ModelConfig, init_model
     from jaxrl_post.runtime.sharding import InMesh, make_mesh
     from jaxrl_post.engine import packed_steps, packing, steps
+    from jaxrl_post.rl import ppo_update
     from jaxrl_post.engine.placement import Placement
 
     assert jax.device_count() == 8

