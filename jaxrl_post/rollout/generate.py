@@ -100,6 +100,24 @@ def _left_padded(mask: np.ndarray) -> bool:
     return bool(np.all(m[:, 1:] >= m[:, :-1]))
 
 
+def check_prompts(prompts, n) -> tuple[np.ndarray, np.ndarray, int]:
+    """`(input_ids [B, P] int32, attention_mask [B, P] int32, n)` of a prompt batch, checked for every rollout
+    engine. Raises ValueError: `n` not an integer >= 1, shapes that differ, prompts not left-padded, or a row
+    without a real token."""
+    if isinstance(n, bool) or not float(n).is_integer() or int(n) < 1:
+        raise ValueError(f"n (responses per prompt) must be an integer >= 1, got {n!r}")
+    n = int(n)
+    ids = np.asarray(jax.device_get(prompts.batch["input_ids"])).astype(np.int32)
+    mask = np.asarray(jax.device_get(prompts.batch["attention_mask"])).astype(np.int32)
+    if ids.ndim != 2 or ids.shape != mask.shape:
+        raise ValueError(f"input_ids {ids.shape} and attention_mask {mask.shape} must both be [B, P]")
+    if not _left_padded(mask):
+        raise ValueError("prompts must be left-padded (attention_mask 0...0 1...1 in every row)")
+    if not np.all(mask.sum(axis=1) > 0):
+        raise ValueError("every prompt needs at least one real token")
+    return ids, mask, n
+
+
 def kv_cache_dtype(model, cache_dtype=None, mesh=None) -> str:
     """KV cache dtype a ``Generator`` uses: ``cache_dtype`` if given, else the model's compute dtype, or
     float32 when that is a 16-bit float and the devices (``mesh``'s, else the default backend's) are CPUs
@@ -217,17 +235,7 @@ class Generator:
           ValueError: prompts are not left-padded, a row has no real token, a size exceeds the buckets, or
             ``n`` is not an integer >= 1.
         """
-        if isinstance(n, bool) or not float(n).is_integer() or int(n) < 1:
-            raise ValueError(f"n (responses per prompt) must be an integer >= 1, got {n!r}")
-        n = int(n)
-        ids = np.asarray(jax.device_get(prompts.batch["input_ids"])).astype(np.int32)
-        mask = np.asarray(jax.device_get(prompts.batch["attention_mask"])).astype(np.int32)
-        if ids.ndim != 2 or ids.shape != mask.shape:
-            raise ValueError(f"input_ids {ids.shape} and attention_mask {mask.shape} must both be [B, P]")
-        if not _left_padded(mask):
-            raise ValueError("prompts must be left-padded (attention_mask 0...0 1...1 in every row)")
-        if not np.all(mask.sum(axis=1) > 0):
-            raise ValueError("every prompt needs at least one real token")
+        ids, mask, n = check_prompts(prompts, n)
         b, p = ids.shape
         r = params.max_new_tokens
         nproc = jax.process_count() if (process_local and self.mesh is not None) else 1

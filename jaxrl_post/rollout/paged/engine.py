@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from jaxrl_post.batch.protocol import DataProto
-from jaxrl_post.rollout.generate import _assemble, _left_padded, kv_cache_dtype
+from jaxrl_post.rollout.generate import _assemble, check_prompts, kv_cache_dtype
 from jaxrl_post.rollout.paged import forward, programs
 from jaxrl_post.rollout.paged.allocator import PageAllocator
 from jaxrl_post.rollout.paged.attention import resolve_paged_attention_impl
@@ -108,17 +108,7 @@ class PagedGenerator:
         """
         if process_local and jax.process_count() > 1:
             raise ValueError("the paged rollout engine runs in one process for now (rollout.name='dense')")
-        if isinstance(n, bool) or not float(n).is_integer() or int(n) < 1:
-            raise ValueError(f"n (responses per prompt) must be an integer >= 1, got {n!r}")
-        n = int(n)
-        ids = np.asarray(jax.device_get(prompts.batch["input_ids"])).astype(np.int32)
-        mask = np.asarray(jax.device_get(prompts.batch["attention_mask"])).astype(np.int32)
-        if ids.ndim != 2 or ids.shape != mask.shape:
-            raise ValueError(f"input_ids {ids.shape} and attention_mask {mask.shape} must both be [B, P]")
-        if not _left_padded(mask):
-            raise ValueError("prompts must be left-padded (attention_mask 0...0 1...1 in every row)")
-        if not np.all(mask.sum(axis=1) > 0):
-            raise ValueError("every prompt needs at least one real token")
+        ids, mask, n = check_prompts(prompts, n)
         b, p = ids.shape
         r = params.max_new_tokens
         if resume is None or not self._weights_read:
