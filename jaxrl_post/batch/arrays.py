@@ -118,3 +118,43 @@ def deep_equal(a: Any, b: Any) -> bool:
 def describe(x: Any) -> str:
     kind = "jax" if is_jax(x) else "np"
     return f"{kind}.{x.dtype}{list(x.shape)}"
+
+
+def check_same_keys_and_shapes(items: Sequence[tuple[dict, dict]]) -> None:
+    """`(batch, non_tensor_batch)` pairs of the parts `DataProto.concat` joins: the same keys and the same
+    trailing shapes in every part as in the first. Raises ValueError naming the key and the part."""
+    for i, (batch, non_tensor) in enumerate(items[1:], start=1):
+        for where, a, b in (
+            ("batch", items[0][0], batch),
+            ("non_tensor_batch", items[0][1], non_tensor),
+        ):
+            if a.keys() != b.keys():
+                raise ValueError(f"concat: item {i} has {where} keys {sorted(b)} but item 0 has {sorted(a)}")
+            for k in a:
+                if a[k].shape[1:] != b[k].shape[1:]:
+                    raise ValueError(
+                        f"concat: {where} key {k!r} has trailing shape {a[k].shape[1:]} in item 0 "
+                        f"but {b[k].shape[1:]} in item {i}"
+                    )
+
+
+def merge_meta_info(metas: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The `meta_info` of concatenated parts: a key in several parts must hold equal values (`deep_equal`),
+    except `"metrics"` dicts, which become `{name: [v_part0, ...]}`. Raises ValueError."""
+    meta: dict[str, Any] = {}
+    metrics: list[dict] = []
+    for m_info in metas:
+        for k, v in m_info.items():
+            if k == "metrics" and isinstance(v, dict):
+                metrics.append(v)
+            elif k in meta and not deep_equal(meta[k], v):
+                raise ValueError(f"concat: meta_info key {k!r} differs between items")
+            else:
+                meta.setdefault(k, v)
+    if metrics:
+        merged: dict[str, list] = {}
+        for m in metrics:
+            for name, v in m.items():
+                merged.setdefault(name, []).append(v)
+        meta["metrics"] = merged
+    return meta

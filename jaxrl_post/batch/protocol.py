@@ -41,13 +41,16 @@ from jaxrl_post.batch.arrays import (
     Array,
     as_batch_array,
     as_non_tensor_array,
+    check_same_keys_and_shapes,
     concat,
     deep_equal,
     describe,
     is_jax,
+    merge_meta_info,
     normalize_index,
     take,
 )
+from jaxrl_post.batch.padding import pad_dataproto_to_divisor, pad_to_divisor, unpad, unpad_dataproto
 
 __all__ = [
     "DataProto",
@@ -309,37 +312,10 @@ class DataProto:
         if not data:
             raise ValueError("concat: got an empty list")
         first = data[0]
-        for i, d in enumerate(data[1:], start=1):
-            for where, a, b in (
-                ("batch", first.batch, d.batch),
-                ("non_tensor_batch", first.non_tensor_batch, d.non_tensor_batch),
-            ):
-                if a.keys() != b.keys():
-                    raise ValueError(f"concat: item {i} has {where} keys {sorted(b)} but item 0 has {sorted(a)}")
-                for k in a:
-                    if a[k].shape[1:] != b[k].shape[1:]:
-                        raise ValueError(
-                            f"concat: {where} key {k!r} has trailing shape {a[k].shape[1:]} in item 0 "
-                            f"but {b[k].shape[1:]} in item {i}"
-                        )
+        check_same_keys_and_shapes([(d.batch, d.non_tensor_batch) for d in data])
         batch = {k: concat([d.batch[k] for d in data]) for k in first.batch}
         non_tensor = {k: np.concatenate([d.non_tensor_batch[k] for d in data]) for k in first.non_tensor_batch}
-        meta: dict[str, Any] = {}
-        metrics: list[dict] = []
-        for d in data:
-            for k, v in d.meta_info.items():
-                if k == "metrics" and isinstance(v, dict):
-                    metrics.append(v)
-                elif k in meta and not deep_equal(meta[k], v):
-                    raise ValueError(f"concat: meta_info key {k!r} differs between items")
-                else:
-                    meta.setdefault(k, v)
-        if metrics:
-            merged: dict[str, list] = {}
-            for m in metrics:
-                for name, v in m.items():
-                    merged.setdefault(name, []).append(v)
-            meta["metrics"] = merged
+        meta = merge_meta_info([d.meta_info for d in data])
         return DataProto(batch, non_tensor, meta)
 
     def repeat(self, repeat_times: int = 2, interleave: bool = True) -> DataProto:
@@ -402,34 +378,3 @@ class DataProto:
         self.batch = {k: jnp.asarray(v) if k in jax_keys else v for k, v in state["batch"].items()}
         self.non_tensor_batch = state["non_tensor_batch"]
         self.meta_info = state["meta_info"]
-
-
-# ----------------------------------------------------------------------------- padding helpers
-
-
-def pad_to_divisor(data: DataProto, size_divisor: int) -> tuple[DataProto, int]:
-    """Pad ``data`` so that ``len`` is a multiple of ``size_divisor`` (e.g. the mesh's data-parallel
-    size), filling with copies of rows taken from the start, wrapping around as needed (as verl's
-    ``pad_dataproto_to_divisor``). Returns ``(padded, pad_size)``; ``pad_size`` may be 0 (``padded``
-    is then ``data`` itself; an empty batch needs no padding). Raises ValueError for a non-positive
-    divisor."""
-    if not isinstance(size_divisor, (int, np.integer)) or size_divisor < 1:
-        raise ValueError(f"pad_to_divisor: size_divisor must be a positive int, got {size_divisor!r}")
-    n = len(data)
-    pad_size = (-n) % size_divisor
-    if pad_size == 0:
-        return data, 0
-    padded = data._rows(np.arange(n + pad_size, dtype=np.int64) % n)
-    return padded, int(pad_size)
-
-
-def unpad(data: DataProto, pad_size: int) -> DataProto:
-    """Drop the last ``pad_size`` rows added by :func:`pad_to_divisor` (verl ``unpad_dataproto``).
-    Raises ValueError if ``pad_size`` is negative or larger than ``len(data)``."""
-    if pad_size < 0 or pad_size > len(data):
-        raise ValueError(f"unpad: pad_size {pad_size} is not in [0, {len(data)}]")
-    return data if pad_size == 0 else data[: len(data) - pad_size]
-
-
-pad_dataproto_to_divisor = pad_to_divisor
-unpad_dataproto = unpad

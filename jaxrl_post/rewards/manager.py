@@ -21,44 +21,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from jaxrl_post.rewards.inprocess import ThreadCaller, call_safely, warn_unprotected
+from jaxrl_post.rewards.outputs import RewardFunctionError, RewardOutput, fn_label, to_float
 from jaxrl_post.rewards.pool import CallResult, RewardWorkerPool
 
 __all__ = ["RewardFunctionError", "RewardManager", "RewardOutput", "rm_score"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RewardOutput:
-    """token_level_scores: [B, R] float32 (score on the last valid response token, 0 elsewhere);
-    scores: [B] float32; metrics: scalar metrics ('reward/num_errors': failed calls of any kind, timeouts
-    included; 'reward/num_timeouts': those that timed out; 'reward/extra/<key>/mean');
-    extra_infos: per-row values of the extra keys of dict results, each [B] (float32 with NaN where a
-    row lacks the key, or object when non-numeric); errors: up to 8 error messages of this batch;
-    function_scores: [B] float32, the reward function's own scores, before the overlong penalty (equal to
-    `scores` when overlong shaping is off)."""
-
-    token_level_scores: np.ndarray
-    scores: np.ndarray
-    metrics: dict[str, float]
-    extra_infos: dict[str, np.ndarray] = field(default_factory=dict)
-    errors: list[str] = field(default_factory=list)
-    function_scores: np.ndarray | None = None
-
-
-class RewardFunctionError(RuntimeError):
-    """More than `max_error_fraction` of a batch's reward calls failed (raised or timed out).
-
-    The message names the reward function, the fraction, and the first failure (row, data source, error). In
-    process, the original exception (with its traceback) is `__cause__`; from a worker process, the message
-    ends with the worker's traceback text.
-    """
 
 
 def rm_score(data_source, solution_str, ground_truth, extra_info=None):
@@ -69,22 +42,6 @@ def rm_score(data_source, solution_str, ground_truth, extra_info=None):
     if not extra_info or "rm_score" not in extra_info:
         raise KeyError("rm_score: no 'rm_score' in extra_info (is reward_model.enable on?)")
     return float(extra_info["rm_score"])
-
-
-def _fn_label(fn: Any) -> str:
-    if isinstance(getattr(fn, "reward_label", None), str):  # RemoteRewardClient, GenerativeJudge
-        return fn.reward_label
-    if hasattr(fn, "path") and hasattr(fn, "name"):  # CustomRewardFunction
-        return f"{fn.name!r} from {fn.path} (custom_reward_function)"
-    return getattr(fn, "__qualname__", None) or repr(fn)
-
-
-def _to_float(x: Any) -> float:
-    if isinstance(x, (bool, np.bool_)):
-        return float(x)
-    if isinstance(x, (int, float, np.integer, np.floating)) or (isinstance(x, np.ndarray) and x.size == 1):
-        return float(x)
-    raise TypeError(f"reward must be a number or a dict with a numeric 'score', got {type(x).__name__}: {x!r}")
 
 
 class RewardManager:
@@ -262,7 +219,7 @@ class RewardManager:
         if self._batched:
             results = list(self.compute_score.score_batch(args, self.decode_prompts(data)))
             if len(results) != B:
-                raise RuntimeError(f"{_fn_label(self.compute_score)} returned {len(results)} results for {B} rows")
+                raise RuntimeError(f"{fn_label(self.compute_score)} returned {len(results)} results for {B} rows")
             batch_metrics = dict(getattr(self.compute_score, "last_metrics", {}) or {})
         elif self._pool is not None:
             results = self._pool.map(args)
@@ -283,12 +240,12 @@ class RewardManager:
                     if isinstance(value, dict):
                         if "score" not in value:
                             raise KeyError(f"dict reward without 'score' key: keys {sorted(value)}")
-                        s = _to_float(value["score"])
+                        s = to_float(value["score"])
                         for k, v in value.items():
                             if k != "score":
                                 extra.setdefault(k, [None] * B)[i] = v
                     else:
-                        s = _to_float(value)
+                        s = to_float(value)
                     if not np.isfinite(s):  # NaN/inf would reach the advantages: a failed call (as the remote client)
                         raise ValueError(f"reward {s!r} is not a finite number")
                     scores[i] = s
@@ -340,7 +297,7 @@ class RewardManager:
         }
         for k, vals in extra.items():
             try:
-                arr = np.array([np.nan if v is None else _to_float(v) for v in vals], np.float32)
+                arr = np.array([np.nan if v is None else to_float(v) for v in vals], np.float32)
                 if np.isfinite(arr).any():
                     metrics[f"reward/extra/{k}/mean"] = float(np.nanmean(arr))
             except TypeError:
@@ -384,7 +341,7 @@ class RewardManager:
         key = getattr(self.compute_score, "max_error_fraction_key", "reward_model.max_error_fraction")
         where = "batch scorer" if self._batched else "in worker processes" if self._pool is not None else "in process"
         msg = (
-            f"reward function {_fn_label(self.compute_score)} failed on {n_err} of {B} responses "
+            f"reward function {fn_label(self.compute_score)} failed on {n_err} of {B} responses "
             f"({n_err / B:.0%}, {n_timeout} timeouts; limit {key}="
             f"{self.max_error_fraction:g}). First failure, row {i} (data_source={sources[i]!r}), {where}: "
             f"{res.message}"

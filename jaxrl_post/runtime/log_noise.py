@@ -11,15 +11,17 @@ they mattered. Dropped here, by logger and message, INFO level only (warnings an
 - transformers without torch: "PyTorch was not found. Models won't be available ..." (a WARNING; the job
   uses transformers only for tokenizers and configs, and runs without torch on purpose).
 
-Orbax's per-save INFO records are dropped by `trainer.checkpoint`. JAX_PLATFORMS is deliberately not set:
+Orbax's per-save INFO records are dropped by `quiet_orbax_info` (installed by `engine.run.checkpoint`).
+JAX_PLATFORMS is deliberately not set:
 the job cannot know whether a TPU/GPU is meant to be used, and the probe only costs this log line.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
-__all__ = ["quiet_startup_noise"]
+__all__ = ["quiet_orbax_info", "quiet_startup_noise"]
 
 # logger name -> message prefixes dropped at INFO level and below
 _NOISE: dict[str, tuple[str, ...]] = {
@@ -55,3 +57,24 @@ def quiet_startup_noise() -> None:
             logger = logging.getLogger(name)
             if not any(isinstance(f, _DropNoise) for f in logger.filters):
                 logger.addFilter(_DropNoise(prefixes, below))
+
+
+class DropOrbaxInfo(logging.Filter):
+    """Drops orbax's INFO/DEBUG records (dozens per save) from absl logging, and the two warnings every
+    read-only open prints (scripts/evaluate.py, scripts/export_hf.py); other warnings and errors pass."""
+
+    _READ_ONLY_NOISE = ("read_only=True, setting save_interval_steps", "Given directory is read only")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if f"{os.sep}orbax{os.sep}" not in (record.pathname or ""):
+            return True
+        if record.levelno < logging.WARNING:
+            return False
+        return not any(s in record.getMessage() for s in self._READ_ONLY_NOISE)
+
+
+def quiet_orbax_info() -> None:
+    """Install `DropOrbaxInfo` on absl's logger once (orbax logs through absl)."""
+    absl_logger = logging.getLogger("absl")
+    if not any(isinstance(f, DropOrbaxInfo) for f in absl_logger.filters):
+        absl_logger.addFilter(DropOrbaxInfo())

@@ -44,45 +44,31 @@ import numpy as np
 
 from jaxrl_post.engine.run.checkpoint_layout import (  # noqa: F401  (re-exported: ckpt.find_resume_checkpoint, ...)
     CHECKPOINT_SUBDIR,
+    HOST_ITEM,
     RESUME_MODES,
     STEP_PREFIX,
     CheckpointError,
+    _unwrap,
+    _wrap,
     checkpoint_dir,
     find_resume_checkpoint,
+    flatten_items,
     json_safe,
     list_complete_steps,
     model_config_from_metadata,
     model_metadata,
     parse_step_dir,
     reference_pointer,
+    report_unfinished,
     step_dir_name,
     unfinished_steps,
+    unflatten_items,
 )
+from jaxrl_post.runtime.log_noise import quiet_orbax_info
 
 log = logging.getLogger(__name__)
 
-HOST_ITEM = "host"
 FORMAT_VERSION = 1
-
-
-class _DropOrbaxInfo(logging.Filter):
-    """Drops orbax's INFO/DEBUG records (dozens per save) from absl logging, and the two warnings every
-    read-only open prints (scripts/evaluate.py, scripts/export_hf.py); other warnings and errors pass."""
-
-    _READ_ONLY_NOISE = ("read_only=True, setting save_interval_steps", "Given directory is read only")
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if f"{os.sep}orbax{os.sep}" not in (record.pathname or ""):
-            return True
-        if record.levelno < logging.WARNING:
-            return False
-        return not any(s in record.getMessage() for s in self._READ_ONLY_NOISE)
-
-
-def _quiet_orbax_info() -> None:
-    absl_logger = logging.getLogger("absl")
-    if not any(isinstance(f, _DropOrbaxInfo) for f in absl_logger.filters):
-        absl_logger.addFilter(_DropOrbaxInfo())
 
 
 def abstract_like(tree: Any) -> Any:
@@ -101,48 +87,6 @@ def abstract_like(tree: Any) -> Any:
         return jax.ShapeDtypeStruct(x.shape, x.dtype)
 
     return jax.tree.map(one, tree)
-
-
-_LEAF_KEY = "__leaf__"
-
-
-def _wrap(tree: Any) -> Any:
-    """orbax's StandardSave needs a container: a bare array item is stored as `{'__leaf__': x}`."""
-    return {_LEAF_KEY: tree} if jax.tree_util.treedef_is_leaf(jax.tree.structure(tree)) else tree
-
-
-def _unwrap(tree: Any) -> Any:
-    return tree[_LEAF_KEY] if isinstance(tree, dict) and set(tree) == {_LEAF_KEY} else tree
-
-
-def flatten_items(state: Mapping[str, Any]) -> dict[str, Any]:
-    """Array entries of a state -> orbax items: a plain-dict entry is split one level (`'actor.params'`,
-    `'actor.opt_state'`) so each part can be restored alone; None entries/parts are dropped."""
-    items = {}
-    for k, v in state.items():
-        if k == HOST_ITEM or v is None:
-            continue
-        if "." in k:
-            raise ValueError(f'state entry names must not contain ".": {k!r}')
-        if type(v) is dict:  # pylint: disable=unidiomatic-typecheck  (nnx.State etc. stay whole)
-            for sub, x in v.items():
-                if x is not None:
-                    items[f"{k}.{sub}"] = x
-        else:
-            items[k] = v
-    return items
-
-
-def unflatten_items(items: Mapping[str, Any]) -> dict[str, Any]:
-    """Inverse of `flatten_items`."""
-    out: dict[str, Any] = {}
-    for name, v in items.items():
-        if "." in name:
-            k, sub = name.split(".", 1)
-            out.setdefault(k, {})[sub] = v
-        else:
-            out[name] = v
-    return out
 
 
 class Checkpointer:
@@ -168,7 +112,7 @@ class Checkpointer:
     ):
         import orbax.checkpoint as ocp
 
-        _quiet_orbax_info()
+        quiet_orbax_info()
         self._ocp = ocp
         self.directory = os.path.abspath(os.fspath(directory))
         if os.path.exists(self.directory) and not os.path.isdir(self.directory):
@@ -409,32 +353,6 @@ class Checkpointer:
                 f"no complete checkpoint for step {step} in {self.directory} (complete steps: {steps})"
             )
         return int(step)
-
-
-def report_unfinished(directory: str | os.PathLike, resume_step: int | None) -> str | None:
-    """Remove the unfinished saves (`unfinished_steps`) in `directory` and return one line naming the lost
-    step(s) and what the run resumes from (`resume_step`, None: from scratch), or None when there are none.
-    Call with the run directory's lock held (no save can be running).
-
-    Raises:
-      OSError: a leftover could not be removed (it is then left in place; orbax skips it).
-    """
-    import shutil
-
-    left = unfinished_steps(directory)
-    if not left:
-        return None
-    for _, path in left:
-        shutil.rmtree(path)
-    steps = sorted({s for s, _ in left})
-    what = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps}"
-    then = f"resuming from step {resume_step}" if resume_step is not None else "no complete checkpoint to resume from"
-    names = ", ".join(os.path.basename(p) for _, p in left)
-    return (
-        f"the checkpoint of {what} was never finished (its save was interrupted: a second Ctrl-C, a kill or a "
-        f"crash while writing); {what} is lost and its partial directory was removed ({names} in {directory}); "
-        f"{then}"
-    )
 
 
 def _check_json(host: Mapping[str, Any]) -> None:

@@ -3,16 +3,20 @@
 No orbax here: `<workdir>/checkpoints/global_step_<N>/` directories (verl's names), which of them are
 complete (orbax writes `_CHECKPOINT_METADATA` only into a finalized step), the resume modes (verl
 `trainer.resume_mode`), and the JSON entries that describe the model (`host['model']`, `host['reference']`)
-so a checkpoint can be exported without its run config. `trainer.checkpoint` re-exports every public name.
+so a checkpoint can be exported without its run config; how a training state maps to orbax items
+(`flatten_items`); the cleanup of saves that never finished (`report_unfinished`). `engine.run.checkpoint`
+re-exports every public name.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 import numpy as np
 
 CHECKPOINT_SUBDIR = "checkpoints"
@@ -184,3 +188,72 @@ def json_safe(x: Any) -> Any:
     if x is None or isinstance(x, (bool, int, float, str)):
         return x
     return str(x)
+
+
+HOST_ITEM = "host"  # the JSON entry of a training state (`Checkpointer.save`)
+
+
+_LEAF_KEY = "__leaf__"
+
+
+def _wrap(tree: Any) -> Any:
+    """orbax's StandardSave needs a container: a bare array item is stored as `{'__leaf__': x}`."""
+    return {_LEAF_KEY: tree} if jax.tree_util.treedef_is_leaf(jax.tree.structure(tree)) else tree
+
+
+def _unwrap(tree: Any) -> Any:
+    return tree[_LEAF_KEY] if isinstance(tree, dict) and set(tree) == {_LEAF_KEY} else tree
+
+
+def flatten_items(state: Mapping[str, Any]) -> dict[str, Any]:
+    """Array entries of a state -> orbax items: a plain-dict entry is split one level (`'actor.params'`,
+    `'actor.opt_state'`) so each part can be restored alone; None entries/parts are dropped."""
+    items = {}
+    for k, v in state.items():
+        if k == HOST_ITEM or v is None:
+            continue
+        if "." in k:
+            raise ValueError(f'state entry names must not contain ".": {k!r}')
+        if type(v) is dict:  # pylint: disable=unidiomatic-typecheck  (nnx.State etc. stay whole)
+            for sub, x in v.items():
+                if x is not None:
+                    items[f"{k}.{sub}"] = x
+        else:
+            items[k] = v
+    return items
+
+
+def unflatten_items(items: Mapping[str, Any]) -> dict[str, Any]:
+    """Inverse of `flatten_items`."""
+    out: dict[str, Any] = {}
+    for name, v in items.items():
+        if "." in name:
+            k, sub = name.split(".", 1)
+            out.setdefault(k, {})[sub] = v
+        else:
+            out[name] = v
+    return out
+
+
+def report_unfinished(directory: str | os.PathLike, resume_step: int | None) -> str | None:
+    """Remove the unfinished saves (`unfinished_steps`) in `directory` and return one line naming the lost
+    step(s) and what the run resumes from (`resume_step`, None: from scratch), or None when there are none.
+    Call with the run directory's lock held (no save can be running).
+
+    Raises:
+      OSError: a leftover could not be removed (it is then left in place; orbax skips it).
+    """
+    left = unfinished_steps(directory)
+    if not left:
+        return None
+    for _, path in left:
+        shutil.rmtree(path)
+    steps = sorted({s for s, _ in left})
+    what = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps}"
+    then = f"resuming from step {resume_step}" if resume_step is not None else "no complete checkpoint to resume from"
+    names = ", ".join(os.path.basename(p) for _, p in left)
+    return (
+        f"the checkpoint of {what} was never finished (its save was interrupted: a second Ctrl-C, a kill or a "
+        f"crash while writing); {what} is lost and its partial directory was removed ({names} in {directory}); "
+        f"{then}"
+    )
