@@ -20,6 +20,8 @@ from collections.abc import Mapping
 
 from jaxrl_post.chat import Chat
 from jaxrl_post.chat import load_chat_model as load_model
+from jaxrl_post.config import UnknownConfigKeyError, _all_keys, _load_config_file, _suggest
+from jaxrl_post.errors import ConfigError
 from jaxrl_post.evaluate import evaluate
 from jaxrl_post.export import export, load_actor
 
@@ -49,7 +51,6 @@ def load_config(spec: str, overrides: Mapping[str, object] | None = None):
       UnknownConfigKeyError: an override names no field (with a suggestion, verl names included).
       ConfigError: an override's value has the wrong type for its field (names the key and both types).
     """
-    from jaxrl_post.config import UnknownConfigKeyError, _all_keys, _load_config_file, _suggest
 
     cfg = _load_config_file(spec)
     valid = set(_all_keys(cfg))
@@ -79,7 +80,6 @@ def trainer_class(cfg) -> type:
     Raises:
       ConfigError: an unknown `trainer_type`.
     """
-    from jaxrl_post.errors import ConfigError
 
     kind = cfg.get("trainer_type", "rl")
     if kind not in TRAINERS:

@@ -5,9 +5,16 @@ from __future__ import annotations
 
 import os
 
+from jaxrl_post.batch.protocol import DataProto
+from jaxrl_post.engine.run import checkpoint as ckpt
+from jaxrl_post.export import load_actor
+from jaxrl_post.models import load_pretrained
+from jaxrl_post.models.tokenizer import apply_chat_template
+from jaxrl_post.rl.builders import eos_and_pad, load_tokenizer
+from jaxrl_post.rollout import Generator, SamplingParams
+
 
 def _is_checkpoint(path: str) -> bool:
-    from jaxrl_post.engine.run import checkpoint as ckpt
 
     if not os.path.isdir(path):
         return False
@@ -31,16 +38,11 @@ def load_chat_model(model: str, *, tokenizer: str | None = None, step: int | Non
       FileNotFoundError / ValueError: what `models.load_pretrained` raises for a bad path or name.
       ValueError: no tokenizer found (pass `--tokenizer`).
     """
-    from jaxrl_post.rl.builders import load_tokenizer
 
     if _is_checkpoint(model):
-        from jaxrl_post.export import load_actor
-
         m, tok, n = load_actor(model, step=step)
         label = f"{model} (step {n})"
     else:
-        from jaxrl_post.models import load_pretrained
-
         m, tok = load_pretrained(model)
         label = model
     if tokenizer:
@@ -67,8 +69,6 @@ class Chat:
     def __init__(
         self, model, tokenizer, *, max_new_tokens=256, temperature=0.7, top_p=1.0, top_k=-1, seed=0, system=None
     ):
-        from jaxrl_post.rl.builders import eos_and_pad
-        from jaxrl_post.rollout import Generator, SamplingParams
 
         self.tokenizer = tokenizer
         eos, pad = eos_and_pad(tokenizer)
@@ -92,7 +92,6 @@ class Chat:
 
     def prompt_ids(self) -> list[int]:
         """Token ids of the conversation so far with the assistant header (plain text without a template)."""
-        from jaxrl_post.models.tokenizer import apply_chat_template
 
         if getattr(self.tokenizer, "chat_template", None):
             return apply_chat_template(self.tokenizer, self.messages, add_generation_prompt=True)
@@ -102,8 +101,6 @@ class Chat:
     def reply(self, text: str) -> str:
         """The model's answer to the user turn `text` (special tokens and the end-of-turn token removed)."""
         import numpy as np
-
-        from jaxrl_post.batch.protocol import DataProto
 
         self.messages.append({"role": "user", "content": text})
         ids = np.asarray([self.prompt_ids()], np.int32)

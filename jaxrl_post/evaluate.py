@@ -7,6 +7,10 @@ import contextlib
 import os
 import tempfile
 
+from jaxrl_post.engine.run import checkpoint as ckpt
+from jaxrl_post.errors import ConfigError
+from jaxrl_post.rl.trainer import RLTrainer
+
 
 def evaluate(cfg, checkpoint: str | None = None, *, step: int | None = None, workdir: str | None = None) -> dict:
     """Build the trainer from `cfg` (no training), load the actor params of `checkpoint` if given, and
@@ -27,12 +31,8 @@ def evaluate(cfg, checkpoint: str | None = None, *, step: int | None = None, wor
 
 
 def _evaluate(cfg, checkpoint: str | None, step: int | None, workdir: str) -> dict:
-    from jaxrl_post.engine.run import checkpoint as ckpt
-    from jaxrl_post.rl.trainer import RLTrainer
 
     if cfg.get("trainer_type", "rl") != "rl":
-        from jaxrl_post.errors import ConfigError
-
         raise ConfigError(
             f"config.trainer_type={cfg.trainer_type!r}: evaluate runs the RL validation (sampled answers scored by "
             "the reward); SFT, DPO and reward-model runs report val/loss (and their metrics) in metrics.jsonl"
@@ -76,7 +76,6 @@ def metrics_path(
     Raises:
       CheckpointError: nothing complete at `checkpoint`.
     """
-    from jaxrl_post.engine.run import checkpoint as ckpt
 
     if output:
         return output

@@ -15,6 +15,14 @@ from __future__ import annotations
 
 import os
 
+from jaxrl_post.engine.run import checkpoint as ckpt
+from jaxrl_post.engine.run.checkpoint import CheckpointError
+from jaxrl_post.models import init_model, load_pretrained, save_pretrained
+from jaxrl_post.models.hf_io import save_reward_model
+from jaxrl_post.models.lora import LoRAConfig, apply_lora, lora_config_of, save_peft_adapter
+from jaxrl_post.models.reward_model import RewardModel
+from jaxrl_post.rl.builders import load_tokenizer
+
 
 def load_actor(checkpoint: str, *, step: int | None = None, mesh=None):
     """(Transformer with the checkpoint's actor params, tokenizer or None, step) from a checkpoint path; a
@@ -27,8 +35,6 @@ def load_actor(checkpoint: str, *, step: int | None = None, mesh=None):
     """
     model, tokenizer, step, meta = _load_actor(checkpoint, step=step, mesh=mesh)
     if meta.get("trainer_type") == "reward_model":
-        from jaxrl_post.engine.run.checkpoint import CheckpointError
-
         raise CheckpointError(
             f"{checkpoint} is a reward model's checkpoint (trainer_type reward_model): it scores text, it does not "
             "generate; export it (scripts/export_hf.py) or score with it (--config.reward_model.enable=True "
@@ -41,9 +47,6 @@ def _load_actor(checkpoint: str, *, step: int | None = None, mesh=None):
     """`load_actor` plus the checkpoint's `host['model']` metadata (with `trainer_type` from the host state);
     a reward model's checkpoint gives a `RewardModel` (built as `RewardModelTrainer` builds it)."""
     from flax import nnx
-
-    from jaxrl_post.engine.run import checkpoint as ckpt
-    from jaxrl_post.models import init_model
 
     root, found = ckpt.find_resume_checkpoint("resume_path", ".", checkpoint, what="--checkpoint")
     step = found if step is None else int(step)
@@ -59,8 +62,6 @@ def _load_actor(checkpoint: str, *, step: int | None = None, mesh=None):
     if meta["trainer_type"] == "reward_model":
         model, params = _reward_model_like(meta, mcfg, mesh)
     elif meta.get("lora"):  # adapters only: rebuild the base the run started from, then attach them
-        from jaxrl_post.models.lora import LoRAConfig, apply_lora
-
         model = _base_model(meta, mcfg, mesh)
         lo = meta["lora"]
         apply_lora(model, LoRAConfig(int(lo["rank"]), float(lo["alpha"]), tuple(lo["target_modules"])))
@@ -72,8 +73,6 @@ def _load_actor(checkpoint: str, *, step: int | None = None, mesh=None):
     nnx.update(model, got["actor"]["params"])
     tokenizer = None
     if meta.get("tokenizer"):
-        from jaxrl_post.rl.builders import load_tokenizer
-
         tokenizer = load_tokenizer(meta["tokenizer"])
     if meta["trainer_type"] == "reward_model" and tokenizer is not None:
         model.pad_token_id = tokenizer.pad_token_id  # pooled as the trainer did (RewardModelTrainer._build_model)
@@ -83,7 +82,6 @@ def _load_actor(checkpoint: str, *, step: int | None = None, mesh=None):
 
 def _base_model(meta, mcfg, mesh):
     """The model a LoRA run started from (`host['model']['base']`): `model.path`, or the seeded random init."""
-    from jaxrl_post.models import init_model, load_pretrained
 
     base = meta.get("base") or {}
     if base.get("random_init"):
@@ -96,14 +94,10 @@ def _reward_model_like(meta, mcfg, mesh):
     backbone with the adapters and a LoRA `score` head (PEFT `modules_to_save`), else all `nnx.Param`."""
     from flax import nnx
 
-    from jaxrl_post.models import init_model
-    from jaxrl_post.models.reward_model import RewardModel
-
     if not meta.get("lora"):
         backbone = init_model(mcfg, seed=0, dtype=mcfg.dtype, param_dtype=mcfg.param_dtype, mesh=mesh)
         rm = RewardModel(rngs=nnx.Rngs(0), backbone=backbone)
         return rm, nnx.state(rm, nnx.Param)
-    from jaxrl_post.models.lora import LoRAConfig, apply_lora
 
     backbone, lo = _base_model(meta, mcfg, mesh), meta["lora"]
     apply_lora(backbone, LoRAConfig(int(lo["rank"]), float(lo["alpha"]), tuple(lo["target_modules"])))
@@ -150,16 +144,11 @@ def export(checkpoint: str, out_dir: str, *, step: int | None = None, overwrite:
     import jax
     from flax import nnx
 
-    from jaxrl_post.models import save_pretrained
-
     check_out_dir(out_dir, overwrite)
-    from jaxrl_post.models.lora import lora_config_of, save_peft_adapter
 
     model, tokenizer, step, meta = _load_actor(checkpoint, step=step)
     adapter_dir = os.path.join(out_dir, ADAPTER_SUBDIR)
     if meta["trainer_type"] == "reward_model":  # <Family>ForSequenceClassification (LoRA: merged weights)
-        from jaxrl_post.models.hf_io import save_reward_model
-
         save_reward_model(model, tokenizer, out_dir)
     else:
         save_pretrained(model, tokenizer, out_dir)  # LoRA: merged weights

@@ -25,10 +25,19 @@ from jaxrl_post.config import (
     has_config_flag,
     split_override_values,
 )
+from jaxrl_post.data.sources import MalformedRowError
+from jaxrl_post.engine.interrupt import GracefulStop, exit_now
+from jaxrl_post.engine.run.tracking import console_legend
+from jaxrl_post.errors import ConfigError, FilterGroupsError
+from jaxrl_post.rewards.manager import RewardFunctionError
+from jaxrl_post.rollout.tools import ToolError
+from jaxrl_post.runtime.log_noise import quiet_startup_noise
+from jaxrl_post.runtime.platform_defaults import apply_host_defaults
 
 
 def _stop_line(trainer) -> str:
     """The one line printed when a signal ended the run (after `trainer.close()` finished the save)."""
+    # here, not at the top: this imports jax, which must start after `run` set the XLA flags (XLA reads them once)
     from jaxrl_post.engine.run import checkpoint as ckpt
 
     n = trainer.global_steps
@@ -41,6 +50,7 @@ def _stop_line(trainer) -> str:
 def lost_line(trainer) -> str:
     """What a second signal loses: the checkpoint being written (`Checkpointer.pending_step`) and/or the
     steps after the last complete checkpoint, and what a rerun resumes from."""
+    # here, not at the top: this imports jax, which must start after `run` set the XLA flags (XLA reads them once)
     from jaxrl_post.engine.run import checkpoint as ckpt
 
     c = trainer.checkpointer
@@ -87,16 +97,12 @@ def reward_error_text(e: BaseException) -> str:
 def main(argv) -> None:
     """Build the trainer and train, under `_STOP` (SIGINT/SIGTERM -> checkpoint, one line, exit 130/143)."""
     del argv
+    # here, not at the top: this imports jax, which must start after `run` set the XLA flags (XLA reads them once)
     from jaxrl_post.api import build_trainer
-    from jaxrl_post.data.sources import MalformedRowError
-    from jaxrl_post.engine.interrupt import GracefulStop, exit_now
     from jaxrl_post.engine.nonfinite import NonFiniteError
     from jaxrl_post.engine.run.checkpoint import CheckpointError
     from jaxrl_post.engine.run.error_log import OrbaxTracebacks, failure_text, is_disk_full, write_error_log
-    from jaxrl_post.errors import ConfigError, FilterGroupsError
-    from jaxrl_post.rewards.manager import RewardFunctionError
     from jaxrl_post.rl.trainer import summarize
-    from jaxrl_post.rollout.tools import ToolError
     from jaxrl_post.runtime.distributed import DistributedConfigError, initialize_from_config
 
     stop = _STOP if _STOP is not None else GracefulStop()  # `run()` installs it; a bare one installs nothing
@@ -153,10 +159,8 @@ def main(argv) -> None:
 def run(argv=None) -> None:
     """Entry point: checks `--config.*` keys, then runs `main` under absl with SIGINT/SIGTERM handled."""
     global _CONFIG, _STOP, _NONE_KEYS
-    from jaxrl_post.engine.interrupt import GracefulStop
 
     argv = list(sys.argv if argv is None else argv)
-    from jaxrl_post.runtime.platform_defaults import apply_host_defaults
 
     # CPU only: XLA:CPU flags before JAX creates its backend (XLA reads XLA_FLAGS once) and glibc malloc settings
     # that return freed buffers to the OS (before the big allocations); platform_defaults.py
@@ -169,8 +173,6 @@ def run(argv=None) -> None:
         from absl import app
         from ml_collections import config_flags
 
-        from jaxrl_post.runtime.log_noise import quiet_startup_noise
-
         quiet_startup_noise()
         try:  # our one-line errors for unknown keys and values of the wrong type, before absl's FATAL
             argv, _NONE_KEYS = split_override_values(argv, check_override_keys(argv))
@@ -178,8 +180,6 @@ def run(argv=None) -> None:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
         if any(a in _HELP_FLAGS for a in argv[1:]):  # absl prints __main__'s docstring: add the console legend
-            from jaxrl_post.engine.run.tracking import console_legend
-
             entry = sys.modules["__main__"]
             entry.__doc__ = f"{entry.__doc__ or __doc__}\n{console_legend()}\n"
         _CONFIG = config_flags.DEFINE_config_file(  # overrides read from argv (the None ones taken out), not sys.argv

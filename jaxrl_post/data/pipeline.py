@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from jaxrl_post.data.sources import SKIP_MALFORMED_HINT, MalformedRowError
+
 __all__ = [
     "PromptDataLoader",
     "NotEnoughPromptsError",
@@ -83,6 +85,7 @@ def tokenize_prompts(tokenizer, conversations: Sequence[Sequence[dict]], chunk: 
 
     Raises: PromptError naming the position of a conversation the chat template rejects.
     """
+    # here, not at the top: jaxrl_post.data imports without jax (data scripts, grain workers)
     from jaxrl_post.models.tokenizer import render_chat, tokenizer_adds_bos
 
     bos = tokenizer.bos_token_id
@@ -180,8 +183,6 @@ class PromptDataLoader:
         where: Sequence[str] | None = None,
     ):
         import grain
-
-        from jaxrl_post.data.sources import SKIP_MALFORMED_HINT, MalformedRowError
 
         if batch_size < 1 or max_prompt_length < 1:
             raise ValueError(f"batch_size ({batch_size}) and max_prompt_length ({max_prompt_length}) must be >= 1")
@@ -302,6 +303,7 @@ class PromptDataLoader:
 
     @staticmethod
     def _to_proto(item: dict[str, Any]):
+        # here, not at the top: jaxrl_post.data imports without jax (data scripts, grain workers)
         from jaxrl_post.batch.protocol import DataProto
 
         return DataProto.from_dict(

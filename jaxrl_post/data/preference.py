@@ -144,6 +144,7 @@ def pair_ids(tokenizer, row: dict[str, Any]) -> tuple[list[int], list[int], list
     Raises ValueError (reason only; the caller adds file and row): not an object, a missing key, wrong types,
     an empty prompt or completion, no assistant turn, chosen == rejected, a template that is not append-only.
     """
+    # here, not at the top: jaxrl_post.data imports without jax (data scripts, grain workers)
     from jaxrl_post.models.tokenizer import apply_chat_template, eos_token_ids
 
     if not isinstance(row, dict):

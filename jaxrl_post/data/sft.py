@@ -103,6 +103,7 @@ def conversation_ids_and_mask(tokenizer, messages: Sequence[dict], trained: Sequ
     Raises ValueError when the template is not append-only on token ids at a trained turn (its span would
     be ambiguous) or renders a trained turn as no tokens.
     """
+    # here, not at the top: jaxrl_post.data imports without jax (data scripts, grain workers)
     from jaxrl_post.models.tokenizer import apply_chat_template
 
     ids = apply_chat_template(tokenizer, messages, add_generation_prompt=False)
@@ -135,6 +136,7 @@ def row_ids_and_mask(tokenizer, row: dict[str, Any], fmt: str, keys: SFTKeys) ->
     Raises ValueError (reason only; the caller adds file and row): wrong types, no assistant turn, empty
     completion / response, a template that is not append-only.
     """
+    # here, not at the top: jaxrl_post.data imports without jax (data scripts, grain workers)
     from jaxrl_post.models.tokenizer import eos_token_ids
 
     fmt = detect_format(row, keys) if fmt == "auto" else fmt
@@ -172,6 +174,7 @@ def row_ids_and_mask(tokenizer, row: dict[str, Any], fmt: str, keys: SFTKeys) ->
             f"{type(prompt).__name__} and {type(completion).__name__}"
         )
     if fmt == "prompt_response":
+        # here, not at the top: jaxrl_post.data imports without jax (data scripts, grain workers)
         from jaxrl_post.models.tokenizer import apply_chat_template
 
         prompt, response = row.get(keys.prompt_key), row.get(keys.response_key)

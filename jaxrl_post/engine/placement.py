@@ -17,11 +17,12 @@ import numpy as np
 
 from jaxrl_post.batch.keys import FORWARD_KEYS, OPTIONAL_PACK_KEYS, PACK_KEYS, TOKEN_KEYS
 from jaxrl_post.engine import packing
+from jaxrl_post.runtime.distributed import to_host
+from jaxrl_post.runtime.sharding import LOGICAL_AXIS_RULES, InMesh, on_host, shard_batch
 
 
 def to_numpy(x) -> np.ndarray:
     """A (possibly sharded, possibly multi-process) device array as one host numpy array (every process)."""
-    from jaxrl_post.runtime.distributed import to_host
 
     return to_host(x)
 
@@ -95,7 +96,6 @@ class Placement:
         An optimizer state in host memory (`sharding.init_opt_state(..., offload=True)`: memory kind
         'pinned_host') is moved to device memory at the start of the update and the new state written back to
         host memory (its out_shardings keep the host memory kind); the arithmetic is unchanged."""
-        from jaxrl_post.runtime.sharding import InMesh, on_host
 
         shard = lambda t: jax.tree.map(lambda x: x.sharding, t)
         if on_host(opt_state):
@@ -106,8 +106,6 @@ class Placement:
     def put(self, tree: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """Host `[M, ...]` arrays on the mesh, rows split over the batch axes (one device: plain arrays)."""
         if self.n_devices > 1:
-            from jaxrl_post.runtime.sharding import shard_batch
-
             return shard_batch(tree, self.mesh)
         return {k: jnp.asarray(v) for k, v in tree.items()}
 
@@ -118,8 +116,6 @@ class Placement:
         if self.n_devices == 1:
             return {k: jnp.asarray(v) for k, v in tree.items()}
         from jax.sharding import NamedSharding, PartitionSpec
-
-        from jaxrl_post.runtime.sharding import LOGICAL_AXIS_RULES
 
         rows = NamedSharding(self.mesh, PartitionSpec(None, LOGICAL_AXIS_RULES["batch"], None))
         plan = NamedSharding(self.mesh, PartitionSpec())
@@ -148,7 +144,6 @@ class Placement:
         """Run a jitted forward over the whole [B, ...] batch: packed with `spec`, else padded to a multiple
         of `micro` rows (under the mesh, so activation constraints take effect). `frozen`: a LoRA actor's base
         params (the fn's trailing argument). Returns the fn's outputs as host numpy arrays, `[B, ...]`."""
-        from jaxrl_post.runtime.sharding import InMesh
 
         fn = InMesh(fn, self.active_mesh)
         extra = () if frozen is None else (frozen,)

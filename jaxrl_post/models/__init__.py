@@ -12,11 +12,15 @@ from flax import nnx
 from jaxrl_post.models.config import ModelConfig
 from jaxrl_post.models.critic import CriticModel
 from jaxrl_post.models.decoder import Transformer
+from jaxrl_post.models.gguf_io import load_gguf
 from jaxrl_post.models.hf_io import load_hf_dir, load_reward_model, save_pretrained, save_reward_model
 from jaxrl_post.models.kv_cache import KVCache
 from jaxrl_post.models.lora import LoRAConfig, apply_lora, load_peft_adapter, save_peft_adapter
 from jaxrl_post.models.presets import PRESETS, get_preset
+from jaxrl_post.models.resolve import resolve_model_path as _resolve
 from jaxrl_post.models.reward_model import RewardModel
+from jaxrl_post.models.tokenizer import load_tokenizer as _load
+from jaxrl_post.runtime.sharding import param_shardings
 
 __all__ = [
     "ModelConfig",
@@ -64,22 +68,18 @@ def _init_program(config, dtype, param_dtype, remat, mesh):
     graphdef, abstract_state = nnx.split(nnx.eval_shape(make, 0))
     shardings = None
     if mesh is not None:
-        from jaxrl_post.runtime.sharding import param_shardings
-
         shardings = param_shardings(abstract_state, mesh)
     return graphdef, jax.jit(lambda seed: nnx.state(make(seed)), out_shardings=shardings)
 
 
 def load_tokenizer(path_or_alias, **kwargs):
     """Tokenizer for an HF dir, a .gguf file, a hub id or an alias (see models/tokenizer.py)."""
-    from jaxrl_post.models.tokenizer import load_tokenizer as _load
 
     return _load(path_or_alias, **kwargs)
 
 
 def resolve_model_path(name_or_path):
     """Local HF dir / .gguf / hub id / alias -> (kind in {'hf_dir', 'gguf'}, local path) (see models/resolve.py)."""
-    from jaxrl_post.models.resolve import resolve_model_path as _resolve
 
     return _resolve(name_or_path)
 
@@ -96,7 +96,5 @@ def load_pretrained(path_or_alias, *, dtype="float32", mesh=None, param_dtype=No
 
     check_model_files(kind, path)  # a corrupt or truncated file: ValueError naming it
     if kind == "gguf":
-        from jaxrl_post.models.gguf_io import load_gguf
-
         return load_gguf(path, dtype, mesh=mesh, param_dtype=param_dtype), load_tokenizer(path)
     return load_hf_dir(path, dtype, mesh, param_dtype=param_dtype), load_tokenizer(path, missing_ok=True)

@@ -34,6 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl_post.runtime.sharding import LOGICAL_AXIS_RULES, MESH_AXES
+
 log = logging.getLogger(__name__)
 
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash", "chunked")
@@ -214,7 +216,6 @@ def splash_attention(
 def _mesh_specs(b: int, h: int, n: int):
     """(rows axes, heads axis) of the ambient mesh (`jax.set_mesh`, `sharding.InMesh`) that divide B and
     both head counts (None for an axis that does not), or None without a mesh of our axes."""
-    from jaxrl_post.runtime.sharding import LOGICAL_AXIS_RULES, MESH_AXES
 
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty or not set(MESH_AXES) <= set(mesh.axis_names):

@@ -35,6 +35,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from jaxrl_post.models import hf_io
+from jaxrl_post.models.config import ModelConfig
 from jaxrl_post.models.gguf_config import (
     SUPPORTED_ARCHS,
     _dequantize,
@@ -220,8 +222,6 @@ def load_gguf(path, dtype: str = "float32", mesh=None, *, param_dtype=None, rema
     Raises: see :func:`gguf_hf_config` and :func:`iter_gguf_hf_tensors`; ``hf_io.load_state_dict_into``
       raises ValueError when a parameter is missing or unexpected.
     """
-    from jaxrl_post.models import hf_io
-    from jaxrl_post.models.config import ModelConfig
 
     reader = _reader(path)
     hf_cfg = gguf_hf_config(reader)

@@ -27,6 +27,8 @@ from jaxrl_post.models.config import ModelConfig
 from jaxrl_post.models.decoder import Transformer
 from jaxrl_post.models.moe import experts_key, split_experts, stack_experts
 from jaxrl_post.models.resolve import check_model_files
+from jaxrl_post.models.reward_model import HF_SEQ_CLS_ARCH, RewardModel
+from jaxrl_post.runtime.sharding import _check_divisible, logical_to_mesh_spec
 
 _SKIP_PREFIXES = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.", "multi_modal_projector.")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
@@ -114,8 +116,6 @@ def _export_value(model, path: tuple) -> jax.Array:
 
 def _target_sharding(var: nnx.Variable, mesh, path: tuple):
     if mesh is not None:
-        from jaxrl_post.runtime.sharding import _check_divisible, logical_to_mesh_spec
-
         spec = logical_to_mesh_spec(var.get_metadata().get("out_sharding"))
         _check_divisible(".".join(map(str, path)), var.shape, spec, mesh)
         return jax.sharding.NamedSharding(mesh, spec)
@@ -354,7 +354,6 @@ def load_reward_model(path, dtype="float32", mesh=None, *, param_dtype=None, rem
     Raises ValueError: config.json names another architecture or `num_labels != 1`, the tensors do not
     match (missing `score.weight`, ...), or a file is corrupt or truncated (naming it); FileNotFoundError: no
     safetensors."""
-    from jaxrl_post.models.reward_model import RewardModel
 
     path = os.fspath(path)
     check_model_files("hf_dir", path)
@@ -370,7 +369,6 @@ def save_reward_model(model, tokenizer, out_dir, *, pad_token_id: int | None = N
     `score.weight` `[1, D]`, no bias), loadable by transformers' `AutoModelForSequenceClassification`.
     pad_token_id: written into config.json (transformers pools at the last token != it; default the
     model's `pad_token_id`, else the tokenizer's). Multi-host: as `save_pretrained`."""
-    from jaxrl_post.models.reward_model import HF_SEQ_CLS_ARCH
 
     if pad_token_id is None:
         pad_token_id = getattr(model, "pad_token_id", None)

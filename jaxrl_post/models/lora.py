@@ -27,7 +27,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl_post.models.hf_io import _to_host
 from jaxrl_post.models.linear import Linear
+from jaxrl_post.runtime.sharding import logical_to_mesh_spec
 
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ALL_LINEAR = "all-linear"
@@ -117,8 +119,6 @@ def _place(value: np.ndarray, like: jax.Array | None, names: tuple) -> jax.Array
     """Host array -> jax.Array on `like`'s mesh (sharded by the logical `names`), else the default device."""
     sharding = getattr(like, "sharding", None)
     if isinstance(sharding, jax.sharding.NamedSharding):
-        from jaxrl_post.runtime.sharding import logical_to_mesh_spec
-
         target = jax.sharding.NamedSharding(sharding.mesh, logical_to_mesh_spec(names))
         return jax.make_array_from_callback(value.shape, target, lambda idx: value[idx])
     return jnp.asarray(value)
@@ -178,8 +178,6 @@ def save_peft_adapter(model, out_dir, *, base_model_name_or_path: str | None = N
     `model` into `out_dir`; returns their LoRAConfig. Every process must call it (gathers are collective);
     process 0 writes. Raises ValueError when the model has no adapters."""
     from safetensors.numpy import save_file
-
-    from jaxrl_post.models.hf_io import _to_host
 
     lora = lora_config_of(model)
     if lora is None:

@@ -23,6 +23,8 @@ import importlib.util
 import os
 import re
 
+from jaxrl_post.models.gguf_config import _reader
+
 __all__ = [
     "ALIASES",
     "HUB_TIMEOUT_S",
@@ -224,8 +226,6 @@ def check_model_files(kind: str, path: str) -> None:
       FileNotFoundError: an HF directory without ``model.safetensors`` (or its index) or a shard the index names.
     """
     if kind == "gguf":
-        from jaxrl_post.models.gguf_config import _reader
-
         with open(path, "rb") as f:
             magic = f.read(4)
         if magic != b"GGUF":

@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxrl_post.models.decoder import Transformer
+
 
 def headless_backbone(owner: str, config, backbone, *, rngs, dtype=None, param_dtype=None, remat=False):
     """The `Transformer` a scalar-head model sits on: `backbone` (e.g. a copy of the policy) or a new one from
@@ -18,7 +20,6 @@ def headless_backbone(owner: str, config, backbone, *, rngs, dtype=None, param_d
     if backbone is None:
         if config is None:
             raise ValueError(f"{owner} needs a config or a backbone")
-        from jaxrl_post.models.decoder import Transformer
 
         backbone = Transformer(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype, remat=remat)
     backbone.lm_head = None

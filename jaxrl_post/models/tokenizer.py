@@ -19,6 +19,9 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from jaxrl_post.models.gguf_io import gguf_metadata
+from jaxrl_post.models.resolve import resolve_model_path
+
 __all__ = [
     "load_tokenizer",
     "gguf_tokenizer",
@@ -79,8 +82,6 @@ def load_tokenizer(path_or_name: str | os.PathLike, *, missing_ok: bool = False)
     """
     from transformers import AutoTokenizer
 
-    from jaxrl_post.models.resolve import resolve_model_path
-
     kind, path = resolve_model_path(path_or_name)
     if kind == "gguf":
         tok = gguf_tokenizer(path)
@@ -139,8 +140,6 @@ def gguf_tokenizer(path: str | os.PathLike):
             f"building a tokenizer from a GGUF file without torch needs transformers>=5.23 "
             f"(found {transformers.__version__}): pip install -U 'transformers>=5.23'"
         ) from e
-
-    from jaxrl_post.models.gguf_io import gguf_metadata
 
     path = os.fspath(path)
     if not os.path.isfile(path):

@@ -110,6 +110,7 @@ class GenerativeJudge:
             raise ValueError(f"judge normalize needs max_score > 0, got {max_score}")
         if max_new_tokens < 1 or max_prompt_length < 1 or batch_size < 1:
             raise ValueError("judge max_new_tokens, max_prompt_length and batch_size must be >= 1")
+        # here, not at the top: jaxrl_post.rewards imports without jax (reward worker processes)
         from jaxrl_post.rollout.generate import Generator
 
         self.model, self.tokenizer, self.prompt_template = model, tokenizer, prompt_template
@@ -135,6 +136,7 @@ class GenerativeJudge:
         return text
 
     def _sampling_params(self):
+        # here, not at the top: jaxrl_post.rewards imports without jax (reward worker processes)
         from jaxrl_post.rollout.sampling import SamplingParams
 
         eos = self.tokenizer.eos_token_id
@@ -151,6 +153,7 @@ class GenerativeJudge:
         """Greedy verdicts (decoded, special tokens skipped) for judge prompt texts, in order.
 
         Raises: ValueError: a prompt is empty or longer than `max_prompt_length` tokens."""
+        # here, not at the top: jaxrl_post.rewards imports without jax (reward worker processes)
         from jaxrl_post.batch.protocol import DataProto
 
         ids = [list(x) for x in self.tokenizer(list(texts), add_special_tokens=False)["input_ids"]]

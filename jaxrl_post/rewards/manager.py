@@ -90,6 +90,7 @@ class RewardManager:
         rm_scorer: Callable[[Any], np.ndarray] | None = None,
     ):
         if compute_score is None:
+            # here, not at the top: jaxrl_post.rewards (its __init__) imports this module
             from jaxrl_post.rewards import default_compute_score
 
             compute_score = default_compute_score
@@ -108,8 +109,9 @@ class RewardManager:
             raise ValueError(f"timeout_s must be > 0 (or None in process), got {timeout_s}")
         self.max_error_fraction = float(max_error_fraction)
         if overlong_buffer_len is not None:
+            # here, not at the top: jaxrl_post.rewards imports without jax (reward worker processes)
             from jaxrl_post.algos.reward_shaping import (
-                compute_overlong_penalty,  # not at import: reward workers skip jax
+                compute_overlong_penalty,
             )
 
             if max_response_length is None:
@@ -269,6 +271,7 @@ class RewardManager:
 
         function_scores = scores.copy()
         if self.overlong_buffer_len is not None:
+            # here, not at the top: jaxrl_post.rewards imports without jax (reward worker processes)
             from jaxrl_post.algos.reward_shaping import compute_overlong_penalty
 
             lengths = self.response_mask(data).sum(-1)

@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from jaxrl_post.models.reward_model import RewardModel
+from jaxrl_post.runtime.sharding import InMesh, shard_batch, shard_params
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +83,6 @@ class RewardModelScorer:
         self.micro, self.rows_multiple = int(micro_batch_size), int(micro_batch_size) * dp
         graphdef, params = nnx.split(model)
         if self.mesh is not None:
-            from jaxrl_post.runtime.sharding import shard_params
-
             params = shard_params(params, self.mesh)
         self.params = params
         self.trace_count = 0
@@ -96,8 +95,6 @@ class RewardModelScorer:
             split = lambda x: x.reshape(n, micro, *x.shape[1:])
             out = jax.lax.map(lambda a: rm(a[0], a[1]), (split(ids), split(mask)))
             return out.reshape(-1)
-
-        from jaxrl_post.runtime.sharding import InMesh
 
         self._forward = InMesh(jax.jit(forward), self.mesh)
         self.last_metrics: dict[str, float] = {}
@@ -143,8 +140,6 @@ class RewardModelScorer:
                 np.concatenate([mask, np.repeat(mask[:1], pad, 0)]),
             )
         if self.mesh is not None:
-            from jaxrl_post.runtime.sharding import shard_batch
-
             args = shard_batch({"ids": ids, "mask": mask}, self.mesh)
             ids_d, mask_d = args["ids"], args["mask"]
         else:

@@ -7,7 +7,10 @@ import dataclasses
 import logging
 from typing import Any
 
+from jaxrl_post.data import pipeline
+from jaxrl_post.data.sources import disjoint_seed, load_rows
 from jaxrl_post.errors import ConfigError
+from jaxrl_post.rewards import UnknownDataSourceError, check_data_sources
 from jaxrl_post.rl.config_check import validation_enabled
 from jaxrl_post.rl.preflight import (
     check_reasoning_gym_task,
@@ -20,7 +23,6 @@ log = logging.getLogger(__name__)
 
 
 def _rg_kwargs(cfg: Any, val: bool) -> dict[str, Any]:
-    from jaxrl_post.data.sources import disjoint_seed
 
     rg = cfg.data.reasoning_gym
     val_seed = rg.val_seed if rg.val_seed is not None else disjoint_seed(rg.seed, rg.size)
@@ -41,7 +43,6 @@ def load_split_rows(cfg: Any, val: bool):
       task (lists similar and some valid task names), or no rows at all (empty file, or every row skipped as
       malformed).
     """
-    from jaxrl_post.data.sources import load_rows
 
     key = "data.val_files" if val else "data.train_files"
     spec = cfg.data.val_files if val else cfg.data.train_files
@@ -106,7 +107,6 @@ def _check_reward_sources(cfg: Any, data: DataRows) -> None:
         return
     if cfg.reward_model.remote.url or cfg.reward_model.judge.path or cfg.reward_model.enable:
         return
-    from jaxrl_post.rewards import UnknownDataSourceError, check_data_sources
 
     for key, spec, rows in (
         ("train_files", cfg.data.train_files, data.train),
@@ -185,7 +185,6 @@ def build_dataloaders(cfg: Any, data: DataRows, tokenizer, pad_token_id: int):
         gives the longest / median prompt length), or fewer training prompts than `data.train_batch_size`.
       MalformedRowError: a prompt the chat template rejects, or an overlong one with truncation='error'.
     """
-    from jaxrl_post.data import pipeline
 
     try:
         train = pipeline.make_dataloader(

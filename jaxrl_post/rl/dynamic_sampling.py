@@ -33,6 +33,8 @@ from typing import Any
 import numpy as np
 
 from jaxrl_post.errors import FilterGroupsError
+from jaxrl_post.rewards.manager import RewardFunctionError
+from jaxrl_post.runtime.distributed import gather_rows
 
 __all__ = [
     "FilterGroupsError",
@@ -231,11 +233,9 @@ def score_everywhere(reward_fn, data, local: bool):
     (the others would otherwise wait in the next gather forever). A process-local `data` of no rows (a
     validation batch whose real rows all sit on other processes) is not scored: None, after the check.
     Raises RewardFunctionError."""
-    from jaxrl_post.rewards.manager import RewardFunctionError
 
     if not local:
         return reward_fn.compute(data)
-    from jaxrl_post.runtime.distributed import gather_rows
 
     err = res = None
     try:

@@ -9,7 +9,13 @@ import os
 import tempfile
 from typing import Any
 
+from jaxrl_post.engine.run.run_lock import check_not_busy
 from jaxrl_post.errors import ConfigError
+from jaxrl_post.models.hf_io import check_causal_lm_dir
+from jaxrl_post.models.resolve import _HUB_GGUF_RE, _HUB_ID_RE, check_model_files, resolve_model_path
+from jaxrl_post.rewards import load_custom_reward_fn
+from jaxrl_post.rewards.remote import retry_delay
+from jaxrl_post.runtime import distributed
 
 __all__ = [
     "critic_warmup_warning",
@@ -57,9 +63,6 @@ def check_workdir(cfg: Any) -> None:
             "(--config.trainer.default_local_dir=runs/my_run)"
         ) from e
     if os.path.isdir(path):
-        from jaxrl_post.engine.run.run_lock import check_not_busy
-        from jaxrl_post.runtime import distributed
-
         if distributed.is_main():
             check_not_busy(path)
 
@@ -77,8 +80,6 @@ def check_model_path(cfg: Any) -> None:
     """
     if cfg.model.random_init:
         return
-    from jaxrl_post.models.hf_io import check_causal_lm_dir
-    from jaxrl_post.models.resolve import _HUB_GGUF_RE, _HUB_ID_RE, check_model_files, resolve_model_path
 
     given = cfg.model.path
     key = f"config.model.path={given!r}"
@@ -109,8 +110,6 @@ def check_remote_reward(cfg: Any) -> None:
     import socket
     import time
     from urllib.parse import urlsplit
-
-    from jaxrl_post.rewards.remote import retry_delay
 
     rr = cfg.reward_model.remote
     if not rr.url:
@@ -199,7 +198,6 @@ def load_custom_reward(cfg: Any):
         text, e.g. a SyntaxError's file and line, is kept) or `custom_reward_function.name` (no such
         callable in the file: lists the file's callables).
     """
-    from jaxrl_post.rewards import load_custom_reward_fn
 
     crf = cfg.custom_reward_function
     try:

@@ -10,10 +10,23 @@ from typing import Any
 import jax
 
 from jaxrl_post.errors import ConfigError
+from jaxrl_post.models import load_pretrained
+from jaxrl_post.models.hf_io import has_tokenizer_files, load_reward_model
+from jaxrl_post.rewards import RewardManager
+from jaxrl_post.rewards.judge import DEFAULT_JUDGE_TEMPLATE, GenerativeJudge
+from jaxrl_post.rewards.manager import rm_score
+from jaxrl_post.rewards.remote import RemoteRewardClient
+from jaxrl_post.rewards.rm_scorer import RewardModelScorer
 from jaxrl_post.rl.builders import load_tokenizer
 from jaxrl_post.rl.preflight import (
     load_custom_reward,
 )
+from jaxrl_post.rollout.agent_loop import AgentLoop, MultiTurnLimits
+from jaxrl_post.rollout.environments import GuessNumberEnv, ToolEnv
+from jaxrl_post.rollout.sandbox import SandboxUnavailableError
+from jaxrl_post.rollout.tool_parser import get_tool_parser
+from jaxrl_post.rollout.tools import ToolErrorBudget, ToolExecutor, check_sandbox, resolve_tools
+from jaxrl_post.runtime.platform_defaults import resolve_value
 
 log = logging.getLogger(__name__)
 
@@ -32,15 +45,11 @@ def build_reward_manager(cfg: Any, tokenizer, custom_reward_fn=None, rm_scorer=N
 
     Raises: ConfigError: the custom reward function cannot be loaded (see `load_custom_reward`).
     """
-    from jaxrl_post.rewards import RewardManager
-    from jaxrl_post.rewards.manager import rm_score
 
     rm = cfg.reward_model
     ob = rm.overlong_buffer
     max_error_fraction = float(rm.max_error_fraction)
     if rm.remote.url:  # the remote reward service (docs/reward_service.md)
-        from jaxrl_post.rewards.remote import RemoteRewardClient
-
         rr = rm.remote
         fn = RemoteRewardClient(
             rr.url,
@@ -83,8 +92,6 @@ def build_judge(cfg: Any, mesh: jax.sharding.Mesh | None = None):
     `mesh`, default one device), its tokenizer (`judge.tokenizer_path`, else the model's) and our Generator.
 
     Raises: ConfigError naming `reward_model.judge.path` / `tokenizer_path` when either cannot be loaded."""
-    from jaxrl_post.models import load_pretrained
-    from jaxrl_post.rewards.judge import DEFAULT_JUDGE_TEMPLATE, GenerativeJudge
 
     jc = cfg.reward_model.judge
     try:
@@ -122,15 +129,12 @@ def build_rm_scorer(cfg: Any, mesh, tokenizer):
     rc = cfg.reward_model
     if not rc.enable:
         return None
-    from jaxrl_post.models.hf_io import has_tokenizer_files, load_reward_model
-    from jaxrl_post.rewards.rm_scorer import RewardModelScorer
 
     if jax.process_count() > 1:
         raise ConfigError("reward_model.enable: reward-model scoring runs in one process only (multi-process runs)")
     path = os.path.expanduser(rc.model.path)
     if os.path.isfile(os.path.join(path, "huggingface", "config.json")):
         path = os.path.join(path, "huggingface")
-    from jaxrl_post.runtime.platform_defaults import resolve_value
 
     dtype = resolve_value("model.dtype", rc.model.dtype or cfg.model.dtype)
     try:
@@ -157,11 +161,6 @@ def build_agent_loop(cfg: Any, generator, tokenizer):
     mt = cfg.rollout.multi_turn
     if not mt.enable:
         return None
-    from jaxrl_post.rollout.agent_loop import AgentLoop, MultiTurnLimits
-    from jaxrl_post.rollout.environments import GuessNumberEnv, ToolEnv
-    from jaxrl_post.rollout.sandbox import SandboxUnavailableError
-    from jaxrl_post.rollout.tool_parser import get_tool_parser
-    from jaxrl_post.rollout.tools import ToolErrorBudget, ToolExecutor, check_sandbox, resolve_tools
 
     limits = MultiTurnLimits(
         max_assistant_turns=mt.max_assistant_turns,

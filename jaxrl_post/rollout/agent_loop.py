@@ -43,8 +43,13 @@ from typing import Any
 import numpy as np
 
 from jaxrl_post.batch.protocol import DataProto
+from jaxrl_post.data.pipeline import compute_position_ids, left_pad
+from jaxrl_post.errors import ConfigError
+from jaxrl_post.models.tokenizer import tokenizer_adds_bos
 from jaxrl_post.rollout.chat_suffix import _render, observation_suffix
+from jaxrl_post.rollout.tool_parser import get_tool_parser
 from jaxrl_post.rollout.trajectory import _Traj, assemble, rollout_metrics
+from jaxrl_post.rollout.turn_cache import TurnCache
 
 __all__ = ["AgentLoop", "MultiTurnLimits", "add_tool_prompt", "rollout_metrics"]
 
@@ -125,7 +130,6 @@ class AgentLoop:
         error_budget=None,
         enable_prefix_caching: bool = True,
     ):
-        from jaxrl_post.rollout.tool_parser import get_tool_parser
 
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("multi-turn rollouts need a tokenizer with a chat template")
@@ -156,7 +160,6 @@ class AgentLoop:
     def _turn_cache(self, p: int, r: int):
         """A fresh `TurnCache` for one `generate` call, or None (prefix caching off, or a generator it cannot
         drive: a stand-in without a model, or a sharded one)."""
-        from jaxrl_post.rollout.turn_cache import TurnCache
 
         g = self.generator
         if not self.enable_prefix_caching or not hasattr(g, "model") or getattr(g, "mesh", None) is not None:
@@ -202,7 +205,6 @@ class AgentLoop:
         return add_tool_prompt(messages, self.parser.system_prompt(self.tools))
 
     def _encode(self, text: str, first: bool) -> list[int]:
-        from jaxrl_post.models.tokenizer import tokenizer_adds_bos
 
         ids = [int(i) for i in self.tokenizer(text, add_special_tokens=False)["input_ids"]]
         bos = self.tokenizer.bos_token_id
@@ -257,8 +259,6 @@ class AgentLoop:
             text = _render(self.tokenizer, msgs, True, self.tools, self.template_kwargs)
             ids = self._encode(text, first=True)
             if len(ids) > p:  # a config error (main prints it as one `error:` line), not a crash
-                from jaxrl_post.errors import ConfigError
-
                 raise ConfigError(
                     f"row {i}: the prompt (env.reset's messages rendered with the chat template and the tools) has "
                     f"{len(ids)} tokens > data.max_prompt_length={p}; raise --config.data.max_prompt_length (the "
@@ -322,7 +322,6 @@ class AgentLoop:
     def _reprefill_turn(self, active: list[_Traj], b: int, params, seed: int):
         """One turn without prefix caching: prompt + trajectory so far of every running row, left-padded, through
         `Generator.generate` (batch bucket pinned to `b`). Returns (tokens, exists, log_probs, prefilled tokens)."""
-        from jaxrl_post.data.pipeline import compute_position_ids, left_pad
 
         # one max_new_tokens (one compiled decode per shape); rows stop at EOS, extra tokens are cut
         ctx = [t.prompt_ids + t.ids for t in active]

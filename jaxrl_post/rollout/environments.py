@@ -19,6 +19,9 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from jaxrl_post.rollout.tool_parser import validate_call
+from jaxrl_post.rollout.tools import cap_text
+
 __all__ = ["Environment", "GuessNumberEnv", "StepResult", "ToolEnv", "guess_number_score"]
 
 
@@ -90,8 +93,6 @@ class ToolEnv(Environment):
 
     @classmethod
     def step_batch(cls, envs, actions):
-        from jaxrl_post.rollout.tool_parser import validate_call
-        from jaxrl_post.rollout.tools import cap_text
 
         if not envs:
             return []

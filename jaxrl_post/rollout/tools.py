@@ -31,6 +31,7 @@ import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from jaxrl_post.rewards.pool import RewardWorkerPool
 from jaxrl_post.rollout import sandbox
 from jaxrl_post.rollout.calculator import calculator, evaluate_arithmetic
 from jaxrl_post.rollout.sandbox import python
@@ -317,7 +318,6 @@ class ToolExecutor:
         allow_unsandboxed: bool = False,
         minimal_env: bool = True,
     ):
-        from jaxrl_post.rewards.pool import RewardWorkerPool
 
         self.tools = {t.name: t for t in tools}
         self.home = tempfile.mkdtemp(prefix="jaxrl_post_tools_")

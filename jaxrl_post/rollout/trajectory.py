@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from jaxrl_post.batch.protocol import DataProto
+from jaxrl_post.data.pipeline import compute_position_ids, left_pad
 
 
 @dataclasses.dataclass
@@ -35,7 +36,6 @@ class _Traj:
 def assemble(rows: DataProto, trajs: list[_Traj], p: int, r: int, params) -> DataProto:
     """The rollout's output (`AgentLoop.generate`'s keys and shapes): prompts left-padded to `p`, each
     trajectory's tokens right-padded to `r`, and its counts in the non-tensor batch and `extra_info`."""
-    from jaxrl_post.data.pipeline import compute_position_ids, left_pad
 
     b = len(trajs)
     prompt_ids, prompt_mask = left_pad([t.prompt_ids for t in trajs], p, params.pad_token_id)

@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from jaxrl_post.runtime.sharding import batch_sharding
+
 log = logging.getLogger(__name__)
 
 # jax cluster environments auto-detected (as `jax.distributed.initialize()` does); MPI (mpi4py) and
@@ -168,7 +170,6 @@ def local_rows(mesh, n: int) -> slice:
     devices hold, as one contiguous slice (all rows on a single process).
 
     Raises ValueError when they are not one contiguous block or `n` does not divide the batch axes."""
-    from jaxrl_post.runtime.sharding import batch_sharding
 
     sh = batch_sharding(mesh, 1)
     spans = set()
@@ -192,8 +193,6 @@ def _pid() -> int:
 def global_from_local(x: np.ndarray, mesh):
     """A global batch-sharded jax.Array from this process's rows (`jax.make_array_from_process_local_data`)."""
     import jax
-
-    from jaxrl_post.runtime.sharding import batch_sharding
 
     return jax.make_array_from_process_local_data(batch_sharding(mesh, x.ndim), np.asarray(x))
 

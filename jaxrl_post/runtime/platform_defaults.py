@@ -124,6 +124,7 @@ def resolve_config(cfg, platform: str | None = None, *, log_line: bool = True) -
         else:
             out[key] = (value, "config")
     try:
+        # here, not at the top: this module runs before JAX starts and imports nothing that imports jax
         from jaxrl_post.models.attention import resolve_attention_impl
 
         impl = _get(cfg, "model.attention_impl")
@@ -169,6 +170,7 @@ def apply_host_defaults(environ: MutableMapping[str, str] | None = None, platfor
     p = platform or early_platform(environ)
     if p != "cpu":
         return []
+    # here, not at the top: this module runs before JAX starts and imports nothing that imports jax
     from jaxrl_post.runtime.host_malloc import release_freed_host_memory
     from jaxrl_post.runtime.xla_flags import set_default_xla_flags
 

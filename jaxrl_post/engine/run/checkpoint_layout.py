@@ -19,6 +19,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxrl_post.models import ModelConfig
+
 CHECKPOINT_SUBDIR = "checkpoints"
 STEP_PREFIX = "global_step"
 RESUME_MODES = ("auto", "disable", "resume_path")
@@ -167,8 +169,6 @@ def model_metadata(
 def model_config_from_metadata(meta: Mapping[str, Any]):
     """Inverse of `model_metadata` -> `jaxrl_post.models.ModelConfig` (lists back to tuples)."""
     import dataclasses
-
-    from jaxrl_post.models import ModelConfig
 
     def freeze(x):
         return tuple(freeze(v) for v in x) if isinstance(x, list) else x

@@ -24,6 +24,10 @@ import tempfile
 import time
 import traceback
 
+from jaxrl_post.engine.nonfinite import NonFiniteError
+from jaxrl_post.engine.run import checkpoint as ckpt
+from jaxrl_post.engine.run.checkpoint_layout import unfinished_steps
+
 __all__ = ["ERROR_LOG", "OrbaxTracebacks", "failure_text", "is_disk_full", "remove_unfinished", "write_error_log"]
 
 ERROR_LOG = "error.log"
@@ -85,7 +89,6 @@ def is_disk_full(e: BaseException) -> bool:
 def remove_unfinished(checkpoint_dir: str | None) -> list[str]:
     """Remove orbax's partial `global_step_<N>.orbax-checkpoint-tmp*` directories in `checkpoint_dir` (call only
     when no save is running); returns the removed paths. One that cannot be removed is left (orbax skips it)."""
-    from jaxrl_post.engine.run.checkpoint_layout import unfinished_steps
 
     removed = []
     for _, path in unfinished_steps(checkpoint_dir) if checkpoint_dir else []:
@@ -128,8 +131,6 @@ def failure_text(e: BaseException, trainer, run_dir: str | None, kept_records: l
     directory and the last complete checkpoint; the failed save's partial directory is removed and the traceback
     (with `kept_records`: orbax's; the list is emptied once written) goes to `<run_dir>/error.log`, as does a
     failed save's or a diverging run's."""
-    from jaxrl_post.engine.nonfinite import NonFiniteError
-    from jaxrl_post.engine.run import checkpoint as ckpt
 
     if not isinstance(e, (ckpt.CheckpointError, NonFiniteError)) and not is_disk_full(e):
         return f"error: {e}"

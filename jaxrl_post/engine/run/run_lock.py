@@ -29,6 +29,7 @@ import sys
 import time
 import uuid
 
+from jaxrl_post.engine import interrupt
 from jaxrl_post.errors import ConfigError
 
 LOCK_FILE = "run.lock"
@@ -118,7 +119,6 @@ class RunLock:
         self._pid = os.getpid()  # a forked child (reward workers) never releases its parent's lock
         self._released = False
         atexit.register(self.release)
-        from jaxrl_post.engine import interrupt
 
         interrupt.at_exit_now(self.release)
 

@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from jaxrl_post.engine.run.loggers import TensorBoardLogger, WandbLogger
+
 # Console summary: (metric, short label), printed when present.
 _CONSOLE_KEYS = (
     ("critic/score/mean", "score"),
@@ -232,13 +234,11 @@ class ConsoleLogger:
 
 
 def _tensorboard(workdir, **kw):
-    from jaxrl_post.engine.run.loggers import TensorBoardLogger
 
     return TensorBoardLogger(workdir, **kw)
 
 
 def _wandb(workdir, **kw):
-    from jaxrl_post.engine.run.loggers import WandbLogger
 
     return WandbLogger(workdir, **kw)
 

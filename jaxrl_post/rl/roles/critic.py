@@ -11,9 +11,10 @@ from flax import nnx
 from jaxrl_post.engine import packed_steps, steps
 from jaxrl_post.engine.placement import Placement
 from jaxrl_post.engine.train_state import OptimizedParams
+from jaxrl_post.models import CriticModel
 from jaxrl_post.rl import builders, ppo_update
 from jaxrl_post.rl.geometry import StepGeometry
-from jaxrl_post.runtime.sharding import init_opt_state
+from jaxrl_post.runtime.sharding import init_opt_state, shard_params
 
 
 class CriticRole:
@@ -28,7 +29,6 @@ class CriticRole:
     def build(cls, cfg, policy, placement: Placement, geometry: StepGeometry) -> tuple[CriticRole, OptimizedParams]:
         """The role and its initial arrays: `CriticModel.from_actor(policy.model)` (seed `trainer.seed + 1`),
         params in fresh buffers (the actor's are donated) and a fresh optimizer state."""
-        from jaxrl_post.models import CriticModel
 
         self = cls()
         self.placement = placement
@@ -36,8 +36,6 @@ class CriticRole:
         critic = CriticModel.from_actor(policy.model, nnx.Rngs(int(cfg.trainer.seed) + 1))
         cg, cp, cr = steps.split_model(critic)
         if placement.n_devices > 1:
-            from jaxrl_post.runtime.sharding import shard_params
-
             cp = shard_params(cp, placement.mesh)
         self.graphdef, self.rest = cg, cr
         params = placement.commit(builders.copy_tree(cp))  # own buffers: actor params are donated

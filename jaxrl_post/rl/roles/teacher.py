@@ -27,10 +27,16 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxrl_post.algos.distillation import TOPK_LOSS_MODES
+from jaxrl_post.algos.distillation import TOPK_LOSS_MODES, compute_distillation_losses
 from jaxrl_post.engine import packed_steps, steps
 from jaxrl_post.errors import ConfigError
+from jaxrl_post.models import get_preset, init_model, load_pretrained
+from jaxrl_post.models.attention import resolve_attention_impl
+from jaxrl_post.models.hf_io import check_causal_lm_dir
+from jaxrl_post.models.resolve import _HUB_GGUF_RE, _HUB_ID_RE, check_model_files, resolve_model_path
 from jaxrl_post.rl import builders
+from jaxrl_post.runtime.platform_defaults import resolve_value
+from jaxrl_post.runtime.sharding import shard_params
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +98,6 @@ def check_teacher_path(cfg: Any) -> None:
     t = cfg.distillation.teacher_models.teacher_model
     if not cfg.distillation.enabled or t.random_init:
         return
-    from jaxrl_post.models.hf_io import check_causal_lm_dir
-    from jaxrl_post.models.resolve import _HUB_GGUF_RE, _HUB_ID_RE, check_model_files, resolve_model_path
 
     name = os.path.expanduser(str(t.model_path or ""))
     if name and not os.path.exists(name) and (_HUB_ID_RE.match(name) or _HUB_GGUF_RE.match(name)):
@@ -118,15 +122,10 @@ def build_teacher(cfg: Any, mesh, student_tokenizer, student_vocab: int):
       ConfigError: a tokenizer differing from the student's (`check_tokenizers_match`), or an embedding table
         smaller than the student's (naming both sizes).
     """
-    from jaxrl_post.models import init_model, load_pretrained
-    from jaxrl_post.models.attention import resolve_attention_impl
-    from jaxrl_post.runtime.platform_defaults import resolve_value
 
     t = cfg.distillation.teacher_models.teacher_model
     dtype = resolve_value("model.dtype", t.dtype or cfg.model.dtype)
     if t.random_init:
-        from jaxrl_post.models import get_preset
-
         overrides = {k: v for k, v in t.arch.items() if v is not None}
         mcfg = get_preset(t.preset).replace(dtype=dtype, param_dtype=dtype, **overrides)
         model = init_model(mcfg, seed=int(t.seed), dtype=dtype, param_dtype=dtype, mesh=mesh)
@@ -165,7 +164,6 @@ def kl_to_teacher_metrics(student_log_prob, teacher_log_prob, mask, loss_mode: s
     `actor/distillation/teacher_log_prob` (mean teacher log-prob of the sampled tokens) and
     `actor/distillation/reverse_kl` (mean k1 = log pi_student - log pi_teacher, the per-token reverse-KL
     estimate), both over `mask`."""
-    from jaxrl_post.algos.distillation import compute_distillation_losses
 
     m = np.asarray(mask) > 0
     if not m.any():
@@ -202,8 +200,6 @@ class TeacherRole:
         model = build_teacher(cfg, placement.mesh, tokenizer, vocab)
         g, params, rest = steps.split_model(model)
         if placement.n_devices > 1:
-            from jaxrl_post.runtime.sharding import shard_params
-
             params = shard_params(params, placement.mesh)
         self.graphdef, self.rest = g, rest
         self.params = placement.commit(params)
