@@ -392,68 +392,16 @@ def test_grpo_tiny_lora_learns_reference_is_base_checkpoint_holds_adapters_and_e
     np.testing.assert_allclose(ours[:, :40], via_peft, atol=1e-4 * max(1.0, np.abs(via_peft).max()))
 
 
-@pytest.mark.slow
-def test_lora_bf16_rollout_copy_holds_merged_kernels_and_matches_the_adapted_actor(tmp_path):
-    """`model.dtype=bfloat16` (f32 masters) + LoRA: the rollout samples from a bf16 copy without adapters, so
-    `sync_weights` writes the merged kernels W + (alpha / r) A . B into it. After real updates (B != 0) its
-    kernels equal that sum written out in NumPy (to bf16 rounding) and its logits equal the actor's adapter
-    forward in bf16 compute, far closer than to the base model. Runs with `model.scan_layers` (and packing, the
-    default) on: the adapted layers are scanned in the trainer's update."""
-    from configs import grpo
-    from jaxrl_post.rl.trainer import RLTrainer
-
-    c = grpo.get_config("tiny")
-    c.model.lora_rank, c.model.lora_alpha = 4, 8.0
-    c.model.dtype, c.model.scan_layers = "bfloat16", True
-    c.actor.optim.lr = 1e-2
-    c.trainer.total_training_steps, c.trainer.save_freq = 3, -1
-    c.trainer.val_before_train = c.trainer.val_at_end = False
-    c.trainer.default_local_dir = str(tmp_path / "run")
-    trainer = RLTrainer(c, console_write=lambda line: None)
-    try:
-        assert trainer.policy.lora == LoRAConfig(4, 8.0) and trainer.rollout.copy and trainer.policy.spec is not None
-        assert (
-            trainer.rollout.generator.model is trainer.rollout.model and lora_config_of(trainer.rollout.model) is None
-        )
-        hist = trainer.fit()["history"]
-        assert len(hist) == 3 and all(np.isfinite(list(m.values())).all() for m in hist)
-        checked = 0
-        for i, parent, name, lin in iter_projections(trainer.policy.model):
-            w = np.asarray(lin.kernel[...], np.float32)
-            a, b = np.asarray(lin.lora_a[...]), np.asarray(lin.lora_b[...])
-            want = w + lin.lora_scale * np.tensordot(a, b, axes=1)
-            got = getattr(getattr(trainer.rollout.model.layers[i], parent), name).kernel[...]
-            assert got.dtype == jnp.bfloat16
-            assert np.abs(want - w).max() > 4 * 2.0**-8 * np.abs(w).max()  # B moved: a copy of W would fail below
-            np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2.0**-8, atol=1e-30)
-            checked += 1
-        assert checked == 2 * 7
-        emb = np.asarray(trainer.rollout.model.embedding[...], np.float32)
-        np.testing.assert_array_equal(
-            emb, np.asarray(trainer.policy.model.embedding[...].astype(jnp.bfloat16), np.float32)
-        )
-
-        ids = jnp.asarray(np.random.default_rng(0).integers(3, 100, (2, 9)), jnp.int32)
-        mask = jnp.ones((2, 9), jnp.int32)
-        fwd = nnx.jit(lambda m: m(ids, mask))
-        rollout, actor = np.asarray(fwd(trainer.rollout.model)), np.asarray(fwd(trainer.policy.model))
-        base = np.asarray(fwd(set_lora_enabled(trainer.policy.model, False)))
-        set_lora_enabled(trainer.policy.model, True)
-        gap, effect = np.abs(rollout - actor).max(), np.abs(base - actor).max()
-        assert gap <= 0.05 * effect and gap <= 2.0**-6 * np.abs(actor).max(), (gap, effect)
-    finally:
-        trainer.close()
-
-
 _MESH_SCRIPT = """
 import json, sys
-import jax, numpy as np
+import jax, jax.numpy as jnp, numpy as np
+from flax import nnx
 from configs import grpo
-from jaxrl_post.models.lora import iter_projections
+from jaxrl_post.models.lora import iter_projections, lora_config_of, set_lora_enabled
 from jaxrl_post.rl.trainer import RLTrainer
 
 c = grpo.get_config("tiny")
-c.model.lora_rank, c.model.lora_alpha, c.model.dtype = 4, 8.0, "bfloat16"
+c.model.lora_rank, c.model.lora_alpha, c.model.dtype, c.model.scan_layers = 4, 8.0, "bfloat16", True
 c.actor.optim.lr = 1e-2
 c.trainer.total_training_steps, c.trainer.save_freq = 2, -1
 c.trainer.val_before_train = c.trainer.val_at_end = False
@@ -467,9 +415,20 @@ for i, parent, name, lin in iter_projections(t.policy.model):
     w = np.asarray(lin.kernel[...], np.float32)
     want = w + lin.lora_scale * np.tensordot(np.asarray(lin.lora_a[...]), np.asarray(lin.lora_b[...]), axes=1)
     got = np.asarray(getattr(getattr(t.rollout.model.layers[i], parent), name).kernel[...], np.float32)
-    merged_ok.append(bool(np.allclose(got, want, rtol=2.0**-8, atol=1e-30)) and float(np.abs(want - w).max()) > 0)
+    moved = float(np.abs(want - w).max()) > 4 * 2.0**-8 * float(np.abs(w).max())  # B moved: a copy of W fails
+    merged_ok.append(bool(np.allclose(got, want, rtol=2.0**-8, atol=1e-30)) and moved)
+emb_equal = bool(np.array_equal(np.asarray(t.rollout.model.embedding[...], np.float32),
+                                np.asarray(t.policy.model.embedding[...].astype(jnp.bfloat16), np.float32)))
+ids = jnp.asarray(np.random.default_rng(0).integers(3, 100, (2, 9)), jnp.int32)
+fwd = nnx.jit(lambda m: m(ids, jnp.ones((2, 9), jnp.int32)))
+rollout, actor = np.asarray(fwd(t.rollout.model)), np.asarray(fwd(t.policy.model))
+base = np.asarray(fwd(set_lora_enabled(t.policy.model, False)))
+gap, effect = float(np.abs(rollout - actor).max()), float(np.abs(base - actor).max())
 out = dict(frozen=specs(t.policy.frozen), rollout=specs(t.state.rollout), merged_ok=merged_ok,
-           counts=t.compile_counts(), pg_loss=[m["actor/pg_loss"] for m in hist])
+           counts=t.compile_counts(), pg_loss=[m["actor/pg_loss"] for m in hist], emb_equal=emb_equal,
+           gap=gap, effect=effect, actor_max=float(np.abs(actor).max()),
+           copy=bool(t.rollout.copy), spec=t.policy.spec is not None,
+           no_adapters=lora_config_of(t.rollout.model) is None and t.rollout.generator.model is t.rollout.model)
 t.close()
 print("RESULT" + json.dumps(out))
 """
@@ -477,8 +436,12 @@ print("RESULT" + json.dumps(out))
 
 @pytest.mark.slow
 def test_lora_bf16_rollout_copy_on_8_fake_devices(tmp_path):
-    """On a (2, 2, 2) mesh of fake CPU devices the merged rollout copy keeps the base kernels' shardings
-    (`sync_weights` pins them) and holds W + (alpha / r) A . B; every jitted fn compiles once."""
+    """`model.dtype=bfloat16` (f32 masters) + LoRA on a (2, 2, 2) mesh of fake CPU devices, with
+    `model.scan_layers` and packing (the default) on: the rollout samples from a bf16 copy without adapters, so
+    `sync_weights` writes the merged kernels W + (alpha / r) A . B into it, keeping the base kernels' shardings.
+    After real updates (B != 0) its kernels equal that sum written out in NumPy (to bf16 rounding), its
+    embedding is the actor's in bf16, its logits equal the actor's adapter forward in bf16 compute, far closer
+    than to the base model; every jitted fn compiles once."""
     import subprocess
 
     env = dict(
@@ -502,3 +465,6 @@ def test_lora_bf16_rollout_copy_on_8_fake_devices(tmp_path):
     assert len(out["merged_ok"]) == 2 * 7 and all(out["merged_ok"])
     assert set(out["counts"].values()) == {1}, out["counts"]
     assert all(np.isfinite(out["pg_loss"]))
+    assert out["copy"] and out["spec"] and out["emb_equal"] and out["no_adapters"]
+    gap, effect = out["gap"], out["effect"]
+    assert gap <= 0.05 * effect and gap <= 2.0**-6 * out["actor_max"], (gap, effect)
