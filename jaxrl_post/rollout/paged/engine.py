@@ -152,7 +152,7 @@ class PagedGenerator:
         kv = init_pool(cfg.num_layers, num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim, dtype).kv
         logits = jnp.zeros((self.max_num_seqs, cfg.vocab_size), jnp.float32)
         key = jax.random.key(params.seed if seed is None else seed)
-        static = dataclasses.replace(params, seed=0)
+        static = dataclasses.replace(params, seed=0, max_new_tokens=1)  # slots carry their limits: one program
         stats = {"prefill_dispatches": 0, "decode_dispatches": 0, "decode_slot_steps": 0, "emitted": 0}
         dispatches = 0
         while not sched.idle:
@@ -287,10 +287,10 @@ def pages_for_memory(budget_bytes: int, model_config, page_size: int, dtype) -> 
 
 def paged_generator_from_config(model, rollout) -> PagedGenerator:
     """The engine of `rollout.name='paged'` from the `rollout.*` keys (configs/base.py): `max_num_seqs`,
-    `max_num_batched_tokens`, `block_size`, `num_scheduler_steps`, `max_model_len`, and the pool from `num_gpu_blocks_override`, else
-    `gpu_memory_utilization` x the device's memory limit minus the bytes in use (weights), else None (enough pages
-    for every slot). Raises ValueError when `gpu_memory_utilization` is set on a device without memory stats or
-    leaves no room for two pages."""
+    `max_num_batched_tokens`, `block_size`, `num_scheduler_steps`, `max_model_len`, and the pool from
+    `num_gpu_blocks_override`, else `gpu_memory_utilization` x the device's memory limit minus the bytes in use
+    (weights), else None (enough pages for every slot). Raises ValueError when `gpu_memory_utilization` is set on
+    a device without memory stats or leaves no room for two pages."""
     pages = rollout.num_gpu_blocks_override
     if pages is None and rollout.gpu_memory_utilization is not None:
         stats = jax.devices()[0].memory_stats() or {}

@@ -115,10 +115,10 @@ def abstract_engine(cfg: ModelConfig, dtype="bfloat16", scan_layers: bool = True
 
 
 def decode_program(eng: PagedGenerator, prompt_len: int, max_new_tokens: int, cache_dtype="bfloat16"):
-    """The engine's decode program (`programs.decode`, sampling at temperature 1, `eng.steps_per_dispatch` steps) lowered with abstract
-    arguments of the shapes `PagedGenerator._decode` passes for prompts of `prompt_len` tokens and
-    `max_new_tokens`: the pool `[L, num_pages, page_size, 2N, K]`, `[S, V]` logits, `[S]` slot vectors and
-    `[S, table_pages]` page tables. Returns the `jax.stages.Lowered`."""
+    """The engine's decode program (`programs.decode`, sampling at temperature 1, `eng.steps_per_dispatch`
+    steps) lowered with abstract arguments of the shapes `PagedGenerator._decode` passes for prompts of
+    `prompt_len` tokens and `max_new_tokens`: the pool `[L, num_pages, page_size, 2N, K]`, `[S, V]` logits, `[S]`
+    slot vectors and `[S, table_pages]` page tables. Returns the `jax.stages.Lowered`."""
     cfg, s = eng.model.config, eng.max_num_seqs
     pps = eng.table_pages(prompt_len, max_new_tokens)
     sds = jax.ShapeDtypeStruct
@@ -126,7 +126,7 @@ def decode_program(eng: PagedGenerator, prompt_len: int, max_new_tokens: int, ca
     vec = lambda dt: sds((s,), dt)
     args = (kv, sds((s, cfg.vocab_size), jnp.float32), *(vec(jnp.int32) for _ in range(4)), vec(jnp.bool_))
     key = jax.eval_shape(lambda: jax.random.key(0))
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, eos_token_ids=(0,), pad_token_id=0)
+    params = SamplingParams(max_new_tokens=1, temperature=1.0, eos_token_ids=(0,), pad_token_id=0)
     return programs.decode.lower(
         eng._graphdef,
         eng._state,
@@ -156,3 +156,47 @@ def engine_pool_bytes(eng: PagedGenerator, cache_dtype="bfloat16") -> int:
     """Bytes of the engine's page pool."""
     c = eng.model.config
     return pool_bytes(c.num_layers, eng.num_pages, eng.page_size, c.num_kv_heads, c.head_dim, cache_dtype)
+
+
+# The rollout rows of `scripts/memory_plan.py --rollout` (issue 56): 512 prompts x 16 samples, prompts <= 1k; 7B
+# with R_max 16k (mean ~5k), 32B with R_max 32k (mean ~10k, assumed); vLLM's gpu_memory_utilization default 0.9.
+ROLLOUT_PLANS = {
+    "7b_v5p64": dict(preset="qwen2_5_7b", device="v5p", chips=32, tp=1),
+    "7b_8xh100": dict(preset="qwen2_5_7b", device="h100", chips=8, tp=1),
+    "32b_v5p64_tp1": dict(preset="qwen3_32b", device="v5p", chips=32, tp=1, max_response=32768, mean_response=10000),
+    "32b_v5p64_tp4": dict(preset="qwen3_32b", device="v5p", chips=32, tp=4, max_response=32768, mean_response=10000),
+    "32b_8xh100_tp4": dict(preset="qwen3_32b", device="h100", chips=8, tp=4, max_response=32768, mean_response=10000),
+}
+ROLLOUT_COLS = (
+    ("plan", "plan", "{}"),
+    ("device", "chips", "{}"),
+    ("tp", "TP", "{}"),
+    ("batch", "batch", "{}"),
+    ("weights_gb", "weights GB/chip", "{:.1f}"),
+    ("pool_gb", "KV pool GB/chip", "{:.1f}"),
+    ("kv_per_token_kib", "KV KiB/token/chip", "{:.0f}"),
+    ("pages", "pages", "{}"),
+    ("paged_seqs_per_group", "paged seqs / TP group", "{:.0f}"),
+    ("dense_rows_per_group", "dense rows / TP group", "{:.0f}"),
+    ("paged_vs_dense", "paged / dense", "{:.2f}"),
+    ("paged_seqs_total", "paged seqs, all chips", "{:.0f}"),
+    ("dense_cache_gb_total", "dense cache GB (whole batch)", "{:.0f}"),
+)
+
+
+def rollout_rows(names=None, gpu_memory_utilization: float = 0.9) -> list[dict]:
+    """`rollout_row` of each plan of `ROLLOUT_PLANS` (all by default)."""
+    from jaxrl_post.models import get_preset
+
+    out = []
+    for name in names or ROLLOUT_PLANS:
+        kw = dict(ROLLOUT_PLANS[name])
+        out.append(rollout_row(name, get_preset(kw.pop("preset")), gpu_memory_utilization=gpu_memory_utilization, **kw))
+    return out
+
+
+def rollout_table(rows: list[dict]) -> str:
+    """Markdown table of `rollout_rows`."""
+    head = "| " + " | ".join(h for _, h, _ in ROLLOUT_COLS) + " |"
+    body = ["| " + " | ".join(f.format(r[k]) for k, _, f in ROLLOUT_COLS) + " |" for r in rows]
+    return "\n".join([head, "|" + "---|" * len(ROLLOUT_COLS), *body])
