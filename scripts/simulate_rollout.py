@@ -14,7 +14,8 @@ slot of the live batch, which halves (the real `decode.compaction_sizes`) once a
 Cost of a decode step = (`step_bytes` + KV bytes read) / HBM bandwidth. `step_bytes` (weights, activations, logits:
 everything but the pages) comes from XLA's `cost_analysis()` of the engine's decode program
 (`plan.decode_program`, one step at the engine's slot count) compiled abstractly at 1 and 2 layers of the real
-shapes, extrapolated linearly to all layers. KV read: paged, every scheduled slot reads `ceil(kv_len / page_size)`
+shapes, extrapolated linearly to all layers (`step_bytes_from_compile`: compiled in float32, weights counted
+at bf16). KV read: paged, every scheduled slot reads `ceil(kv_len / page_size)`
 pages per step (the kernel's pages; a slot that finished inside a dispatch keeps reading until it ends, an idle
 slot reads the null page); dense, `size x (P + R_max)` slots. A prefill dispatch costs max(weights / bandwidth,
 2 x params x tokens / peak FLOP/s). No host time per dispatch unless `--host-ms`.
@@ -87,6 +88,7 @@ def simulate_paged(prompt_len, lengths, n, *, max_response, num_pages, block_siz
     target = np.minimum(np.asarray(lengths), max_response)
     t = decode_t = tail_t = 0.0
     out = dict(prefill_dispatches=0, decode_dispatches=0, emitted=0, kv_pages_read=0, running_slot_steps=0)
+    out["tail_decode_steps"] = 0
     while not sched.idle:
         in_tail = not sched.waiting and not sched.prefilling  # every sequence admitted and prefilled
         pieces = sched.schedule_prefill()
@@ -114,6 +116,7 @@ def simulate_paged(prompt_len, lengths, n, *, max_response, num_pages, block_siz
             out["kv_pages_read"] += pages
             out["running_slot_steps"] += len(seqs) * k
             decode_t += dt
+            out["tail_decode_steps"] += k if in_tail else 0
         t += dt
         tail_t += dt if in_tail else 0.0
     steps = out["decode_dispatches"] * k
@@ -126,6 +129,20 @@ def simulate_paged(prompt_len, lengths, n, *, max_response, num_pages, block_siz
         occupancy=out["emitted"] / max(1, steps * max_num_seqs),
         preemptions=sched.num_preemptions,
         tokens_per_s=out["emitted"] / t,
+    )
+
+
+def retime(result: dict, cost: Cost, other: Cost) -> dict:
+    """`simulate_paged`'s result under `other`, a cost with another `step_bytes` (the schedule does not depend on
+    the cost: only each decode step's time changes)."""
+    d = (other.step_bytes - cost.step_bytes) / cost.bandwidth
+    t = result["seconds"] + result["decode_steps"] * d
+    return dict(
+        result,
+        seconds=t,
+        decode_seconds=result["decode_seconds"] + result["decode_steps"] * d,
+        tail_seconds=result["tail_seconds"] + result["tail_decode_steps"] * d,
+        tokens_per_s=result["emitted"] / t,
     )
 
 
@@ -162,8 +179,11 @@ def bandwidth_bound(prompt_len, lengths, n, *, pool_tokens, max_num_seqs, block_
 
 
 def step_bytes_from_compile(cfg, slots: int, tp: int = 1) -> float:
-    """XLA `cost_analysis()` bytes of one decode step at `slots` slots, at 1 and 2 layers of `cfg`'s shapes (a tiny
-    pool and table), extrapolated to `cfg.num_layers`; divided by `tp` (weights and activations split)."""
+    """Bytes one decode step reads and writes besides the KV pages, at `slots` slots, from XLA's `cost_analysis()`:
+    the decode program compiled at 1 and 2 layers of `cfg`'s shapes (a tiny pool and table) and extrapolated to
+    `cfg.num_layers`, divided by `tp` (weights and activations split). Compiled in float32 (XLA:CPU runs bf16
+    dots on converted float32 copies of the weights, which its `bytes accessed` counts: 2x the bf16 weights at
+    256 slots), then the weights counted at bf16: bytes - weights_f32 / 2."""
     return _step_bytes(cfg, slots) / tp
 
 
@@ -175,15 +195,19 @@ def _step_bytes(cfg, slots: int) -> float:
     for layers in (1, 2):
         c = dataclasses.replace(cfg, num_layers=layers)
         eng = plan.abstract_engine(
-            c, scan_layers=False, max_num_seqs=slots, num_pages=slots + 1, steps_per_dispatch=1, max_model_len=16
-        )
-        ca = plan.decode_program(eng, 8, 8, "bfloat16").compile().cost_analysis()
-        got.append(float((ca[0] if isinstance(ca, list) else ca)["bytes accessed"]))
+            c, "float32", scan_layers=False, max_num_seqs=slots, num_pages=slots + 1, steps_per_dispatch=1,
+            max_model_len=16,
+        )  # fmt: skip
+        ca = plan.decode_program(eng, 8, 8, "float32").compile().cost_analysis()
+        got.append(float((ca[0] if isinstance(ca, list) else ca)["bytes accessed"]) - c.num_params() * 2)
     return got[0] + (cfg.num_layers - 1) * (got[1] - got[0])
 
 
 def run_plan(name: str, *, lengths=None, sigma=1.0, max_num_seqs=256, k=16, max_tokens=2048, host_ms=0.0, seed=0):
-    """Simulate one `plan.ROLLOUT_PLANS` entry for its TP group's share of the batch; per-chip results."""
+    """Simulate one `plan.ROLLOUT_PLANS` entry for its TP group's share of the batch, under two per-step costs:
+    `cost_analysis` (XLA:CPU's bytes, `step_bytes_from_compile`: an upper estimate, XLA:CPU fuses less than
+    XLA:TPU / XLA:GPU) and `weights` (the bf16 weights and the `[S, V]` float32 logits written and read: the
+    floor). Returns one record per cost, per-chip tokens/s."""
     from jaxrl_post.models import get_preset
     from jaxrl_post.rollout.paged import plan
 
@@ -200,44 +224,56 @@ def run_plan(name: str, *, lengths=None, sigma=1.0, max_num_seqs=256, k=16, max_
         lengths = np.resize(np.minimum(np.asarray(lengths), p["max_response"]), count)
         source = "logged lengths"
     dev = plan.DEVICES[p["device"]]
-    cost = Cost(
-        step_bytes=step_bytes_from_compile(cfg, max_num_seqs, tp),
-        kv_token_bytes=plan.kv_bytes_per_token(cfg, tp=tp),
-        bandwidth=dev.bandwidth,
-        weight_bytes=row["weights_gb"] * 1e9,
-        prefill_flops_per_token=2 * cfg.num_params() / tp,
-        peak_flops=PEAK_FLOPS[p["device"]],
-        host_s=host_ms / 1e3,
-    )
-    pl = p["prompt_len"]
-    paged = simulate_paged(
+    weights = row["weights_gb"] * 1e9
+    floor = weights + 2 * max_num_seqs * cfg.vocab_size * 4 / tp
+    costs = {
+        name_: Cost(
+            step_bytes=sb,
+            kv_token_bytes=plan.kv_bytes_per_token(cfg, tp=tp),
+            bandwidth=dev.bandwidth,
+            weight_bytes=weights,
+            prefill_flops_per_token=2 * cfg.num_params() / tp,
+            peak_flops=PEAK_FLOPS[p["device"]],
+            host_s=host_ms / 1e3,
+        )
+        for name_, sb in (("cost_analysis", step_bytes_from_compile(cfg, max_num_seqs, tp)), ("weights", floor))
+    }
+    pl, first = p["prompt_len"], costs["cost_analysis"]
+    paged0 = simulate_paged(
         pl, lengths, n, max_response=p["max_response"], num_pages=row["pages"], block_size=bs,
-        max_num_seqs=max_num_seqs, max_tokens=max_tokens, k=k, cost=cost,
+        max_num_seqs=max_num_seqs, max_tokens=max_tokens, k=k, cost=first,
     )  # fmt: skip
     rows = 1 << (int(row["dense_rows_per_group"]).bit_length() - 1)  # the Generator's power-of-two batch bucket
-    dense = simulate_dense(pl, lengths, max_response=p["max_response"], rows=rows, cost=cost)
-    bound, bound_seqs = bandwidth_bound(
-        pl, lengths, n, pool_tokens=row["pages"] * bs, max_num_seqs=max_num_seqs, block_size=bs, cost=cost
-    )
-    return dict(
-        plan=name,
-        device=row["device"],
-        tp=tp,
-        sequences_per_group=count,
-        lengths=source,
-        mean_length=float(np.mean(lengths)),
-        max_num_seqs=max_num_seqs,
-        pages=row["pages"],
-        step_gb=cost.step_bytes / 1e9,
-        paged=paged,
-        dense=dict(dense, rows=rows),
-        bound_tokens_per_s_chip=bound / tp,
-        bound_seqs=bound_seqs,
-        paged_tokens_per_s_chip=paged["tokens_per_s"] / tp,
-        dense_tokens_per_s_chip=dense["tokens_per_s"] / tp,
-        paged_vs_bound=paged["tokens_per_s"] / bound,
-        paged_vs_dense=paged["tokens_per_s"] / dense["tokens_per_s"],
-    )
+    out = []
+    for cname, cost in costs.items():
+        paged = retime(paged0, first, cost)
+        dense = simulate_dense(pl, lengths, max_response=p["max_response"], rows=rows, cost=cost)
+        bound, bound_seqs = bandwidth_bound(
+            pl, lengths, n, pool_tokens=row["pages"] * bs, max_num_seqs=max_num_seqs, block_size=bs, cost=cost
+        )
+        out.append(
+            dict(
+                plan=name,
+                cost=cname,
+                device=row["device"],
+                tp=tp,
+                sequences_per_group=count,
+                lengths=source,
+                mean_length=float(np.mean(lengths)),
+                max_num_seqs=max_num_seqs,
+                pages=row["pages"],
+                step_gb=cost.step_bytes / 1e9,
+                paged=paged,
+                dense=dict(dense, rows=rows),
+                bound_tokens_per_s_chip=bound / tp,
+                bound_seqs=bound_seqs,
+                paged_tokens_per_s_chip=paged["tokens_per_s"] / tp,
+                dense_tokens_per_s_chip=dense["tokens_per_s"] / tp,
+                paged_vs_bound=paged["tokens_per_s"] / bound,
+                paged_vs_dense=paged["tokens_per_s"] / dense["tokens_per_s"],
+            )
+        )
+    return out
 
 
 def inspect_defaults(fn) -> dict:
@@ -248,6 +284,8 @@ def inspect_defaults(fn) -> dict:
 
 COLS = (
     ("plan", "{}"),
+    ("cost", "{}"),
+    ("step_gb", "{:.1f}"),
     ("max_num_seqs", "{}"),
     ("mean_length", "{:.0f}"),
     ("paged_tokens_per_s_chip", "{:.0f}"),
@@ -290,10 +328,9 @@ def main(argv=None) -> list[dict]:
             lengths = json.load(f)
     rows = []
     for name in a.plans.split(","):
-        rows.append(
-            run_plan(name, lengths=lengths, sigma=a.sigma, max_num_seqs=a.max_num_seqs, k=a.k, host_ms=a.host_ms)
-        )
-        print(json.dumps(rows[-1]), flush=True)
+        got = run_plan(name, lengths=lengths, sigma=a.sigma, max_num_seqs=a.max_num_seqs, k=a.k, host_ms=a.host_ms)
+        rows += got
+        print(json.dumps(got), flush=True)
     print(table(rows))
     if a.json:
         with open(a.json, "w") as f:

@@ -52,3 +52,15 @@ def test_bandwidth_bound_by_hand():
 def test_lognormal_lengths_are_capped_and_have_the_mean():
     x = sim.lognormal_lengths(20000, 500.0, 0.5, 4000, seed=1)
     assert x.min() >= 1 and x.max() <= 4000 and abs(x.mean() / 500 - 1) < 0.02
+
+
+def test_retime_changes_only_the_step_cost():
+    out = sim.simulate_paged(
+        4, [3, 5], 2, max_response=8, num_pages=16, block_size=4, max_num_seqs=2, max_tokens=16, k=4, cost=COST
+    )
+    other = sim.Cost(
+        step_bytes=10, kv_token_bytes=1, bandwidth=1, weight_bytes=7, prefill_flops_per_token=0, peak_flops=1
+    )
+    got = sim.retime(out, COST, other)
+    assert got["seconds"] == 8 * 10 + 128 + 7 and got["tail_seconds"] == 8 * 10 + 128
+    assert got["tokens_per_s"] == pytest.approx(8 / 215)
