@@ -52,3 +52,14 @@ def test_decode_memory_at_7b_shapes_is_set_by_the_page_budget():
     m2 = plan.decode_memory(plan.decode_program(eng2, 1024, 16384, "float32"))
     assert m2["arguments"] - m1["arguments"] == plan.engine_pool_bytes(eng2, "float32") - pool1 == pool1
     assert m2["temps"] == m1["temps"] < pool1
+
+
+def test_memory_plan_prints_the_rollout_rows(capsys):
+    from tests.script_loader import load_script
+
+    rows = load_script("memory_plan").main(["--rollout"])
+    assert [r["plan"] for r in rows] == list(plan.ROLLOUT_PLANS)
+    tp4 = rows[3]  # 32B, rollout TP 4 on v5p: a quarter of the weights and of the kv heads per chip
+    assert tp4["weights_gb"] == pytest.approx(get_preset("qwen3_32b").num_params() * 2 / 4 / 1e9)
+    assert tp4["kv_per_token_kib"] == 64 * 2 * 2 * 128 * 2 / 1024
+    assert "| 32b_v5p64_tp4 | 32 x TPU v5p | 4 |" in capsys.readouterr().out
