@@ -36,6 +36,7 @@ if __name__ == "__main__":  # before jax is imported (only the cost model compil
 import argparse
 import dataclasses
 import functools
+import inspect
 import json
 import math
 import os
@@ -45,7 +46,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from jaxrl_post.models import get_preset
 from jaxrl_post.rollout.decode import compaction_sizes
+from jaxrl_post.rollout.paged import plan
 from jaxrl_post.rollout.paged.allocator import PageAllocator
 from jaxrl_post.rollout.paged.scheduler import Scheduler, Seq
 
@@ -189,8 +192,6 @@ def step_bytes_from_compile(cfg, slots: int, tp: int = 1) -> float:
 
 @functools.cache
 def _step_bytes(cfg, slots: int) -> float:
-    from jaxrl_post.rollout.paged import plan
-
     got = []
     for layers in (1, 2):
         c = dataclasses.replace(cfg, num_layers=layers)
@@ -208,9 +209,6 @@ def run_plan(name: str, *, lengths=None, sigma=1.0, max_num_seqs=256, k=16, max_
     `cost_analysis` (XLA:CPU's bytes, `step_bytes_from_compile`: an upper estimate, XLA:CPU fuses less than
     XLA:TPU / XLA:GPU) and `weights` (the bf16 weights and the `[S, V]` float32 logits written and read: the
     floor). Returns one record per cost, per-chip tokens/s."""
-    from jaxrl_post.models import get_preset
-    from jaxrl_post.rollout.paged import plan
-
     kw = dict(plan.ROLLOUT_PLANS[name])
     cfg = get_preset(kw.pop("preset"))
     row = plan.rollout_row(name, cfg, max_num_seqs=max_num_seqs, **kw)
@@ -277,9 +275,9 @@ def run_plan(name: str, *, lengths=None, sigma=1.0, max_num_seqs=256, k=16, max_
 
 
 def inspect_defaults(fn) -> dict:
-    import inspect
-
-    return {k: v.default for k, v in inspect.signature(fn).parameters.items() if v.default is not inspect._empty}
+    """{parameter: default} of `fn`'s parameters that have one."""
+    empty = inspect.Parameter.empty
+    return {k: v.default for k, v in inspect.signature(fn).parameters.items() if v.default is not empty}
 
 
 COLS = (

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxrl_post.models import get_preset
 from jaxrl_post.models.config import ModelConfig
 from jaxrl_post.models.decoder import Transformer
 from jaxrl_post.rollout.paged import forward, programs
@@ -186,8 +187,6 @@ ROLLOUT_COLS = (
 
 def rollout_rows(names=None, gpu_memory_utilization: float = 0.9) -> list[dict]:
     """`rollout_row` of each plan of `ROLLOUT_PLANS` (all by default)."""
-    from jaxrl_post.models import get_preset
-
     out = []
     for name in names or ROLLOUT_PLANS:
         kw = dict(ROLLOUT_PLANS[name])
