@@ -31,7 +31,8 @@ for script in ("evaluate", "export_hf", "plot_metrics"):
     spec.loader.exec_module(importlib.util.module_from_spec(spec))
 print(f"CI runtime venv: imported {len(names)} jaxrl_post modules and 3 scripts")
 PY
-# One GRPO step of the default config: 2 prompts x rollout.n 2 = 4 responses of <= 8 tokens.
+# One GRPO step of the default config: 2 prompts x rollout.n 2 = 4 responses of <= 8 tokens. The compilation
+# cache goes to the temporary directory, not the CI user's ~/.cache (it is on by default for the main job).
 # actor.ppo_mini_batch_size=2 is valid whether it counts responses (2 mini-batches of 2) or, as in verl,
 # prompts (one mini-batch of 2 * rollout.n = 4 responses); ppo_micro_batch_size=2 (responses) divides both.
 JAX_PLATFORMS=cpu HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 "$py" -m jaxrl_post.main \
@@ -47,7 +48,8 @@ JAX_PLATFORMS=cpu HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 "$py" -m jaxrl_post.ma
   --config.trainer.val_before_train=False \
   --config.trainer.val_at_end=False \
   --config.trainer.progress_bar=False \
-  --config.trainer.default_local_dir="$tmp/run"
+  --config.trainer.default_local_dir="$tmp/run" \
+  --config.trainer.compilation_cache_dir="$tmp/xla"
 "$py" - "$tmp/run/metrics.jsonl" <<'PY'
 import json, math, sys
 rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
@@ -56,4 +58,8 @@ assert step1, f"no step-1 training metrics in {sys.argv[1]}"
 assert all(math.isfinite(step1[0][k]) for k in ("actor/pg_loss", "actor/entropy", "critic/score/mean")), step1[0]
 print("CI runtime venv: step 1 metrics ok")
 PY
+if [ -z "$(ls -A "$tmp/xla")" ]; then
+  echo "CI runtime venv: the main job wrote no compilation cache entry to $tmp/xla" >&2
+  exit 1
+fi
 echo "CI runtime venv: install + 1 step took $((SECONDS - start)) s"

@@ -221,6 +221,7 @@ def get_base_config() -> mlc.ConfigDict:
     c.rollout.num_gpu_blocks_override = _opt_int()  # paged: pages of the pool, overrides the above (vLLM)
     c.rollout.block_size = 16  # paged: tokens per KV page (vLLM)
     c.rollout.num_scheduler_steps = 16  # paged: decode steps per dispatch between scheduling rounds (vLLM)
+    c.rollout.max_model_len = _opt_int()  # paged: prompt + response tokens a page table holds (None = P + R)
     c.rollout.log_prob_micro_batch_size = 16  # responses per micro-batch when recomputing old log-probs, global
     c.rollout.log_prob_use_dynamic_bsz = mlc.FieldReference(None, field_type=bool)  # None -> actor.use_dynamic_bsz
     c.rollout.log_prob_max_token_len_per_gpu = _opt_int()  # None -> actor.ppo_max_token_len_per_gpu
@@ -452,6 +453,9 @@ def get_base_config() -> mlc.ConfigDict:
     c.trainer.seed = 0  # seeds params init (random models), sampling, mini-batch shuffles
     c.trainer.progress_bar = True  # tqdm over steps
     c.trainer.print_every = 1  # console metrics every k steps
+    # JAX's persistent compilation cache (runtime/compile_cache.py): None = $JAX_COMPILATION_CACHE_DIR, else
+    # ~/.cache/jaxrl_post/xla; '' = off. A restart loads the programs compiled before instead of compiling them.
+    c.trainer.compilation_cache_dir = _opt_str()  # compiled-program cache dir (None = user cache dir, '' = off)
     c.trainer.device_peak_flops = mlc.FieldReference(None, field_type=float)  # per device, for perf/mfu/*
     c.trainer.mesh = mlc.ConfigDict()  # device mesh axes ('data', 'fsdp', 'tensor'); -1 = remaining devices
     c.trainer.mesh.data = 1  # data-parallel axis (batch split, params replicated)
@@ -487,7 +491,7 @@ _VERL_KEYS_TEXT = """
     ref.log_prob_use_dynamic_bsz ref.log_prob_max_token_len_per_gpu
     critic.use_dynamic_bsz critic.ppo_max_token_len_per_gpu critic.forward_max_token_len_per_gpu
     rollout.n rollout.dtype rollout.temperature rollout.top_k rollout.top_p rollout.do_sample rollout.name
-    rollout.max_num_seqs rollout.max_num_batched_tokens rollout.gpu_memory_utilization
+    rollout.max_num_seqs rollout.max_num_batched_tokens rollout.gpu_memory_utilization rollout.max_model_len
     rollout.log_prob_micro_batch_size
     rollout.multi_turn.enable rollout.multi_turn.max_assistant_turns rollout.multi_turn.max_user_turns
     rollout.multi_turn.max_parallel_calls rollout.multi_turn.max_tool_response_length

@@ -31,6 +31,7 @@ from jaxrl_post.engine.run.tracking import console_legend
 from jaxrl_post.errors import ConfigError, FilterGroupsError
 from jaxrl_post.rewards.manager import RewardFunctionError
 from jaxrl_post.rollout.tools import ToolError
+from jaxrl_post.runtime.compile_cache import enable_compilation_cache, log_choice  # (imports jax when called)
 from jaxrl_post.runtime.log_noise import quiet_startup_noise
 from jaxrl_post.runtime.platform_defaults import apply_host_defaults
 
@@ -113,10 +114,13 @@ def main(argv) -> None:
         sys.exit(2)
     try:
         apply_none_overrides(_CONFIG.value, _NONE_KEYS)  # --config.KEY=None means None, not the string 'None'
+        # before anything compiles: a restart loads the programs compiled before (runtime/compile_cache.py)
+        cache = enable_compilation_cache(_CONFIG.value.trainer.get("compilation_cache_dir"))
         trainer = build_trainer(_CONFIG.value)  # the top-level key trainer_type picks it (api.TRAINERS)
     except (ConfigError, MalformedRowError, CheckpointError) as e:  # bad config, data or checkpoint to resume
         print(f"error: {e}", file=sys.stderr)  # the message says what and where
         sys.exit(2)
+    log_choice(cache)  # after the checks (a start-up error stays the only line), once per run
     stop.abort_line = _nothing_saved_line(trainer)  # printed by a signal before the first completed step
     stop.lost_line = lambda: lost_line(trainer)  # printed by a second signal
     failed, finished = None, False

@@ -2,6 +2,7 @@
 
     python scripts/memory_plan.py [--plans lora_7b_v5e8,full_1p5b_gpu80] [--json /tmp/memory_plan.json]
         [--layers N]   # fewer layers: a quick look only (the table says so)
+    python scripts/memory_plan.py --rollout   # the paged rollout's KV pages and resident sequences per chip
 
 No weights and no accelerator: the model is built abstractly (`nnx.eval_shape`), the REAL packed update
 (`packed_steps.make_packed_actor_update`, the trainer's `update` boundary, with the shardings of
@@ -58,6 +59,7 @@ from jaxrl_post.models import get_preset
 from jaxrl_post.models.decoder import Transformer
 from jaxrl_post.models.lora import LoRAConfig, apply_lora
 from jaxrl_post.rl import ppo_update
+from jaxrl_post.rollout.paged import plan as paged_plan
 from jaxrl_post.runtime.sharding import LOGICAL_AXIS_RULES, InMesh, make_mesh, param_shardings
 
 GB = 1e9
@@ -329,7 +331,15 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--response-len", type=int, default=None, help="override every plan's response length")
     ap.add_argument("--attention", default="chunked", choices=("chunked", "xla"), help="update's attention backend")
     ap.add_argument("--json", default=None, help="also write the records here")
+    ap.add_argument("--rollout", action="store_true", help="the paged rollout's rows instead (rollout/paged/plan.py)")
     args = ap.parse_args(argv)
+    if args.rollout:  # arithmetic on the shapes: KV pages, resident sequences, bytes per chip
+        rows = paged_plan.rollout_rows()
+        print(paged_plan.rollout_table(rows))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return rows
     rows = []
     for name in args.plans.split(","):
         if name not in PLANS:

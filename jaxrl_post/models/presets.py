@@ -104,6 +104,16 @@ qwen3_0_6b = ModelConfig(
     eos_token_id=151645,
 )
 
+qwen3_32b = dataclasses.replace(  # dense; the rollout memory plan's 32B (rollout/paged/plan.py)
+    qwen3_0_6b,
+    hidden_size=5120,
+    intermediate_size=25600,
+    num_layers=64,
+    num_heads=64,
+    num_kv_heads=8,
+    tie_word_embeddings=False,
+)
+
 # Qwen3-30B-A3B / Qwen3-235B-A22B: every layer MoE (128 experts, top-8, norm_topk_prob), no dense MLP layers.
 qwen3_30b_a3b = ModelConfig(
     family="qwen3_moe",
@@ -194,6 +204,7 @@ PRESETS: dict[str, ModelConfig] = {
     "qwen2_5_1_5b": qwen2_5_1_5b,
     "qwen2_5_7b": qwen2_5_7b,
     "qwen3_0_6b": qwen3_0_6b,
+    "qwen3_32b": qwen3_32b,
     "gemma2_2b": gemma2_2b,
     "gemma3_1b": gemma3_1b,
     "qwen3_30b_a3b": qwen3_30b_a3b,

@@ -409,6 +409,7 @@ def validate_config(cfg: Any, n_devices: int | None = None) -> None:
         for key in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_scheduler_steps"):
             check(f"rollout.{key}", lambda v: is_int(v) and v >= 1, "must be an integer >= 1")
         check("rollout.num_gpu_blocks_override", lambda v: v is None or (is_int(v) and v >= 2), "must be None or >= 2")
+        check("rollout.max_model_len", lambda v: v is None or (is_int(v) and v >= 2), "must be None or >= 2")
         check("rollout.gpu_memory_utilization", lambda v: v is None or (is_num(v) and 0 < v <= 1), "must be in (0, 1]")
         if is_int(cfg.rollout.max_num_seqs) and is_int(cfg.rollout.n) and cfg.rollout.max_num_seqs < cfg.rollout.n:
             err("rollout.max_num_seqs", f"must be >= rollout.n={cfg.rollout.n} (a prompt's samples decode together)")

@@ -559,6 +559,7 @@ def test_presets_param_counts():
         "gemma2_2b": 2614.3e6,
         "qwen2_5_1_5b": 1543.7e6,  # Qwen2.5-1.5B model card: 1.54B
         "qwen2_5_7b": 7615.6e6,  # Qwen2.5-7B model card: 7.61B
+        "qwen3_32b": 32.8e9,  # Qwen3-32B model card: 32.8B
     }
     for name, n in expected.items():
         assert abs(PRESETS[name].num_params() - n) / n < 0.01, (name, PRESETS[name].num_params())

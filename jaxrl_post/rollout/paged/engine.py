@@ -46,6 +46,9 @@ class PagedGenerator:
       cache_dtype: pool dtype; None as `Generator` (`kv_cache_dtype`).
       attention_impl: "auto" (TPU: the Pallas kernel, else XLA), "xla" or "pallas_tpu".
       min_prompt_bucket: prompts are padded to a power of two >= this for the page-table width (compile once).
+      max_model_len: longest prompt + response a page table holds (vLLM / verl `max_model_len`): the tables are
+        `ceil(max_model_len / page_size)` pages wide, so the programs (and their memory) are the same for every
+        batch size, prompt bucket and `max_new_tokens` up to it. None: the prompt bucket + `max_new_tokens`.
       scan_layers: run the layers as a `lax.scan` over params stacked once per call (compiles one layer); False:
         unrolled. None: scanned off CPU, unrolled on CPU, where the scan materializes each layer's slice of the
         stacked MLP kernels at every step (docs/paged_rollout.md#how-it-works).
@@ -61,6 +64,7 @@ class PagedGenerator:
     attention_impl: str = "auto"
     min_prompt_bucket: int = 16
     scan_layers: bool | None = None
+    max_model_len: int | None = None
     last_stats: dict | None = dataclasses.field(default=None, init=False, repr=False)
 
     def __post_init__(self):
@@ -81,6 +85,19 @@ class PagedGenerator:
         self._graphdef, self._state = nnx.split(self.model)
         self._graphdefs, self._stacked = forward.stack_layers(self.model) if self.scan_layers else (None, None)
         self._weights_read = True
+
+    def table_pages(self, prompt_len: int, max_new_tokens: int) -> int:
+        """Pages per page table (the programs' `pages_per_seq`) for prompts of `prompt_len` tokens (left-padded
+        width) and `max_new_tokens`. Raises ValueError when they exceed `max_model_len`."""
+        if self.max_model_len is not None:
+            if prompt_len + max_new_tokens > self.max_model_len:
+                raise ValueError(
+                    f"prompts of {prompt_len} tokens + {max_new_tokens} new tokens exceed the paged engine's "
+                    f"max_model_len {self.max_model_len}"
+                )
+            return -(-int(self.max_model_len) // self.page_size)
+        p_pad = 1 << max(self.min_prompt_bucket - 1, prompt_len - 1).bit_length()
+        return -(-(p_pad + max_new_tokens) // self.page_size)
 
     def __call__(self, prompts: DataProto, params: SamplingParams, *, seed: int | None = None) -> DataProto:
         return self.generate(prompts, params, seed=seed)
@@ -113,8 +130,7 @@ class PagedGenerator:
         r = params.max_new_tokens
         if resume is None or not self._weights_read:
             self.update_weights()  # the model's current params, as `Generator` reads them at every call
-        p_pad = 1 << max(self.min_prompt_bucket - 1, p - 1).bit_length()
-        pps = -(-(p_pad + r) // self.page_size)
+        pps = self.table_pages(p, r)
         num_pages = self.num_pages or self.max_num_seqs * pps + 1
         cfg = self.model.config
         dtype = jnp.dtype(kv_cache_dtype(self.model, self.cache_dtype))
@@ -136,7 +152,7 @@ class PagedGenerator:
         kv = init_pool(cfg.num_layers, num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim, dtype).kv
         logits = jnp.zeros((self.max_num_seqs, cfg.vocab_size), jnp.float32)
         key = jax.random.key(params.seed if seed is None else seed)
-        static = dataclasses.replace(params, seed=0)
+        static = dataclasses.replace(params, seed=0, max_new_tokens=1)  # slots carry their limits: one program
         stats = {"prefill_dispatches": 0, "decode_dispatches": 0, "decode_slot_steps": 0, "emitted": 0}
         dispatches = 0
         while not sched.idle:
@@ -271,10 +287,10 @@ def pages_for_memory(budget_bytes: int, model_config, page_size: int, dtype) -> 
 
 def paged_generator_from_config(model, rollout) -> PagedGenerator:
     """The engine of `rollout.name='paged'` from the `rollout.*` keys (configs/base.py): `max_num_seqs`,
-    `max_num_batched_tokens`, `block_size`, `num_scheduler_steps`, and the pool from `num_gpu_blocks_override`, else
-    `gpu_memory_utilization` x the device's memory limit minus the bytes in use (weights), else None (enough pages
-    for every slot). Raises ValueError when `gpu_memory_utilization` is set on a device without memory stats or
-    leaves no room for two pages."""
+    `max_num_batched_tokens`, `block_size`, `num_scheduler_steps`, `max_model_len`, and the pool from
+    `num_gpu_blocks_override`, else `gpu_memory_utilization` x the device's memory limit minus the bytes in use
+    (weights), else None (enough pages for every slot). Raises ValueError when `gpu_memory_utilization` is set on
+    a device without memory stats or leaves no room for two pages."""
     pages = rollout.num_gpu_blocks_override
     if pages is None and rollout.gpu_memory_utilization is not None:
         stats = jax.devices()[0].memory_stats() or {}
@@ -296,4 +312,5 @@ def paged_generator_from_config(model, rollout) -> PagedGenerator:
         page_size=int(rollout.block_size),
         num_pages=pages,
         steps_per_dispatch=int(rollout.num_scheduler_steps),
+        max_model_len=rollout.get("max_model_len"),
     )
