@@ -298,7 +298,29 @@ def plan_shared_packing(p_len: np.ndarray, r_len: np.ndarray, groups: np.ndarray
     return place
 
 
-def pack_batch(batch: dict[str, np.ndarray], spec: PackSpec) -> dict[str, np.ndarray]:
+def plan_batch(batch: dict[str, np.ndarray], spec: PackSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`(place [M, 7] int64, prompt lengths [M], response lengths [M])` of `pack_batch`: `plan_shared_packing`'s
+    rows (one-copy-per-sequence plans as sub 0 with the prompt at offset, the response right after it)."""
+    ids = np.asarray(batch["input_ids"])
+    m, p = ids.shape[0], ids.shape[1] - spec.response_length
+    p_len, r_len = _lengths(batch["attention_mask"], spec.response_length)
+    pos_ids = batch.get("position_ids")
+    place = None
+    if spec.share_prompts:
+        groups = prompt_groups(ids, None if pos_ids is None else np.asarray(pos_ids), p_len, p)
+        if len(np.unique(groups)) < m:  # some prompt is shared
+            try:
+                place = plan_shared_packing(p_len, r_len, groups, spec)
+            except ValueError:
+                place = None
+    if place is None:  # one prompt copy per sequence: (micro, row, offset, seq slot, first slot) -> shared layout
+        flat = plan_packing(p_len + r_len, r_len, spec)
+        place = np.stack([flat[:, 0], flat[:, 1], flat[:, 2], flat[:, 2] + p_len, flat[:, 3], flat[:, 4]], 1)
+        place = np.concatenate([place, np.zeros((m, 1), np.int64)], 1)  # sub 0: own segment, prompt included
+    return place, p_len, r_len
+
+
+def pack_batch(batch: dict[str, np.ndarray], spec: PackSpec, plan=None) -> dict[str, np.ndarray]:
     """Pack a mini-batch for the packed forward / update steps (`engine/packed_steps.py`).
 
     Args:
@@ -309,6 +331,7 @@ def pack_batch(batch: dict[str, np.ndarray], spec: PackSpec) -> dict[str, np.nda
       spec: the static geometry (`make_pack_spec`); `spec.share_prompts`: one prompt copy per row chunk for
         sequences with equal prompts (`plan_shared_packing`; falls back to `plan_packing` when it does not
         fit).
+      plan: `plan_batch(batch, spec)` when already computed.
     Returns numpy arrays (n = n_micro, S = spec.seqs, Q = spec.slots, L = row_len):
       `input_ids`, `segment_ids`, `positions` `[n, rows, L] int32` (segment 0 = padding; with shared prompts
       `chunk << SUB_BITS | sub`, chunk >= 1, see the module docstring);
@@ -326,24 +349,12 @@ def pack_batch(batch: dict[str, np.ndarray], spec: PackSpec) -> dict[str, np.nda
     Raises ValueError (see `plan_packing`, and when real tokens are not contiguous).
     """
     ids = np.asarray(batch["input_ids"])
-    m, t = ids.shape
+    t = ids.shape[1]
     r_max = spec.response_length
     p = t - r_max
-    p_len, r_len = _lengths(batch["attention_mask"], r_max)
+    place, p_len, r_len = plan_batch(batch, spec) if plan is None else plan
     pos_ids = batch.get("position_ids")
     pos_ids = None if pos_ids is None else np.asarray(pos_ids)
-    place = None
-    if spec.share_prompts:
-        groups = prompt_groups(ids, pos_ids, p_len, p)
-        if len(np.unique(groups)) < m:  # some prompt is shared
-            try:
-                place = plan_shared_packing(p_len, r_len, groups, spec)
-            except ValueError:
-                place = None
-    if place is None:  # one prompt copy per sequence: (micro, row, offset, seq slot, first slot) -> shared layout
-        flat = plan_packing(p_len + r_len, r_len, spec)
-        place = np.stack([flat[:, 0], flat[:, 1], flat[:, 2], flat[:, 2] + p_len, flat[:, 3], flat[:, 4]], 1)
-        place = np.concatenate([place, np.zeros((m, 1), np.int64)], 1)  # sub 0: own segment, prompt included
     n, rows, L, S, Q = spec.n_micro, spec.rows, spec.row_len, spec.seqs, spec.slots
     out = {
         "input_ids": np.zeros((n, rows, L), np.int32),
