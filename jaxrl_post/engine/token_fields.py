@@ -1,4 +1,5 @@
-"""Per-token fields `[M, T, ...]` (routing replay's `routed_experts`) through the packed layout and back (numpy).
+"""Fields through the packed layout (`packing.pack_batch`) and back (numpy): per-token fields `[M, T, ...]`
+(routing replay's `routed_experts`), per-sequence results (`unpack_seq`), the packed token count.
 
 `pack_tokens` lays a field out like `packing.pack_batch` lays out `input_ids`: entry `[i, t]` goes where token t
 of sequence i went in the packed rows `[n, rows, L, ...]` (with shared prompts, a chunk's prompt entries are those
@@ -8,9 +9,12 @@ shared prompt's entries are given to every sequence of its chunk). Both take the
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
-from jaxrl_post.engine.packing import PackSpec
+if TYPE_CHECKING:  # packing imports this module (re-exports); only the annotation needs PackSpec
+    from jaxrl_post.engine.packing import PackSpec
 
 
 def pack_tokens(x: np.ndarray, plan, spec: PackSpec) -> np.ndarray:
@@ -40,3 +44,17 @@ def unpack_tokens(packed: np.ndarray, plan, spec: PackSpec, length: int) -> np.n
         out[i, p - pl : p] = packed[k, row, p_off : p_off + pl]
         out[i, p : p + rl] = packed[k, row, r_off : r_off + rl]
     return out
+
+
+def unpack_seq(x: np.ndarray, seq_index: np.ndarray, n_seqs: int) -> np.ndarray:
+    """Inverse of the per-sequence layout: `[n_micro, S, ...]` -> `[n_seqs, ...]` (rows never packed: 0)."""
+    x, idx = np.asarray(x), np.asarray(seq_index)
+    out = np.zeros((n_seqs,) + x.shape[2:], x.dtype)
+    valid = idx >= 0
+    out[idx[valid]] = x[valid]
+    return out
+
+
+def packed_token_count(packed: dict[str, np.ndarray]) -> int:
+    """Real tokens in a packed mini-batch."""
+    return int(np.count_nonzero(packed["segment_ids"]))
