@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import jax
 import numpy as np
 
+from jaxrl_post.algos.rollout_corr import compute_rollout_probs_diff_metrics
 from jaxrl_post.batch.keys import ACTOR_UPDATE_KEYS, CRITIC_UPDATE_KEYS
 from jaxrl_post.batch.protocol import DataProto
 from jaxrl_post.engine.train_state import HostState, TrainState
@@ -97,8 +98,6 @@ def moe_mismatch_metrics(policy, geometry: StepGeometry, b: dict[str, np.ndarray
     `training/rollout_probs_diff_{max,mean,std}` and `training/rollout_actor_probs_pearson_corr` of the old-log-prob
     forward against the sampler's log-probs over `train_mask`, every step with an old-log-prob forward (rollout
     correction logs the same keys itself). {} for a dense actor, without old log-probs or without a token."""
-    from jaxrl_post.algos.rollout_corr import compute_rollout_probs_diff_metrics
-
     moe = bool(policy.model.config.moe_layers)
     if not moe or geometry.use_rollout_corr or "old_log_probs" not in b or not np.any(train_mask):
         return {}
