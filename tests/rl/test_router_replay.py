@@ -98,6 +98,7 @@ def _near_tie_models():
     return f32, bf16, (ids, mask)
 
 
+@pytest.mark.slow  # a bf16 Generator and a packed forward compiled: ~60 s on a loaded 2-core CPU
 def test_r3_bf16_rollout_scored_in_float32_matches_unless_a_near_tie_flips_without_replay():
     """A bf16 rollout (Generator, greedy) whose last prompt token of prompt 0 nearly ties between two experts, scored
     by the float32 old-log-prob forward (packed): without replay that token takes the other expert and the first
@@ -127,6 +128,7 @@ def test_r3_bf16_rollout_scored_in_float32_matches_unless_a_near_tie_flips_witho
     assert r3 < 0.01 and r3 <= 2 * reference + 1e-3, (r3, reference)
 
 
+@pytest.mark.slow  # a padded actor update compile on top of the rollout: ~45 s on a loaded 2-core CPU
 def test_actor_update_with_forced_routes_moves_the_router(moe_rollout):
     """The padded actor update (`ppo_update.make_actor_update`) with `routed_experts` in the mini-batch: the forced
     experts are used (other routes, other update) and the router still gets a non-zero update either way."""
