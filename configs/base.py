@@ -190,6 +190,10 @@ def get_base_config() -> mlc.ConfigDict:
     c.actor.grad_clip = 1.0  # clip_by_global_norm threshold
     c.actor.drop_truncated = False  # drop responses that hit max_response_length from the loss
     c.actor.optim = _optim(1e-6)
+    # MoE routing replay (verl: actor.router_replay; docs/moe.md): 'R3' forces the experts the rollout routed each
+    # token to in the old-log-prob and update forwards; 'R2' forces the old-log-prob forward's in the update
+    c.actor.router_replay = mlc.ConfigDict()
+    c.actor.router_replay.mode = "disabled"  # 'disabled' | 'R2' | 'R3'
     c.actor.fsdp_config = mlc.ConfigDict()  # memory placement of the actor's training state
     # AdamW moments in host RAM (memory kind pinned_host) between updates, moved to the device inside each update;
     # frees 8 bytes/param of device memory for a host<->device copy per update. Same numbers (docs/accelerators.md).
@@ -480,6 +484,7 @@ _VERL_KEYS_TEXT = """
     data.train_files data.val_files data.train_batch_size data.val_batch_size data.max_prompt_length
     data.max_response_length data.filter_overlong_prompts data.truncation data.shuffle data.seed
     actor.ppo_mini_batch_size actor.ppo_micro_batch_size actor.ppo_epochs actor.shuffle actor.clip_ratio
+    actor.router_replay.mode
     actor.clip_ratio_low actor.clip_ratio_high actor.clip_ratio_c actor.loss_agg_mode actor.policy_loss.loss_mode
     actor.policy_loss.clip_cov_ratio actor.policy_loss.clip_cov_lb actor.policy_loss.clip_cov_ub
     actor.policy_loss.kl_cov_ratio actor.policy_loss.ppo_kl_coef

@@ -1,7 +1,8 @@
 """The one table of batch keys: every array a training step's host batch carries, with its shape, dtype and meaning.
 
 Shape letters: B rows (prompts x rollout.n), P prompt length, R response length, T = P + R, K
-`distillation.distillation_loss.topk`. Response fields are
+`distillation.distillation_loss.topk`, M MoE layers and k experts per token (`num_experts_per_tok`). Response
+fields are
 right-aligned with `responses`: position t of a `[B, R]` field belongs to response token t.
 
 The key tuples below (which keys each jit boundary takes) are the only lists of batch keys in the package: the
@@ -43,6 +44,14 @@ BATCH_KEYS: dict[str, BatchKey] = {
         BatchKey("rollout_log_probs", "[B, R]", "float32", "rollout", "sampler's log-probs of the model tokens"),
         BatchKey("sampling_logit_threshold", "[B, R]", "float32", "rollout", "top-k/p cut of each step (replay)"),
         BatchKey("truncated", "[B]", "bool", "rollout", "no EOS within R"),
+        BatchKey(
+            "routed_experts",
+            "[B, T, M, k] | [n, rows, L, M, k]",
+            "uint8 | int16",
+            "rollout (R3) / old-log-prob forward (R2)",
+            "experts of each token per MoE layer, forced in the actor's forwards (actor.router_replay); packed: "
+            "aligned with the packed input_ids",
+        ),
         BatchKey("token_level_scores", "[B, R]", "float32", "reward", "score on the last model token"),
         BatchKey("reward_baselines", "[B]", "float32", "reward", "ReMax greedy baseline score"),
         BatchKey("old_log_probs", "[B, R]", "float32", "actor forward", "behaviour policy log-probs"),
@@ -77,6 +86,9 @@ BATCH_KEYS: dict[str, BatchKey] = {
 TOKEN_KEYS = ("input_ids", "attention_mask", "position_ids")
 # the forward (log-probs of actor / reference, critic values)
 FORWARD_KEYS = (*TOKEN_KEYS, "responses", "sampling_logit_threshold")
+# per-token routing replay inputs of the actor's forwards only (actor.router_replay; never the reference, teacher or
+# critic: other models); the packer packs them like input_ids
+REPLAY_KEYS = ("routed_experts",)
 # [B, R] per-response fields of the actor / critic update (packed: gathered on device by sequence index)
 ACTOR_RESPONSE_KEYS = (
     "loss_mask",
@@ -94,7 +106,7 @@ CRITIC_RESPONSE_KEYS = ("loss_mask", "values", "returns")
 PACK_KEYS = ("input_ids", "segment_ids", "positions", "slot_pos", "slot_tokens", "seq_slot", "seq_index")
 OPTIONAL_PACK_KEYS = ("slot_threshold",)
 # the padded updates' inputs
-ACTOR_UPDATE_KEYS = (*FORWARD_KEYS, *ACTOR_RESPONSE_KEYS)
+ACTOR_UPDATE_KEYS = (*FORWARD_KEYS, *REPLAY_KEYS, *ACTOR_RESPONSE_KEYS)
 CRITIC_UPDATE_KEYS = (*TOKEN_KEYS, "responses", *CRITIC_RESPONSE_KEYS)
 
 
@@ -106,7 +118,7 @@ def describe(name: str) -> BatchKey:
 
 
 def _check_table() -> None:
-    for group in (FORWARD_KEYS, ACTOR_UPDATE_KEYS, CRITIC_UPDATE_KEYS, PACK_KEYS, OPTIONAL_PACK_KEYS):
+    for group in (FORWARD_KEYS, REPLAY_KEYS, ACTOR_UPDATE_KEYS, CRITIC_UPDATE_KEYS, PACK_KEYS, OPTIONAL_PACK_KEYS):
         for k in group:
             describe(k)
 

@@ -38,7 +38,7 @@ from flax import nnx
 
 from jaxrl_post.algos import core_algos, functional
 from jaxrl_post.algos.distillation_topk import gather_log_probs, teacher_topk
-from jaxrl_post.batch.keys import OPTIONAL_PACK_KEYS, PACK_KEYS
+from jaxrl_post.batch.keys import OPTIONAL_PACK_KEYS, PACK_KEYS, REPLAY_KEYS
 from jaxrl_post.engine import update_core
 from jaxrl_post.runtime.sharding import constrain
 
@@ -47,9 +47,13 @@ def _hidden_at_slots(backbone, mb, with_moe: bool = False):
     """Final hidden states at the micro-batch's response slots, `[Q, D]`. With per-shard slot blocks
     (`slot_pos [G, Q / G]`) each block is gathered from its own shard's rows (`[G, rows / G * L, D]`, the
     shard dim constrained to the batch axes), so no device gathers another's hidden states.
-    with_moe: `(h, moe.MoEOutput | None)` (the routing of every real token of the packed rows)."""
+    with_moe: `(h, moe.MoEOutput | None)` (the routing of every real token of the packed rows). The packed
+    `routed_experts [rows, L, M, k]`, when in `mb`, are forced as the MoE routes (routing replay)."""
     seg = mb["segment_ids"]
-    h = backbone.hidden_states(mb["input_ids"], seg != 0, mb["positions"], segment_ids=seg, with_moe=with_moe)
+    routes = mb.get("routed_experts")
+    h = backbone.hidden_states(
+        mb["input_ids"], seg != 0, mb["positions"], segment_ids=seg, routed_experts=routes, with_moe=with_moe
+    )
     h, moe = h if with_moe else (h, None)
     sp = mb["slot_pos"]
     if sp.ndim == 1:
@@ -232,23 +236,33 @@ class PackedLayout:
     def values(self, critic, mb):
         return packed_values(critic, mb)
 
-    def forward(self, per_micro, batch, trail):
+    def forward(self, per_micro, batch, trail, with_tokens=False):
         """`per_micro(mb)` -> per-sequence `[S, R, ...]` outputs, scattered back to the mini-batch rows
-        (`seq_index`); rows never packed stay 0. `trail`: per output `(trailing shape, dtype)`."""
-        pack = {k: batch[k] for k in PACK_KEYS + OPTIONAL_PACK_KEYS if k in batch}
+        (`seq_index`); rows never packed stay 0. `trail`: per output `(trailing shape, dtype)`. `with_tokens`:
+        `per_micro` returns `(outputs, token field [rows, L, ...])`, collected last as `[n, rows, L, ...]`
+        (`token_fields.unpack_tokens` gives `[M, T, ...]`; micro-batches never run stay 0)."""
+        pack = {k: batch[k] for k in PACK_KEYS + OPTIONAL_PACK_KEYS + REPLAY_KEYS if k in batch}
         m, r = batch["responses"].shape
         init = tuple(jnp.zeros((m + 1, r) + tuple(shape), dtype) for shape, dtype in trail)
+        if with_tokens:
+            tok = jax.eval_shape(lambda: per_micro(update_core.micro_at(pack, jnp.int32(0)))[1])
+            init = (init, jnp.zeros((pack["input_ids"].shape[0], *tok.shape), tok.dtype))
 
         def body(i, outs):  # a while loop over the used micro-batches only (dynamic trip count)
             mb = update_core.micro_at(pack, i)
             idx = jnp.where(mb["seq_index"] >= 0, mb["seq_index"], m)  # empty slots -> spare row m
-            return tuple(o.at[idx].set(v) for o, v in zip(outs, per_micro(mb)))
+            if not with_tokens:
+                return tuple(o.at[idx].set(v) for o, v in zip(outs, per_micro(mb)))
+            new, tok = per_micro(mb)
+            return tuple(o.at[idx].set(v) for o, v in zip(outs[0], new)), outs[1].at[i].set(tok)
 
         outs = jax.lax.fori_loop(0, _n_used(pack), body, init)
+        if with_tokens:
+            return (*(o[:m] for o in outs[0]), outs[1])
         return tuple(o[:m] for o in outs)
 
     def accumulate(self, loss_fn, params, batch, keys: update_core.UpdateKeys):
-        pack = {k: batch[k] for k in PACK_KEYS + OPTIONAL_PACK_KEYS if k in batch}
+        pack = {k: batch[k] for k in PACK_KEYS + OPTIONAL_PACK_KEYS + REPLAY_KEYS if k in batch}
         seqs = {k: batch[k] for k in keys.response if k in batch}
         counts = core_algos.global_batch_info(seqs["loss_mask"])
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
@@ -278,17 +292,20 @@ def make_packed_log_prob_fn(
     adapters: bool = True,
     on_trace: Callable[[], None] | None = None,
     topk: int = 0,
+    record_routes: bool = False,
 ) -> Callable:
     """Pure `fn(params, batch, frozen=None) -> (log_probs [M, R] float32, entropy [M, R] | None)`; wrap with
     `jax.jit`. With `topk` K > 0 (the top-k distillation teacher): `(log_probs, entropy | None, topk_log_probs
     [M, R, K] float32, topk_ids [M, R, K] int32)`, as `steps.make_log_prob_fn` (`packed_teacher_topk`).
+    `record_routes`: also, last, the packed `routed_experts [n, rows, L, M, k]` the forward chose
+    (`update_core.make_log_prob_fn`).
 
     batch: the `packing.pack_batch` arrays (spec with `seqs = M`) + `responses [M, R]` (for the shape).
     Response padding positions are 0 (the padded path returns the model's value there; both are masked).
     `frozen` / `adapters`: as `steps.make_log_prob_fn` (a LoRA model's base params; adapters off = reference).
     """
     kw = dict(temperature=temperature, with_entropy=with_entropy, adapters=adapters, on_trace=on_trace, topk=topk)
-    return update_core.make_log_prob_fn(PACKED, graphdef, rest, **kw)
+    return update_core.make_log_prob_fn(PACKED, graphdef, rest, **kw, record_routes=record_routes)
 
 
 def make_packed_value_fn(

@@ -42,6 +42,9 @@ import dataclasses
 
 import numpy as np
 
+# the packed layout back to the batch's, re-exported where they were
+from jaxrl_post.engine.token_fields import packed_token_count, unpack_seq  # noqa: F401
+
 # Shared-prompt segment ids: `chunk << SUB_BITS | sub` (sub 0 = the chunk prompt, j >= 1 = its j-th response)
 from jaxrl_post.models.decoder import SEGMENT_SUB_BITS as SUB_BITS
 
@@ -298,7 +301,27 @@ def plan_shared_packing(p_len: np.ndarray, r_len: np.ndarray, groups: np.ndarray
     return place
 
 
-def pack_batch(batch: dict[str, np.ndarray], spec: PackSpec) -> dict[str, np.ndarray]:
+def plan_batch(batch: dict[str, np.ndarray], spec: PackSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`(place [M, 7] int64, prompt lengths [M], response lengths [M])` of `pack_batch`: `plan_shared_packing`'s
+    rows (one-copy-per-sequence plans as sub 0 with the prompt at offset, the response right after it)."""
+    ids, pos_ids, place = np.asarray(batch["input_ids"]), batch.get("position_ids"), None
+    m, p = ids.shape[0], ids.shape[1] - spec.response_length
+    p_len, r_len = _lengths(batch["attention_mask"], spec.response_length)
+    if spec.share_prompts:
+        groups = prompt_groups(ids, None if pos_ids is None else np.asarray(pos_ids), p_len, p)
+        if len(np.unique(groups)) < m:  # some prompt is shared
+            try:
+                place = plan_shared_packing(p_len, r_len, groups, spec)
+            except ValueError:  # does not fit with shared prompts: one copy per sequence (docstring)
+                pass
+    if place is None:  # one prompt copy per sequence: (micro, row, offset, seq slot, first slot) -> shared layout
+        flat = plan_packing(p_len + r_len, r_len, spec)
+        place = np.stack([flat[:, 0], flat[:, 1], flat[:, 2], flat[:, 2] + p_len, flat[:, 3], flat[:, 4]], 1)
+        place = np.concatenate([place, np.zeros((m, 1), np.int64)], 1)  # sub 0: own segment, prompt included
+    return place, p_len, r_len
+
+
+def pack_batch(batch: dict[str, np.ndarray], spec: PackSpec, plan=None) -> dict[str, np.ndarray]:
     """Pack a mini-batch for the packed forward / update steps (`engine/packed_steps.py`).
 
     Args:
@@ -309,6 +332,7 @@ def pack_batch(batch: dict[str, np.ndarray], spec: PackSpec) -> dict[str, np.nda
       spec: the static geometry (`make_pack_spec`); `spec.share_prompts`: one prompt copy per row chunk for
         sequences with equal prompts (`plan_shared_packing`; falls back to `plan_packing` when it does not
         fit).
+      plan: `plan_batch(batch, spec)` when already computed.
     Returns numpy arrays (n = n_micro, S = spec.seqs, Q = spec.slots, L = row_len):
       `input_ids`, `segment_ids`, `positions` `[n, rows, L] int32` (segment 0 = padding; with shared prompts
       `chunk << SUB_BITS | sub`, chunk >= 1, see the module docstring);
@@ -326,24 +350,10 @@ def pack_batch(batch: dict[str, np.ndarray], spec: PackSpec) -> dict[str, np.nda
     Raises ValueError (see `plan_packing`, and when real tokens are not contiguous).
     """
     ids = np.asarray(batch["input_ids"])
-    m, t = ids.shape
     r_max = spec.response_length
-    p = t - r_max
-    p_len, r_len = _lengths(batch["attention_mask"], r_max)
-    pos_ids = batch.get("position_ids")
-    pos_ids = None if pos_ids is None else np.asarray(pos_ids)
-    place = None
-    if spec.share_prompts:
-        groups = prompt_groups(ids, pos_ids, p_len, p)
-        if len(np.unique(groups)) < m:  # some prompt is shared
-            try:
-                place = plan_shared_packing(p_len, r_len, groups, spec)
-            except ValueError:
-                place = None
-    if place is None:  # one prompt copy per sequence: (micro, row, offset, seq slot, first slot) -> shared layout
-        flat = plan_packing(p_len + r_len, r_len, spec)
-        place = np.stack([flat[:, 0], flat[:, 1], flat[:, 2], flat[:, 2] + p_len, flat[:, 3], flat[:, 4]], 1)
-        place = np.concatenate([place, np.zeros((m, 1), np.int64)], 1)  # sub 0: own segment, prompt included
+    p = ids.shape[1] - r_max
+    place, p_len, r_len = plan_batch(batch, spec) if plan is None else plan
+    pos_ids = None if batch.get("position_ids") is None else np.asarray(batch["position_ids"])
     n, rows, L, S, Q = spec.n_micro, spec.rows, spec.row_len, spec.seqs, spec.slots
     out = {
         "input_ids": np.zeros((n, rows, L), np.int32),
@@ -386,17 +396,3 @@ def pack_batch(batch: dict[str, np.ndarray], spec: PackSpec) -> dict[str, np.nda
     if spec.shards > 1:
         out["slot_pos"] = out["slot_pos"].reshape(n, spec.shards, spec.block_slots)
     return out
-
-
-def unpack_seq(x: np.ndarray, seq_index: np.ndarray, n_seqs: int) -> np.ndarray:
-    """Inverse of the per-sequence layout: `[n_micro, S, ...]` -> `[n_seqs, ...]` (rows never packed: 0)."""
-    x, idx = np.asarray(x), np.asarray(seq_index)
-    out = np.zeros((n_seqs,) + x.shape[2:], x.dtype)
-    valid = idx >= 0
-    out[idx[valid]] = x[valid]
-    return out
-
-
-def packed_token_count(packed: dict[str, np.ndarray]) -> int:
-    """Real tokens in a packed mini-batch."""
-    return int(np.count_nonzero(packed["segment_ids"]))

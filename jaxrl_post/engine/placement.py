@@ -15,8 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_post.batch.keys import FORWARD_KEYS, OPTIONAL_PACK_KEYS, PACK_KEYS, TOKEN_KEYS
+from jaxrl_post.batch.keys import FORWARD_KEYS, OPTIONAL_PACK_KEYS, PACK_KEYS, REPLAY_KEYS, TOKEN_KEYS
 from jaxrl_post.engine import packing
+from jaxrl_post.engine.token_fields import pack_tokens, unpack_tokens
 from jaxrl_post.runtime.distributed import to_host
 from jaxrl_post.runtime.sharding import LOGICAL_AXIS_RULES, InMesh, on_host, shard_batch
 
@@ -117,21 +118,25 @@ class Placement:
             return {k: jnp.asarray(v) for k, v in tree.items()}
         from jax.sharding import NamedSharding, PartitionSpec
 
-        rows = NamedSharding(self.mesh, PartitionSpec(None, LOGICAL_AXIS_RULES["batch"], None))
+        rows = NamedSharding(self.mesh, PartitionSpec(None, LOGICAL_AXIS_RULES["batch"]))
         plan = NamedSharding(self.mesh, PartitionSpec())
-        plan_keys = [k for k in PACK_KEYS + OPTIONAL_PACK_KEYS if k in tree]  # `slot_threshold [n, Q]` too
+        # `slot_threshold [n, Q]` too; the packed `routed_experts [n, rows, L, M, k]` go with the rows
+        plan_keys = [k for k in PACK_KEYS + OPTIONAL_PACK_KEYS + REPLAY_KEYS if k in tree]
         out = self.put({k: v for k, v in tree.items() if k not in plan_keys})
         for k in plan_keys:
             per_shard = k == "slot_pos" and np.ndim(tree[k]) == 3
-            sharding = rows if k in ("input_ids", "segment_ids", "positions") or per_shard else plan
+            sharding = rows if k in ("input_ids", "segment_ids", "positions", *REPLAY_KEYS) or per_shard else plan
             out[k] = jax.device_put(tree[k], sharding)
         return out
 
     @staticmethod
-    def pack(mb: dict[str, np.ndarray], spec: packing.PackSpec) -> dict[str, np.ndarray]:
-        """`[M, ...]` host mini-batch -> the packed step's input: packing plan + the `[M, R]` fields."""
-        packed = packing.pack_batch(mb, spec)
-        rest = {k: v for k, v in mb.items() if k not in TOKEN_KEYS}
+    def pack(mb: dict[str, np.ndarray], spec: packing.PackSpec, plan=None) -> dict[str, np.ndarray]:
+        """`[M, ...]` host mini-batch -> the packed step's input: packing plan + the `[M, R]` fields, and the
+        `[M, T, ...]` replay fields (`routed_experts`) packed like `input_ids`. `plan`: `packing.plan_batch`."""
+        plan = packing.plan_batch(mb, spec) if plan is None else plan
+        packed = packing.pack_batch(mb, spec, plan)
+        rest = {k: v for k, v in mb.items() if k not in TOKEN_KEYS + REPLAY_KEYS}
+        packed.update({k: pack_tokens(mb[k], plan, spec) for k in REPLAY_KEYS if k in mb})
         return dict(rest, **packed)
 
     def put_minibatch(self, mb: dict[str, np.ndarray], spec: packing.PackSpec | None) -> dict[str, jax.Array]:
@@ -139,18 +144,32 @@ class Placement:
         return self.put(mb) if spec is None else self.put_packed(self.pack(mb, spec))
 
     def forward(
-        self, fn, params, batch: dict[str, np.ndarray], micro: int, spec: packing.PackSpec | None = None, frozen=None
+        self,
+        fn,
+        params,
+        batch: dict[str, np.ndarray],
+        micro: int,
+        spec: packing.PackSpec | None = None,
+        frozen=None,
+        keys: tuple[str, ...] = FORWARD_KEYS,
+        token_output: bool = False,
     ):
         """Run a jitted forward over the whole [B, ...] batch: packed with `spec`, else padded to a multiple
         of `micro` rows (under the mesh, so activation constraints take effect). `frozen`: a LoRA actor's base
-        params (the fn's trailing argument). Returns the fn's outputs as host numpy arrays, `[B, ...]`."""
-
+        params (the fn's trailing argument). `keys`: the batch keys the fn gets (the actor's forward adds
+        `REPLAY_KEYS`). `token_output`: the fn's last output is a per-token field in the layout's token layout
+        (packed rows `[n, rows, L, ...]` or `[B, T, ...]`), returned as `[B, T, ...]` (`token_fields`).
+        Returns the fn's outputs as host numpy arrays, `[B, ...]`."""
         fn = InMesh(fn, self.active_mesh)
         extra = () if frozen is None else (frozen,)
         if spec is not None:
-            packed = self.put_packed(self.pack({k: batch[k] for k in FORWARD_KEYS if k in batch}, spec))
-            return jax.tree.map(to_numpy, fn(params, packed, *extra))
-        arrays, pad = pad_rows({k: batch[k] for k in FORWARD_KEYS if k in batch}, micro)
+            mb = {k: batch[k] for k in keys if k in batch}
+            plan = packing.plan_batch(mb, spec)
+            out = jax.tree.map(to_numpy, fn(params, self.put_packed(self.pack(mb, spec, plan)), *extra))
+            if token_output:
+                out = (*out[:-1], unpack_tokens(out[-1], plan, spec, batch["input_ids"].shape[1]))
+            return out
+        arrays, pad = pad_rows({k: batch[k] for k in keys if k in batch}, micro)
         out = fn(params, self.put(arrays), *extra)
         out = jax.tree.map(lambda x: to_numpy(x)[: arrays["input_ids"].shape[0] - pad], out)
         return out

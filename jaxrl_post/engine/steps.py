@@ -34,7 +34,7 @@ from flax import nnx
 
 from jaxrl_post.algos import core_algos, functional
 from jaxrl_post.algos.distillation_topk import gather_log_probs, teacher_topk
-from jaxrl_post.batch.keys import FORWARD_KEYS
+from jaxrl_post.batch.keys import FORWARD_KEYS, REPLAY_KEYS
 from jaxrl_post.engine import update_core
 
 # ------------------------------------------------------------------------------------------ configs
@@ -139,10 +139,12 @@ def response_log_probs(
 
 def response_logits(model: nnx.Module, batch: dict[str, jax.Array], with_moe: bool = False):
     """The logits that score the response tokens, `[b, R, V]` (model dtype): only the R + 1 last positions go
-    through the LM head; position t predicts `responses[:, t]`. with_moe: `(logits, moe.MoEOutput | None)`."""
+    through the LM head; position t predicts `responses[:, t]`. with_moe: `(logits, moe.MoEOutput | None)`.
+    `batch["routed_experts"]` `[b, T, M, k]`, when present, are forced as the MoE routes (routing replay)."""
     r = batch["responses"].shape[1]
     ids, mask, pos = batch["input_ids"], batch["attention_mask"], batch.get("position_ids")
-    out = model(ids, mask, positions=pos, logits_to_keep=r + 1, with_moe=with_moe)
+    routes = batch.get("routed_experts")
+    out = model(ids, mask, positions=pos, logits_to_keep=r + 1, routed_experts=routes, with_moe=with_moe)
     return (out[0][:, :-1], out[1]) if with_moe else out[:, :-1]
 
 
@@ -204,9 +206,11 @@ class PaddedLayout:
     def values(self, critic, mb):
         return response_values(critic, mb)
 
-    def forward(self, per_micro, batch, trail):
-        micro = self._micro({k: batch[k] for k in FORWARD_KEYS if k in batch})
-        return tuple(from_micro(o) for o in jax.lax.map(per_micro, micro))
+    def forward(self, per_micro, batch, trail, with_tokens=False):
+        micro = self._micro({k: batch[k] for k in (*FORWARD_KEYS, *REPLAY_KEYS) if k in batch})
+        outs = jax.lax.map(per_micro, micro)
+        outs = (*outs[0], outs[1]) if with_tokens else outs  # the token field: `[n_micro, mb, T, ...]` too
+        return tuple(from_micro(o) for o in outs)
 
     def accumulate(self, loss_fn, params, batch, keys: update_core.UpdateKeys):
         batch = {k: batch[k] for k in keys.padded if k in batch}
@@ -242,6 +246,7 @@ def make_log_prob_fn(
     adapters: bool = True,
     on_trace: Callable[[], None] | None = None,
     topk: int = 0,
+    record_routes: bool = False,
 ) -> Callable:
     """Pure `fn(params, batch, frozen=None) -> (log_probs [B, R], entropy [B, R] | None)`; wrap with `jax.jit`.
 
@@ -253,11 +258,13 @@ def make_log_prob_fn(
     multiple of `micro_batch_size` (the trainer pads). `frozen`: the frozen base params of a LoRA model
     (`split_lora_model`). `adapters=False` runs the model with its LoRA adapters off (the reference policy
     of a LoRA actor: the base model, no second copy). `on_trace` is called each time the function is traced.
+    `record_routes` (an MoE model, `actor.router_replay.mode='R2'`): also, last, `routed_experts [B, T, M, k]`
+    uint8/int16, the experts the forward routed every token to; `batch["routed_experts"]`, when given, are forced.
     `update_core.make_log_prob_fn` on `padded_layout(micro_batch_size=...)`.
     """
     layout = padded_layout(micro_batch_size=micro_batch_size)
     kw = dict(temperature=temperature, with_entropy=with_entropy, adapters=adapters, on_trace=on_trace, topk=topk)
-    return update_core.make_log_prob_fn(layout, graphdef, rest, **kw)
+    return update_core.make_log_prob_fn(layout, graphdef, rest, **kw, record_routes=record_routes)
 
 
 def make_value_fn(

@@ -17,8 +17,10 @@ A `Layout` provides (shape letters: M mini-batch rows, R response length, K top-
 * `gather_log_probs(model, mb, head, ids [m, R, K], temperature) -> [m, R, K] float32` (top-k distillation);
 * `teacher_topk(model, mb, head, k, temperature) -> (log_probs [m, R, K] float32, ids [m, R, K] int32)`;
 * `values(critic, mb) -> [m, R] float32`;
-* `forward(per_micro, batch, trail) -> tuple of [M, R, ...]`: `per_micro(mb)` over the micro-batches, results
-  put back at the mini-batch's rows;
+* `forward(per_micro, batch, trail, with_tokens=False) -> tuple of [M, R, ...]`: `per_micro(mb)` over the
+  micro-batches, results put back at the mini-batch's rows; `with_tokens`: `per_micro` returns `(outputs, token
+  field)` (a per-token field of the micro-batch's rows, e.g. its MoE routes) and the token fields come last, in
+  the layout's token layout (`[M, T, ...]`, packed `[n, rows, L, ...]`);
 * `accumulate(loss_fn, params, batch, keys) -> (loss, aux, grads)`: the sums over micro-batches of
   `value_and_grad(loss_fn)(params, mb, counts)`, `counts = core_algos.global_batch_info(loss_mask [M, R])` of the
   whole mini-batch, so the summed loss and gradient equal those of the un-split mini-batch. `mb` carries the
@@ -67,7 +69,7 @@ class Layout(Protocol):
     def gather_log_probs(self, model, mb, head, ids, temperature: float) -> jax.Array: ...
     def teacher_topk(self, model, mb, head, k: int, temperature: float): ...
     def values(self, critic, mb) -> jax.Array: ...
-    def forward(self, per_micro: Callable, batch, trail) -> tuple: ...
+    def forward(self, per_micro: Callable, batch, trail, with_tokens: bool = False) -> tuple: ...
     def accumulate(self, loss_fn: Callable, params, batch, keys: UpdateKeys): ...
 
 
@@ -134,19 +136,23 @@ def make_log_prob_fn(
     adapters: bool = True,
     on_trace: Callable[[], None] | None = None,
     topk: int = 0,
+    record_routes: bool = False,
 ) -> Callable:
     """Pure `fn(params, batch, frozen=None) -> (log_probs [M, R] float32, entropy [M, R] float32 | None)` of
     `batch` in `layout`, under `logits / temperature`; with `topk` K > 0 also `(topk_log_probs [M, R, K] float32,
     topk_ids [M, R, K] int32)`, the teacher's K most likely tokens per position. `frozen`: a LoRA model's base
-    params; `adapters=False` runs it with its adapters off (the reference of a LoRA actor)."""
+    params; `adapters=False` runs it with its adapters off (the reference of a LoRA actor). `record_routes` (an
+    MoE model; `actor.router_replay.mode='R2'`): also, last, the experts every token was routed to,
+    `routed_experts` uint8/int16 in the layout's token layout (`Layout.forward` with_tokens)."""
     mode = "loss" if with_entropy else "none"
     n = 2 if with_entropy else 1
 
     def per_micro(model, mb):
-        head = layout.head(model, mb)
+        head, moe = layout.head(model, mb, with_moe=True) if record_routes else (layout.head(model, mb), None)
         lp, ent = layout.log_probs(model, mb, head, temperature, mode)
         out = (lp, ent) if with_entropy else (lp,)
-        return out + (layout.teacher_topk(model, mb, head, topk, temperature) if topk else ())
+        out = out + (layout.teacher_topk(model, mb, head, topk, temperature) if topk else ())
+        return (out, moe.routed_experts) if record_routes else out
 
     trail = (((), jnp.float32),) * n + ((((topk,), jnp.float32), ((topk,), jnp.int32)) if topk else ())
 
@@ -155,9 +161,10 @@ def make_log_prob_fn(
         model = merge_model(graphdef, params, frozen, rest)
         if not adapters:
             set_lora_enabled(model, False)
-        outs = layout.forward(partial(per_micro, model), batch, trail)
+        outs = layout.forward(partial(per_micro, model), batch, trail, with_tokens=record_routes)
         res = (outs[0], outs[1]) if with_entropy else (outs[0], None)
-        return res + tuple(outs[n:]) if topk else res
+        res = res + tuple(outs[n : n + 2]) if topk else res
+        return res + (outs[-1],) if record_routes else res
 
     return fn
 

@@ -26,6 +26,7 @@ from jaxrl_post.rl.config_features import (
     check_lora,
     check_multi_turn,
     check_reward_model_scoring,
+    check_router_replay,
 )
 
 KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full")
@@ -480,6 +481,7 @@ def validate_config(cfg: Any, n_devices: int | None = None) -> None:
     check_lora(cfg, check, err, is_int, is_num)
     check_multi_turn(cfg, check, err, is_int, is_num)
     check_distillation(cfg, check, err, is_int, is_num)
+    check_router_replay(cfg, check, err)
     from jaxrl_post.runtime.distributed import config_errors
 
     errors += config_errors(cfg)  # trainer.distributed.*, the per-process prompt share

@@ -1,13 +1,16 @@
 """Config checks of the optional features, called by `config_check.validate_config` with its `check` / `err`
 helpers: DAPO (`algorithm.filter_groups.*`, `reward_model.overlong_buffer.*`), LoRA (`model.lora_*`),
-multi-turn rollouts (`rollout.multi_turn.*`), on-policy distillation (`distillation.*`) and reward-model
-scoring (`reward_model.enable`, ...)."""
+multi-turn rollouts (`rollout.multi_turn.*`), on-policy distillation (`distillation.*`), reward-model
+scoring (`reward_model.enable`, ...) and MoE routing replay (`actor.router_replay.*`; `router_replay_mode`)."""
 
 from __future__ import annotations
 
 import os
 from typing import Any
 
+from jaxrl_post.errors import ConfigError
+
+ROUTER_REPLAY_MODES = ("disabled", "R2", "R3")  # verl's actor.router_replay.mode
 # filter_groups metrics every reward function has (the rest are extra keys of a reward function's dict results)
 FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
 
@@ -186,3 +189,42 @@ def check_reward_model_scoring(cfg: Any, check, err, is_int, is_num) -> None:
     )
     check("reward_model.micro_batch_size_per_gpu", lambda v: is_int(v) and v >= 1, "must be an int >= 1")
     check("reward_model.max_length", lambda v: v is None or (is_int(v) and v >= 1), "must be None or an int >= 1")
+
+
+def check_router_replay(cfg: Any, check, err) -> None:
+    """`actor.router_replay.mode` (verl's): 'disabled', 'R2' (the old-log-prob forward's routes replayed in the
+    update) or 'R3' (the rollout's routes replayed in the old-log-prob and update forwards); R3 needs the dense
+    single-turn rollout (`rollout.name='dense'`, no `rollout.multi_turn.enable`), which records the routes. That
+    the model is an MoE is checked when it is built (`router_replay_mode`)."""
+    if not check("actor.router_replay.mode", lambda v: v in ROUTER_REPLAY_MODES, f"valid: {ROUTER_REPLAY_MODES}"):
+        return
+    if cfg.actor.router_replay.mode == "R3" and cfg.rollout.name != "dense":
+        err(
+            "actor.router_replay.mode",
+            f"'R3' needs rollout.name='dense' (rollout.name={cfg.rollout.name!r} does "
+            "not record the experts it routes to); use 'R2' or rollout.name='dense'",
+        )
+    if cfg.actor.router_replay.mode == "R3" and cfg.rollout.multi_turn.enable:
+        err(
+            "actor.router_replay.mode",
+            "'R3' is not supported with rollout.multi_turn.enable (the agent loop does "
+            "not record the experts it routes to); use 'R2'",
+        )
+
+
+def router_replay_mode(cfg: Any, model_config, on_policy: bool) -> str:
+    """`actor.router_replay.mode` once the actor model is built. Raises ConfigError (one line) when replay is on
+    and the model has no MoE layers, or for 'R2' on an exactly on-policy run (no old-log-prob forward whose
+    routes the update could replay; the update's own forward is the old policy's)."""
+    mode = cfg.actor.router_replay.mode
+    if mode != "disabled" and not model_config.moe_layers:
+        raise ConfigError(
+            f"config.actor.router_replay.mode={mode!r}: the model has no MoE layers (num_experts="
+            f"{model_config.num_experts}); routing replay is for mixture-of-experts models, set 'disabled'"
+        )
+    if mode == "R2" and on_policy:
+        raise ConfigError(
+            "config.actor.router_replay.mode='R2': this run is exactly on-policy (no old-log-prob forward to record "
+            "routes from); use 'R3' or 'disabled'"
+        )
+    return mode

@@ -231,6 +231,7 @@ class RLTrainer:
                 with _timer("values", timing):
                     b["values"] = self.critic.values(self.state.critic.params, b)
 
+            metrics.update(updates.moe_mismatch_metrics(self.policy, g, b, train_mask))  # MoE: routing replay
             if g.use_rollout_corr:  # IS weights / rejection mask from log(pi_old / pi_rollout), whole batch
                 train_mask, corr_metrics = updates.rollout_correction(cfg, b, train_mask)
                 metrics.update(corr_metrics)

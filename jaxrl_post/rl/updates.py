@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import jax
 import numpy as np
 
+from jaxrl_post.algos.rollout_corr import compute_rollout_probs_diff_metrics
 from jaxrl_post.batch.keys import ACTOR_UPDATE_KEYS, CRITIC_UPDATE_KEYS
 from jaxrl_post.batch.protocol import DataProto
 from jaxrl_post.engine.train_state import HostState, TrainState
@@ -90,6 +91,18 @@ def rollout_correction(cfg, b: dict[str, np.ndarray], train_mask: np.ndarray) ->
     if weights is not None:
         b["rollout_is_weights"] = np.asarray(weights, np.float32)
     return np.asarray(mask).astype(np.int32), {k: float(v) for k, v in jax.device_get(metrics).items()}
+
+
+def moe_mismatch_metrics(policy, geometry: StepGeometry, b: dict[str, np.ndarray], train_mask) -> dict[str, float]:
+    """An MoE actor's rollout / trainer mismatch (routing replay, docs/moe.md): verl's
+    `training/rollout_probs_diff_{max,mean,std}` and `training/rollout_actor_probs_pearson_corr` of the old-log-prob
+    forward against the sampler's log-probs over `train_mask`, every step with an old-log-prob forward (rollout
+    correction logs the same keys itself). {} for a dense actor, without old log-probs or without a token."""
+    moe = bool(policy.model.config.moe_layers)
+    if not moe or geometry.use_rollout_corr or "old_log_probs" not in b or not np.any(train_mask):
+        return {}
+    out = compute_rollout_probs_diff_metrics(b["old_log_probs"], b["rollout_log_probs"], train_mask)
+    return {k: float(v) for k, v in jax.device_get(out).items()}
 
 
 def update_critic(

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxrl_post.models.moe import routes_dtype
 from jaxrl_post.rollout.sampling import is_eos, sample_tokens
 
 TRACE_COUNTS = {"prefill": 0, "decode": 0}
@@ -38,25 +39,43 @@ def _constrain_batch(x, mesh):
     return jax.lax.with_sharding_constraint(x, batch_sharding(mesh, x.ndim))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_len", "segment_len", "cache_dtype", "mesh", "repeat"))
+@functools.partial(
+    jax.jit, static_argnames=("graphdef", "max_len", "segment_len", "cache_dtype", "mesh", "repeat", "routes")
+)
 def _prefill(
-    graphdef, state, input_ids, attention_mask, prompt_len, *, max_len, segment_len, cache_dtype, mesh, repeat=1
+    graphdef,
+    state,
+    input_ids,
+    attention_mask,
+    prompt_len,
+    *,
+    max_len,
+    segment_len,
+    cache_dtype,
+    mesh,
+    repeat=1,
+    routes=False,
 ):
     """Prompts [B, P_pad] (left-padded to width prompt_len, then filler columns with mask 0) ->
     (next-token logits [B * repeat, V] float32 at column prompt_len - 1, cache of B * repeat rows with
     S = max_len slots and index = prompt_len, so decoding overwrites the filler slots). ``repeat`` > 1: each
-    prompt's logits and cache rows are copied ``repeat`` times, interleaved (its samples share the prefill)."""
+    prompt's logits and cache rows are copied ``repeat`` times, interleaved (its samples share the prefill).
+    ``routes`` (an MoE model, routing replay): also the experts of every prompt column, `[B * repeat, P_pad, M,
+    k]` uint8/int16 (`moe.MoEOutput.routed_experts`), as a third output."""
     TRACE_COUNTS["prefill"] += 1
     model = nnx.merge(graphdef, state)
     cache = model.init_cache(input_ids.shape[0], max_len, dtype=cache_dtype, segment_len=segment_len)
-    h, cache = model.hidden_states(input_ids, attention_mask, cache=_constrain_cache(cache, mesh))
+    out = model.hidden_states(input_ids, attention_mask, cache=_constrain_cache(cache, mesh), with_moe=routes)
+    (h, cache), moe = out if routes else (out, None)
     h_last = jax.lax.dynamic_slice_in_dim(h, prompt_len - 1, 1, axis=1)
     logits = model.logits_from_hidden(h_last)[:, 0]
+    experts = () if moe is None else (moe.routed_experts,)
     if repeat > 1:
         rep = lambda x: jnp.repeat(x, repeat, axis=0)
-        k, v, mask, logits = jax.tree.map(rep, (cache.k, cache.v, cache.mask, logits))
+        k, v, mask, logits, experts = jax.tree.map(rep, (cache.k, cache.v, cache.mask, logits, experts))
         cache = cache.replace(k=k, v=v, mask=mask)
-    return _constrain_batch(logits, mesh), _constrain_cache(cache.replace(index=prompt_len), mesh)
+    out = (_constrain_batch(logits, mesh), _constrain_cache(cache.replace(index=prompt_len), mesh))
+    return out + tuple(_constrain_batch(x, mesh) for x in experts)
 
 
 def compaction_sizes(batch: int, groups: int = 1, min_rows: int = 8) -> tuple[int, ...]:
@@ -97,7 +116,7 @@ def _put_rows(full, cache, rows):
 
 @functools.partial(
     jax.jit,
-    static_argnames=("graphdef", "params", "num_steps", "chunk", "sizes", "groups", "mesh", "keep_cache"),
+    static_argnames=("graphdef", "params", "num_steps", "chunk", "sizes", "groups", "mesh", "keep_cache", "routes"),
     donate_argnames=("cache", "logits"),
 )
 def _decode(
@@ -117,6 +136,7 @@ def _decode(
     groups,
     mesh,
     keep_cache=False,
+    routes=False,
 ):
     """Sample ``num_steps`` tokens (rounded up to whole chunks, early exit when all rows are done).
 
@@ -132,7 +152,9 @@ def _decode(
     Returns tokens [B, n] int32 (pad after a row's first EOS), log_probs [B, n] float32 (0 there),
     sampling thresholds [B, n] float32 (`sample_tokens`; -inf there), stage_end [len(sizes)] int32 (steps
     run when each size's loop ended; n = num_steps rounded up to a multiple of chunk), the cache and
-    logits at the end of the first (full-batch) stage.
+    logits at the end of the first (full-batch) stage; with ``routes`` (an MoE model, routing replay) also the
+    experts each sampled token was routed to when it was fed back, `[B, n, M, k]` uint8/int16
+    (`moe.MoEOutput.routed_experts`; those of the pad fed after a row's EOS there).
     Multi-turn (`rollout.turn_cache`): limit [B] int32 or None: row b is done after limit[b] tokens (its
     remaining response budget); keep_cache: the returned cache is every row's at the end (rows compacted away
     are written back to their place as each stage ends), in the input's row order, for the next turn.
@@ -148,11 +170,13 @@ def _decode(
         tok, lp, th = sample_tokens(logits, jax.random.fold_in(key, t), params, row_ids=ids)
         tok = jnp.where(done, pad, tok)
         lp = jnp.where(done, 0.0, lp)
-        outs = tuple(o.at[rows, t].set(x) for o, x in zip(outs, (tok, lp, th), strict=True))
         done = done | is_eos(tok, params.eos_token_ids)
         if limit is not None:
             done = done | (t + 1 >= limit[rows])
-        new_logits, cache = model(tok[:, None], jnp.ones((tok.shape[0], 1), jnp.int32), cache=cache)
+        out = model(tok[:, None], jnp.ones((tok.shape[0], 1), jnp.int32), cache=cache, with_moe=routes)
+        (new_logits, cache), moe = out if routes else (out, None)
+        new = (tok, lp, th) + (() if moe is None else (moe.routed_experts[:, 0],))  # the token's experts
+        outs = tuple(o.at[rows, t].set(x) for o, x in zip(outs, new, strict=True))
         new_logits = _constrain_batch(new_logits[:, 0], mesh)
         return ((_constrain_cache(cache, mesh), new_logits, done, rows, ids), t + 1, outs), None
 
@@ -172,6 +196,10 @@ def _decode(
         _constrain_batch(jnp.zeros((batch, n_alloc), jnp.float32), mesh),
         _constrain_batch(jnp.full((batch, n_alloc), -jnp.inf, jnp.float32), mesh),
     )
+    if routes:  # [B, n, M, k] expert ids of each fed token (routing replay)
+        cfg = model.config
+        shape = (batch, n_alloc, len(cfg.moe_layers), cfg.num_experts_per_tok)
+        outs += (_constrain_batch(jnp.zeros(shape, routes_dtype(cfg.num_experts)), mesh),)
     rows = _constrain_batch(jnp.arange(batch, dtype=jnp.int32), mesh)
     ids = rows if row_ids is None else _constrain_batch(row_ids.astype(jnp.int32), mesh)
     carry, stage_end = ((cache, logits, row_done, rows, ids), jnp.int32(0), outs), []
@@ -198,4 +226,4 @@ def _decode(
     # The cache/logits at the end of the full-batch stage are returned (and dropped by the caller) so the
     # donated input buffers alias them: XLA then updates the cache in place instead of copying it.
     outs = carry[2]
-    return outs[0], outs[1], outs[2], jnp.stack(stage_end), first_cache, first_logits
+    return outs[0], outs[1], outs[2], jnp.stack(stage_end), first_cache, first_logits, *outs[3:]

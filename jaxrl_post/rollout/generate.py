@@ -158,6 +158,10 @@ class Generator:
         shard) are unfinished, it keeps those and goes on at half the batch, down to this many rows
         (``compaction_sizes``; each size is one more decode body in the compiled program). None or >=
         the batch: no compaction. Samples do not depend on it (per-row keys).
+      return_routed_experts: an MoE model's routing replay (`actor.router_replay.mode='R3'`): the result also holds
+        `routed_experts [B, P + R, M, k]` uint8/int16, the experts of every prompt token (prefill) and response
+        token (the decode step that fed it). Off (the default): not computed, nothing changes. Raises
+        ValueError on a model without MoE layers.
     """
 
     model: nnx.Module
@@ -169,9 +173,12 @@ class Generator:
     min_prompt_bucket: int = 16
     cache_segment_len: int | None = None
     compact_min_rows: int | None = 8
+    return_routed_experts: bool = False
     last_decode_stats: dict | None = dataclasses.field(default=None, init=False, repr=False)
 
     def __post_init__(self):
+        if self.return_routed_experts and not getattr(getattr(self.model, "config", None), "moe_layers", ()):
+            raise ValueError("return_routed_experts needs a model with MoE layers (routing replay)")
         dtype = jnp.dtype(getattr(self.model, "dtype", jnp.float32))
         platform = self.mesh.devices.flat[0].platform if self.mesh is not None else jax.default_backend()
         if platform == "cpu" and dtype.itemsize == 2 and cpu_has_native_16bit_matmul(dtype) is False:
@@ -230,7 +237,9 @@ class Generator:
           ``logprobs_from_logits(logits, responses, temperature)`` of the training path, or the truncated
           distribution's with ``params.truncated_log_probs``; 0 where masked),
           ``sampling_logit_threshold [B, R] float32`` (smallest kept tempered logit of each step, -inf
-          where nothing was truncated or masked), ``truncated [B] bool`` (no EOS within R).
+          where nothing was truncated or masked), ``truncated [B] bool`` (no EOS within R); with
+          ``return_routed_experts`` also ``routed_experts [B, P+R, M, k]`` uint8/int16 (each token's experts in
+          the M MoE layers, rows aligned with ``input_ids``; 0 at padding and after a row's first EOS).
         Raises:
           ValueError: prompts are not left-padded, a row has no real token, a size exceeds the buckets, or
             ``n`` is not an integer >= 1.
@@ -285,7 +294,8 @@ class Generator:
         seg = self.cache_segment_len or max(MIN_CACHE_SEGMENT, -(-max_len // 128) * 16)
         from jaxrl_post.runtime.sharding import InMesh
 
-        logits, cache = InMesh(_prefill, self.mesh)(
+        routes = bool(self.return_routed_experts)
+        logits, cache, *prompt_routes = InMesh(_prefill, self.mesh)(
             graphdef,
             state,
             pid_d,
@@ -296,10 +306,11 @@ class Generator:
             cache_dtype=kv_cache_dtype(self.model, self.cache_dtype, self.mesh),
             mesh=self.mesh,
             repeat=n,
+            routes=routes,
         )
         groups = self._batch_multiple() if self.mesh is not None else 1
         sizes = compaction_sizes(b_pad * n * nproc, groups, self.compact_min_rows or b_pad * n * nproc)
-        tokens, logps, thresholds, stage_end, _, _ = InMesh(_decode, self.mesh)(
+        tokens, logps, thresholds, stage_end, _, _, *response_routes = InMesh(_decode, self.mesh)(
             graphdef,
             state,
             cache,
@@ -313,6 +324,7 @@ class Generator:
             sizes=sizes,
             groups=groups,
             mesh=self.mesh,
+            routes=routes,
         )
         from jaxrl_post.runtime.distributed import local_part, to_host
 
@@ -321,7 +333,13 @@ class Generator:
         tokens, logps, thresholds = (host(x)[: b * n, :r] for x in (tokens, logps, thresholds))
         if n > 1:
             prompts, ids, mask = prompts.repeat(n, interleave=True), np.repeat(ids, n, 0), np.repeat(mask, n, 0)
-        return _assemble(prompts, ids, mask, tokens, logps, thresholds, params)
+        out = _assemble(prompts, ids, mask, tokens, logps, thresholds, params)
+        if routes:  # process-local like the tokens: this process's rows only
+            prompt_part, response_part = host(prompt_routes[0])[: b * n, :p], host(response_routes[0])[: b * n, :r]
+            exists = out.batch["attention_mask"].astype(bool)[:, :, None, None]
+            routed = np.concatenate([prompt_part, response_part], 1)
+            out.batch["routed_experts"] = np.where(exists, routed, 0).astype(routed.dtype)
+        return out
 
 
 def _assemble(prompts: DataProto, ids, mask, tokens, logps, thresholds, params: SamplingParams) -> DataProto:

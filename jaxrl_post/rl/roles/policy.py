@@ -16,12 +16,14 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jaxrl_post.batch.keys import FORWARD_KEYS, REPLAY_KEYS
 from jaxrl_post.engine import packed_steps, packing, steps
 from jaxrl_post.engine.placement import Placement
 from jaxrl_post.engine.train_state import OptimizedParams
 from jaxrl_post.models.lora import lora_config_of
 from jaxrl_post.rl import builders, ppo_update
 from jaxrl_post.rl.config_check import dynamic_bsz
+from jaxrl_post.rl.config_features import router_replay_mode
 from jaxrl_post.rl.geometry import StepGeometry
 from jaxrl_post.runtime.sharding import init_opt_state
 
@@ -59,7 +61,8 @@ class PolicyRole:
     `sync_model`), `lora` (`LoraConfig` or None: full fine-tuning), `graphdef` / `rest` / `frozen` (a LoRA
     actor's base params, an argument of every jitted actor fn; None otherwise), `tx` / `lr` (optax optimizer
     and schedule), `loss_cfg` (`ppo_update.ActorLossConfig`), `spec` / `old_log_prob_spec` (`packing.PackSpec` of
-    the update and of the old-log-prob forward; None when padded), `update_fn`, `old_log_prob_fn`.
+    the update and of the old-log-prob forward; None when padded), `update_fn`, `old_log_prob_fn`,
+    `router_replay` (`actor.router_replay.mode`: 'disabled', 'R2', 'R3'; MoE routing replay, docs/moe.md).
     """
 
     def __init__(self, cfg, model, placement: Placement, geometry: StepGeometry):
@@ -94,6 +97,7 @@ class PolicyRole:
         offload = bool(a.fsdp_config.optimizer_offload)  # the state in host memory between updates
         opt_state = placement.commit(init_opt_state(self.tx, params, placement.opt_mesh(), offload=offload))
         self.loss_cfg = builders.actor_loss_config(cfg, geometry.on_policy)
+        self.router_replay = router_replay_mode(cfg, model.config, geometry.on_policy)  # ConfigError: dense model
         self.spec = self.pack_spec("actor", geometry.actor_mini, int(a.ppo_micro_batch_size))
         self.old_log_prob_micro = int(cfg.rollout.log_prob_micro_batch_size)
         self.old_log_prob_spec = self.pack_spec("rollout", geometry.batch_size, self.old_log_prob_micro)
@@ -108,8 +112,9 @@ class PolicyRole:
                 steps.padded_layout(n_micro=n_micro), graphdef, rest, self.tx, self.loss_cfg, on_trace=on_trace
             )
         self.update_fn = placement.jit_update(update, params, opt_state)
+        r2 = self.router_replay == "R2"  # the old-log-prob forward records its routes for the update
         self.old_log_prob_fn = jax.jit(
-            self.log_prob_fn(self.old_log_prob_spec, self.old_log_prob_micro, "old_log_prob")
+            self.log_prob_fn(self.old_log_prob_spec, self.old_log_prob_micro, "old_log_prob", record_routes=r2)
         )
         return self, OptimizedParams(params, opt_state)
 
@@ -125,19 +130,30 @@ class PolicyRole:
             attention_impl=self.model.attention_impl,
         )
 
-    def log_prob_fn(self, spec, micro: int, name: str, adapters: bool = True):
+    def log_prob_fn(self, spec, micro: int, name: str, adapters: bool = True, record_routes: bool = False):
         """A log-prob fn of this policy's graph (not jitted): packed when `spec`, else padded micro-batches;
-        `adapters=False`: a LoRA actor with its adapters off (the reference)."""
+        `adapters=False`: a LoRA actor with its adapters off (the reference); `record_routes`: also returns the
+        MoE routes it chose (`steps.make_log_prob_fn`)."""
         kw = dict(temperature=self.loss_cfg.temperature, with_entropy=False, adapters=adapters)
+        kw["record_routes"] = record_routes
         on_trace = self.placement.tracer(name)
         if spec is not None:
             return packed_steps.make_packed_log_prob_fn(self.graphdef, self.rest, **kw, on_trace=on_trace)
         return steps.make_log_prob_fn(self.graphdef, self.rest, micro_batch_size=micro, **kw, on_trace=on_trace)
 
     def old_log_probs(self, params, batch: dict[str, np.ndarray]) -> np.ndarray:
-        """`old_log_probs [B, R] float32` of the batch's response tokens under `params` (host numpy)."""
+        """`old_log_probs [B, R] float32` of the batch's response tokens under `params` (host numpy). Routing
+        replay: 'R3' forces the rollout's `batch["routed_experts"]`; 'R2' stores the routes this forward chose
+        in `batch["routed_experts"] [B, T, M, k]` (replayed by the updates)."""
         fn, micro, spec = self.old_log_prob_fn, self.old_log_prob_micro, self.old_log_prob_spec
-        return self.placement.forward(fn, params, batch, micro, spec, self.frozen)[0]
+        mode = self.router_replay
+        keys = (*FORWARD_KEYS, *REPLAY_KEYS) if mode == "R3" else FORWARD_KEYS
+        if mode == "R3" and "routed_experts" not in batch:
+            raise ValueError("actor.router_replay.mode='R3': the rollout batch has no routed_experts")
+        out = self.placement.forward(fn, params, batch, micro, spec, self.frozen, keys=keys, token_output=mode == "R2")
+        if mode == "R2":
+            batch["routed_experts"] = out[-1]
+        return out[0]
 
     def update(self, actor: OptimizedParams, minibatch: dict[str, np.ndarray]):
         """One optimizer step on a host mini-batch (`ACTOR_UPDATE_KEYS`, `[M, ...]`): returns

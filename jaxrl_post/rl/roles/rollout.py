@@ -73,6 +73,7 @@ class RolloutRole:
                 self.model,
                 mesh=placement.active_mesh,
                 cache_segment_len=platform_defaults.cache_segment_len(),  # one segment off CPU (no per-segment cond)
+                return_routed_experts=policy.router_replay == "R3",  # `routed_experts`, replayed by the actor
             )
         self.agent_loop = reward_builders.build_agent_loop(cfg, self.generator, tokenizer)  # None: single-turn
         self._multi_turn_stats: list[dict] = []  # agent-loop counts of each generation batch of the step
