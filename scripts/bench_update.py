@@ -43,7 +43,7 @@ sys.path.insert(0, _HERE)
 
 from bench_forward import machine_info, matmul_peak  # noqa: E402
 
-from jaxrl_post.engine import packed_steps, packing, steps  # noqa: E402
+from jaxrl_post.engine import packed_steps, packing, steps, token_fields  # noqa: E402
 from jaxrl_post.models import PRESETS, init_model, load_pretrained  # noqa: E402
 from jaxrl_post.rl import metrics as metrics_lib  # noqa: E402
 from jaxrl_post.rl import ppo_update  # noqa: E402
@@ -164,7 +164,7 @@ def main(argv=None):
         "packed": jax.tree.map(jnp.asarray, packed_np),
         "shared": jax.tree.map(jnp.asarray, shared_np),
     }
-    computed = {"padded": n_padded, "packed": n_real, "shared": packing.packed_token_count(shared_np)}
+    computed = {"padded": n_padded, "packed": n_real, "shared": token_fields.packed_token_count(shared_np)}
     # One params / optimizer-state chain shared by both variants (the cost does not depend on the values):
     # halves the resident AdamW state on a memory-tight machine.
     res = {name: dict(times=[], loads=[]) for name in fns}

@@ -43,8 +43,6 @@ import dataclasses
 import numpy as np
 
 # the packed layout back to the batch's, re-exported where they were
-from jaxrl_post.engine.token_fields import packed_token_count, unpack_seq  # noqa: F401
-
 # Shared-prompt segment ids: `chunk << SUB_BITS | sub` (sub 0 = the chunk prompt, j >= 1 = its j-th response)
 from jaxrl_post.models.decoder import SEGMENT_SUB_BITS as SUB_BITS
 

@@ -9,12 +9,9 @@ shared prompt's entries are given to every sequence of its chunk). Both take the
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
-if TYPE_CHECKING:  # packing imports this module (re-exports); only the annotation needs PackSpec
-    from jaxrl_post.engine.packing import PackSpec
+from jaxrl_post.engine.packing import PackSpec
 
 
 def pack_tokens(x: np.ndarray, plan, spec: PackSpec) -> np.ndarray:

@@ -18,8 +18,8 @@ from jaxrl_post.engine.packing import (
     pack_batch,
     plan_packing,
     plan_shared_packing,
-    unpack_seq,
 )
+from jaxrl_post.engine.token_fields import unpack_seq
 from jaxrl_post.models import CriticModel, ModelConfig, init_model
 from jaxrl_post.rl import ppo_update
 
