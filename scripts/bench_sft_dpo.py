@@ -121,19 +121,19 @@ def summarize(a: argparse.Namespace, step_s: list[float], tokens: list[tuple[int
     }
 
 
-def token_counter(trainer: str, t) -> Callable[[Sequence[int]], tuple[int, int]]:
+def token_counter(trainer: str, data) -> Callable[[Sequence[int]], tuple[int, int]]:
     """(input, trained) tokens of the batch the train loader hands out as `idx`: example / pair indices, or packed
-    row indices under bfd (`t.data.packed_rows`). DPO counts each pair as TRL does: `prompt + chosen` and
-    `prompt + rejected` are input, the two responses trained."""
-    rows = t.data.packed_rows
+    row indices under bfd (`data.packed_rows`; `data`: the trainer's `SupervisedData`). DPO counts each pair as TRL
+    does: `prompt + chosen` and `prompt + rejected` are input, the two responses trained."""
+    rows = data.packed_rows
     examples = lambda idx: idx if rows is None else [i for r in idx for i in rows[r]]
     if trainer == "sft":
-        d = t.data.train
+        d = data.train
         return lambda idx: (
             sum(len(d.input_ids[i]) for i in examples(idx)),
             sum(int(d.loss_mask[i].sum()) for i in examples(idx)),
         )
-    p = t.data.train.pairs
+    p = data.train.pairs
     return lambda idx: (
         sum(2 * len(p[i].prompt_ids) + len(p[i].chosen_ids) + len(p[i].rejected_ids) for i in examples(idx)),
         sum(len(p[i].chosen_ids) + len(p[i].rejected_ids) for i in examples(idx)),
@@ -151,7 +151,7 @@ def main(argv=None) -> dict:
     else:
         from jaxrl_post.sft.dpo import DPOTrainer as Trainer
     t = Trainer(cfg, console_write=lambda s: None)
-    t.data.loader = _Counting(t.data.loader, token_counter(a.trainer, t))
+    t.data.loader = _Counting(t.data.loader, token_counter(a.trainer, t.data))
     out = t.fit()
     compiles = dict(t.compile_counts())  # traces per jitted function: > 1 means a step recompiled
     t.close()
