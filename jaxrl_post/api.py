@@ -16,7 +16,7 @@ step-by-step use. The config file's top-level `trainer_type` picks the trainer (
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from jaxrl_post.chat import Chat
 from jaxrl_post.chat import load_chat_model as load_model
@@ -28,7 +28,7 @@ from jaxrl_post.export import export, load_actor
 __all__ = ["TRAINERS", "Chat", "build_trainer", "evaluate", "export", "load_actor", "load_config", "load_model"]
 __all__ += ["train", "trainer_class"]
 
-# config.trainer_type -> "module:class" (imported on use: an RL job never imports the other trainers)
+# config.trainer_type -> "module:name" of its class or factory (imported on use: an RL job imports no other)
 TRAINERS = {
     "rl": "jaxrl_post.rl.trainer:RLTrainer",
     "sft": "jaxrl_post.sft.trainer:SFTTrainer",
@@ -74,8 +74,10 @@ def load_config(spec: str, overrides: Mapping[str, object] | None = None):
     return cfg
 
 
-def trainer_class(cfg) -> type:
-    """The trainer class `cfg.trainer_type` names (`TRAINERS`; "rl" when the key is absent).
+def trainer_class(cfg) -> Callable:
+    """What builds the trainer `cfg.trainer_type` names (`TRAINERS`; "rl" when the key is absent): the class
+    `RLTrainer`, or the factory `SFTTrainer` / `DPOTrainer` / `RewardModelTrainer` (each a `SupervisedTrainer`
+    with its task). Called as `trainer_class(cfg)(cfg)`.
 
     Raises:
       ConfigError: an unknown `trainer_type`.

@@ -75,7 +75,7 @@ def _load_actor(checkpoint: str, *, step: int | None = None, mesh=None):
     if meta.get("tokenizer"):
         tokenizer = load_tokenizer(meta["tokenizer"])
     if meta["trainer_type"] == "reward_model" and tokenizer is not None:
-        model.pad_token_id = tokenizer.pad_token_id  # pooled as the trainer did (RewardModelTrainer._build_model)
+        model.pad_token_id = tokenizer.pad_token_id  # pooled as the trainer did (`RewardModelTask.build_model`)
     c.close()
     return model, tokenizer, step, meta
 

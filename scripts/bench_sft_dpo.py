@@ -121,19 +121,19 @@ def summarize(a: argparse.Namespace, step_s: list[float], tokens: list[tuple[int
     }
 
 
-def token_counter(trainer: str, t) -> Callable[[Sequence[int]], tuple[int, int]]:
+def token_counter(trainer: str, data) -> Callable[[Sequence[int]], tuple[int, int]]:
     """(input, trained) tokens of the batch the train loader hands out as `idx`: example / pair indices, or packed
-    row indices under bfd (`t.packed_rows`). DPO counts each pair as TRL does: `prompt + chosen` and
-    `prompt + rejected` are input, the two responses trained."""
-    rows = t.packed_rows
+    row indices under bfd (`data.packed_rows`; `data`: the trainer's `SupervisedData`). DPO counts each pair as TRL
+    does: `prompt + chosen` and `prompt + rejected` are input, the two responses trained."""
+    rows = data.packed_rows
     examples = lambda idx: idx if rows is None else [i for r in idx for i in rows[r]]
     if trainer == "sft":
-        d = t.train_data
+        d = data.train
         return lambda idx: (
             sum(len(d.input_ids[i]) for i in examples(idx)),
             sum(int(d.loss_mask[i].sum()) for i in examples(idx)),
         )
-    p = t.train_data.pairs
+    p = data.train.pairs
     return lambda idx: (
         sum(2 * len(p[i].prompt_ids) + len(p[i].chosen_ids) + len(p[i].rejected_ids) for i in examples(idx)),
         sum(len(p[i].chosen_ids) + len(p[i].rejected_ids) for i in examples(idx)),
@@ -151,12 +151,12 @@ def main(argv=None) -> dict:
     else:
         from jaxrl_post.sft.dpo import DPOTrainer as Trainer
     t = Trainer(cfg, console_write=lambda s: None)
-    t.train_loader = _Counting(t.train_loader, token_counter(a.trainer, t))
+    t.data.loader = _Counting(t.data.loader, token_counter(a.trainer, t.data))
     out = t.fit()
     compiles = dict(t.compile_counts())  # traces per jitted function: > 1 means a step recompiled
     t.close()
     steps = [m["timing_s/step"] for m in out["history"]]
-    res = summarize(a, steps, t.train_loader.per_step, last_loss=out["last"].get("loss"), compile_counts=compiles)
+    res = summarize(a, steps, t.data.loader.per_step, last_loss=out["last"].get("loss"), compile_counts=compiles)
     print("RESULT " + json.dumps(res), flush=True)
     return res
 

@@ -12,7 +12,7 @@
     `progress_postfix(metrics) -> dict`, `resumed_from` (the checkpoint a run resumed from, or None) and
     `val_before_metrics` (the step-0 validation kept with the run's checkpoints).
 
-RLTrainer (trainer.py) and SFTTrainer (sft.py) both run on it.
+`rl/trainer.py` `RLTrainer` and `sft/trainer.py` `SupervisedTrainer` (SFT, DPO, reward model) both run on it.
 """
 
 from __future__ import annotations

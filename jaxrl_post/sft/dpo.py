@@ -1,4 +1,4 @@
-"""`DPOTrainer`: direct preference optimization on the SFT trainer's models, loop, checkpoints and export.
+"""DPO as a task of the supervised trainer (`DPOTask`; `DPOTrainer` builds `SupervisedTrainer` with it).
 
     python -m jaxrl_post.main --config=configs/dpo.py              (config key trainer_type = 'dpo')
 
@@ -16,24 +16,34 @@ log-probs are computed per step inside the update (`dpo.precompute_ref_log_probs
 the whole dataset before the first step (True; TRL's `precompute_ref_log_probs`). A resumed run rebuilds the
 reference from `model.path` (it is not checkpointed).
 
-Everything else is `SFTTrainer`'s (this class subclasses it): model / LoRA / mesh / optimizer building, the
+Everything else is `SupervisedTrainer`'s (sft/trainer.py): model / LoRA / mesh / optimizer building, the
 shared loop (`engine/loop.py`), checkpoints and exact resume, the non-finite guard, `metrics.jsonl`, the HF
-export after the last step (`<run dir>/huggingface/`, a `model.path` for RL or another DPO round).
+export after the last step (`<run dir>/huggingface/`, a `model.path` for RL or another DPO round). The
+preference-pair reader and checks here (`load_pairs`, `head_pairs`, `pair_config_errors`, `pair_tokens`) are the
+reward-model task's too.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import jax
 import numpy as np
 
+from jaxrl_post.data.preference import TRUNCATIONS, load_preference_pairs
+from jaxrl_post.engine.placement import Placement
 from jaxrl_post.engine.run import checkpoint as ckpt
+from jaxrl_post.engine.run.tracking import Tracking
+from jaxrl_post.engine.train_state import OptimizedParams
+from jaxrl_post.engine.trained_model import TrainedModel
 from jaxrl_post.errors import ConfigError
 from jaxrl_post.rl import builders
 from jaxrl_post.sft import dpo_step, sft_step
-from jaxrl_post.sft.trainer import SFTTrainer
+from jaxrl_post.sft.batches import SupervisedData, on_mesh
+from jaxrl_post.sft.sft_task import SFTTask
+from jaxrl_post.sft.trainer import SupervisedTrainer
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +58,6 @@ def pair_tokens(pairs) -> int:
 def pair_config_errors(cfg) -> list[str]:
     """The checks DPO and reward-model training share (they read the same preference pairs): batch geometry,
     lengths, truncation, training files, epochs, resume mode. Returns one `key=value: what is wrong` per bad key."""
-    from jaxrl_post.data.preference import TRUNCATIONS
-
     d, bad = cfg.data, []
     is_pos = lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0
     for key in ("train_batch_size", "micro_batch_size", "max_length"):
@@ -92,115 +100,121 @@ def validate_dpo_config(cfg) -> None:
         raise ConfigError("invalid DPO config:\n  " + "\n  ".join(f"config.{b}" for b in bad))
 
 
-class DPOTrainer(SFTTrainer):
-    """DPO driven by a job ConfigDict (configs/dpo.py).
+def load_pairs(cfg, tokenizer, spec: str, key: str):
+    """The preference pairs of `spec` (`data.load_preference_pairs`). Raises ConfigError naming
+    `config.data.<key>` for a missing file; MalformedRowError for a malformed row or an overlong pair."""
+    d = cfg.data
+    try:
+        return load_preference_pairs(
+            spec,
+            tokenizer,
+            max_length=int(d.max_length),
+            max_prompt_length=None if d.max_prompt_length is None else int(d.max_prompt_length),
+            truncation=d.truncation,
+            filter_overlong=bool(d.filter_overlong),
+            skip_malformed=bool(d.skip_malformed),
+        )
+    except FileNotFoundError as e:
+        raise ConfigError(f"config.data.{key}={spec!r}: {e}") from e
 
-    Args: as `SFTTrainer` (config, tracker, console_write).
 
-    Raises:
-      ConfigError: invalid config (`validate_dpo_config`), an unusable working directory, a missing data file,
-        fewer pairs than `data.train_batch_size`.
-      MalformedRowError: a malformed preference row or an overlong pair (file and row named), before the model
-        loads.
-      CheckpointError: the checkpoint to resume from cannot be read or was not written by a DPO run.
-    """
+def head_pairs(data, k: int):
+    """The first `k` pairs of `data` (`data.max_val_samples`)."""
+    data.pairs = data.pairs[:k]
+    return data
 
-    TRAINER_TYPE = "dpo"
+
+class DPOTask:
+    """DPO as a task of `SupervisedTrainer` (module docstring; the task interface in sft/trainer.py)."""
+
+    trainer_type = "dpo"
+    trainer_name = "DPOTrainer"
     validate_config = staticmethod(validate_dpo_config)
+    load_data = staticmethod(load_pairs)
+    head = staticmethod(head_pairs)
+    build_model = SFTTask.build_model  # the policy's causal LM
+    export = staticmethod(SFTTask.export)
 
-    # ------------------------------------------------------------------------------------ hooks
-    def _load_data(self, spec: str, key: str):
-        """The preference pairs of `spec`. Raises ConfigError naming `config.data.<key>` for a missing file."""
-        from jaxrl_post.data.preference import load_preference_pairs
-
-        d = self.config.data
-        try:
-            return load_preference_pairs(
-                spec,
-                self.tokenizer,
-                max_length=int(d.max_length),
-                max_prompt_length=None if d.max_prompt_length is None else int(d.max_prompt_length),
-                truncation=d.truncation,
-                filter_overlong=bool(d.filter_overlong),
-                skip_malformed=bool(d.skip_malformed),
-            )
-        except FileNotFoundError as e:
-            raise ConfigError(f"config.data.{key}={spec!r}: {e}") from e
+    def __init__(self, config, tokenizer):
+        self.config, self.tokenizer = config, tokenizer
+        self.data: SupervisedData | None = None
+        self.placement: Placement | None = None
+        self.geometry: dict = {}  # layout_pairs' keyword arguments (`build_steps`)
+        self.ref_params = None  # the frozen reference (None with LoRA: the adapters off)
+        self.fns: dict[str, Callable] = {}  # jitted `eval` and `ref` (the update is the model's)
+        self._ref_cache: dict[str, np.ndarray] = {}
+        self._say: Callable[[str], None] = print
 
     @staticmethod
-    def _head(data, k: int):
-        data.pairs = data.pairs[:k]
-        return data
-
-    def _pack_dataset(self) -> list[list[int]] | None:
+    def pack_dataset(cfg, data, row_len: int) -> list[list[int]] | None:
         """`data.packing_strategy='bfd'`: the training pairs (each `prompt | chosen | rejected`, one chunk) packed
         once into rows of 2 * `data.max_length` tokens by best-fit decreasing (`sft_step.best_fit_decreasing`);
         batch sizes then count packed rows. None for per-step packing."""
-        if self.config.data.get("packing_strategy", "per_step") != "bfd":
+        if cfg.data.get("packing_strategy", "per_step") != "bfd":
             return None
-        need = [len(x.prompt_ids) + len(x.chosen_ids) + len(x.rejected_ids) for x in self.train_data.pairs]
-        return sft_step.best_fit_decreasing(need, 2 * self.row_len)
+        need = [len(x.prompt_ids) + len(x.chosen_ids) + len(x.rejected_ids) for x in data.pairs]
+        return sft_step.best_fit_decreasing(need, 2 * row_len)
 
-    def _build_steps(self, graphdef, rest) -> None:
-        """Reference, layout geometry and the jitted update / eval / reference log-prob functions."""
-        cfg = self.config
-        p = cfg.dpo
-        if self.pack and self.actor_model.attention_impl == "splash":
+    def build_steps(
+        self, model: TrainedModel, state: OptimizedParams, placement: Placement, data: SupervisedData, say
+    ) -> None:
+        """Reference, layout geometry and the jitted update (on `model`) / eval / reference log-prob functions."""
+        self.data, self.placement, self._say = data, placement, say
+        p = self.config.dpo
+        pack = data.pack
+        if pack and model.module.attention_impl == "splash":
             log.warning("DPO: shared-prompt packing needs segment masks that splash lacks; using the padded layout")
-            self.pack = False
-        m = int(cfg.data.micro_batch_size)
-        self.pairs_per_micro = m
+            pack = False
+        m = int(self.config.data.micro_batch_size)
         # bfd: a micro-batch is m packed rows; its pair slots cover the m fullest rows of the dataset (and a
         # per-step layout of batch_size pairs: validation, precomputed reference log-probs)
-        fullest = sorted((len(r) for r in self.packed_rows or ()), reverse=True)[:m]
-        self.pair_slots = None if self.packed_rows is None else max(sum(fullest), self.n_micro * m)
-        self.pair_row_len = 2 * self.row_len if self.pack else self.row_len  # packed: any pair fits one row
-        self.ref_params = None
-        if self.lora is None:
-            self.ref_params = self.placement.commit(
-                builders.reference_params(self.actor_params, self.actor_model.dtype)
-            )
-        self.precompute = bool(p.precompute_ref_log_probs)
+        fullest = sorted((len(r) for r in data.packed_rows or ()), reverse=True)[:m]
+        self.geometry = dict(
+            n_micro=data.n_micro,
+            pairs_per_micro=m,
+            row_len=2 * data.row_len if pack else data.row_len,  # packed: any pair fits one row
+            pack=pack,
+            pair_slots=None if data.packed_rows is None else max(sum(fullest), data.n_micro * m),
+        )
+        if model.lora is None:
+            self.ref_params = placement.commit(builders.reference_params(state.params, model.module.dtype))
         kw = dict(
             beta=float(p.beta),
             loss_type=p.loss_type,
             label_smoothing=float(p.label_smoothing),
-            precomputed=self.precompute,
+            precomputed=bool(p.precompute_ref_log_probs),
         )
-        update = dpo_step.make_dpo_update(graphdef, rest, self.tx, on_trace=self.placement.tracer("update"), **kw)
-        self._update = self.placement.jit_update(update, self.actor_params, self.actor_opt_state)
-        self._eval = jax.jit(dpo_step.make_dpo_eval(graphdef, rest, on_trace=self.placement.tracer("eval"), **kw))
-        self._ref_fn = jax.jit(dpo_step.make_ref_logps(graphdef, rest, on_trace=self.placement.tracer("ref")))
-        self._ref_cache: dict[str, np.ndarray] = {}
+        g, r, tr = model.graphdef, model.rest, placement.tracer
+        model.set_update(dpo_step.make_dpo_update(g, r, model.tx, on_trace=tr("update"), **kw), placement, state)
+        self.fns = {
+            "eval": jax.jit(dpo_step.make_dpo_eval(g, r, on_trace=tr("eval"), **kw)),
+            "ref": jax.jit(dpo_step.make_ref_logps(g, r, on_trace=tr("ref"))),
+        }
+
+    @property
+    def precompute(self) -> bool:
+        """`dpo.precompute_ref_log_probs`: the reference's log-probs computed once, before the first step."""
+        return bool(self.config.dpo.precompute_ref_log_probs)
 
     # ------------------------------------------------------------------------------------ batches
     def _layout(self, pairs, ref_logps=None, plan=None) -> dict[str, jax.Array]:
-        arrays = dpo_step.layout_pairs(
-            pairs,
-            n_micro=self.n_micro,
-            pairs_per_micro=self.pairs_per_micro,
-            row_len=self.pair_row_len,
-            pack=self.pack,
-            ref_logps=ref_logps,
-            plan=plan,
-            pair_slots=self.pair_slots,
-        )
-        return self._on_mesh(arrays, row_keys=dpo_step.TOKEN_KEYS)
+        arrays = dpo_step.layout_pairs(pairs, ref_logps=ref_logps, plan=plan, **self.geometry)
+        return on_mesh(self.placement, arrays, self.config.data.micro_batch_size, row_keys=dpo_step.TOKEN_KEYS)
 
-    def _ref_args(self) -> tuple:
-        return (self.ref_params,) + self._frozen()
+    def _ref_args(self, frozen: tuple) -> tuple:
+        return (self.ref_params,) + frozen
 
-    def reference_logps(self, name: str) -> np.ndarray:
+    def reference_logps(self, name: str, params, frozen: tuple) -> np.ndarray:
         """`[N, 2] float32`: the reference's (chosen, rejected) log-probs of every pair of the train ('train') or
         validation ('val') data, computed once (`dpo.precompute_ref_log_probs`) in batches of the train layout."""
         if name not in self._ref_cache:
             t0 = time.perf_counter()
-            data = self.train_data if name == "train" else self.val_data
+            data = self.data.train if name == "train" else self.data.val
+            size = self.data.batch_size
             out = np.zeros((len(data), 2), np.float32)
-            for lo in range(0, len(data), self.batch_size):
-                chunk = data.pairs[lo : lo + self.batch_size]
-                batch = self._layout(chunk)
-                logps = np.asarray(jax.device_get(self._ref_fn(self.actor_params, batch, *self._ref_args())))
+            for lo in range(0, len(data), size):
+                batch = self._layout(data.pairs[lo : lo + size])
+                logps = np.asarray(jax.device_get(self.fns["ref"](params, batch, *self._ref_args(frozen))))
                 idx = np.asarray(jax.device_get(batch["pair_index"]))
                 q = idx.shape[1]
                 for k in range(idx.shape[0]):
@@ -211,35 +225,26 @@ class DPOTrainer(SFTTrainer):
         return self._ref_cache[name]
 
     # ------------------------------------------------------------------------------------ steps
-    def train_step(self) -> dict[str, float]:
-        """One optimizer step on the next `data.train_batch_size` pairs; returns its metrics."""
-        t0 = time.perf_counter()
-        idx, plan = next(self.train_loader), None
-        if self.packed_rows is not None:  # bfd: rows -> their pairs
-            idx, plan = self._unpack_rows(idx)
-        pairs = [self.train_data.pairs[i] for i in idx]
-        ref = self.reference_logps("train")[idx] if self.precompute else None
-        batch = self._layout(pairs, ref, plan)
-        return self._apply_update(
-            batch,
-            self._ref_args(),
-            pair_tokens(pairs),
-            t0,
-        )
+    def train_batch(self, idx, plan, params, frozen: tuple) -> tuple[dict[str, jax.Array], tuple, int]:
+        """One step's batch of the pairs `idx` (bfd: `plan`), the update's trailing arguments (reference params,
+        LoRA base) and the step's input tokens (`pair_tokens`)."""
+        pairs = [self.data.train.pairs[i] for i in idx]
+        ref = self.reference_logps("train", params, frozen)[idx] if self.precompute else None
+        return self._layout(pairs, ref, plan), self._ref_args(frozen), pair_tokens(pairs)
 
-    def validate(self) -> dict[str, float]:
+    def validate(self, params, frozen: tuple) -> dict[str, float]:
         """`val/loss` and `val/<metric>` (`dpo_step.METRIC_KEYS`): means over every pair of `data.val_files`
         (first `data.max_val_samples`), `timing_s/testing`. Raises RuntimeError without validation data."""
-        if self.val_data is None:
+        v, size = self.data.val, self.data.batch_size
+        if v is None:
             raise RuntimeError("no validation data: set data.val_files")
         t0 = time.perf_counter()
-        v = self.val_data
-        ref = self.reference_logps("val") if self.precompute else None
+        ref = self.reference_logps("val", params, frozen) if self.precompute else None
         totals = dict.fromkeys(("loss",) + dpo_step.METRIC_KEYS, 0.0)
-        for lo in range(0, len(v), self.batch_size):
-            chunk = v.pairs[lo : lo + self.batch_size]
-            batch = self._layout(chunk, None if ref is None else ref[lo : lo + self.batch_size])
-            loss, sums = jax.device_get(self._eval(self.actor_params, batch, *self._ref_args()))
+        for lo in range(0, len(v), size):
+            chunk = v.pairs[lo : lo + size]
+            batch = self._layout(chunk, None if ref is None else ref[lo : lo + size])
+            loss, sums = jax.device_get(self.fns["eval"](params, batch, *self._ref_args(frozen)))
             for k, x in {"loss": loss, **sums}.items():
                 totals[k] += float(x) * len(chunk)
         out = {f"val/{k}": x / max(len(v), 1) for k, x in totals.items()}
@@ -247,9 +252,20 @@ class DPOTrainer(SFTTrainer):
         return out
 
     def compile_counts(self) -> dict[str, int]:
-        """Compiled executables per jitted function (1 each after any number of same-shaped steps)."""
-        return {
-            "update": self._update._cache_size(),
-            "eval": self._eval._cache_size(),
-            "ref": self._ref_fn._cache_size(),
-        }
+        """Compiled executables of the task's own jitted fns (besides the update)."""
+        return {k: f._cache_size() for k, f in self.fns.items()}
+
+    progress_postfix = staticmethod(SFTTask.progress_postfix)
+
+
+def DPOTrainer(config, *, tracker: Tracking | None = None, console_write: Callable[[str], None] | None = None):
+    """DPO (configs/dpo.py): `SupervisedTrainer` with `DPOTask`. Args as `SupervisedTrainer`.
+
+    Raises:
+      ConfigError: invalid config (`validate_dpo_config`), an unusable working directory, a missing data file,
+        fewer pairs than `data.train_batch_size`.
+      MalformedRowError: a malformed preference row or an overlong pair (file and row named), before the model
+        loads.
+      CheckpointError: the checkpoint to resume from cannot be read or was not written by a DPO run.
+    """
+    return SupervisedTrainer(DPOTask, config, tracker=tracker, console_write=console_write)

@@ -1,4 +1,5 @@
-"""`RewardModelTrainer`: Bradley-Terry reward-model training on preference pairs (TRL `RewardTrainer`).
+"""Bradley-Terry reward-model training on preference pairs (TRL `RewardTrainer`) as a task of the supervised trainer
+(`RewardModelTask`; `RewardModelTrainer` builds `SupervisedTrainer` with it).
 
     python -m jaxrl_post.main --config=configs/reward_model.py          (config key trainer_type = 'reward_model')
 
@@ -18,9 +19,9 @@ train (PEFT's `modules_to_save=["score"]`, as TRL does for reward models). After
 exported as an HF `<Family>ForSequenceClassification` directory `<run dir>/huggingface/`, which
 `reward_model.model.path` of an RL run reads (`rewards/rm_scorer.py`).
 
-Everything else is `SFTTrainer`'s (subclassed): mesh, optimizer and LR schedule, the shared loop, checkpoints
-and exact resume, the non-finite guard, `metrics.jsonl`. Packing (chosen and rejected sharing one prompt copy)
-is not implemented: `model.use_remove_padding` is ignored (padded rows).
+Everything else is `SupervisedTrainer`'s (sft/trainer.py): mesh, optimizer and LR schedule, the shared loop,
+checkpoints and exact resume, the non-finite guard, `metrics.jsonl`. Packing (chosen and rejected sharing one
+prompt copy) is not implemented: `model.use_remove_padding` is ignored (padded rows).
 """
 
 from __future__ import annotations
@@ -29,16 +30,24 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 
 import jax
 import numpy as np
 from flax import nnx
 
+from jaxrl_post.engine.placement import Placement
+from jaxrl_post.engine.run.tracking import Tracking
+from jaxrl_post.engine.train_state import OptimizedParams
+from jaxrl_post.engine.trained_model import TrainedModel
 from jaxrl_post.errors import ConfigError
+from jaxrl_post.models.hf_io import load_reward_model, save_reward_model
+from jaxrl_post.models.reward_model import RewardModel
 from jaxrl_post.rl import builders
 from jaxrl_post.sft import rm_step
-from jaxrl_post.sft.dpo import DPOTrainer, pair_config_errors, pair_tokens
-from jaxrl_post.sft.trainer import HF_EXPORT_SUBDIR, SFTTrainer
+from jaxrl_post.sft.batches import SupervisedData, on_mesh
+from jaxrl_post.sft.dpo import head_pairs, load_pairs, pair_config_errors, pair_tokens
+from jaxrl_post.sft.trainer import SupervisedTrainer
 
 log = logging.getLogger(__name__)
 
@@ -64,53 +73,60 @@ def _is_seq_cls_dir(path) -> bool:
     return any(a.endswith("ForSequenceClassification") for a in archs)
 
 
-class RewardModelTrainer(SFTTrainer):
-    """Bradley-Terry reward-model training driven by a job ConfigDict (configs/reward_model.py).
+class RewardModelTask:
+    """Reward-model training as a task of `SupervisedTrainer` (module docstring; the task interface in
+    sft/trainer.py)."""
 
-    Args: as `SFTTrainer` (config, tracker, console_write).
-
-    Raises:
-      ConfigError: invalid config (`validate_rm_config`), an unusable working directory, a missing data file,
-        fewer pairs than `data.train_batch_size`; LoRA on a `*ForSequenceClassification` start.
-      MalformedRowError: a malformed preference row (a non-numeric `margin` included) or an overlong pair
-        (file and row named), before the model loads.
-      CheckpointError: the checkpoint to resume from cannot be read or was not written by this trainer.
-    """
-
-    TRAINER_TYPE = "reward_model"
+    trainer_type = "reward_model"
+    trainer_name = "RewardModelTrainer"
     validate_config = staticmethod(validate_rm_config)
-    _load_data = DPOTrainer._load_data
-    _head = staticmethod(DPOTrainer._head)
+    load_data = staticmethod(load_pairs)
+    head = staticmethod(head_pairs)
 
-    def _build_model(self):
+    def __init__(self, config, tokenizer):
+        self.config, self.tokenizer = config, tokenizer
+        self.data: SupervisedData | None = None
+        self.placement: Placement | None = None
+        self.pairs_per_micro = int(config.data.micro_batch_size)
+        self.eval_fn = None
+
+    @staticmethod
+    def pack_dataset(cfg, data, row_len: int) -> None:
+        """Always None: packed pairs are not built for reward models (`validate_rm_config` refuses bfd)."""
+        return None
+
+    def build_model(self, mesh):
         """`RewardModel` from `model.path`: an HF `*ForSequenceClassification` dir as it is, else the causal
-        LM's backbone with a fresh `score` head (seeded by `trainer.seed`). LoRA: `score` trains too."""
-        from jaxrl_post.models.hf_io import load_reward_model
-        from jaxrl_post.models.reward_model import RewardModel
-
+        LM's backbone with a fresh `score` head (seeded by `trainer.seed`). LoRA: `score` trains too.
+        Raises ConfigError: LoRA on a `*ForSequenceClassification` start."""
         cfg = self.config
         if not cfg.model.random_init and _is_seq_cls_dir(cfg.model.path):
             if cfg.model.lora_rank:
                 raise ConfigError("model.lora_rank: LoRA on a *ForSequenceClassification start is not supported")
-            mesh = self.mesh if self.mesh.size > 1 else None
-            rm = load_reward_model(cfg.model.path, cfg.model.dtype, mesh, param_dtype=cfg.model.param_dtype)
+            rm = load_reward_model(
+                cfg.model.path, cfg.model.dtype, mesh if mesh.size > 1 else None, param_dtype=cfg.model.param_dtype
+            )
         else:
-            backbone = builders.build_actor_and_tokenizer(cfg, self.mesh)[0]
+            backbone = builders.build_actor_and_tokenizer(cfg, mesh)[0]
             rm = RewardModel(rngs=nnx.Rngs(int(cfg.trainer.seed) + 1), backbone=backbone)
             if cfg.model.lora_rank:  # PEFT modules_to_save=["score"]: the head trains with the adapters
                 rm.train_score_with_adapters()
         rm.pad_token_id = self.tokenizer.pad_token_id  # pooled as transformers will with the exported config
-        if self.pack:
+        if cfg.model.use_remove_padding:
             log.warning("reward model: packed pairs are not implemented; model.use_remove_padding is ignored")
         return rm
 
-    def _build_steps(self, graphdef, rest) -> None:
+    def build_steps(
+        self, model: TrainedModel, state: OptimizedParams, placement: Placement, data: SupervisedData, say
+    ) -> None:
+        """The jitted update (on `model`) and eval functions."""
+        self.data, self.placement = data, placement
         c = self.config.rm.center_rewards_coefficient
         kw = dict(center_coef=None if c is None else float(c))
-        update = rm_step.make_rm_update(graphdef, rest, self.tx, on_trace=self.placement.tracer("update"), **kw)
-        self._update = self.placement.jit_update(update, self.actor_params, self.actor_opt_state)
-        self._eval = jax.jit(rm_step.make_rm_eval(graphdef, rest, on_trace=self.placement.tracer("eval"), **kw))
-        self.pairs_per_micro = int(self.config.data.micro_batch_size)
+        g, r = model.graphdef, model.rest
+        update = rm_step.make_rm_update(g, r, model.tx, on_trace=placement.tracer("update"), **kw)
+        model.set_update(update, placement, state)
+        self.eval_fn = jax.jit(rm_step.make_rm_eval(g, r, on_trace=placement.tracer("eval"), **kw))
 
     # ------------------------------------------------------------------------------------ batches
     def _layout(self, pairs) -> dict[str, jax.Array]:
@@ -122,44 +138,37 @@ class RewardModelTrainer(SFTTrainer):
             pairs,
             n_micro=n_micro,
             pairs_per_micro=self.pairs_per_micro,
-            row_len=self.row_len,
+            row_len=self.data.row_len,
             pad_id=int(self.tokenizer.pad_token_id or 0),
         )
-        return self._on_mesh(arrays, row_keys=rm_step.RM_TOKEN_KEYS)
+        return on_mesh(self.placement, arrays, self.config.data.micro_batch_size, row_keys=rm_step.RM_TOKEN_KEYS)
 
     # ------------------------------------------------------------------------------------ steps
-    def train_step(self) -> dict[str, float]:
-        """One optimizer step on the next `data.train_batch_size` pairs; returns its metrics."""
-        t0 = time.perf_counter()
-        idx = next(self.train_loader)
-        pairs = [self.train_data.pairs[i] for i in idx]
-        batch = self._layout(pairs)
-        return self._apply_update(
-            batch,
-            self._frozen(),
-            pair_tokens(pairs),
-            t0,
-        )
+    def train_batch(self, idx, plan, params, frozen: tuple) -> tuple[dict[str, jax.Array], tuple, int]:
+        """One step's batch of the pairs `idx`, the update's trailing arguments (LoRA base) and the step's input
+        tokens (`pair_tokens`)."""
+        pairs = [self.data.train.pairs[i] for i in idx]
+        return self._layout(pairs), frozen, pair_tokens(pairs)
 
-    def validate(self) -> dict[str, float]:
+    def validate(self, params, frozen: tuple) -> dict[str, float]:
         """`val/loss`, `val/accuracy` (held-out pair accuracy), `val/margin`, `val/mean_reward`,
         `val/min_reward`, `val/max_reward` over every pair of `data.val_files` (first `data.max_val_samples`),
         and `timing_s/testing`. Raises RuntimeError without validation data."""
-        if self.val_data is None:
+        v, size = self.data.val, self.data.batch_size
+        if v is None:
             raise RuntimeError("no validation data: set data.val_files")
         t0 = time.perf_counter()
-        v = self.val_data
         loss = acc = margin = rsum = 0.0
         lo_r, hi_r = np.inf, -np.inf
-        for lo in range(0, len(v), self.batch_size):
-            chunk = v.pairs[lo : lo + self.batch_size]
+        for lo in range(0, len(v), size):
+            chunk = v.pairs[lo : lo + size]
             if len(chunk) % self.pairs_per_micro:  # a ragged last batch: score its pairs one micro-batch at a time
                 parts = [chunk[i : i + 1] * self.pairs_per_micro for i in range(len(chunk))]
                 scale = 1.0 / self.pairs_per_micro
             else:
                 parts, scale = [chunk], 1.0
             for part in parts:
-                l_sum, s = jax.device_get(self._eval(self.actor_params, self._layout(part), *self._frozen()))
+                l_sum, s = jax.device_get(self.eval_fn(params, self._layout(part), *frozen))
                 loss += float(l_sum) * scale
                 acc += float(s["accuracy"]) * scale
                 margin += float(s["margin"]) * scale
@@ -176,17 +185,31 @@ class RewardModelTrainer(SFTTrainer):
             "timing_s/testing": time.perf_counter() - t0,
         }
 
-    def export_hf(self, out_dir: str | None = None) -> str:
-        """Write the reward model as an HF `*ForSequenceClassification` directory (default
-        `<run dir>/huggingface/`; LoRA: merged weights) with the tokenizer; returns its path."""
-        from jaxrl_post.models.hf_io import save_reward_model
-
-        out_dir = out_dir or os.path.join(self.workdir, HF_EXPORT_SUBDIR)
-        self.sync_weights()
-        save_reward_model(self.actor_model, self.tokenizer, out_dir)
-        self._say(f"exported the reward model to {out_dir} (use it as reward_model.model.path={self.workdir})")
-        return out_dir
+    def compile_counts(self) -> dict[str, int]:
+        """Compiled executables of the task's own jitted fns (besides the update)."""
+        return {"eval": self.eval_fn._cache_size()}
 
     @staticmethod
     def progress_postfix(metrics) -> dict[str, str]:
         return {"loss": f"{metrics['loss']:.4f}", "acc": f"{metrics.get('accuracy', float('nan')):.3f}"}
+
+    @staticmethod
+    def export(module, tokenizer, out_dir: str, workdir: str) -> str:
+        """Write the reward model as an HF `*ForSequenceClassification` directory (LoRA: merged weights) with
+        the tokenizer; returns the console line."""
+        save_reward_model(module, tokenizer, out_dir)
+        return f"exported the reward model to {out_dir} (use it as reward_model.model.path={workdir})"
+
+
+def RewardModelTrainer(config, *, tracker: Tracking | None = None, console_write: Callable[[str], None] | None = None):
+    """Bradley-Terry reward-model training (configs/reward_model.py): `SupervisedTrainer` with `RewardModelTask`.
+    Args as `SupervisedTrainer`.
+
+    Raises:
+      ConfigError: invalid config (`validate_rm_config`), an unusable working directory, a missing data file,
+        fewer pairs than `data.train_batch_size`; LoRA on a `*ForSequenceClassification` start.
+      MalformedRowError: a malformed preference row (a non-numeric `margin` included) or an overlong pair
+        (file and row named), before the model loads.
+      CheckpointError: the checkpoint to resume from cannot be read or was not written by this trainer.
+    """
+    return SupervisedTrainer(RewardModelTask, config, tracker=tracker, console_write=console_write)

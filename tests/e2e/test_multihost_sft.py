@@ -1,7 +1,7 @@
 """Multi-host SFT, DPO and reward-model training: tiny runs through `python -m jaxrl_post.main` on 2 processes x
 4 fake CPU devices (jax.distributed, coordinator on localhost) equal the same runs on 1 process x 8 devices (every
 logged metric and the exported weights), SFT and DPO on the default mesh (fsdp = -1: pure data parallel over the
-processes), the reward model on fsdp 4 x tensor 2 (the three share the batch placement, `SFTTrainer._on_mesh`);
+processes), the reward model on fsdp 4 x tensor 2 (the three share the batch placement, `sft/batches.on_mesh`);
 process 0 alone writes metrics.jsonl; a micro-batch whose rows the batch devices do not divide is a one-line error
 (exit 2) before any step.
 """

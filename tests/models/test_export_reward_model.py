@@ -31,7 +31,7 @@ def _run(tmp_path, name, **model):
     t.fit()
     t.close()
     t.sync_weights()
-    return t, np.asarray(t.actor_model(IDS, MASK))  # the trained RM's rewards [2] float32
+    return t, np.asarray(t.model.module(IDS, MASK))  # the trained RM's rewards [2] float32
 
 
 @pytest.mark.parametrize(

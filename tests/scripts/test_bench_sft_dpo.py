@@ -105,12 +105,12 @@ def test_token_counter_maps_bfd_rows_to_their_examples():
         NS(prompt_ids=[0] * p, chosen_ids=[0] * c, rejected_ids=[0] * r)
         for p, c, r in [(2, 3, 4), (1, 1, 1), (5, 0, 2)]
     ]
-    t = NS(packed_rows=None, train_data=NS(pairs=pairs))
+    t = NS(packed_rows=None, train=NS(pairs=pairs))
     assert bench.token_counter("dpo", t)([0, 2]) == (2 * 2 + 3 + 4 + 2 * 5 + 0 + 2, 3 + 4 + 0 + 2)
     t.packed_rows = [[2, 1], [0]]  # row 0 holds pairs 2 and 1
     assert bench.token_counter("dpo", t)([0]) == (2 * 5 + 2 + 2 * 1 + 1 + 1, 2 + 1 + 1)
     ids, mask = [np.zeros(3), np.zeros(4)], [np.array([0, 1, 1]), np.array([1, 1, 1, 1])]
-    t = NS(packed_rows=[[1, 0]], train_data=NS(input_ids=ids, loss_mask=mask))
+    t = NS(packed_rows=[[1, 0]], train=NS(input_ids=ids, loss_mask=mask))
     assert bench.token_counter("sft", t)([0]) == (7, 6)
 
 

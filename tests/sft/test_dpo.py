@@ -331,21 +331,21 @@ def test_bfd_packing_steps_over_packed_pair_rows(tmp_path):
     cfg = _tiny_config(tmp_path, "bfd", data__packing_strategy="bfd")
     cfg.data.train_batch_size, cfg.data.micro_batch_size = 2, 1  # packed rows of 2 * 16 characters
     t = DPOTrainer(cfg)
-    need = [len(x.prompt_ids) + len(x.chosen_ids) + len(x.rejected_ids) for x in t.train_data.pairs]
-    assert t.packed_rows == sft_step.best_fit_decreasing(need, 32)
-    assert max(len(r) for r in t.packed_rows) > 1  # several pairs share a row
-    assert t.train_loader.batches_per_epoch == len(t.packed_rows) // 2
+    need = [len(x.prompt_ids) + len(x.chosen_ids) + len(x.rejected_ids) for x in t.data.train.pairs]
+    assert t.data.packed_rows == sft_step.best_fit_decreasing(need, 32)
+    assert max(len(r) for r in t.data.packed_rows) > 1  # several pairs share a row
+    assert t.data.loader.batches_per_epoch == len(t.data.packed_rows) // 2
     m1 = t.train_step()  # after it the policy differs from the reference: the loss depends on the pairs
-    state = t.train_loader.get_state()
-    rows = next(t.train_loader)
-    t.train_loader.set_state(state)
-    pairs = [t.train_data.pairs[i] for r in rows for i in t.packed_rows[r]]
+    state = t.data.loader.get_state()
+    rows = next(t.data.loader)
+    t.data.loader.set_state(state)
+    pairs = [t.data.train.pairs[i] for r in rows for i in t.data.packed_rows[r]]
     # the step's loss, computed independently on a per-step layout of the same pairs from the same params
     fn = jax.jit(
-        dpo_step.make_dpo_grads(t.actor_graphdef, t.actor_rest, beta=0.1, loss_type="sigmoid", label_smoothing=0.0)
+        dpo_step.make_dpo_grads(t.model.graphdef, t.model.rest, beta=0.1, loss_type="sigmoid", label_smoothing=0.0)
     )
     geo = dict(n_micro=1, pairs_per_micro=len(pairs), row_len=32, pack=True)
-    want = float(fn(t.actor_params, dpo_step.layout_pairs(pairs, **geo), t.ref_params)[0])
+    want = float(fn(t.state.params, dpo_step.layout_pairs(pairs, **geo), t.task.ref_params)[0])
     m2 = t.train_step()
     t.close()
     assert abs(want - np.log(2)) > 1e-4
@@ -430,7 +430,7 @@ def test_tiny_run_via_main_learns_and_resumes(tmp_path, monkeypatch):
     from jaxrl_post.models import load_pretrained
 
     exported = steps.split_model(load_pretrained(str(tmp_path / "a"))[0])[1]
-    for x, y in zip(jax.tree.leaves(exported), jax.tree.leaves(b2.actor_params)):
+    for x, y in zip(jax.tree.leaves(exported), jax.tree.leaves(b2.state.params)):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6)
 
 

@@ -165,7 +165,7 @@ def test_tiny_run_via_main_resumes_exactly_and_exports_for_the_rl_loop(tmp_path,
 
     # the export is a *ForSequenceClassification dir equal to the trained params; the RL loop loads the run dir
     exported = steps.split_model(load_reward_model(tmp_path / "a" / "huggingface"))[1]
-    for x, y in zip(jax.tree.leaves(exported), jax.tree.leaves(b2.actor_params)):
+    for x, y in zip(jax.tree.leaves(exported), jax.tree.leaves(b2.state.params)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     from configs import grpo
     from jaxrl_post.rl.builders import load_tokenizer
@@ -189,9 +189,9 @@ def test_margin_column_is_read_per_pair_and_checked():
     ]
     data = tokenize_pairs(rows, tok, max_length=16)
     assert [p.margin for p in data.pairs] == [1.5, None]
-    from jaxrl_post.sft.reward_model import RewardModelTrainer
+    from jaxrl_post.sft.reward_model import RewardModelTask
 
-    assert [p.margin for p in RewardModelTrainer._head(data, 1).pairs] == [1.5]  # data.max_val_samples
+    assert [p.margin for p in RewardModelTask.head(data, 1).pairs] == [1.5]  # data.max_val_samples
     data = tokenize_pairs(rows, tok, max_length=16)
     lay = rm_step.layout_pairs(data.pairs, n_micro=1, pairs_per_micro=2, row_len=16)
     np.testing.assert_allclose(lay["margin"], [[1.5, 0.0]])
@@ -208,18 +208,18 @@ def test_lora_trains_adapters_and_score_head_and_exports_merged(tmp_path):
     cfg = _tiny(tmp_path, "lora", model__lora_rank=4, model__lora_alpha=8.0, model__target_modules="all-linear")
     cfg.trainer.total_training_steps, cfg.trainer.val_before_train, cfg.trainer.val_at_end = 2, False, False
     t = RewardModelTrainer(cfg)
-    init_params = jax.tree.map(np.asarray, t.actor_params)
-    init_frozen = jax.tree.map(np.asarray, t.actor_frozen)
+    init_params = jax.tree.map(np.asarray, t.state.params)
+    init_frozen = jax.tree.map(np.asarray, t.model.frozen)
     assert "score" in init_params  # trained with the adapters (modules_to_save)
     t.fit()
     t.close()
-    moved = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - b).max()), t.actor_params, init_params)
+    moved = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - b).max()), t.state.params, init_params)
     assert moved["score"].get_value() > 0
     assert max(jax.tree.leaves(moved)) > 0
-    for a, b in zip(jax.tree.leaves(t.actor_frozen), jax.tree.leaves(init_frozen)):
+    for a, b in zip(jax.tree.leaves(t.model.frozen), jax.tree.leaves(init_frozen)):
         np.testing.assert_array_equal(np.asarray(a), b)  # the base weights never train
     exported = load_reward_model(tmp_path / "lora" / "huggingface")
     ids = np.array([[5, 6, 7, 8, 2, 2], [9, 10, 11, 12, 13, 14]], np.int32)
     mask = np.array([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]], np.int32)
     t.sync_weights()
-    np.testing.assert_allclose(np.asarray(exported(ids, mask)), np.asarray(t.actor_model(ids, mask)), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(exported(ids, mask)), np.asarray(t.model.module(ids, mask)), atol=1e-5)

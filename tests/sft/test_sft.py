@@ -388,7 +388,7 @@ def test_tiny_run_resumes_exactly_and_exports_a_model_source(tmp_path):
     b2.close()
     assert rest["last"]["loss"] == full["last"]["loss"]
     assert rest["last"]["num_tokens"] == full["last"]["num_tokens"]
-    for x, y in zip(jax.tree.leaves(a.actor_params), jax.tree.leaves(b2.actor_params)):
+    for x, y in zip(jax.tree.leaves(a.state.params), jax.tree.leaves(b2.state.params)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     lines = [json.loads(s) for s in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert [ln["step"] for ln in lines if "loss" in ln] == [1, 2, 3]  # each step once (truncated at resume)
@@ -396,7 +396,7 @@ def test_tiny_run_resumes_exactly_and_exports_a_model_source(tmp_path):
     # the run dir is a model source: model.path=<run dir> loads the exported weights and tokenizer
     model, t = load_pretrained(str(tmp_path / "a"))
     got = jax.tree.leaves(steps.split_model(model)[1])
-    for x, y in zip(got, jax.tree.leaves(a.actor_params)):
+    for x, y in zip(got, jax.tree.leaves(a.state.params)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     rendered = t.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False)
     assert rendered == "<|im_start|>user\nx<|im_end|>\n"
@@ -428,18 +428,18 @@ def test_bfd_packing_steps_over_packed_rows(tmp_path):
     cfg.data.packing_strategy, cfg.data.max_length = "bfd", 256
     cfg.data.train_batch_size, cfg.data.micro_batch_size = 2, 1  # packed rows
     t = SFTTrainer(cfg)
-    lengths = [len(x) for x in t.train_data.input_ids]
-    assert t.packed_rows == sft_step.best_fit_decreasing(lengths, 256)
-    assert sorted(i for r in t.packed_rows for i in r) == list(range(12))
-    assert len(t.packed_rows) < 12 and t.train_loader.batches_per_epoch == len(t.packed_rows) // 2
-    state = t.train_loader.get_state()
-    rows = next(t.train_loader)
-    t.train_loader.set_state(state)
-    examples = [i for r in rows for i in t.packed_rows[r]]
+    lengths = [len(x) for x in t.data.train.input_ids]
+    assert t.data.packed_rows == sft_step.best_fit_decreasing(lengths, 256)
+    assert sorted(i for r in t.data.packed_rows for i in r) == list(range(12))
+    assert len(t.data.packed_rows) < 12 and t.data.loader.batches_per_epoch == len(t.data.packed_rows) // 2
+    state = t.data.loader.get_state()
+    rows = next(t.data.loader)
+    t.data.loader.set_state(state)
+    examples = [i for r in rows for i in t.data.packed_rows[r]]
     m = t.train_step()
     t.close()
     assert m["num_tokens"] == sum(lengths[i] for i in examples)
-    assert m["num_loss_tokens"] == sum(int(t.train_data.loss_mask[i][1:].sum()) for i in examples)
+    assert m["num_loss_tokens"] == sum(int(t.data.train.loss_mask[i][1:].sum()) for i in examples)
     assert t.compile_counts()["update"] == 1
 
 
