@@ -16,7 +16,7 @@ if REPO not in sys.path:
 from jaxrl_post.engine.loop import print_legend
 from jaxrl_post.engine.run.run_files import has_metrics, prepare_metrics_file
 from jaxrl_post.engine.run.tracking import _CONSOLE_KEYS, CONSOLE_LEGEND, ConsoleLogger, console_legend
-from jaxrl_post.rl.config_check import console_tags
+from jaxrl_post.rl.config_features import console_tags
 from jaxrl_post.rl.metrics import compute_data_metrics
 from jaxrl_post.rl.preflight import critic_warmup_warning
 from jaxrl_post.rl.trainer import summarize

@@ -15,31 +15,26 @@ Every error names its key (`config.<path>`); all problems are reported at once.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
 from jaxrl_post.errors import ConfigError
 from jaxrl_post.rl.config_features import (
-    check_dapo,
+    _DYNAMIC_BSZ_KEYS,
+    _get,
     check_distillation,
     check_lora,
     check_multi_turn,
-    check_reward_model_scoring,
     check_router_replay,
+    critic_enabled,
+    dynamic_bsz,
+    estimator_needs,
 )
+from jaxrl_post.rl.config_run import RESUME_MODES, check_data_rewards_and_run  # noqa: F401 (re-exported)
 
 KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full")
 WARMUP_STYLES = ("constant", "cosine")
 KL_CTRL_TYPES = ("fixed", "adaptive")
-RESUME_MODES = ("auto", "disable", "resume_path")
-
-
-def _get(cfg: Any, path: str) -> Any:
-    node = cfg
-    for part in path.split("."):
-        node = node[part] if isinstance(node, dict) else getattr(node, part)
-    return node
 
 
 def dcn_factors(cfg: Any) -> tuple[int, int]:
@@ -62,74 +57,6 @@ def data_parallel_size(cfg: Any, n_devices: int) -> int:
                 known *= s
         sizes[sizes.index(-1)] = max(n_devices // max(known, 1), 1)
     return sizes[0] * dcn_data * sizes[1] * dcn_fsdp
-
-
-def estimator_needs(cfg: Any) -> tuple[str, ...]:
-    """What `algorithm.adv_estimator` declared it consumes (`register_adv_est(needs=...)`); () if unknown
-    (validate_config reports the unknown name)."""
-    from jaxrl_post.algos.registry import adv_estimator_needs  # imports jax: not at module import
-
-    try:
-        return adv_estimator_needs(cfg.algorithm.adv_estimator)
-    except ValueError:
-        return ()
-
-
-def critic_enabled(cfg: Any) -> bool:
-    """`critic.enable`, or (when None) whether `algorithm.adv_estimator` declares it needs `values`."""
-    if cfg.critic.enable is None:
-        return "values" in estimator_needs(cfg)
-    return bool(cfg.critic.enable)
-
-
-def console_tags(cfg: Any) -> set[str]:
-    """The metric groups an RL run logs, for the console legend (`tracking.CONSOLE_LEGEND`): 'rl' plus 'critic',
-    'kl_loss', 'kl_in_reward', 'opd' (on-policy distillation) and 'agent' (multi-turn) when they are on."""
-    on = {
-        "critic": critic_enabled(cfg),
-        "kl_loss": bool(cfg.actor.use_kl_loss),
-        "kl_in_reward": bool(cfg.algorithm.use_kl_in_reward),
-        "opd": bool(cfg.distillation.enabled),
-        "agent": bool(cfg.rollout.multi_turn.enable),
-    }
-    return {"rl", *(tag for tag, yes in on.items() if yes)}
-
-
-# (use_dynamic_bsz key, its fallback, max_token_len key, its fallback) of each packed pass
-_DYNAMIC_BSZ_KEYS = {
-    "actor": ("actor.use_dynamic_bsz", None, "actor.ppo_max_token_len_per_gpu", None),
-    "rollout": (
-        "rollout.log_prob_use_dynamic_bsz",
-        "actor.use_dynamic_bsz",
-        "rollout.log_prob_max_token_len_per_gpu",
-        "actor.ppo_max_token_len_per_gpu",
-    ),
-    "ref": (
-        "ref.log_prob_use_dynamic_bsz",
-        "actor.use_dynamic_bsz",
-        "ref.log_prob_max_token_len_per_gpu",
-        "actor.ppo_max_token_len_per_gpu",
-    ),
-    "critic": ("critic.use_dynamic_bsz", "actor.use_dynamic_bsz", "critic.ppo_max_token_len_per_gpu", None),
-    "values": (
-        "critic.use_dynamic_bsz",
-        "actor.use_dynamic_bsz",
-        "critic.forward_max_token_len_per_gpu",
-        "critic.ppo_max_token_len_per_gpu",
-    ),
-}
-
-
-def dynamic_bsz(cfg: Any, role: str) -> tuple[bool, int | None]:
-    """(use_dynamic_bsz, max_token_len_per_gpu) of a pass ('actor', 'rollout' = old log-probs, 'ref',
-    'critic' = critic update, 'values'), None keys resolved as verl's interpolations do."""
-    dyn_key, dyn_fb, tok_key, tok_fb = _DYNAMIC_BSZ_KEYS[role]
-    dyn = _get(cfg, dyn_key)
-    dyn = _get(cfg, dyn_fb) if dyn is None else dyn
-    tok = _get(cfg, tok_key)
-    if tok is None and tok_fb is not None:
-        tok = _get(cfg, tok_fb)
-    return bool(dyn), tok
 
 
 def validation_enabled(cfg: Any) -> bool:
@@ -424,60 +351,7 @@ def validate_config(cfg: Any, n_devices: int | None = None) -> None:
     check("rollout.top_k", lambda v: is_int(v) and (v == -1 or v > 0), "must be -1 (off) or > 0")
     check("rollout.min_p", lambda v: is_num(v) and 0 <= v < 1, "must be in [0, 1)")
 
-    # ---- data, rewards, trainer
-    _SPEC_PREFIXES = ("reasoning_gym:", "reasoning_gym/", "hf:", "tfds:", "gsm8k:")
-    for key in ("data.train_files", "data.val_files"):
-        val = _get(cfg, key)
-        if not val:
-            if key == "data.train_files":
-                err(key, "required: a data file or spec (e.g. reasoning_gym:basic_arithmetic)")
-            continue
-        for spec in str(val).split(","):
-            spec = spec.strip()
-            path = spec[len("gsm8k:") :] if spec.startswith("gsm8k:") else spec
-            if not spec.startswith(_SPEC_PREFIXES[:4]) and not os.path.exists(os.path.expanduser(path)):
-                err(key, f"file not found: {path}")
-    check("data.truncation", lambda v: v in ("error", "left", "right"), "valid: 'error', 'left', 'right'")
-    check("data.reasoning_gym.size", pos_int, "must be a positive int")
-    check("data.reasoning_gym.val_size", pos_int, "must be a positive int")
-    check("reward_model.reward_manager", lambda v: v == "naive", "only 'naive' is implemented")
-    check("reward_model.num_workers", lambda v: is_int(v) and v >= 0, "must be an int >= 0")
-    check("reward_model.timeout_s", lambda v: is_num(v) and v > 0, "must be > 0")
-    check("reward_model.max_error_fraction", lambda v: is_num(v) and 0 <= v <= 1, "must be in [0, 1] (1 = never stop)")
-    check_dapo(cfg, check, err, is_int, is_num)
-    check_remote_reward(cfg, check, err, is_int, is_num)
-    check_reward_model_scoring(cfg, check, err, is_int, is_num)
-    path = cfg.custom_reward_function.path
-    if path and not os.path.exists(path):
-        err("custom_reward_function.path", "file not found")
-    check("trainer.resume_mode", lambda v: v in RESUME_MODES, f"valid: {list(RESUME_MODES)}")
-    if cfg.trainer.resume_mode == "resume_path":
-        rp = cfg.trainer.resume_from_path
-        if not rp:
-            err("trainer.resume_from_path", "required when trainer.resume_mode='resume_path'")
-        elif not os.path.exists(os.path.expanduser(rp)):
-            err("trainer.resume_from_path", f"not found: {rp}")
-    check("trainer.default_local_dir", lambda v: isinstance(v, str) and v, "must be a non-empty path")
-    from jaxrl_post.engine.run.tracking import parse_logger_names
-
-    try:
-        logger_names = parse_logger_names(cfg.trainer.logger)
-    except ValueError as e:
-        err("trainer.logger", str(e))
-        logger_names = ()
-    if "wandb" in logger_names:
-        import importlib.util
-
-        if importlib.util.find_spec("wandb") is None:
-            err("trainer.logger", "'wandb' needs the wandb package: pip install wandb (or drop it from the list)")
-    dtypes = ("float32", "bfloat16", "float16")
-    check("model.dtype", lambda v: v in dtypes + ("auto",), "valid: auto, float32, bfloat16, float16")
-    check("model.param_dtype", lambda v: v in dtypes, "valid: float32, bfloat16, float16")
-    check(
-        "rollout.dtype", lambda v: v is None or v in dtypes, "valid: None (= model.dtype), float32, bfloat16, float16"
-    )
-    if not cfg.model.random_init:
-        check("model.path", lambda v: isinstance(v, str) and v, "must name a model (dir, .gguf, alias)")
+    check_data_rewards_and_run(cfg, check, err, is_int, is_num)
     check_lora(cfg, check, err, is_int, is_num)
     check_multi_turn(cfg, check, err, is_int, is_num)
     check_distillation(cfg, check, err, is_int, is_num)
@@ -487,61 +361,3 @@ def validate_config(cfg: Any, n_devices: int | None = None) -> None:
     errors += config_errors(cfg)  # trainer.distributed.*, the per-process prompt share
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
-
-
-def check_remote_reward(cfg, check, err, is_int, is_num) -> None:
-    """`reward_model.remote.*` (the remote reward service) and `reward_model.judge.*` (the generative judge):
-    only read when `remote.url` / `judge.path` is set."""
-    check_judge(cfg, check, err, is_int, is_num)
-    rr = cfg.reward_model.get("remote")
-    if rr is None or not rr.get("url"):
-        return
-    check(
-        "reward_model.remote.url",
-        lambda v: isinstance(v, str) and v.startswith(("http://", "https://")),
-        "must be an http:// or https:// URL",
-    )
-    if rr.get("url") and cfg.reward_model.get("judge") is not None and cfg.reward_model.judge.path:
-        err("reward_model.remote.url", "set together with reward_model.judge.path: pick one reward source")
-    if cfg.custom_reward_function.path:
-        err(
-            "reward_model.remote.url",
-            "set together with custom_reward_function.path: the service scores every response, so the local "
-            "function would be ignored; serve it instead (scripts/serve_reward.py --reward_fn PATH:NAME) or unset one",
-        )
-    check("reward_model.remote.batch_size", lambda v: is_int(v) and v >= 1, "must be an int >= 1")
-    check("reward_model.remote.max_concurrency", lambda v: is_int(v) and v >= 1, "must be an int >= 1")
-    check("reward_model.remote.timeout_s", lambda v: is_num(v) and v > 0, "must be > 0")
-    check("reward_model.remote.max_retries", lambda v: is_int(v) and v >= 0, "must be an int >= 0")
-    check("reward_model.remote.backoff_s", lambda v: is_num(v) and v >= 0, "must be >= 0")
-    check("reward_model.remote.backoff_max_s", lambda v: is_num(v) and v >= 0, "must be >= 0")
-    check(
-        "reward_model.remote.max_error_fraction", lambda v: is_num(v) and 0 <= v <= 1, "must be in [0, 1] (1 = never)"
-    )
-
-
-def check_judge(cfg, check, err, is_int, is_num) -> None:
-    """`reward_model.judge.*`, when `judge.path` is set."""
-    jc = cfg.reward_model.get("judge")
-    if jc is None or not jc.get("path"):
-        return
-    if cfg.custom_reward_function.path:
-        err(
-            "reward_model.judge.path",
-            "set together with custom_reward_function.path: the judge scores every response; unset one",
-        )
-    tpl = jc.prompt_template
-    if tpl is not None:
-        try:
-            ok = "{response}" in tpl and tpl.format(question="", response="", ground_truth="") is not None
-        except (KeyError, IndexError, ValueError):
-            ok = False
-        if not ok:
-            err("reward_model.judge.prompt_template", "needs {response}; only {question} {response} {ground_truth}")
-    for key in ("max_new_tokens", "max_prompt_length", "batch_size"):
-        check(f"reward_model.judge.{key}", lambda v: is_int(v) and v >= 1, "must be an int >= 1")
-    check("reward_model.judge.dtype", lambda v: v in ("float32", "bfloat16", "float16"), "float32|bfloat16|float16")
-    if not (is_num(jc.min_score) and is_num(jc.max_score) and jc.max_score > jc.min_score):
-        err("reward_model.judge.max_score", f"must be > reward_model.judge.min_score ({jc.min_score})")
-    elif jc.normalize and jc.max_score <= 0:
-        err("reward_model.judge.max_score", "must be > 0 with reward_model.judge.normalize")

@@ -1,7 +1,9 @@
 """Config checks of the optional features, called by `config_check.validate_config` with its `check` / `err`
 helpers: DAPO (`algorithm.filter_groups.*`, `reward_model.overlong_buffer.*`), LoRA (`model.lora_*`),
 multi-turn rollouts (`rollout.multi_turn.*`), on-policy distillation (`distillation.*`), reward-model
-scoring (`reward_model.enable`, ...) and MoE routing replay (`actor.router_replay.*`; `router_replay_mode`)."""
+scoring (`reward_model.enable`, ...) and MoE routing replay (`actor.router_replay.*`; `router_replay_mode`); and what
+a config turns on: `estimator_needs`, `critic_enabled`, `console_tags`, `dynamic_bsz` (verl's `use_dynamic_bsz` and
+`*_max_token_len_per_gpu` with their fallbacks)."""
 
 from __future__ import annotations
 
@@ -228,3 +230,79 @@ def router_replay_mode(cfg: Any, model_config, on_policy: bool) -> str:
             "routes from); use 'R3' or 'disabled'"
         )
     return mode
+
+
+def console_tags(cfg: Any) -> set[str]:
+    """The metric groups an RL run logs, for the console legend (`tracking.CONSOLE_LEGEND`): 'rl' plus 'critic',
+    'kl_loss', 'kl_in_reward', 'opd' (on-policy distillation) and 'agent' (multi-turn) when they are on."""
+    on = {
+        "critic": critic_enabled(cfg),
+        "kl_loss": bool(cfg.actor.use_kl_loss),
+        "kl_in_reward": bool(cfg.algorithm.use_kl_in_reward),
+        "opd": bool(cfg.distillation.enabled),
+        "agent": bool(cfg.rollout.multi_turn.enable),
+    }
+    return {"rl", *(tag for tag, yes in on.items() if yes)}
+
+
+# (use_dynamic_bsz key, its fallback, max_token_len key, its fallback) of each packed pass
+# (use_dynamic_bsz key, its fallback, max_token_len key, its fallback) of each packed pass
+_DYNAMIC_BSZ_KEYS = {
+    "actor": ("actor.use_dynamic_bsz", None, "actor.ppo_max_token_len_per_gpu", None),
+    "rollout": (
+        "rollout.log_prob_use_dynamic_bsz",
+        "actor.use_dynamic_bsz",
+        "rollout.log_prob_max_token_len_per_gpu",
+        "actor.ppo_max_token_len_per_gpu",
+    ),
+    "ref": (
+        "ref.log_prob_use_dynamic_bsz",
+        "actor.use_dynamic_bsz",
+        "ref.log_prob_max_token_len_per_gpu",
+        "actor.ppo_max_token_len_per_gpu",
+    ),
+    "critic": ("critic.use_dynamic_bsz", "actor.use_dynamic_bsz", "critic.ppo_max_token_len_per_gpu", None),
+    "values": (
+        "critic.use_dynamic_bsz",
+        "actor.use_dynamic_bsz",
+        "critic.forward_max_token_len_per_gpu",
+        "critic.ppo_max_token_len_per_gpu",
+    ),
+}
+
+
+def dynamic_bsz(cfg: Any, role: str) -> tuple[bool, int | None]:
+    """(use_dynamic_bsz, max_token_len_per_gpu) of a pass ('actor', 'rollout' = old log-probs, 'ref',
+    'critic' = critic update, 'values'), None keys resolved as verl's interpolations do."""
+    dyn_key, dyn_fb, tok_key, tok_fb = _DYNAMIC_BSZ_KEYS[role]
+    dyn = _get(cfg, dyn_key)
+    dyn = _get(cfg, dyn_fb) if dyn is None else dyn
+    tok = _get(cfg, tok_key)
+    if tok is None and tok_fb is not None:
+        tok = _get(cfg, tok_fb)
+    return bool(dyn), tok
+
+
+def _get(cfg: Any, path: str) -> Any:
+    node = cfg
+    for part in path.split("."):
+        node = node[part] if isinstance(node, dict) else getattr(node, part)
+    return node
+
+
+def estimator_needs(cfg: Any) -> tuple[str, ...]:
+    """What `algorithm.adv_estimator` declared it consumes (`register_adv_est(needs=...)`); () if unknown
+    (validate_config reports the unknown name)."""
+    from jaxrl_post.algos.registry import adv_estimator_needs  # imports jax: not at module import
+
+    try:
+        return adv_estimator_needs(cfg.algorithm.adv_estimator)
+    except ValueError:
+        return ()
+
+
+def critic_enabled(cfg: Any) -> bool:
+    """`critic.enable`, or (when None) whether `algorithm.adv_estimator` declares it needs `values`."""
+    if cfg.critic.enable is None:
+        return "values" in estimator_needs(cfg)
+    return bool(cfg.critic.enable)

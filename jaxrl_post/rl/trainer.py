@@ -42,9 +42,18 @@ from jaxrl_post.engine.run.run_files import config_to_dict
 from jaxrl_post.engine.run.tracking import Tracking
 from jaxrl_post.engine.train_state import HostState, OptimizedParams, TrainState, place_like
 from jaxrl_post.errors import ConfigError
-from jaxrl_post.rl import advantage_fn, builders, config_check, data_rows, preflight, reward_builders, updates
+from jaxrl_post.rl import (
+    advantage_fn,
+    builders,
+    config_features,
+    data_rows,
+    preflight,
+    reward_builders,
+    updates,
+)
 from jaxrl_post.rl import metrics as metrics_lib
-from jaxrl_post.rl.config_check import critic_enabled, kl_in_use, validate_config
+from jaxrl_post.rl.config_check import kl_in_use, validate_config
+from jaxrl_post.rl.config_features import critic_enabled
 from jaxrl_post.rl.dynamic_sampling import FilteredRollout
 from jaxrl_post.rl.dynamic_sampling import timer as _timer
 from jaxrl_post.rl.geometry import StepGeometry
@@ -394,7 +403,7 @@ class RLTrainer:
         return self.data.val_loader is not None
 
     def console_tags(self) -> set[str]:
-        return config_check.console_tags(self.config)  # the console legend's lines for this run
+        return config_features.console_tags(self.config)  # the console legend's lines for this run
 
     def on_fit_start(self) -> None:
         warn = preflight.critic_warmup_warning(int(self.config.trainer.critic_warmup), self.total_training_steps)

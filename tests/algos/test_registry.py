@@ -21,7 +21,8 @@ from jaxrl_post.algos import core_algos, registry
 from jaxrl_post.algos.registry import register_adv_est, register_policy_loss
 from jaxrl_post.errors import ConfigError
 from jaxrl_post.rl import builders
-from jaxrl_post.rl.config_check import critic_enabled, validate_config
+from jaxrl_post.rl.config_check import validate_config
+from jaxrl_post.rl.config_features import critic_enabled
 
 TOY = "toy_greedy_sign"
 SEEN = []  # (scores [B], baselines [B]) as the trainer passed them to the toy estimator

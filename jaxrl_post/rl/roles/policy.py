@@ -22,8 +22,7 @@ from jaxrl_post.engine.placement import Placement
 from jaxrl_post.engine.train_state import OptimizedParams
 from jaxrl_post.models.lora import lora_config_of
 from jaxrl_post.rl import builders, ppo_update
-from jaxrl_post.rl.config_check import dynamic_bsz
-from jaxrl_post.rl.config_features import router_replay_mode
+from jaxrl_post.rl.config_features import dynamic_bsz, router_replay_mode
 from jaxrl_post.rl.geometry import StepGeometry
 from jaxrl_post.runtime.sharding import init_opt_state
 
