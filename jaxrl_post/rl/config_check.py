@@ -21,6 +21,7 @@ from typing import Any
 
 from jaxrl_post.errors import ConfigError
 from jaxrl_post.rl.config_features import (
+    check_async,
     check_dapo,
     check_distillation,
     check_lora,
@@ -480,6 +481,7 @@ def validate_config(cfg: Any, n_devices: int | None = None) -> None:
         check("model.path", lambda v: isinstance(v, str) and v, "must name a model (dir, .gguf, alias)")
     check_lora(cfg, check, err, is_int, is_num)
     check_multi_turn(cfg, check, err, is_int, is_num)
+    check_async(cfg, check, err, is_int, is_num)
     check_distillation(cfg, check, err, is_int, is_num)
     check_router_replay(cfg, check, err)
     from jaxrl_post.runtime.distributed import config_errors
