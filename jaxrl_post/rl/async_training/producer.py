@@ -128,6 +128,12 @@ class AsyncRollout:
         self._pulled = 0
         self._add_prompts(prompts, seed)
         need = s.train_batch_size
+        if not is_fresh(self.rollout_version, step, s.staleness_threshold):
+            raise RuntimeError(
+                f"step {step}: the rollout's weights (version {self.rollout_version}) are older than "
+                f"async_training.staleness_threshold={s.staleness_threshold} allows: no group could ever train "
+                f"(publish every trigger_parameter_sync_step <= staleness_threshold + 1 steps)"
+            )
         while len(self.queue) < need + s.ahead_chunks * s.chunk_prompts:
             self.produce(timing, reward_fn, next_prompts, seed)
         taken = []
