@@ -35,9 +35,17 @@ def test_defaults_are_synchronous_and_valid():
             "config.async_training.staleness_threshold=1: must be >= trigger_parameter_sync_step - 1",
         ),
         ({"async_training__require_batches": 3}, "config.async_training.require_batches=3: must be an int >= 1 divid"),
-        ({"async_training__partial_rollout": True, "async_training__staleness_threshold": 1}, "needs rollout.name='paged'"),
         (
-            {"async_training__partial_rollout": True, "async_training__staleness_threshold": 0, "rollout__name": "paged"},
+            {"async_training__partial_rollout": True, "async_training__staleness_threshold": 1},
+            "needs rollout.name='paged'",
+        ),
+        (
+            {
+                "async_training__partial_rollout": True,
+                "async_training__staleness_threshold": 0,
+                "rollout__name": "paged",
+            }
+            | {},
             "(+ 1 with partial_rollout) = 1",
         ),
         ({"rollout__n_gpus_per_node": 4}, "config.rollout.n_gpus_per_node=4: must be 0 (colocated)"),

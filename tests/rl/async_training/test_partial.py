@@ -89,7 +89,7 @@ def test_resumed_under_new_weights_keeps_each_tokens_version_and_log_prob(setup)
 
 @pytest.mark.slow  # shares the compiles above when run after it
 def test_stopped_and_resumed_under_the_same_weights_equals_one_call(setup):
-    cfg, model_a, _, dp = setup
+    cfg, _, _, dp = setup
     eng = PagedGenerator(init_model(cfg, seed=3), **ENGINE)
     whole = PartialGeneration(dp, seed=11, n=2)
     whole.run(eng, PARAMS, version=0)

@@ -98,7 +98,7 @@ def test_stale_groups_are_dropped_with_a_reason_and_replaced():
     assert before
     rollout.version = 5
     ar.publish(5)  # e.g. weights published while the queue waited: its groups are now 4 versions old at step 5
-    b, nt, m, _, _ = ar.collect(next(loader), 5007, {}, None, None, lambda: next(loader), step=5)
+    b, _, m, _, _ = ar.collect(next(loader), 5007, {}, None, None, lambda: next(loader), step=5)
     assert ar.queue.dropped == {"stale": sorted(before)}
     assert m["async/dropped_groups_total/stale"] == len(before)
     assert np.all(b["rollout_versions"] == 5)
