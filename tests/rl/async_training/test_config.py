@@ -44,8 +44,7 @@ def test_defaults_are_synchronous_and_valid():
                 "async_training__partial_rollout": True,
                 "async_training__staleness_threshold": 0,
                 "rollout__name": "paged",
-            }
-            | {},
+            },
             "(+ 1 with partial_rollout) = 1",
         ),
         ({"rollout__n_gpus_per_node": 4}, "config.rollout.n_gpus_per_node=4: must be 0 (colocated)"),
