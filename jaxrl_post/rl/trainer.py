@@ -133,7 +133,8 @@ class RLTrainer:
             cfg, self.policy, self.placement, self.tokenizer, eos_token_ids, pad_token_id, process_local, is_async
         )
         self.rollout = FilteredRollout(cfg, rollout) if cfg.algorithm.filter_groups.enable else rollout
-        self.async_rollout = AsyncRollout(AsyncSettings.from_config(cfg), rollout) if is_async else None
+        if is_async:  # the producer and its queue, around the rollout (config_check: no filter_groups then)
+            self.rollout = AsyncRollout(AsyncSettings.from_config(cfg), rollout)
         self.reference = ReferencePolicy(cfg, self.policy, actor.params) if kl_in_use(cfg) else None
         self.teacher = TeacherRole.build(cfg, self.policy, self.placement, self.tokenizer)  # None: no distillation
         self.critic, critic = (None, None)
@@ -177,6 +178,11 @@ class RLTrainer:
     resumed_from = property(lambda self: self.run.resumed_from)
 
     @property
+    def async_rollout(self) -> AsyncRollout | None:
+        """The asynchronous producer and queue (`async_training.mode` other than 'sync'), else None."""
+        return self.rollout if isinstance(self.rollout, AsyncRollout) else None
+
+    @property
     def val_before_metrics(self) -> dict[str, float] | None:
         """The run's validation before training (kept on resume: `host['val_before']`)."""
         return self.host.val_before
@@ -203,10 +209,9 @@ class RLTrainer:
         with _timer("step", timing):
             # -- rollout + reward (+ dynamic sampling: more generation batches until enough groups vary)
             more = next_prompts or (lambda: next(self.data.train_loader))
-            source, kw = self.rollout, {}
-            if self.async_rollout is not None:  # the step's groups from the queue (async_training/producer.py)
-                source, kw = self.async_rollout, {"step": self.host.global_steps}
-            b, nt, reward_metrics, prompts, rng = source.collect(
+            # asynchronous: the step's groups from the queue (async_training/producer.py)
+            kw = {} if self.async_rollout is None else {"step": self.host.global_steps}
+            b, nt, reward_metrics, prompts, rng = self.rollout.collect(
                 prompts, gen_seed, timing, self.reward_fn, self.state.rng, more, **kw
             )
             self.state = self.state.replace(rng=rng)

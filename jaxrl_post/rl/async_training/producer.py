@@ -41,7 +41,8 @@ class AsyncRollout:
     Args:
       settings: the run's `AsyncSettings`.
       rollout: the `RolloutRole` (its model is a separate copy of the actor's weights, published by the trainer
-        every `trigger_parameter_sync_step` steps: `publish`).
+        every `trigger_parameter_sync_step` steps: `publish`). The rest of its interface is reached through this
+        object (the trainer holds it as its `rollout`, as `FilteredRollout`).
 
     Attributes: `queue` (`GroupQueue`), `rollout_version` (training steps of the weights the rollout samples with),
     `in_flight` (a `PartialGeneration` stopped at the last weight update, or None), `pending` (prompt batches and
@@ -49,8 +50,8 @@ class AsyncRollout:
     """
 
     def __init__(self, settings: AsyncSettings, rollout):
+        self.__dict__["rollout"] = rollout  # first: `__getattr__` reads it
         self.settings = s = settings
-        self.rollout = rollout
         capacity = (s.require_batches + s.ahead_chunks + 2) * s.chunk_prompts
         self.queue = GroupQueue(capacity)
         self.rollout_version = 0
@@ -58,6 +59,9 @@ class AsyncRollout:
         self.pending: list[tuple[Any, int]] = []
         self._next_group_id = 0
         self._pulled = 0
+
+    def __getattr__(self, name):  # the rest of the rollout's interface (sync, sampling_params, engine, close, ...)
+        return getattr(self.__dict__["rollout"], name)
 
     # ---------------------------------------------------------------- weights
     def publish(self, version: int) -> None:
