@@ -478,8 +478,7 @@ class RLTrainer:
             config=config_to_dict(cfg),
         )
         if self.async_rollout is not None:  # the queue, the batch in flight, the rollout's (older) weights
-            out["host"]["async"] = self.async_rollout.state_dict()
-            out["rollout"] = {"params": self.state.rollout}
+            self.async_rollout.add_to_checkpoint(out, self.state.rollout)
         return out
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
@@ -489,12 +488,11 @@ class RLTrainer:
         if saved.get("ref") is not None and self.reference is not None:
             self.reference.params = place_like(saved["ref"]["params"], self.reference.params)
         ar = self.async_rollout
-        if ar is None or not (saved.get("rollout") and "async" in saved["host"]):
+        rollout_params = None if ar is None else ar.restore_checkpoint(saved, self.state.rollout)
+        if rollout_params is None:  # synchronous (or a synchronous run's checkpoint): publish the actor's
             self.sync_weights()
             return
-        ar.load_state_dict(saved["host"]["async"])  # the rollout keeps the weights of its saved version
-        self.state = self.state.replace(rollout=place_like(saved["rollout"]["params"], self.state.rollout))
-        self.rollout.publish_copy(self.state.rollout)
+        self.state = self.state.replace(rollout=rollout_params)  # the rollout keeps its saved version's weights
         self.policy.sync_model(self.state.actor.params)
 
     def save_checkpoint(self) -> bool:

@@ -22,6 +22,7 @@ import jax
 import numpy as np
 
 from jaxrl_post.algos.rollout_corr import compute_rollout_probs_diff_metrics
+from jaxrl_post.engine.train_state import place_like
 from jaxrl_post.rl.async_training.partial import PartialGeneration
 from jaxrl_post.rl.async_training.queue import GroupQueue, merge_groups, split_groups
 from jaxrl_post.rl.async_training.settings import AsyncSettings
@@ -171,6 +172,22 @@ class AsyncRollout:
             "rollout_version": self.rollout_version,
             "next_group_id": self._next_group_id,
         }
+
+    def add_to_checkpoint(self, tree: dict[str, Any], rollout_params) -> None:
+        """Put this state into a trainer checkpoint `tree`: `host['async']` (JSON) and the rollout's weights
+        (`rollout.params`: older than the actor's between publications)."""
+        tree["host"]["async"] = self.state_dict()
+        tree["rollout"] = {"params": rollout_params}
+
+    def restore_checkpoint(self, saved: dict[str, Any], like):
+        """Inverse of `add_to_checkpoint`: loads the state and returns the rollout's weights placed like `like` (the
+        rollout model samples with them again), or None when `saved` is a synchronous run's checkpoint."""
+        if not (saved.get("rollout") and "async" in saved["host"]):
+            return None
+        self.load_state_dict(saved["host"]["async"])
+        params = place_like(saved["rollout"]["params"], like)
+        self.rollout.publish_copy(params)
+        return params
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.queue.load_state_dict(d["queue"])
