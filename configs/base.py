@@ -226,6 +226,17 @@ def get_base_config() -> mlc.ConfigDict:
     c.rollout.block_size = 16  # paged: tokens per KV page (vLLM)
     c.rollout.num_scheduler_steps = 16  # paged: decode steps per dispatch between scheduling rounds (vLLM)
     c.rollout.max_model_len = _opt_int()  # paged: prompt + response tokens a page table holds (None = P + R)
+    # Placement (verl fully-async's top-level rollout.* names): devices of the rollout's own mesh
+    c.rollout.n_gpus_per_node = 0  # devices per host given to the rollout; 0 = colocated (split: not built yet)
+    c.rollout.nnodes = 1  # hosts given to the rollout (with n_gpus_per_node > 0)
+    # Asynchronous training (docs/async.md; verl's fully-async recipe names, `mode` is ours)
+    c.async_training = mlc.ConfigDict()
+    c.async_training.mode = "sync"  # 'sync' | 'one_step_off' | 'fully_async'
+    c.async_training.staleness_threshold = 1  # fully_async: a group of version v trains at step t iff t - v <= this
+    c.async_training.trigger_parameter_sync_step = 1  # fully_async: training steps between weight publications
+    c.async_training.require_batches = 1  # fully_async: generation batches per training step (prompts split evenly)
+    c.async_training.partial_rollout = False  # fully_async: stop generation at a weight update, resume (paged only)
+    c.async_training.partial_rollout_dispatches = 2  # ours: engine dispatches the batch in flight runs before that
     c.rollout.log_prob_micro_batch_size = 16  # responses per micro-batch when recomputing old log-probs, global
     c.rollout.log_prob_use_dynamic_bsz = mlc.FieldReference(None, field_type=bool)  # None -> actor.use_dynamic_bsz
     c.rollout.log_prob_max_token_len_per_gpu = _opt_int()  # None -> actor.ppo_max_token_len_per_gpu

@@ -7,6 +7,7 @@ Variants (`--config=configs/grpo.py:VARIANT`):
              and their AdamW moments are trained and checkpointed, the reference is the base model.
   tiny       random 2-layer llama, a deterministic toy reward; a few steps in well under a minute (tests).
   moe_tiny   `tiny` with a random 2-layer Qwen3-MoE (4 experts, top-2; docs/moe.md).
+  async      `tiny`, fully asynchronous: paged rollout, partial rollout, staleness <= 2, token IS (docs/async.md).
 """
 
 import os
@@ -139,12 +140,42 @@ def moe_tiny(c):
     return c
 
 
+def async_tiny(c):
+    """`tiny` trained fully asynchronously (docs/async.md): two generation batches of 2 prompts per step, a batch in
+    flight across each weight update (partial rollout on the paged engine), groups at most 2 versions old, the
+    rollout log-probs as the behaviour policy with token-level truncated IS (decoupled PPO)."""
+    tiny(c)
+    c.trainer.experiment_name = "grpo_async_tiny"
+    c.trainer.default_local_dir = "runs/grpo_async_tiny"
+    c.trainer.total_training_steps = 4
+    c.rollout.name = "paged"
+    c.rollout.max_num_seqs = 8
+    c.rollout.max_num_batched_tokens = 256
+    c.rollout.num_scheduler_steps = 4
+    c.async_training.mode = "fully_async"
+    c.async_training.staleness_threshold = 2
+    c.async_training.trigger_parameter_sync_step = 1
+    c.async_training.require_batches = 2
+    c.async_training.partial_rollout = True
+    c.async_training.partial_rollout_dispatches = 2
+    c.algorithm.rollout_correction.rollout_is = "token"
+    c.algorithm.rollout_correction.rollout_is_threshold = 2.0
+    return c
+
+
 def get_config(arg=None):
     c = base.get_base_config()
     c.algorithm.adv_estimator = "grpo"
     c.critic.enable = False
     variant = arg or "default"
-    fns = {"default": _default, "gsm8k": _gsm8k, "lora": _lora, "tiny": tiny, "moe_tiny": moe_tiny}
+    fns = {
+        "default": _default,
+        "gsm8k": _gsm8k,
+        "lora": _lora,
+        "tiny": tiny,
+        "moe_tiny": moe_tiny,
+        "async": async_tiny,
+    }
     if variant not in fns:
         raise ValueError(f"configs/grpo.py: unknown variant {variant!r}; valid: {sorted(fns)}")
     return fns[variant](c)

@@ -22,6 +22,7 @@ from jaxrl_post.errors import ConfigError
 from jaxrl_post.rl.config_features import (
     _DYNAMIC_BSZ_KEYS,
     _get,
+    check_async,
     check_distillation,
     check_lora,
     check_multi_turn,
@@ -354,6 +355,7 @@ def validate_config(cfg: Any, n_devices: int | None = None) -> None:
     check_data_rewards_and_run(cfg, check, err, is_int, is_num)
     check_lora(cfg, check, err, is_int, is_num)
     check_multi_turn(cfg, check, err, is_int, is_num)
+    check_async(cfg, check, err, is_int, is_num)
     check_distillation(cfg, check, err, is_int, is_num)
     check_router_replay(cfg, check, err)
     from jaxrl_post.runtime.distributed import config_errors

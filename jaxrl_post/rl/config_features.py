@@ -246,7 +246,6 @@ def console_tags(cfg: Any) -> set[str]:
 
 
 # (use_dynamic_bsz key, its fallback, max_token_len key, its fallback) of each packed pass
-# (use_dynamic_bsz key, its fallback, max_token_len key, its fallback) of each packed pass
 _DYNAMIC_BSZ_KEYS = {
     "actor": ("actor.use_dynamic_bsz", None, "actor.ppo_max_token_len_per_gpu", None),
     "rollout": (
@@ -306,3 +305,40 @@ def critic_enabled(cfg: Any) -> bool:
     if cfg.critic.enable is None:
         return "values" in estimator_needs(cfg)
     return bool(cfg.critic.enable)
+
+
+def check_async(cfg: Any, check, err, is_int, is_num) -> None:
+    """`async_training.*`, `rollout.n_gpus_per_node`, `rollout.nnodes` (asynchronous training, docs/async.md)."""
+    from jaxrl_post.rl.async_training.settings import MODES
+
+    if cfg.get("async_training") is None:
+        return
+    check("rollout.n_gpus_per_node", lambda v: v == 0, "must be 0 (colocated): split placement is not built yet")
+    check("rollout.nnodes", lambda v: is_int(v) and v >= 1, "must be an int >= 1")
+    if not check("async_training.mode", lambda v: v in MODES, f"valid: {list(MODES)}"):
+        return
+    a = cfg.async_training
+    check("async_training.partial_rollout_dispatches", lambda v: is_int(v) and v >= 1, "must be an int >= 1")
+    if a.mode == "sync":
+        return
+    check("async_training.partial_rollout", lambda v: isinstance(v, bool), "must be a bool")
+    if a.mode == "fully_async":
+        ok = check("async_training.staleness_threshold", lambda v: is_int(v) and v >= 0, "must be an int >= 0")
+        ok &= check("async_training.trigger_parameter_sync_step", lambda v: is_int(v) and v >= 1, "must be an int >= 1")
+        tb = cfg.data.train_batch_size
+        check(
+            "async_training.require_batches",
+            lambda v: is_int(v) and v >= 1 and is_int(tb) and tb % v == 0,
+            f"must be an int >= 1 dividing data.train_batch_size={tb}",
+        )
+        least = (int(a.trigger_parameter_sync_step) - 1 + int(a.partial_rollout is True)) if ok else 0
+        if ok and a.staleness_threshold < least:
+            err(
+                "async_training.staleness_threshold",
+                f"must be >= trigger_parameter_sync_step - 1 (+ 1 with partial_rollout) = {least}: the rollout's "
+                "weights would be older than that when their groups train",
+            )
+        if a.partial_rollout is True and cfg.rollout.name != "paged":
+            err("async_training.partial_rollout", "needs rollout.name='paged' (stop and resume at a dispatch)")
+    if cfg.algorithm.filter_groups.enable is True:
+        err("async_training.mode", "asynchronous training with algorithm.filter_groups is not built yet; use 'sync'")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxrl_post.rl.async_training.settings import async_mode
+
 
 @dataclasses.dataclass(frozen=True)
 class StepGeometry:
@@ -50,6 +52,7 @@ class StepGeometry:
                 and actor_mini == batch_size
                 and not cfg.algorithm.use_kl_in_reward
                 and not use_rollout_corr
+                and async_mode(cfg) == "sync"  # asynchronous: the behaviour policy is an older one
             ),
             peak_flops=peak_flops,
         )

@@ -52,6 +52,8 @@ from jaxrl_post.rl import (
     updates,
 )
 from jaxrl_post.rl import metrics as metrics_lib
+from jaxrl_post.rl.async_training import AsyncSettings, async_mode
+from jaxrl_post.rl.async_training.producer import AsyncRollout, rollout_probs_diff
 from jaxrl_post.rl.config_check import kl_in_use, validate_config
 from jaxrl_post.rl.config_features import critic_enabled
 from jaxrl_post.rl.dynamic_sampling import FilteredRollout
@@ -135,10 +137,13 @@ class RLTrainer:
         # params or on a copy), the reference (only with a KL term), the teacher (on-policy distillation),
         # the critic (PPO); the arrays they train are `self.state`
         self.policy, actor = PolicyRole.build(cfg, actor_model, self.placement, g)
+        is_async = async_mode(cfg) != "sync"  # the rollout's own weights, published every k steps (docs/async.md)
         rollout = RolloutRole(
-            cfg, self.policy, self.placement, self.tokenizer, eos_token_ids, pad_token_id, process_local
+            cfg, self.policy, self.placement, self.tokenizer, eos_token_ids, pad_token_id, process_local, is_async
         )
         self.rollout = FilteredRollout(cfg, rollout) if cfg.algorithm.filter_groups.enable else rollout
+        if is_async:  # the producer and its queue, around the rollout (config_check: no filter_groups then)
+            self.rollout = AsyncRollout(AsyncSettings.from_config(cfg), rollout)
         self.reference = ReferencePolicy(cfg, self.policy, actor.params) if kl_in_use(cfg) else None
         self.teacher = TeacherRole.build(cfg, self.policy, self.placement, self.tokenizer)  # None: no distillation
         self.critic, critic = (None, None)
@@ -148,7 +153,7 @@ class RLTrainer:
 
         # ---- state: one device pytree, one host dataclass (train_state.py)
         self.state = TrainState(actor=actor, critic=critic, rollout=None, rng=jax.random.key(int(cfg.trainer.seed)))
-        self.sync_weights()
+        self.sync_weights(step=0)
         k, max_nf = cfg.algorithm.kl_ctrl, int(cfg.trainer.max_consecutive_nonfinite)
         self.host = HostState(
             kl_ctrl=core_algos.get_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon),
@@ -182,6 +187,11 @@ class RLTrainer:
     resumed_from = property(lambda self: self.run.resumed_from)
 
     @property
+    def async_rollout(self) -> AsyncRollout | None:
+        """The asynchronous producer and queue (`async_training.mode` other than 'sync'), else None."""
+        return self.rollout if isinstance(self.rollout, AsyncRollout) else None
+
+    @property
     def val_before_metrics(self) -> dict[str, float] | None:
         """The run's validation before training (kept on resume: `host['val_before']`)."""
         return self.host.val_before
@@ -208,8 +218,10 @@ class RLTrainer:
         with _timer("step", timing):
             # -- rollout + reward (+ dynamic sampling: more generation batches until enough groups vary)
             more = next_prompts or (lambda: next(self.data.train_loader))
+            # asynchronous: the step's groups from the queue (async_training/producer.py)
+            kw = {} if self.async_rollout is None else {"step": self.host.global_steps}
             b, nt, reward_metrics, prompts, rng = self.rollout.collect(
-                prompts, gen_seed, timing, self.reward_fn, self.state.rng, more
+                prompts, gen_seed, timing, self.reward_fn, self.state.rng, more, **kw
             )
             self.state = self.state.replace(rng=rng)
             metrics.update(reward_metrics)
@@ -244,6 +256,8 @@ class RLTrainer:
             if g.use_rollout_corr:  # IS weights / rejection mask from log(pi_old / pi_rollout), whole batch
                 train_mask, corr_metrics = updates.rollout_correction(cfg, b, train_mask)
                 metrics.update(corr_metrics)
+            elif self.async_rollout is not None:  # behaviour (rollout) vs proximal (recomputed) policy
+                metrics.update(rollout_probs_diff(b, train_mask))
 
             # -- KL in reward, advantages
             kl_ctrl = self.host.kl_ctrl
@@ -277,7 +291,7 @@ class RLTrainer:
                     args = (cfg, self.policy, g, self.state, self.host, b, train_mask, rng)
                     self.state, out = updates.update_actor(*args)
                     metrics.update(updates.actor_metrics(cfg, self.policy, self.host, out))
-                self.sync_weights()
+                self.sync_weights(step=self.host.global_steps + 1)
 
         self.host.global_steps += 1
         model_config, n_devices, use_critic = (
@@ -295,10 +309,16 @@ class RLTrainer:
         to_int = lambda k: int(jax.random.randint(k, (), 0, 2**31 - 1))
         return to_int(k_gen), to_int(k_shuffle)
 
-    def sync_weights(self) -> None:
+    def sync_weights(self, step: int | None = None) -> None:
         """The actor's module and the rollout get the current actor params (`RolloutRole.sync`): after every
-        actor update and restore."""
-        self.state = self.state.replace(rollout=self.rollout.sync(self.state.actor.params, self.state.rollout))
+        actor update and restore. `step`: training steps the params have done; asynchronous training publishes
+        them to the rollout only every `async_training.trigger_parameter_sync_step` steps (None: publish)."""
+        ar = self.async_rollout
+        publish = ar is None or step is None or ar.settings.publishes_after(step)
+        new = self.rollout.sync(self.state.actor.params, self.state.rollout, publish=publish)
+        self.state = self.state.replace(rollout=new)
+        if ar is not None and publish:
+            ar.publish(self.global_steps if step is None else step)
 
     @property
     def trace_counts(self) -> dict[str, int]:
@@ -457,7 +477,7 @@ class RLTrainer:
                 base=base,
             ),
         }
-        return train_state.state_dict(
+        out = train_state.state_dict(
             self.state,
             self.host,
             data_iter=self.data.train_loader.get_state(),
@@ -466,6 +486,9 @@ class RLTrainer:
             total_training_steps=self.total_training_steps,
             config=config_to_dict(cfg),
         )
+        if self.async_rollout is not None:  # the queue, the batch in flight, the rollout's (older) weights
+            self.async_rollout.add_to_checkpoint(out, self.state.rollout)
+        return out
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         """Inverse of `state_dict` (arrays are placed like the current ones)."""
@@ -473,7 +496,13 @@ class RLTrainer:
         self.data.train_loader.set_state(saved["host"]["data_iter"])
         if saved.get("ref") is not None and self.reference is not None:
             self.reference.params = place_like(saved["ref"]["params"], self.reference.params)
-        self.sync_weights()
+        ar = self.async_rollout
+        rollout_params = None if ar is None else ar.restore_checkpoint(saved, self.state.rollout)
+        if rollout_params is None:  # synchronous (or a synchronous run's checkpoint): publish the actor's
+            self.sync_weights()
+            return
+        self.state = self.state.replace(rollout=rollout_params)  # the rollout keeps its saved version's weights
+        self.policy.sync_model(self.state.actor.params)
 
     def save_checkpoint(self) -> bool:
         """Start an (async) checkpoint of the current state as step `global_steps`; False if one exists."""
@@ -485,6 +514,8 @@ class RLTrainer:
 
         def like(items: set[str]) -> dict:
             out = {k: v for k, v in self.state_dict().items() if k != "host"}
+            if "rollout.params" not in items:  # a synchronous run's checkpoint
+                out.pop("rollout", None)
             if self.reference is not None and "ref.params" in items:
                 out["ref"] = {"params": self.reference.params}
             return out

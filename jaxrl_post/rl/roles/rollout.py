@@ -34,13 +34,25 @@ class RolloutRole:
       placement: the run's `Placement`.
       tokenizer, eos_token_ids, pad_token_id: the actor's tokenizer and its stop / pad ids.
       process_local: multi-process runs where each process holds only its share of every prompt batch.
+      separate_copy: the rollout samples with its own copy of the weights even when dtypes agree (asynchronous
+        training: the rollout's weights are published every `trigger_parameter_sync_step` steps, `sync(publish=)`).
 
     Attributes: `model` (the sampling nnx module), `copy` (True: a separate copy in `rollout.dtype`),
     `generator` (`rollout.Generator`, or `PagedGenerator` under `rollout.name='paged'`), `agent_loop`
     (multi-turn `AgentLoop`, None: single-turn).
     """
 
-    def __init__(self, cfg, policy, placement: Placement, tokenizer, eos_token_ids, pad_token_id, process_local: bool):
+    def __init__(
+        self,
+        cfg,
+        policy,
+        placement: Placement,
+        tokenizer,
+        eos_token_ids,
+        pad_token_id,
+        process_local: bool,
+        separate_copy: bool = False,
+    ):
         from jaxrl_post.models.hf_io import empty_model
         from jaxrl_post.models.lora import merged_state
         from jaxrl_post.rollout import Generator
@@ -50,10 +62,13 @@ class RolloutRole:
         self.process_local = bool(process_local)
         rdt = jnp.dtype(cfg.rollout.dtype or platform_defaults.resolve("model.dtype", cfg.model.dtype))
         m = policy.model
-        self.copy = not (rdt == m.dtype == m.param_dtype)
+        self.copy = separate_copy or not (rdt == m.dtype == m.param_dtype)
         if self.copy:
             self.model = empty_model(m.config, dtype=rdt, param_dtype=rdt)
-            cast = lambda p: jax.tree.map(lambda x: x.astype(rdt), p)
+            # a same-dtype `astype` would hand back the actor's own (later donated) buffers: copy instead
+            one = (lambda x: jnp.copy(x) if x.dtype == rdt else x.astype(rdt)) if separate_copy else None
+            one = one or (lambda x: x.astype(rdt))
+            cast = lambda p: jax.tree.map(one, p)
             if policy.lora is not None:  # fn(adapters, frozen base) -> merged params, shardings of the base
                 g, r = policy.graphdef, policy.rest
                 to_rollout = lambda p, f: cast(merged_state(nnx.merge(g, p, f, r)))
@@ -83,13 +98,16 @@ class RolloutRole:
         """What generates: the multi-turn agent loop, else the single-turn generator."""
         return self.generator if self.agent_loop is None else self.agent_loop
 
-    def sync(self, actor_params, rollout_params):
+    def sync(self, actor_params, rollout_params, publish: bool = True):
         """The one place where actor and rollout meet, after every actor update and restore: the actor's
         module gets `actor_params`; the rollout model gets them too -- shared buffers when dtypes agree
         (returns None), else cast to `rollout.dtype` by one jitted program (shardings kept; the previous copy
         `rollout_params` is donated to it; LoRA: the adapters merged into the frozen base kernels first).
-        Returns the new rollout copy (`TrainState.rollout`)."""
+        Returns the new rollout copy (`TrainState.rollout`). `publish=False` (asynchronous training between weight
+        publications): the actor's module only; the rollout keeps `rollout_params`."""
         self.policy.sync_model(actor_params)  # the actor module always holds the live params
+        if not publish:
+            return rollout_params
         if not self.copy:
             return None
         frozen = self.policy.frozen
@@ -99,6 +117,10 @@ class RolloutRole:
             new = self._cast_donating(actor_params, frozen, rollout_params)
         nnx.update(self.model, new)
         return new
+
+    def publish_copy(self, rollout_params) -> None:
+        """The rollout model samples with `rollout_params` (a restored copy; asynchronous training)."""
+        nnx.update(self.model, rollout_params)
 
     def sampling_params(self, *, validate: bool, seed: int = 0):
         """`rollout.SamplingParams` of a training step (`rollout.*`) or of validation (`rollout.val_kwargs`)."""
@@ -128,14 +150,22 @@ class RolloutRole:
         prompt, when the estimator declares that input, as ReMax), `nt` its non-tensor batch.
         Raises RewardFunctionError (see `RewardManager.compute`).
         """
-        from jaxrl_post.runtime.distributed import gather_reward, gather_rows
-
         n = int(self.config.rollout.n)
         local = self.process_local  # multi-process: `prompts` are this process's share
         engine = self.engine
         with timer("gen", timing):
             params = self.sampling_params(validate=False, seed=seed)
             out = engine.generate(prompts, params, process_local=local, n=n)  # interleaved; one prefill each
+        return self.score_generated(prompts, out, timing, reward_fn)
+
+    def score_generated(self, prompts, out, timing: dict[str, float], reward_fn):
+        """The scoring half of `generate_and_score` on a generated batch `out` of `prompts` (asynchronous
+        training scores a batch that partial rollout generated in several calls). Same returns and raises."""
+        from jaxrl_post.runtime.distributed import gather_reward, gather_rows
+
+        n = int(self.config.rollout.n)
+        local = self.process_local
+        engine = self.engine
         if self.agent_loop is not None:
             self._multi_turn_stats.append(dict(self.agent_loop.last_stats))
         b = {k: to_numpy(v) for k, v in out.batch.items()}

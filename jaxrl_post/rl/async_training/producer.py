@@ -1,0 +1,211 @@
+"""`AsyncRollout`: the producer/consumer schedule of asynchronous training on today's rollout + reward code.
+
+The producer turns prompt batches into scored groups (`RolloutRole.generate_and_score`, or a `PartialGeneration`
+on the paged engine with partial rollout) tagged with the rollout's policy version, into a bounded `GroupQueue`; the
+consumer (`collect`, called by `RLTrainer.train_step` at step t) takes `data.train_batch_size` fresh groups in FIFO
+order, dropping (and counting) stale ones (staleness.py). The interleaving is deterministic: before step t trains,
+the producer fills the queue with the step's own groups plus `AsyncSettings.ahead_chunks` generation batches (what a
+concurrent producer would have generated while earlier steps trained, under the weights then published); with
+partial rollout one more batch is then started and stopped after `partial_rollout_dispatches` dispatches: it is in
+flight across the weight update and resumes under the new weights at step t + 1.
+
+Modes (`async_training.mode`): 'one_step_off' = one batch ahead, weights published after every step (the batch of
+step t + 1 sampled by the weights of step t); 'fully_async' = `staleness_threshold`, `trigger_parameter_sync_step`,
+`require_batches`, `partial_rollout`. At staleness 0 (k = 1, r = 1, partial off) the schedule is the synchronous one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxrl_post.algos.rollout_corr import compute_rollout_probs_diff_metrics
+from jaxrl_post.engine.train_state import place_like
+from jaxrl_post.rl.async_training.partial import PartialGeneration
+from jaxrl_post.rl.async_training.queue import GroupQueue, merge_groups, split_groups
+from jaxrl_post.rl.async_training.settings import AsyncSettings
+from jaxrl_post.rl.async_training.staleness import STALE, is_fresh, staleness_metrics
+from jaxrl_post.rl.dynamic_sampling import timer
+
+_SEED_STRIDE = 104_729  # seeds of the extra generation batches of a step: seed + i * stride (mod 2^31 - 1)
+
+
+def _seed(base: int, i: int) -> int:
+    return int((base + i * _SEED_STRIDE) % (2**31 - 1))
+
+
+class AsyncRollout:
+    """The producer and the queue of an asynchronous run.
+
+    Args:
+      settings: the run's `AsyncSettings`.
+      rollout: the `RolloutRole` (its model is a separate copy of the actor's weights, published by the trainer
+        every `trigger_parameter_sync_step` steps: `publish`). The rest of its interface is reached through this
+        object (the trainer holds it as its `rollout`, as `FilteredRollout`).
+
+    Attributes: `queue` (`GroupQueue`), `rollout_version` (training steps of the weights the rollout samples with),
+    `in_flight` (a `PartialGeneration` stopped at the last weight update, or None), `pending` (prompt batches and
+    their seeds not generated yet).
+    """
+
+    def __init__(self, settings: AsyncSettings, rollout):
+        self.__dict__["rollout"] = rollout  # first: `__getattr__` reads it
+        self.settings = s = settings
+        capacity = (s.require_batches + s.ahead_chunks + 2) * s.chunk_prompts
+        self.queue = GroupQueue(capacity)
+        self.rollout_version = 0
+        self.in_flight: PartialGeneration | None = None
+        self.pending: list[tuple[Any, int]] = []
+        self._next_group_id = 0
+        self._pulled = 0
+
+    def __getattr__(self, name):  # the rest of the rollout's interface (sync, sampling_params, engine, close, ...)
+        return getattr(self.__dict__["rollout"], name)
+
+    # ---------------------------------------------------------------- weights
+    def publish(self, version: int) -> None:
+        """The rollout model now holds the weights of `version` (the trainer copied them)."""
+        self.rollout_version = int(version)
+
+    # ---------------------------------------------------------------- producer
+    def _add_prompts(self, prompts, seed: int) -> None:
+        r = self.settings.require_batches
+        chunks = prompts.chunk(r) if r > 1 else [prompts]
+        self.pending.extend((c, _seed(seed, i)) for i, c in enumerate(chunks))
+
+    def _push(self, b, nt, versions, metrics) -> None:
+        groups = split_groups(b, nt, self.settings.n, versions, self._next_group_id, metrics)
+        self._next_group_id += len(groups)
+        for g in groups:
+            self.queue.put(g)
+
+    def _score_partial(self, gen: PartialGeneration, timing, reward_fn) -> None:
+        b, nt, res = self.rollout.score_generated(gen.prompts, gen.out, timing, reward_fn)
+        self._push(b, nt, gen.versions, res.metrics)
+
+    def _run_partial(self, gen: PartialGeneration, timing, max_dispatches: int | None) -> None:
+        params = self.rollout.sampling_params(validate=False, seed=gen.seed)
+        with timer("gen", timing):
+            gen.run(self.rollout.generator, params, self.rollout_version, max_dispatches)
+
+    def _next_pending(self, more, seed: int):
+        if not self.pending:
+            self._pulled += 1
+            self._add_prompts(more(), _seed(seed, self._pulled))
+        return self.pending.pop(0)
+
+    def produce(self, timing: dict[str, float], reward_fn, more, seed: int) -> None:
+        """Generate and score one generation batch into the queue: the batch in flight (resumed under the current
+        weights) if any, else the next pending prompts (pulled from `more()` when none wait)."""
+        if self.in_flight is not None:
+            gen, self.in_flight = self.in_flight, None
+            self._run_partial(gen, timing, None)
+            self._score_partial(gen, timing, reward_fn)
+            return
+        prompts, s = self._next_pending(more, seed)
+        if self.settings.partial_rollout:
+            gen = PartialGeneration(prompts, s, self.settings.n)
+            self._run_partial(gen, timing, None)
+            self._score_partial(gen, timing, reward_fn)
+            return
+        b, nt, res = self.rollout.generate_and_score(prompts, s, timing, reward_fn)
+        versions = np.full(np.shape(b["responses"]), self.rollout_version, np.int32)
+        self._push(b, nt, versions, res.metrics)
+
+    def _start_in_flight(self, timing, reward_fn, more, seed: int) -> None:
+        """Partial rollout: start the next batch; stopped after `partial_rollout_dispatches` (the weight update)."""
+        prompts, s = self._next_pending(more, seed)
+        gen = PartialGeneration(prompts, s, self.settings.n)
+        self._run_partial(gen, timing, self.settings.partial_rollout_dispatches)
+        if gen.done:
+            self._score_partial(gen, timing, reward_fn)
+        else:
+            self.in_flight = gen
+
+    # ---------------------------------------------------------------- consumer
+    def collect(self, prompts, seed: int, timing: dict[str, float], reward_fn, rng, next_prompts, *, step: int):
+        """The training batch of step `step`: `(b, nt, metrics, prompts, rng)` as `RolloutRole.collect`, with
+        `b["rollout_versions"] [B, R] int32` and the `async/*` metrics. `prompts`: the step's prompt batch (queued
+        behind those already pending); `next_prompts()`: more prompt batches when the producer runs ahead."""
+        s = self.settings
+        self._pulled = 0
+        self._add_prompts(prompts, seed)
+        need = s.train_batch_size
+        if not is_fresh(self.rollout_version, step, s.staleness_threshold):
+            raise RuntimeError(
+                f"step {step}: the rollout's weights (version {self.rollout_version}) are older than "
+                f"async_training.staleness_threshold={s.staleness_threshold} allows: no group could ever train "
+                f"(publish every trigger_parameter_sync_step <= staleness_threshold + 1 steps)"
+            )
+        while len(self.queue) < need + s.ahead_chunks * s.chunk_prompts:
+            self.produce(timing, reward_fn, next_prompts, seed)
+        taken = []
+        while len(taken) < need:
+            if not len(self.queue):
+                self.produce(timing, reward_fn, next_prompts, seed)
+                continue
+            g = self.queue.get()
+            if is_fresh(g.version, step, s.staleness_threshold):
+                taken.append(g)
+            else:
+                self.queue.drop(g, STALE)
+        self.queue.mark_trained(taken)
+        if s.partial_rollout and self.in_flight is None:
+            self._start_in_flight(timing, reward_fn, next_prompts, seed)
+        b, nt, metrics = merge_groups(taken)
+        metrics.update(staleness_metrics(b["rollout_versions"], b["response_attention_mask"], step))
+        metrics.update(self.queue.counts())
+        metrics["async/rollout_version"] = float(self.rollout_version)
+        metrics["async/in_flight"] = float(self.in_flight is not None)
+        return b, nt, metrics, prompts, rng
+
+    # ---------------------------------------------------------------- checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-able: the queue, the batch in flight, the pending prompts, the rollout version, the group counter."""
+        pending = [PartialGeneration(p, sd, self.settings.n).state_dict() for p, sd in self.pending]
+        return {
+            "queue": self.queue.state_dict(),
+            "in_flight": None if self.in_flight is None else self.in_flight.state_dict(),
+            "pending": pending,
+            "rollout_version": self.rollout_version,
+            "next_group_id": self._next_group_id,
+        }
+
+    def add_to_checkpoint(self, tree: dict[str, Any], rollout_params) -> None:
+        """Put this state into a trainer checkpoint `tree`: `host['async']` (JSON) and the rollout's weights
+        (`rollout.params`: older than the actor's between publications)."""
+        tree["host"]["async"] = self.state_dict()
+        tree["rollout"] = {"params": rollout_params}
+
+    def restore_checkpoint(self, saved: dict[str, Any], like):
+        """Inverse of `add_to_checkpoint`: loads the state and returns the rollout's weights placed like `like` (the
+        rollout model samples with them again), or None when `saved` is a synchronous run's checkpoint."""
+        if not (saved.get("rollout") and "async" in saved["host"]):
+            return None
+        self.load_state_dict(saved["host"]["async"])
+        params = place_like(saved["rollout"]["params"], like)
+        self.rollout.publish_copy(params)
+        return params
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        self.queue.load_state_dict(d["queue"])
+        self.in_flight = None if d["in_flight"] is None else PartialGeneration.from_state_dict(d["in_flight"])
+        self.pending = []
+        for p in d["pending"]:
+            gen = PartialGeneration.from_state_dict(p)
+            self.pending.append((gen.prompts, gen.seed))
+        self.rollout_version = int(d["rollout_version"])
+        self._next_group_id = int(d["next_group_id"])
+
+
+def rollout_probs_diff(b: dict[str, np.ndarray], mask_BR: np.ndarray) -> dict[str, float]:
+    """verl's `training/rollout_probs_diff_{max,std,valid}` and `training/rollout_actor_probs_pearson_corr`
+    between the behaviour (`b["rollout_log_probs"]`) and the proximal policy (`b["old_log_probs"]`, recomputed)
+    over the tokens of `mask_BR` (`rollout_corr.py`); {} without old log-probs. The `_mean` is the actor update's
+    (`losses.py`, current vs behaviour policy, as verl logs it), not repeated here."""
+    if "old_log_probs" not in b or not np.any(mask_BR):
+        return {}
+    out = compute_rollout_probs_diff_metrics(b["old_log_probs"], b["rollout_log_probs"], mask_BR)
+    return {k: float(v) for k, v in jax.device_get(out).items() if k != "training/rollout_probs_diff_mean"}

@@ -1,0 +1,177 @@
+"""`GroupQueue`: the bounded FIFO of scored groups between the rollout (producer) and the trainer (consumer).
+
+A group is one prompt's `rollout.n` scored responses (the unit GRPO's advantages need), tagged with the policy
+version that sampled its oldest token. The queue is pure Python and deterministic; `state_dict` is JSON-able (arrays
+as dtype, shape and a flat list: float32 -> Python float -> float32 is exact), so a checkpoint holds it and a
+resumed run continues with the very same groups (Tunix keeps a data queue for its async rollout; verl's fully-async
+`MessageQueue` is bounded the same way).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+
+def encode_array(x: np.ndarray) -> dict[str, Any]:
+    """`x` as JSON-able `{"dtype", "shape", "data"}` (exact for ints, bools and float32)."""
+    x = np.asarray(x)
+    if x.dtype == object or x.dtype.kind in "US":
+        return {"dtype": "object", "shape": list(x.shape), "data": x.reshape(-1).tolist()}
+    return {"dtype": str(x.dtype), "shape": list(x.shape), "data": x.reshape(-1).tolist()}
+
+
+def decode_array(d: dict[str, Any]) -> np.ndarray:
+    """Inverse of `encode_array`."""
+    if d["dtype"] == "object":
+        out = np.empty(len(d["data"]), dtype=object)
+        out[:] = d["data"]
+        return out.reshape(d["shape"])
+    return np.asarray(d["data"], dtype=np.dtype(d["dtype"])).reshape(d["shape"])
+
+
+@dataclasses.dataclass
+class ScoredGroup:
+    """One prompt's scored responses.
+
+    Fields:
+      group_id: running number of the group over the run (generation order).
+      version: the policy version (completed training steps of the weights) that sampled its oldest token.
+      batch: host arrays `[n, ...]` (`responses [n, R] int32`, `rollout_log_probs [n, R] float32`,
+        `token_level_scores [n, R] float32`, `rollout_versions [n, R] int32`, ...).
+      non_tensor: `[n]` object arrays (`uid`, `data_source`, ...).
+      metrics: the reward metrics of the generation batch it came from.
+    """
+
+    group_id: int
+    version: int
+    batch: dict[str, np.ndarray]
+    non_tensor: dict[str, np.ndarray]
+    metrics: dict[str, float]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "group_id": int(self.group_id),
+            "version": int(self.version),
+            "batch": {k: encode_array(v) for k, v in self.batch.items()},
+            "non_tensor": {k: encode_array(v) for k, v in self.non_tensor.items()},
+            "metrics": {k: float(v) for k, v in self.metrics.items()},
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> ScoredGroup:
+        return cls(
+            group_id=int(d["group_id"]),
+            version=int(d["version"]),
+            batch={k: decode_array(v) for k, v in d["batch"].items()},
+            non_tensor={k: decode_array(v) for k, v in d["non_tensor"].items()},
+            metrics=dict(d["metrics"]),
+        )
+
+
+def split_groups(
+    b: dict[str, np.ndarray],
+    nt: dict[str, np.ndarray],
+    n: int,
+    versions: np.ndarray,
+    first_id: int,
+    metrics: dict[str, float],
+) -> list[ScoredGroup]:
+    """A scored generation batch (rows `i * n + j`, `[B, ...]` arrays) as its `B / n` groups; `versions [B, R]` the
+    per-token versions (the group's version is their minimum over its rows)."""
+    rows = len(versions)
+    out = []
+    for g, s in enumerate(range(0, rows, n)):
+        sl = slice(s, s + n)
+        batch = {k: np.asarray(v)[sl] for k, v in b.items()}
+        batch["rollout_versions"] = np.asarray(versions[sl], np.int32)
+        non_tensor = {k: np.asarray(v)[sl] for k, v in nt.items()}
+        out.append(ScoredGroup(first_id + g, int(versions[sl].min()), batch, non_tensor, dict(metrics)))
+    return out
+
+
+def merge_groups(groups: list[ScoredGroup]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, float]]:
+    """The training batch of `groups` in order: `(b, nt, reward_metrics)` (metrics: the mean over the groups of
+    their generation batch's metrics)."""
+    b = {k: np.concatenate([g.batch[k] for g in groups]) for k in groups[0].batch}
+    nt = {k: np.concatenate([g.non_tensor[k] for g in groups]) for k in groups[0].non_tensor}
+    names = sorted({k for g in groups for k in g.metrics})
+    metrics = {k: float(np.mean([g.metrics[k] for g in groups if k in g.metrics])) for k in names}
+    return b, nt, metrics
+
+
+class GroupQueue:
+    """Bounded FIFO of `ScoredGroup`s with counters of what was produced, trained and dropped (and why).
+
+    Args:
+      capacity: groups the queue holds at most; `put` past it raises OverflowError (the producer waits instead).
+    """
+
+    def __init__(self, capacity: int):
+        if capacity < 1:
+            raise ValueError(f"GroupQueue: capacity must be >= 1, got {capacity}")
+        self.capacity = int(capacity)
+        self._items: collections.deque[ScoredGroup] = collections.deque()
+        self.produced = 0
+        self.trained: list[int] = []  # group ids in the order they were trained
+        self.dropped: dict[str, list[int]] = {}  # reason -> group ids
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @property
+    def full(self) -> bool:
+        return len(self._items) >= self.capacity
+
+    def put(self, group: ScoredGroup) -> None:
+        """Append `group`. Raises OverflowError when the queue is full."""
+        if self.full:
+            raise OverflowError(f"GroupQueue: full ({self.capacity} groups)")
+        self._items.append(group)
+        self.produced += 1
+
+    def get(self) -> ScoredGroup:
+        """The oldest group. Raises IndexError when empty."""
+        return self._items.popleft()
+
+    def peek_versions(self) -> list[int]:
+        return [g.version for g in self._items]
+
+    def mark_trained(self, groups: list[ScoredGroup]) -> None:
+        self.trained.extend(g.group_id for g in groups)
+
+    def drop(self, group: ScoredGroup, reason: str) -> None:
+        """Count `group` as dropped for `reason` (e.g. 'stale')."""
+        self.dropped.setdefault(reason, []).append(group.group_id)
+
+    def counts(self) -> dict[str, float]:
+        """`async/queue_size`, `async/produced_groups_total`, `async/trained_groups_total`,
+        `async/dropped_groups_total/<reason>`."""
+        out = {
+            "async/queue_size": float(len(self._items)),
+            "async/produced_groups_total": float(self.produced),
+            "async/trained_groups_total": float(len(self.trained)),
+        }
+        out.update({f"async/dropped_groups_total/{r}": float(len(ids)) for r, ids in sorted(self.dropped.items())})
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-able state: the queued groups and the counters."""
+        return {
+            "capacity": self.capacity,
+            "items": [g.to_json() for g in self._items],
+            "produced": self.produced,
+            "trained": list(self.trained),
+            "dropped": {k: list(v) for k, v in self.dropped.items()},
+        }
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        """Inverse of `state_dict`."""
+        self.capacity = int(d["capacity"])
+        self._items = collections.deque(ScoredGroup.from_json(g) for g in d["items"])
+        self.produced = int(d["produced"])
+        self.trained = [int(i) for i in d["trained"]]
+        self.dropped = {k: [int(i) for i in v] for k, v in d["dropped"].items()}

@@ -1,0 +1,77 @@
+"""`async_training.*` / `rollout.n_gpus_per_node` config checks: one ConfigError line per bad key, before anything
+is built; the defaults are the synchronous loop."""
+
+import pytest
+
+from configs import grpo
+from jaxrl_post.errors import ConfigError
+from jaxrl_post.rl.async_training.settings import AsyncSettings
+from jaxrl_post.rl.config_check import validate_config
+
+
+def _cfg(**kw):
+    c = grpo.get_config("tiny")
+    c.async_training.mode = "fully_async"
+    for k, v in kw.items():
+        section, key = k.split("__")
+        setattr(getattr(c, section), key, v)
+    return c
+
+
+def test_defaults_are_synchronous_and_valid():
+    c = grpo.get_config("tiny")
+    assert c.async_training.mode == "sync" and c.rollout.n_gpus_per_node == 0
+    validate_config(c, n_devices=1)
+    validate_config(grpo.get_config("async"), n_devices=1)
+
+
+@pytest.mark.parametrize(
+    "kw, line",
+    [
+        ({"async_training__mode": "overlap"}, "config.async_training.mode='overlap': valid: ['sync', 'one_step_off'"),
+        ({"async_training__staleness_threshold": -1}, "config.async_training.staleness_threshold=-1: must be an int"),
+        (
+            {"async_training__trigger_parameter_sync_step": 3, "async_training__staleness_threshold": 1},
+            "config.async_training.staleness_threshold=1: must be >= trigger_parameter_sync_step - 1",
+        ),
+        ({"async_training__require_batches": 3}, "config.async_training.require_batches=3: must be an int >= 1 divid"),
+        (
+            {"async_training__partial_rollout": True, "async_training__staleness_threshold": 1},
+            "needs rollout.name='paged'",
+        ),
+        (
+            {
+                "async_training__partial_rollout": True,
+                "async_training__staleness_threshold": 0,
+                "rollout__name": "paged",
+            },
+            "(+ 1 with partial_rollout) = 1",
+        ),
+        ({"rollout__n_gpus_per_node": 4}, "config.rollout.n_gpus_per_node=4: must be 0 (colocated)"),
+    ],
+)
+def test_bad_async_keys_are_one_line_each(kw, line):
+    with pytest.raises(ConfigError) as e:
+        validate_config(_cfg(**kw), n_devices=1)
+    msg = str(e.value)
+    assert line in msg, msg
+    assert msg.count("\n  ") == 1, msg  # exactly that key
+
+
+def test_filter_groups_with_async_is_refused():
+    c = _cfg()
+    c.algorithm.filter_groups.enable = True
+    c.algorithm.filter_groups.metric = "acc"
+    with pytest.raises(ConfigError, match="with algorithm.filter_groups is not built yet"):
+        validate_config(c, n_devices=1)
+
+
+def test_settings_of_each_mode():
+    one = AsyncSettings.from_config(_cfg(async_training__mode="one_step_off", async_training__staleness_threshold=5))
+    assert (one.staleness_threshold, one.trigger_parameter_sync_step, one.ahead_chunks) == (1, 1, 1)
+    full = AsyncSettings.from_config(
+        _cfg(async_training__staleness_threshold=3, async_training__trigger_parameter_sync_step=2)
+    )
+    # groups sampled up to k - 1 = 1 step before a publication: 3 - 1 = 2 steps ahead, in batches of 4 prompts
+    assert full.ahead_chunks == 2 and full.chunk_prompts == 4
+    assert [full.publishes_after(t) for t in range(1, 5)] == [False, True, False, True]
