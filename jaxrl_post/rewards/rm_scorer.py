@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 from jaxrl_post.models.reward_model import RewardModel
-from jaxrl_post.runtime.sharding import InMesh, shard_batch, shard_params
+from jaxrl_post.runtime.sharding import InMesh, batch_shards, shard_batch, shard_params
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class RewardModelScorer:
         self.mesh = mesh if mesh is not None and mesh.size > 1 else None
         dp = 1
         if self.mesh is not None:
-            dp = int(np.prod([self.mesh.shape[a] for a in ("data", "fsdp") if a in self.mesh.shape]))
+            dp = batch_shards(self.mesh)
         self.micro, self.rows_multiple = int(micro_batch_size), int(micro_batch_size) * dp
         graphdef, params = nnx.split(model)
         if self.mesh is not None:

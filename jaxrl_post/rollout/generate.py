@@ -21,7 +21,7 @@ batch a multiple of the data-parallel size), and the jitted functions are module
 every ``Generator`` / ``generate_sequences`` call with the same model structure and buckets reuses one
 compiled prefill and one compiled decode (one decode body per compaction size inside it).
 
-Sharded: pass a ``Mesh`` (axes ``('data', 'fsdp', 'tensor')``); the batch goes over ``('data',
+Sharded: pass a ``Mesh`` (axes ``('data', 'fsdp', 'expert', 'tensor')``); the batch goes over ``('data',
 'fsdp')``, the cache per ``sharding.cache_shardings``, and params stay where the caller put them
 (``sharding.shard_params``, or a model created/loaded with ``mesh=``).
 """
@@ -194,8 +194,9 @@ class Generator:
     def _batch_multiple(self) -> int:
         if self.mesh is None:
             return 1
-        shape = dict(self.mesh.shape)
-        return shape.get("data", 1) * shape.get("fsdp", 1)
+        from jaxrl_post.runtime.sharding import batch_shards
+
+        return batch_shards(self.mesh)
 
     def __call__(self, prompts: DataProto, params: SamplingParams, *, seed: int | None = None) -> DataProto:
         return self.generate(prompts, params, seed=seed)
