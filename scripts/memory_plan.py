@@ -1,4 +1,5 @@
-"""Per-device memory of the actor update at Qwen2.5-1.5B / 7B shapes, from XLA's own buffer assignment.
+"""Per-device memory of the actor update at Qwen2.5-1.5B / 7B and Qwen3-30B-A3B shapes, from XLA's own buffer
+assignment.
 
     python scripts/memory_plan.py [--plans lora_7b_v5e8,full_1p5b_gpu80] [--json /tmp/memory_plan.json]
         [--layers N]   # fewer layers: a quick look only (the table says so)
@@ -7,9 +8,10 @@
 No weights and no accelerator: the model is built abstractly (`nnx.eval_shape`), the REAL packed update
 (`packed_steps.make_packed_actor_update`, the trainer's `update` boundary, with the shardings of
 `placement.Placement.jit_update` / `put_packed` and `sharding.init_opt_state`) is lowered with `jax.ShapeDtypeStruct`
-arguments on a fake mesh of host devices (`--xla_force_host_platform_device_count=8`, set here before jax is
-imported) and compiled by XLA:CPU; `compiled.memory_analysis()` gives per-device bytes of arguments,
-outputs, aliased (donated) buffers and temporaries. Total = arguments + outputs - aliased + temporaries.
+arguments on a fake mesh of host devices (`--xla_force_host_platform_device_count=64`, set here before jax
+is imported; a plan uses its first `devices`) and compiled by XLA:CPU; `compiled.memory_analysis()` gives
+per-device bytes of arguments, outputs, aliased (donated) buffers and temporaries. Total = arguments + outputs -
+aliased + temporaries.
 
 Resident beyond the update's arguments (computed from the abstract shapes and shardings, not compiled): the
 reference copy in the compute dtype (a KL term on; never with LoRA: the reference is the base with its
@@ -24,6 +26,11 @@ for a flash kernel's memory (a kernel holds less: no block of scores at all). `-
 dense path instead: its `[rows, heads, T, T]` float32 scores are in the temps (the `attn dense` column gives
 one layer's per device).
 
+MoE plans (Qwen3-30B-A3B) split the experts over an `expert` mesh axis (`models/moe_ep.py`). XLA:CPU cannot
+compile `ragged_all_to_all`, so they compile its CPU stand-in (`moe_ep.padded_ragged_all_to_all`), which holds
+`[ep, N*k, D]` padded chunks on each side of an exchange beside the dropless `[ep*N*k, D]` receive buffer the
+ragged collective holds too: their temps overstate a TPU / GPU run's by about those chunks per MoE layer live.
+
 What this does NOT measure: XLA:CPU's fusion and buffer assignment differ from XLA:TPU / XLA:GPU (temps are
 an estimate of theirs), and the kernels themselves.
 """
@@ -36,7 +43,7 @@ if __name__ == "__main__":  # before jax is imported (not when a test imports th
     os.environ["JAX_PLATFORMS"] = "cpu"
     _flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in _flags:
-        os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+        os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=64").strip()
 
 import argparse
 import dataclasses
@@ -71,7 +78,7 @@ class Plan:
 
     name: str
     preset: str
-    devices: int  # fsdp size (mesh (1, devices, 1))
+    devices: int  # mesh (data 1, fsdp devices / expert, expert, tensor 1)
     budget_gb: float
     target: str
     lora_rank: int = 0  # 0: full fine-tuning
@@ -86,6 +93,28 @@ class Plan:
     rows_per_device: int = 1  # packed rows of prompt_len + response_len tokens per device per micro-batch
     remat: bool = True
     scan_layers: bool = True
+    expert: int = 1  # expert-parallel axis size (MoE presets)
+
+
+def _moe_plans():
+    """Qwen3-30B-A3B (30.5B parameters, 128 experts, top-8): LoRA and full fine-tuning on v5p-8, v5p-64 (95 GB
+    of HBM per chip) and 8 x H100 (80 GB), experts split 8 ways (expert=8: 16 experts per device)."""
+    out = []
+    for where, devices, budget in (("v5p8", 8, 95.0), ("v5p64", 64, 95.0), ("h100x8", 8, 80.0)):
+        for lora in (True, False):
+            out.append(
+                Plan(
+                    name=f"{'lora' if lora else 'full'}_30b_a3b_{where}",
+                    preset="qwen3_30b_a3b",
+                    devices=devices,
+                    budget_gb=budget,
+                    target=f"{'LoRA r=32' if lora else 'full'} Qwen3-30B-A3B GRPO on {where} (expert=8)",
+                    lora_rank=32 if lora else 0,
+                    param_dtype="bfloat16" if lora else "float32",
+                    expert=8,
+                )
+            )
+    return out
 
 
 PLANS = {
@@ -127,6 +156,7 @@ PLANS = {
             budget_gb=16.0,
             target="(not a target) full fine-tuning of 7B on v5e-8: f32 masters + Adam alone are 11.4 GB/chip",
         ),
+        *_moe_plans(),
     )
 }
 
@@ -150,7 +180,8 @@ def build(plan: Plan, layers: int | None, attention: str = "chunked"):
     cfg = get_preset(plan.preset)
     if layers:
         cfg = dataclasses.replace(cfg, num_layers=layers)
-    mesh = make_mesh(data=1, fsdp=plan.devices, tensor=1, devices=jax.devices()[: plan.devices])
+    fsdp = plan.devices // plan.expert
+    mesh = make_mesh(data=1, fsdp=fsdp, expert=plan.expert, tensor=1, devices=jax.devices()[: plan.devices])
 
     def make():
         m = Transformer(
@@ -269,7 +300,7 @@ def run_plan(plan: Plan, layers: int | None, attention: str = "chunked") -> dict
         layers_note="all layers" if not layers else f"REDUCED to {layers} layers: not the model's numbers",
         params_b=round(n_params / 1e9, 3),
         mode=f"LoRA r={plan.lora_rank}" if plan.lora_rank else "full",
-        mesh=f"fsdp={plan.devices}",
+        mesh=f"fsdp={plan.devices // plan.expert}" + (f" x expert={plan.expert}" if plan.expert > 1 else ""),
         param_dtype=plan.param_dtype,
         compute_dtype=plan.dtype,
         remat=plan.remat,

@@ -50,18 +50,20 @@ def ragged_all_to_all_supported(platform: str | None = None) -> bool:
 
 def padded_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
     """`jax.lax.ragged_all_to_all`'s semantics (one slice per peer) from a fixed-size `jax.lax.all_to_all`:
-    every slice is padded to `operand.shape[0]` rows. operand `[N, ...]`, output `[M, ...]`, the four int32
-    `[ep]` arrays as for `ragged_all_to_all`. Returns `output` with the received slices written."""
+    every slice is padded to C = min(N, M) rows (no slice is longer than the operand or the receiver's output).
+    operand `[N, ...]`, output `[M, ...]`, the four int32 `[ep]` arrays as for `ragged_all_to_all`. Returns
+    `output` with the received slices written. Holds `[ep, C, ...]` chunks on each side besides the output."""
     n, ep = operand.shape[0], input_offsets.shape[0]
-    rows = jnp.arange(n, dtype=jnp.int32)
-    src = input_offsets[:, None] + rows[None, :]  # [ep, N] rows of operand sent to each peer
+    c = min(n, output.shape[0])
+    rows = jnp.arange(c, dtype=jnp.int32)
+    src = input_offsets[:, None] + rows[None, :]  # [ep, C] rows of operand sent to each peer
     chunks = jnp.take(operand, jnp.minimum(src, n - 1), axis=0)
-    keep = (rows[None, :] < send_sizes[:, None]).reshape(ep, n, *([1] * (operand.ndim - 1)))
+    keep = (rows[None, :] < send_sizes[:, None]).reshape(ep, c, *([1] * (operand.ndim - 1)))
     chunks = jnp.where(keep, chunks, jnp.zeros((), operand.dtype))
-    got = jax.lax.all_to_all(chunks, axis_name, 0, 0)  # [ep, N, ...]: slot s = sender s's slice
+    got = jax.lax.all_to_all(chunks, axis_name, 0, 0)  # [ep, C, ...]: slot s = sender s's slice
     at = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)  # where sender s's slice lands here
     dst = jnp.where(rows[None, :] < recv_sizes[:, None], at[:, None] + rows[None, :], output.shape[0])
-    return output.at[dst.reshape(-1)].set(got.reshape(ep * n, *operand.shape[1:]), mode="drop")
+    return output.at[dst.reshape(-1)].set(got.reshape(ep * c, *operand.shape[1:]), mode="drop")
 
 
 def _exclusive_cumsum(x, axis):
