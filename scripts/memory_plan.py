@@ -26,10 +26,13 @@ for a flash kernel's memory (a kernel holds less: no block of scores at all). `-
 dense path instead: its `[rows, heads, T, T]` float32 scores are in the temps (the `attn dense` column gives
 one layer's per device).
 
-MoE plans (Qwen3-30B-A3B) split the experts over an `expert` mesh axis (`models/moe_ep.py`). XLA:CPU cannot
-compile `ragged_all_to_all`, so they compile its CPU stand-in (`moe_ep.padded_ragged_all_to_all`), which holds
-`[ep, N*k, D]` padded chunks on each side of an exchange beside the dropless `[ep*N*k, D]` receive buffer the
-ragged collective holds too: their temps overstate a TPU / GPU run's by about those chunks per MoE layer live.
+MoE plans (Qwen3-30B-A3B) split the experts over an `expert` mesh axis (`models/moe_ep.py`). Two XLA:CPU
+limits are replaced by memory stand-ins for the duration of the compile (`moe_memory_standins`): JAX lowers
+`jax.lax.ragged_dot` on CPU to a dense masked matmul holding a `[G, M, K]` copy of the rows per group (17 GB
+per call at 30B-A3B shapes; TPU / GPU lower it natively), so it becomes a plain `[M, K] @ [K, N]` dot of the
+same shapes; XLA:CPU cannot compile `ragged_all_to_all`, so the exchange becomes a local write of the operand
+into the `[ep*N*k, D]` receive buffer (the buffers the ragged collective holds, no communication). The plan's
+program is then not the one that runs, only its buffers are.
 
 What this does NOT measure: XLA:CPU's fusion and buffer assignment differ from XLA:TPU / XLA:GPU (temps are
 an estimate of theirs), and the kernels themselves.
@@ -46,6 +49,7 @@ if __name__ == "__main__":  # before jax is imported (not when a test imports th
         os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=64").strip()
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -62,7 +66,7 @@ from jax.sharding import PartitionSpec as P
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jaxrl_post.engine import packed_steps, packing, steps
-from jaxrl_post.models import get_preset
+from jaxrl_post.models import get_preset, moe_ep
 from jaxrl_post.models.decoder import Transformer
 from jaxrl_post.models.lora import LoRAConfig, apply_lora
 from jaxrl_post.rl import ppo_update
@@ -159,6 +163,30 @@ PLANS = {
         *_moe_plans(),
     )
 }
+
+
+def _gmm_standin(lhs, rhs, group_sizes, precision=None, preferred_element_type=None, **_):
+    """Memory stand-in for a native grouped matmul: lhs `[M, K]` @ rhs[0] `[K, N]` (same output, no copies)."""
+    del group_sizes, precision
+    return jnp.dot(lhs, rhs[0].astype(lhs.dtype), preferred_element_type=preferred_element_type)
+
+
+def _exchange_standin(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
+    """Memory stand-in for `ragged_all_to_all`: the operand written into the output buffer, no communication."""
+    del input_offsets, send_sizes, output_offsets, recv_sizes, axis_name
+    n = min(operand.shape[0], output.shape[0])
+    return jax.lax.dynamic_update_slice_in_dim(output, operand[:n], 0, axis=0)
+
+
+@contextlib.contextmanager
+def moe_memory_standins():
+    """Within: `jax.lax.ragged_dot` -> `_gmm_standin`, the CPU exchange of `moe_ep` -> `_exchange_standin`."""
+    saved = jax.lax.ragged_dot, moe_ep.padded_ragged_all_to_all
+    jax.lax.ragged_dot, moe_ep.padded_ragged_all_to_all = _gmm_standin, _exchange_standin
+    try:
+        yield
+    finally:
+        jax.lax.ragged_dot, moe_ep.padded_ragged_all_to_all = saved
 
 
 def _bytes(tree) -> int:
@@ -263,7 +291,8 @@ def run_plan(plan: Plan, layers: int | None, attention: str = "chunked") -> dict
     shard = lambda t: jax.tree.map(lambda x: x.sharding, t)
     jitted = jax.jit(fn, donate_argnums=(0, 1), out_shardings=(shard(params), shard(opt_state), None))
     extra = () if frozen is None else (frozen,)
-    with jax.set_mesh(mesh):
+    standins = moe_memory_standins() if cfg.num_experts else contextlib.nullcontext()
+    with jax.set_mesh(mesh), standins:
         lowered = InMesh(jitted, mesh).lower(params, opt_state, batch, *extra)
     t1 = time.perf_counter()
     compiled = lowered.compile()
