@@ -138,8 +138,8 @@ class Generator:
     Args:
       model: a ``jaxrl_post.models.Transformer`` (any nnx module with the decoder's cache API).
         Its current parameters are read at every call (``nnx.split``), so in-place updates are seen.
-      mesh: optional ``Mesh`` with axes ('data','fsdp','tensor'); the batch is sharded over
-        ('data','fsdp'). Params must already be placed on this mesh.
+      mesh: optional ``Mesh`` with axes ('data','fsdp','expert','tensor'); the batch is sharded over
+        ('data','fsdp','expert'). Params must already be placed on this mesh.
       prompt_buckets: allowed padded prompt lengths (None = powers of two, >= 16).
       batch_buckets: allowed padded batch sizes (None = powers of two).
       decode_chunk: decode steps per ``lax.scan`` chunk (the early-exit check runs between chunks).
