@@ -10,7 +10,7 @@ re-rendered sequence longer than `max_length` keeps its last `max_length` tokens
 RM reads; verl cuts on the right by default) and is counted in `reward_model/num_truncated`.
 
 The forward runs on the mesh: params in the RM's own dtype, sharded by their logical names; rows padded
-to a multiple of `micro_batch_size x` the data-parallel size and split over ('data', 'fsdp'), micro-batches
+to a multiple of `micro_batch_size x` the data-parallel size and split over ('data', 'fsdp', 'expert'), micro-batches
 of `micro_batch_size` rows per device run by `lax.map`. One compiled program per run (fixed `[N, T]`).
 """
 

@@ -193,4 +193,4 @@ def test_sharded_forward_matches_single_device(fake8):
 def test_divisibility_errors_are_explicit(fake8):
     msg = fake8["div_error"]
     assert msg is not None and "layers.0.attn.k_proj.kernel" in msg and "dim 1 (size 1)" in msg and "'tensor'" in msg
-    assert fake8["batch_error"] is not None and "divisible by data*fsdp=4" in fake8["batch_error"]
+    assert fake8["batch_error"] is not None and "divisible by data*fsdp*expert=4" in fake8["batch_error"]
