@@ -472,10 +472,11 @@ def get_base_config() -> mlc.ConfigDict:
     # ~/.cache/jaxrl_post/xla; '' = off. A restart loads the programs compiled before instead of compiling them.
     c.trainer.compilation_cache_dir = _opt_str()  # compiled-program cache dir (None = user cache dir, '' = off)
     c.trainer.device_peak_flops = mlc.FieldReference(None, field_type=float)  # per device, for perf/mfu/*
-    c.trainer.mesh = mlc.ConfigDict()  # device mesh axes ('data', 'fsdp', 'tensor'); -1 = remaining devices
+    c.trainer.mesh = mlc.ConfigDict()  # device mesh axes ('data', 'fsdp', 'expert', 'tensor'); -1 = remaining devices
     c.trainer.mesh.data = 1  # data-parallel axis (batch split, params replicated)
     c.trainer.mesh.fsdp = -1  # fully sharded data-parallel axis (batch and params split)
     c.trainer.mesh.tensor = 1  # tensor-parallel axis (heads / MLP width split)
+    c.trainer.mesh.expert = 1  # expert-parallel axis (MoE experts split, tokens all-to-all; else batch split)
     # Multi-slice / multi-host: data and fsdp above are then per slice (ICI); the dcn factors multiply them across
     # slices (TPU slice_index; GPU/CPU: one process = one slice). Mesh size = data*dcn_data x fsdp*dcn_fsdp x tensor.
     c.trainer.mesh.dcn_data = 1  # slices along the data axis (1 = one slice, today's mesh)

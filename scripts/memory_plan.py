@@ -1,4 +1,5 @@
-"""Per-device memory of the actor update at Qwen2.5-1.5B / 7B shapes, from XLA's own buffer assignment.
+"""Per-device memory of the actor update at Qwen2.5-1.5B / 7B and Qwen3-30B-A3B shapes, from XLA's own buffer
+assignment.
 
     python scripts/memory_plan.py [--plans lora_7b_v5e8,full_1p5b_gpu80] [--json /tmp/memory_plan.json]
         [--layers N]   # fewer layers: a quick look only (the table says so)
@@ -7,9 +8,10 @@
 No weights and no accelerator: the model is built abstractly (`nnx.eval_shape`), the REAL packed update
 (`packed_steps.make_packed_actor_update`, the trainer's `update` boundary, with the shardings of
 `placement.Placement.jit_update` / `put_packed` and `sharding.init_opt_state`) is lowered with `jax.ShapeDtypeStruct`
-arguments on a fake mesh of host devices (`--xla_force_host_platform_device_count=8`, set here before jax is
-imported) and compiled by XLA:CPU; `compiled.memory_analysis()` gives per-device bytes of arguments,
-outputs, aliased (donated) buffers and temporaries. Total = arguments + outputs - aliased + temporaries.
+arguments on a fake mesh of host devices (`--xla_force_host_platform_device_count=64`, set here before jax
+is imported; a plan uses its first `devices`) and compiled by XLA:CPU; `compiled.memory_analysis()` gives
+per-device bytes of arguments, outputs, aliased (donated) buffers and temporaries. Total = arguments + outputs -
+aliased + temporaries.
 
 Resident beyond the update's arguments (computed from the abstract shapes and shardings, not compiled): the
 reference copy in the compute dtype (a KL term on; never with LoRA: the reference is the base with its
@@ -24,6 +26,14 @@ for a flash kernel's memory (a kernel holds less: no block of scores at all). `-
 dense path instead: its `[rows, heads, T, T]` float32 scores are in the temps (the `attn dense` column gives
 one layer's per device).
 
+MoE plans (Qwen3-30B-A3B) split the experts over an `expert` mesh axis (`models/moe_ep.py`). Two XLA:CPU
+limits are replaced by memory stand-ins for the duration of the compile (`moe_memory_standins`): JAX lowers
+`jax.lax.ragged_dot` on CPU to a dense masked matmul holding a `[G, M, K]` copy of the rows per group (17 GB
+per call at 30B-A3B shapes; TPU / GPU lower it natively), so it becomes a plain `[M, K] @ [K, N]` dot of the
+same shapes; XLA:CPU cannot compile `ragged_all_to_all`, so the exchange becomes a local write of the operand
+into the `[ep*N*k, D]` receive buffer (the buffers the ragged collective holds, no communication). The plan's
+program is then not the one that runs, only its buffers are.
+
 What this does NOT measure: XLA:CPU's fusion and buffer assignment differ from XLA:TPU / XLA:GPU (temps are
 an estimate of theirs), and the kernels themselves.
 """
@@ -36,9 +46,10 @@ if __name__ == "__main__":  # before jax is imported (not when a test imports th
     os.environ["JAX_PLATFORMS"] = "cpu"
     _flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in _flags:
-        os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+        os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=64").strip()
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -55,7 +66,7 @@ from jax.sharding import PartitionSpec as P
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jaxrl_post.engine import packed_steps, packing, steps
-from jaxrl_post.models import get_preset
+from jaxrl_post.models import get_preset, moe_ep
 from jaxrl_post.models.decoder import Transformer
 from jaxrl_post.models.lora import LoRAConfig, apply_lora
 from jaxrl_post.rl import ppo_update
@@ -71,7 +82,7 @@ class Plan:
 
     name: str
     preset: str
-    devices: int  # fsdp size (mesh (1, devices, 1))
+    devices: int  # mesh (data 1, fsdp devices / expert, expert, tensor 1)
     budget_gb: float
     target: str
     lora_rank: int = 0  # 0: full fine-tuning
@@ -86,6 +97,28 @@ class Plan:
     rows_per_device: int = 1  # packed rows of prompt_len + response_len tokens per device per micro-batch
     remat: bool = True
     scan_layers: bool = True
+    expert: int = 1  # expert-parallel axis size (MoE presets)
+
+
+def _moe_plans():
+    """Qwen3-30B-A3B (30.5B parameters, 128 experts, top-8): LoRA and full fine-tuning on v5p-8, v5p-64 (95 GB
+    of HBM per chip) and 8 x H100 (80 GB), experts split 8 ways (expert=8: 16 experts per device)."""
+    out = []
+    for where, devices, budget in (("v5p8", 8, 95.0), ("v5p64", 64, 95.0), ("h100x8", 8, 80.0)):
+        for lora in (True, False):
+            out.append(
+                Plan(
+                    name=f"{'lora' if lora else 'full'}_30b_a3b_{where}",
+                    preset="qwen3_30b_a3b",
+                    devices=devices,
+                    budget_gb=budget,
+                    target=f"{'LoRA r=32' if lora else 'full'} Qwen3-30B-A3B GRPO on {where} (expert=8)",
+                    lora_rank=32 if lora else 0,
+                    param_dtype="bfloat16" if lora else "float32",
+                    expert=8,
+                )
+            )
+    return out
 
 
 PLANS = {
@@ -127,8 +160,33 @@ PLANS = {
             budget_gb=16.0,
             target="(not a target) full fine-tuning of 7B on v5e-8: f32 masters + Adam alone are 11.4 GB/chip",
         ),
+        *_moe_plans(),
     )
 }
+
+
+def _gmm_standin(lhs, rhs, group_sizes, precision=None, preferred_element_type=None, **_):
+    """Memory stand-in for a native grouped matmul: lhs `[M, K]` @ rhs[0] `[K, N]` (same output, no copies)."""
+    del group_sizes, precision
+    return jnp.dot(lhs, rhs[0].astype(lhs.dtype), preferred_element_type=preferred_element_type)
+
+
+def _exchange_standin(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
+    """Memory stand-in for `ragged_all_to_all`: the operand written into the output buffer, no communication."""
+    del input_offsets, send_sizes, output_offsets, recv_sizes, axis_name
+    n = min(operand.shape[0], output.shape[0])
+    return jax.lax.dynamic_update_slice_in_dim(output, operand[:n], 0, axis=0)
+
+
+@contextlib.contextmanager
+def moe_memory_standins():
+    """Within: `jax.lax.ragged_dot` -> `_gmm_standin`, the CPU exchange of `moe_ep` -> `_exchange_standin`."""
+    saved = jax.lax.ragged_dot, moe_ep.padded_ragged_all_to_all
+    jax.lax.ragged_dot, moe_ep.padded_ragged_all_to_all = _gmm_standin, _exchange_standin
+    try:
+        yield
+    finally:
+        jax.lax.ragged_dot, moe_ep.padded_ragged_all_to_all = saved
 
 
 def _bytes(tree) -> int:
@@ -150,7 +208,8 @@ def build(plan: Plan, layers: int | None, attention: str = "chunked"):
     cfg = get_preset(plan.preset)
     if layers:
         cfg = dataclasses.replace(cfg, num_layers=layers)
-    mesh = make_mesh(data=1, fsdp=plan.devices, tensor=1, devices=jax.devices()[: plan.devices])
+    fsdp = plan.devices // plan.expert
+    mesh = make_mesh(data=1, fsdp=fsdp, expert=plan.expert, tensor=1, devices=jax.devices()[: plan.devices])
 
     def make():
         m = Transformer(
@@ -232,7 +291,8 @@ def run_plan(plan: Plan, layers: int | None, attention: str = "chunked") -> dict
     shard = lambda t: jax.tree.map(lambda x: x.sharding, t)
     jitted = jax.jit(fn, donate_argnums=(0, 1), out_shardings=(shard(params), shard(opt_state), None))
     extra = () if frozen is None else (frozen,)
-    with jax.set_mesh(mesh):
+    standins = moe_memory_standins() if cfg.num_experts else contextlib.nullcontext()
+    with jax.set_mesh(mesh), standins:
         lowered = InMesh(jitted, mesh).lower(params, opt_state, batch, *extra)
     t1 = time.perf_counter()
     compiled = lowered.compile()
@@ -269,7 +329,7 @@ def run_plan(plan: Plan, layers: int | None, attention: str = "chunked") -> dict
         layers_note="all layers" if not layers else f"REDUCED to {layers} layers: not the model's numbers",
         params_b=round(n_params / 1e9, 3),
         mode=f"LoRA r={plan.lora_rank}" if plan.lora_rank else "full",
-        mesh=f"fsdp={plan.devices}",
+        mesh=f"fsdp={plan.devices // plan.expert}" + (f" x expert={plan.expert}" if plan.expert > 1 else ""),
         param_dtype=plan.param_dtype,
         compute_dtype=plan.dtype,
         remat=plan.remat,

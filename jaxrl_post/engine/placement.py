@@ -111,7 +111,7 @@ class Placement:
         return {k: jnp.asarray(v) for k, v in tree.items()}
 
     def put_packed(self, tree: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        """Place a packed mini-batch: packed rows `[n, rows, L]` split over ('data', 'fsdp') on the rows dim,
+        """Place a packed mini-batch: packed rows `[n, rows, L]` split over ('data', 'fsdp', 'expert') on the rows dim,
         and so a per-shard `slot_pos [n, shards, Q / shards]` on its shard dim (`packing.PackSpec.shards`); the
         rest of the small packing plan (`[n, Q]`, `[n, S, ...]`) replicated, `[M, ...]` fields as `put`."""
         if self.n_devices == 1:

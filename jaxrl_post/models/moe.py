@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxrl_post.models import moe_ep
 from jaxrl_post.models.layers import ParamInit, activation
 
 EXPERT_AXIS = "expert"  # logical name of the experts dim (sharding.LOGICAL_AXIS_RULES)
@@ -65,7 +66,7 @@ class MoE(nnx.Module):
         d, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
         self.num_experts, self.top_k, self.norm_topk_prob = e, cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.act, self.dtype = cfg.hidden_act, dtype
-        self.router = init.normal((d, e), ("embed", EXPERT_AXIS))
+        self.router = init.normal((d, e), ("embed", None))  # every token needs all E logits: not split
         self.gate_proj = init.normal((e, d, f), (EXPERT_AXIS, "embed", "mlp"))
         self.up_proj = init.normal((e, d, f), (EXPERT_AXIS, "embed", "mlp"))
         self.down_proj = init.normal((e, f, d), (EXPERT_AXIS, "mlp", "embed"))
@@ -92,7 +93,8 @@ class MoE(nnx.Module):
         return probs, weights, experts
 
     def experts(self, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
-        """Dropless grouped-matmul dispatch: x `[N, D]`, weights/experts `[N, k]` -> `[N, D]` float32."""
+        """Dropless grouped-matmul dispatch on one program: x `[N, D]`, weights/experts `[N, k]` -> `[N, D]`
+        float32 (with an expert mesh axis `__call__` uses `moe_ep.dispatch` instead)."""
         n, k = experts.shape
         flat = experts.reshape(-1)  # [N*k] assignment a = token a // k, slot a % k
         order = jnp.argsort(flat, stable=True)  # assignments grouped by expert
@@ -117,7 +119,20 @@ class MoE(nnx.Module):
         b, t, d = x.shape
         xf = x.reshape(b * t, d)
         probs, weights, experts = self.route(xf, None if routes is None else routes.reshape(b * t, self.top_k))
-        y = self.experts(xf, weights, experts).astype(self.dtype).reshape(b, t, d)
+        if moe_ep.expert_parallel_size() > 1:  # experts split over the mesh's 'expert' axis: all-to-all dispatch
+            y = moe_ep.dispatch(
+                x,
+                weights.reshape(b, t, self.top_k),
+                experts.reshape(b, t, self.top_k),
+                self.gate_proj[...],
+                self.up_proj[...],
+                self.down_proj[...],
+                num_experts=self.num_experts,
+                act=self.act,
+                dtype=self.dtype,
+            ).astype(self.dtype)
+        else:
+            y = self.experts(xf, weights, experts).astype(self.dtype).reshape(b, t, d)
         m = token_mask.reshape(-1).astype(jnp.float32)
         load = jnp.bincount(experts.reshape(-1), weights=jnp.repeat(m, self.top_k), length=self.num_experts)
         entropy = -jnp.sum(probs * jnp.log(jnp.maximum(probs, jnp.finfo(jnp.float32).tiny)), axis=-1)

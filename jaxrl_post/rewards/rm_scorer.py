@@ -10,7 +10,7 @@ re-rendered sequence longer than `max_length` keeps its last `max_length` tokens
 RM reads; verl cuts on the right by default) and is counted in `reward_model/num_truncated`.
 
 The forward runs on the mesh: params in the RM's own dtype, sharded by their logical names; rows padded
-to a multiple of `micro_batch_size x` the data-parallel size and split over ('data', 'fsdp'), micro-batches
+to a multiple of `micro_batch_size x` the data-parallel size and split over ('data', 'fsdp', 'expert'), micro-batches
 of `micro_batch_size` rows per device run by `lax.map`. One compiled program per run (fixed `[N, T]`).
 """
 
@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 from jaxrl_post.models.reward_model import RewardModel
-from jaxrl_post.runtime.sharding import InMesh, shard_batch, shard_params
+from jaxrl_post.runtime.sharding import InMesh, batch_shards, shard_batch, shard_params
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class RewardModelScorer:
         self.mesh = mesh if mesh is not None and mesh.size > 1 else None
         dp = 1
         if self.mesh is not None:
-            dp = int(np.prod([self.mesh.shape[a] for a in ("data", "fsdp") if a in self.mesh.shape]))
+            dp = batch_shards(self.mesh)
         self.micro, self.rows_multiple = int(micro_batch_size), int(micro_batch_size) * dp
         graphdef, params = nnx.split(model)
         if self.mesh is not None:

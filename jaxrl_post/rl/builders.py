@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 
 def build_mesh(cfg: Any) -> jax.sharding.Mesh:
-    """Mesh ('data', 'fsdp', 'tensor') from `trainer.mesh.*` over all devices (multi-slice when a
+    """Mesh ('data', 'fsdp', 'expert', 'tensor') from `trainer.mesh.*` over all devices (multi-slice when a
     `trainer.mesh.dcn_*` factor is > 1: `sharding.make_mesh`). Raises ConfigError when the devices do not fit."""
     from jaxrl_post.errors import ConfigError
     from jaxrl_post.runtime.sharding import make_mesh
@@ -32,7 +32,9 @@ def build_mesh(cfg: Any) -> jax.sharding.Mesh:
     m = cfg.trainer.mesh
     dcn = dict(dcn_data=int(m.get("dcn_data", 1)), dcn_fsdp=int(m.get("dcn_fsdp", 1)))
     try:
-        return make_mesh(data=int(m.data), fsdp=int(m.fsdp), tensor=int(m.tensor), **dcn)
+        return make_mesh(
+            data=int(m.data), fsdp=int(m.fsdp), tensor=int(m.tensor), expert=int(m.get("expert", 1)), **dcn
+        )
     except ValueError as e:
         raise ConfigError(f"config.trainer.mesh: {e} ({jax.device_count()} {jax.devices()[0].platform} devices)") from e
 

@@ -45,19 +45,26 @@ def dcn_factors(cfg: Any) -> tuple[int, int]:
     return int(get("dcn_data", 1)), int(get("dcn_fsdp", 1))
 
 
+def _mesh_sizes(cfg: Any) -> list[int]:
+    """`trainer.mesh` (data, fsdp, expert, tensor) sizes as ints (expert 1 when a config has no such key)."""
+    m = cfg.trainer.mesh
+    expert = m.get("expert", 1) if hasattr(m, "get") else getattr(m, "expert", 1)
+    return [int(m.data), int(m.fsdp), int(expert), int(m.tensor)]
+
+
 def data_parallel_size(cfg: Any, n_devices: int) -> int:
-    """Size of the mesh's ('data', 'fsdp') axes, resolving one -1 against `n_devices` (per slice, times the
-    `trainer.mesh.dcn_*` factors)."""
+    """Size of the mesh's batch axes ('data', 'fsdp', 'expert'), resolving one -1 against `n_devices` (per
+    slice, times the `trainer.mesh.dcn_*` factors)."""
     dcn_data, dcn_fsdp = dcn_factors(cfg)
     n_devices = max(n_devices // (dcn_data * dcn_fsdp), 1)
-    sizes = [int(cfg.trainer.mesh.data), int(cfg.trainer.mesh.fsdp), int(cfg.trainer.mesh.tensor)]
+    sizes = _mesh_sizes(cfg)
     if -1 in sizes:
         known = 1
         for s in sizes:
             if s != -1:
                 known *= s
         sizes[sizes.index(-1)] = max(n_devices // max(known, 1), 1)
-    return sizes[0] * dcn_data * sizes[1] * dcn_fsdp
+    return sizes[0] * dcn_data * sizes[1] * dcn_fsdp * sizes[2]
 
 
 def validation_enabled(cfg: Any) -> bool:
@@ -138,7 +145,7 @@ def validate_config(cfg: Any, n_devices: int | None = None) -> None:
     check("trainer.max_actor_ckpt_to_keep", lambda v: v is None or pos_int(v), "must be None or a positive int")
     check("trainer.max_consecutive_nonfinite", lambda v: is_int(v) and v >= 0, "must be an int >= 0 (0 = never stop)")
     check("trainer.async_save", lambda v: isinstance(v, bool), "must be a bool")
-    for axis in ("data", "fsdp", "tensor"):
+    for axis in ("data", "fsdp", "tensor") + (("expert",) if "expert" in cfg.trainer.mesh else ()):
         check(f"trainer.mesh.{axis}", lambda v: is_int(v) and (v == -1 or v > 0), "must be -1 or a positive int")
 
     for axis in ("dcn_data", "dcn_fsdp"):
@@ -147,12 +154,12 @@ def validate_config(cfg: Any, n_devices: int | None = None) -> None:
 
     dp = None
     try:
-        mesh_sizes = [cfg.trainer.mesh.data, cfg.trainer.mesh.fsdp, cfg.trainer.mesh.tensor]
+        mesh_sizes = _mesh_sizes(cfg)
         n_slices = dcn_factors(cfg)[0] * dcn_factors(cfg)[1]
         per_slice = n_devices // n_slices
         dcn = "" if n_slices == 1 else f" x dcn_data*dcn_fsdp = {n_slices} slices"
         if sum(s == -1 for s in mesh_sizes) > 1:
-            err("trainer.mesh", "at most one of data/fsdp/tensor may be -1")
+            err("trainer.mesh", "at most one of data/fsdp/expert/tensor may be -1")
         elif n_devices % n_slices:
             err("trainer.mesh", f"{n_devices} devices are not divisible by dcn_data*dcn_fsdp = {n_slices} slices")
         else:
@@ -162,7 +169,7 @@ def validate_config(cfg: Any, n_devices: int | None = None) -> None:
             if -1 in mesh_sizes and per_slice % prod:
                 err("trainer.mesh", f"{n_devices} devices{dcn} are not divisible by the fixed axes (product {prod})")
             elif -1 not in mesh_sizes and prod * n_slices != n_devices:
-                err("trainer.mesh", f"data*fsdp*tensor = {prod}{dcn} but {n_devices} devices are available")
+                err("trainer.mesh", f"data*fsdp*expert*tensor = {prod}{dcn} but {n_devices} devices are available")
             else:
                 dp = data_parallel_size(cfg, n_devices)
     except (TypeError, ValueError, ZeroDivisionError):

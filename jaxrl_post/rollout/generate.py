@@ -21,7 +21,7 @@ batch a multiple of the data-parallel size), and the jitted functions are module
 every ``Generator`` / ``generate_sequences`` call with the same model structure and buckets reuses one
 compiled prefill and one compiled decode (one decode body per compaction size inside it).
 
-Sharded: pass a ``Mesh`` (axes ``('data', 'fsdp', 'tensor')``); the batch goes over ``('data',
+Sharded: pass a ``Mesh`` (axes ``('data', 'fsdp', 'expert', 'tensor')``); the batch goes over ``('data',
 'fsdp')``, the cache per ``sharding.cache_shardings``, and params stay where the caller put them
 (``sharding.shard_params``, or a model created/loaded with ``mesh=``).
 """
@@ -138,8 +138,8 @@ class Generator:
     Args:
       model: a ``jaxrl_post.models.Transformer`` (any nnx module with the decoder's cache API).
         Its current parameters are read at every call (``nnx.split``), so in-place updates are seen.
-      mesh: optional ``Mesh`` with axes ('data','fsdp','tensor'); the batch is sharded over
-        ('data','fsdp'). Params must already be placed on this mesh.
+      mesh: optional ``Mesh`` with axes ('data','fsdp','expert','tensor'); the batch is sharded over
+        ('data','fsdp','expert'). Params must already be placed on this mesh.
       prompt_buckets: allowed padded prompt lengths (None = powers of two, >= 16).
       batch_buckets: allowed padded batch sizes (None = powers of two).
       decode_chunk: decode steps per ``lax.scan`` chunk (the early-exit check runs between chunks).
@@ -194,8 +194,9 @@ class Generator:
     def _batch_multiple(self) -> int:
         if self.mesh is None:
             return 1
-        shape = dict(self.mesh.shape)
-        return shape.get("data", 1) * shape.get("fsdp", 1)
+        from jaxrl_post.runtime.sharding import batch_shards
+
+        return batch_shards(self.mesh)
 
     def __call__(self, prompts: DataProto, params: SamplingParams, *, seed: int | None = None) -> DataProto:
         return self.generate(prompts, params, seed=seed)

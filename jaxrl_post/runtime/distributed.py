@@ -166,7 +166,7 @@ def multi_process() -> bool:
 
 # ------------------------------------------------------------------------------------------- rows
 def local_rows(mesh, n: int) -> slice:
-    """The rows of a `[n, ...]` batch-sharded array (leading dim over ('data', 'fsdp')) that this process's
+    """The rows of a `[n, ...]` batch-sharded array (leading dim over ('data', 'fsdp', 'expert')) that this process's
     devices hold, as one contiguous slice (all rows on a single process).
 
     Raises ValueError when they are not one contiguous block or `n` does not divide the batch axes."""

@@ -1,9 +1,12 @@
 """Device mesh, the ONE logical-axis rules table, and param/batch sharding helpers.
 
-Mesh axes ('data', 'fsdp', 'tensor'). Params carry logical axis names as NNX `out_sharding` metadata
+Mesh axes ('data', 'fsdp', 'expert', 'tensor'). Params carry logical axis names as NNX `out_sharding` metadata
 (`nnx.get_partition_spec(state)` returns them); `LOGICAL_AXIS_RULES` maps each logical name to a mesh axis
 (or tuple of axes, or None = replicated). FSDP shards the embed dimension of params, tensor parallelism
-shards heads / kv heads / mlp / vocab, and the batch dimension of activations goes over ('data', 'fsdp').
+shards heads / kv heads / mlp / vocab, expert parallelism shards the experts dimension of MoE expert weights
+(`models/moe.py` exchanges tokens over it), and the batch dimension of activations goes over
+('data', 'fsdp', 'expert') -- the expert axis is a data-parallel axis for everything but the experts (MaxText's
+layout). A mesh of size 1 along an axis shards nothing along it.
 """
 
 from __future__ import annotations
@@ -16,10 +19,10 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
 
 LOGICAL_AXIS_RULES: dict[str, Any] = {
-    "batch": ("data", "fsdp"),
+    "batch": ("data", "fsdp", "expert"),
     "embed": "fsdp",
     "mlp": "tensor",
     "heads": "tensor",
@@ -29,25 +32,28 @@ LOGICAL_AXIS_RULES: dict[str, Any] = {
     "norm": None,
     "layers": None,
     "lora": None,  # rank dim of LoRA A/B (tiny: replicated)
-    "expert": None,  # experts dim of MoE weights (models/moe.py): replicated until an expert mesh axis exists
+    "expert": "expert",  # experts dim of MoE expert weights (models/moe.py): expert parallelism
     "cache_seq": None,
 }
 
 
+def _named(sizes: Sequence[int]) -> str:
+    return " x ".join(f"{a}={s}" for a, s in zip(MESH_AXES, sizes))
+
+
 def _resolve_sizes(sizes: list[int], n: int, what: str) -> list[int]:
-    """`sizes` with its one -1 set to the rest of `n`; ValueError when they cannot multiply to `n`."""
+    """`sizes` (in `MESH_AXES` order) with its one -1 set to the rest of `n`; ValueError when they cannot
+    multiply to `n`."""
     sizes = list(sizes)
     if sizes.count(-1) > 1:
-        raise ValueError(f"at most one mesh axis may be -1, got data={sizes[0]}, fsdp={sizes[1]}, tensor={sizes[2]}")
+        raise ValueError(f"at most one mesh axis may be -1, got {_named(sizes)}")
     if -1 in sizes:
         known = math.prod(s for s in sizes if s != -1)
         if n % known:
             raise ValueError(f"{n} {what} are not divisible by the fixed mesh axes (product {known})")
         sizes[sizes.index(-1)] = n // known
     if math.prod(sizes) != n:
-        raise ValueError(
-            f"mesh data={sizes[0]} x fsdp={sizes[1]} x tensor={sizes[2]} needs {math.prod(sizes)} {what}, have {n}"
-        )
+        raise ValueError(f"mesh {_named(sizes)} needs {math.prod(sizes)} {what}, have {n}")
     return sizes
 
 
@@ -62,9 +68,10 @@ def slice_groups(devices: Sequence) -> tuple[str, dict[Any, list]]:
 
 
 def hybrid_device_array(ici: Sequence[int], dcn: Sequence[int], devices: Sequence):
-    """`[data*dcn_data, fsdp*dcn_fsdp, tensor]` numpy array of devices for a multi-slice mesh: each slice (see
-    `slice_groups`) laid out by `mesh_utils.create_device_mesh` over `ici` (its ICI topology), the slices tiled
-    over `dcn` -- a slice is a contiguous block of each axis that has a dcn factor > 1.
+    """`[data*dcn_data, fsdp*dcn_fsdp, expert, tensor]` numpy array of devices for a multi-slice mesh (`ici`,
+    `dcn`: per-axis sizes): each slice (see `slice_groups`) laid out by `mesh_utils.create_device_mesh` over
+    `ici` (its ICI topology), the slices tiled over `dcn` -- a slice is a contiguous block of each axis that has
+    a dcn factor > 1.
 
     Raises ValueError when the granule count is not `prod(dcn)` or a granule does not hold `prod(ici)` devices.
     """
@@ -79,7 +86,7 @@ def hybrid_device_array(ici: Sequence[int], dcn: Sequence[int], devices: Sequenc
         )
     sizes = sorted({len(g) for g in groups.values()})
     if sizes != [math.prod(ici)]:
-        raise ValueError(f"each slice must hold data*fsdp*tensor = {math.prod(ici)} devices, got sizes {sizes}")
+        raise ValueError(f"each slice must hold data*fsdp*expert*tensor = {math.prod(ici)} devices, got sizes {sizes}")
     return mesh_utils.create_hybrid_device_mesh(
         tuple(ici), tuple(dcn), list(devices), process_is_granule=attr == "process_index"
     )
@@ -93,14 +100,17 @@ def make_mesh(
     *,
     dcn_data: int = 1,
     dcn_fsdp: int = 1,
+    expert: int = 1,
 ) -> Mesh:
-    """Mesh with axes ('data', 'fsdp', 'tensor') over `devices` (default: all devices of all hosts).
+    """Mesh with axes ('data', 'fsdp', 'expert', 'tensor') over `devices` (default: all devices of all hosts).
+    `expert` (`trainer.mesh.expert`) > 1 is expert parallelism: MoE expert weights split over it, tokens
+    exchanged by all-to-all (`models/moe.py`); for the rest of the model it is one more batch axis.
 
     At most one size may be -1 (= the remaining devices). Raises ValueError when the sizes do not multiply to
     the device count. Without explicit devices, `jax.make_mesh` picks a topology-aware device order.
 
     Multi-slice (`dcn_data` or `dcn_fsdp` > 1; `trainer.mesh.dcn_*`): `data` / `fsdp` / `tensor` are per slice
-    (ICI) and the mesh is `[data*dcn_data, fsdp*dcn_fsdp, tensor]`, built by `hybrid_device_array`
+    (ICI) and the mesh is `[data*dcn_data, fsdp*dcn_fsdp, expert, tensor]`, built by `hybrid_device_array`
     (`mesh_utils.create_hybrid_device_mesh`, the MaxText layout) so the cross-slice (DCN) traffic is only
     along the data / fsdp axes. Raises ValueError when the devices do not form `dcn_data*dcn_fsdp` equal slices.
     """
@@ -109,13 +119,13 @@ def make_mesh(
     if dcn_data < 1 or dcn_fsdp < 1:
         raise ValueError(f"dcn_data / dcn_fsdp must be >= 1, got {dcn_data} / {dcn_fsdp}")
     if dcn_data == dcn_fsdp == 1:
-        sizes = _resolve_sizes([data, fsdp, tensor], len(devs), "devices")
+        sizes = _resolve_sizes([data, fsdp, expert, tensor], len(devs), "devices")
         return jax.make_mesh(tuple(sizes), MESH_AXES, axis_types=auto, devices=devs)
     n_slices = dcn_data * dcn_fsdp
     if len(devs) % n_slices:
         raise ValueError(f"{len(devs)} devices are not divisible by dcn_data*dcn_fsdp = {n_slices} slices")
-    ici = _resolve_sizes([data, fsdp, tensor], len(devs) // n_slices, "devices per slice")
-    return Mesh(hybrid_device_array(ici, (dcn_data, dcn_fsdp, 1), devs), MESH_AXES, axis_types=auto)
+    ici = _resolve_sizes([data, fsdp, expert, tensor], len(devs) // n_slices, "devices per slice")
+    return Mesh(hybrid_device_array(ici, (dcn_data, dcn_fsdp, 1, 1), devs), MESH_AXES, axis_types=auto)
 
 
 def logical_to_mesh_spec(names: Sequence[str | None] | None) -> P:
@@ -178,13 +188,20 @@ def shard_params(state, mesh: Mesh):
     return jax.device_put(state, shardings)
 
 
+def batch_shards(mesh) -> int:
+    """Devices the batch dim is split over: the product of `mesh`'s sizes along `LOGICAL_AXIS_RULES['batch']`
+    (axes the mesh lacks count 1)."""
+    shape = dict(mesh.shape)
+    return math.prod(shape.get(a, 1) for a in LOGICAL_AXIS_RULES["batch"])
+
+
 def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
-    """Leading dim over ('data', 'fsdp'), other dims replicated."""
+    """Leading dim over ('data', 'fsdp', 'expert'), other dims replicated."""
     return NamedSharding(mesh, P(LOGICAL_AXIS_RULES["batch"], *([None] * (ndim - 1))))
 
 
 def shard_batch(tree, mesh: Mesh):
-    """Place every array leaf with its leading (batch) dim over ('data', 'fsdp').
+    """Place every array leaf with its leading (batch) dim over ('data', 'fsdp', 'expert').
 
     Host leaves are the GLOBAL batch, the same on every process of a multi-process run (each process places
     its own rows); process-local rows go through `distributed.global_from_local` instead.
@@ -198,7 +215,8 @@ def shard_batch(tree, mesh: Mesh):
         sharding = batch_sharding(mesh, x.ndim)
         if x.shape[0] % n:
             raise ValueError(
-                f"batch leaf {jax.tree_util.keystr(path)}: leading dim {x.shape[0]} is not divisible by data*fsdp={n}"
+                f"batch leaf {jax.tree_util.keystr(path)}: leading dim {x.shape[0]} is not divisible by "
+                f"data*fsdp*expert={n}"
             )
         return jax.device_put(x, sharding)
 
@@ -206,7 +224,7 @@ def shard_batch(tree, mesh: Mesh):
 
 
 def cache_shardings(cache, mesh: Mesh):
-    """Shardings for a decoder KVCache (per layer k [B, N, K, S], v [B, N, S, K]): batch over data/fsdp,
+    """Shardings for a decoder KVCache (per layer k [B, N, K, S], v [B, N, S, K]): batch over data/fsdp/expert,
     kv heads over tensor; same pytree structure as `cache`."""
     k = NamedSharding(mesh, logical_to_mesh_spec(("batch", "kv_heads", "head_dim", "cache_seq")))
     v = NamedSharding(mesh, logical_to_mesh_spec(("batch", "kv_heads", "cache_seq", "head_dim")))

@@ -64,7 +64,7 @@ def on_mesh(
     placement: Placement, arrays: dict[str, np.ndarray], micro_batch_size, row_keys: Collection[str] | None = None
 ) -> dict[str, jax.Array]:
     """Host arrays on the mesh: those named in `row_keys` (default: all; `[n_micro, rows, ...]`) with rows over
-    the batch axes ('data', 'fsdp'), the rest replicated. Every process passes the same arrays (multi-process
+    the batch axes ('data', 'fsdp', 'expert'), the rest replicated. Every process passes the same arrays (multi-process
     runs); `micro_batch_size` is `data.micro_batch_size`, named in the error.
 
     Raises: ConfigError: a micro-batch's rows do not divide over the batch axes' devices."""

@@ -123,7 +123,7 @@ class SFTTask:
 
     def _batch(self, ids, masks, plan=None) -> dict[str, jax.Array]:
         """Layout (`sft_step.layout_batch`; `plan`: rows already packed) placed on the mesh: rows over
-        ('data', 'fsdp')."""
+        ('data', 'fsdp', 'expert')."""
         d = self.data
         arrays = sft_step.layout_batch(
             ids, masks, n_micro=d.n_micro, rows=d.rows, row_len=d.row_len, pack=d.pack, plan=plan

@@ -120,6 +120,6 @@ def test_sft_dpo_and_rm_on_two_processes_equal_one_process(tmp_path):
     assert rc == 2
     assert (
         "error: data.micro_batch_size=4: a micro-batch of 4 rows cannot be split over the 8 devices of the mesh's "
-        "batch axes ('data', 'fsdp')"
+        "batch axes ('data', 'fsdp', 'expert')"
     ) in text
     assert not list((tmp_path / "bad").rglob("global_step_*"))  # nothing trained, nothing saved

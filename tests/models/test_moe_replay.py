@@ -227,7 +227,7 @@ print("RESULT" + json.dumps(dict(specs=specs, logit_diff=logit_diff, grad_diff=g
 @pytest.mark.slow
 def test_moe_forward_and_gradients_on_a_2x2x2_mesh_equal_one_device():
     """On 8 fake CPU devices (data 2, fsdp 2, tensor 2) the expert weights are sharded like a dense MLP's
-    (embed over fsdp, mlp over tensor; the expert dim replicated until an expert axis exists) and the MoE
+    (embed over fsdp, mlp over tensor; the expert dim over the expert axis, of size 1 here) and the MoE
     model's logits, routes and every gradient equal the one-device run's within float32 rounding."""
     import os
     import subprocess
@@ -241,7 +241,7 @@ def test_moe_forward_and_gradients_on_a_2x2x2_mesh_equal_one_device():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.split("RESULT", 1)[1])
-    assert out["specs"]["('layers', 0, 'mlp', 'gate_proj')"] == "P(None, 'fsdp', 'tensor')"
+    assert out["specs"]["('layers', 0, 'mlp', 'gate_proj')"] == "P('expert', 'fsdp', 'tensor')"  # expert axis size 1
     assert out["specs"]["('layers', 0, 'mlp', 'router')"] == "P('fsdp', None)"
     assert out["routes_equal"]
     assert out["logit_diff"] < 1e-5 and out["grad_diff"] < 1e-4, out

@@ -365,11 +365,19 @@ def test_validate_config_mesh_with_dcn():
     c.trainer.mesh.tensor = 2
     assert data_parallel_size(c, 8) == 4  # 2 slices x (fsdp 2 x tensor 2)
     c.trainer.mesh.tensor, c.trainer.mesh.fsdp = 1, 2
-    with pytest.raises(ConfigError, match=r"data\*fsdp\*tensor = 2 x dcn_data\*dcn_fsdp = 2 slices but 8 devices"):
+    want = r"data\*fsdp\*expert\*tensor = 2 x dcn_data\*dcn_fsdp = 2 slices but 8 devices"
+    with pytest.raises(ConfigError, match=want):
         validate_config(c, n_devices=8)
     c.trainer.mesh.fsdp, c.trainer.mesh.dcn_data = -1, 3
     with pytest.raises(ConfigError, match=r"8 devices are not divisible by dcn_data\*dcn_fsdp = 3 slices"):
         validate_config(c, n_devices=8)
     c.trainer.mesh.dcn_data = 0
     with pytest.raises(ConfigError, match=r"trainer.mesh.dcn_data=0: must be a positive int"):
+        validate_config(c, n_devices=8)
+    c.trainer.mesh.dcn_data, c.trainer.mesh.expert = 1, 2
+    assert data_parallel_size(c, 8) == 8  # the expert axis is a batch axis: fsdp 4 x expert 2
+    c.trainer.mesh.tensor = 2
+    assert data_parallel_size(c, 8) == 4  # fsdp 2 x expert 2 (x tensor 2)
+    c.trainer.mesh.expert = 0
+    with pytest.raises(ConfigError, match=r"trainer.mesh.expert=0: must be -1 or a positive int"):
         validate_config(c, n_devices=8)

@@ -16,9 +16,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def test_logical_rules_and_specs():
-    assert sharding.MESH_AXES == ("data", "fsdp", "tensor")
+    assert sharding.MESH_AXES == ("data", "fsdp", "expert", "tensor")
     assert sharding.logical_to_mesh_spec(("embed", "heads", "head_dim")) == P("fsdp", "tensor", None)
-    assert sharding.logical_to_mesh_spec(("batch", None)) == P(("data", "fsdp"), None)
+    assert sharding.logical_to_mesh_spec(("batch", None)) == P(("data", "fsdp", "expert"), None)
+    assert sharding.logical_to_mesh_spec(("expert", "embed", "mlp")) == P("expert", "fsdp", "tensor")
     assert sharding.logical_to_mesh_spec(None) == P()
     with pytest.raises(KeyError, match="no rule"):
         sharding.logical_to_mesh_spec(("nonsense",))
@@ -31,6 +32,8 @@ def test_make_mesh_single_device_and_errors():
         sharding.make_mesh(data=2, fsdp=1, tensor=1, devices=jax.devices()[:1])
     with pytest.raises(ValueError, match="at most one"):
         sharding.make_mesh(data=-1, fsdp=-1)
+    with pytest.raises(ValueError, match=r"mesh data=1 x fsdp=1 x expert=2 x tensor=1 needs 2 devices"):
+        sharding.make_mesh(fsdp=1, expert=2, devices=jax.devices()[:1])
 
 
 def test_shard_params_and_param_shardings_single_device():
@@ -190,4 +193,4 @@ def test_sharded_forward_matches_single_device(fake8):
 def test_divisibility_errors_are_explicit(fake8):
     msg = fake8["div_error"]
     assert msg is not None and "layers.0.attn.k_proj.kernel" in msg and "dim 1 (size 1)" in msg and "'tensor'" in msg
-    assert fake8["batch_error"] is not None and "divisible by data*fsdp=4" in fake8["batch_error"]
+    assert fake8["batch_error"] is not None and "divisible by data*fsdp*expert=4" in fake8["batch_error"]

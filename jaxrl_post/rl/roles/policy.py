@@ -24,7 +24,7 @@ from jaxrl_post.models.lora import lora_config_of
 from jaxrl_post.rl import builders, ppo_update
 from jaxrl_post.rl.config_features import dynamic_bsz, router_replay_mode
 from jaxrl_post.rl.geometry import StepGeometry
-from jaxrl_post.runtime.sharding import init_opt_state
+from jaxrl_post.runtime.sharding import batch_shards, init_opt_state
 
 
 def pack_spec(
@@ -37,7 +37,7 @@ def pack_spec(
         return None
     p, r = int(cfg.data.max_prompt_length), int(response_length)
     dyn, max_tok = dynamic_bsz(cfg, role)
-    dp = int(np.prod([mesh.shape[a] for a in ("data", "fsdp") if a in mesh.shape]))
+    dp = batch_shards(mesh)
     rows, row_len = packing.micro_geometry(
         micro_batch_size=micro,
         use_dynamic_bsz=dyn,

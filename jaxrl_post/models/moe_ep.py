@@ -1,0 +1,164 @@
+"""Expert-parallel dispatch of the MoE block (`moe.MoE.experts`) over the mesh's 'expert' axis.
+
+Used when the ambient mesh (`jax.set_mesh`, `sharding.InMesh`) has an 'expert' axis of size ep > 1. The stacked
+expert weights `[E, D, F]` / `[E, F, D]` are split over 'expert' (`sharding.LOGICAL_AXIS_RULES`: each device
+holds E/ep experts, their F dim over 'tensor' when it divides) and never gathered along E. Inside one
+`jax.shard_map` over the mesh (the MaxText / Megablox pattern), per device with its own token shard:
+
+1. its N*k (token, expert) assignments are sorted by expert; their counts per expert are all-gathered over
+   'expert' (`[ep, E]` int32, the only metadata exchanged) and give every device the offsets and sizes below;
+2. `jax.lax.ragged_all_to_all` sends each device the rows of its experts, sender after sender;
+3. the received rows are sorted by local expert and go through the grouped matmuls (`jax.lax.ragged_dot`);
+4. a second `ragged_all_to_all` with the roles swapped sends the outputs back to their tokens' devices, where
+   they are unsorted and summed weighted by the routing weights (psum over 'tensor' for a split F).
+
+Dropless: a device's receive buffer has room for ep * N*k rows (every assignment of every peer on its experts).
+
+When the token rows do not divide over the batch axes (a decode batch smaller than the mesh), the tokens are
+replicated instead: every device runs its own experts' assignments and the outputs are summed over 'expert'
+(no all-to-all; still no expert weight leaves its device).
+
+XLA:CPU cannot compile `ragged-all-to-all` (JAX 0.10: "HLO opcode `ragged-all-to-all` is not supported by
+XLA:CPU ThunkEmitter"), so on CPU `ragged_all_to_all` is replaced by `padded_ragged_all_to_all`, the same
+semantics built from a fixed-size `jax.lax.all_to_all` of one padded chunk per peer; the offset bookkeeping
+is shared, so the CPU tests run it. TPU / GPU use the ragged collective.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxrl_post.models.layers import activation
+
+AXIS = "expert"  # mesh axis of expert parallelism (sharding.MESH_AXES)
+
+
+def expert_parallel_size() -> int:
+    """Size of the ambient mesh's 'expert' axis (1 without a mesh or without that axis)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty or AXIS not in mesh.axis_names:
+        return 1
+    return dict(zip(mesh.axis_names, mesh.axis_sizes))[AXIS]
+
+
+def ragged_all_to_all_supported(platform: str | None = None) -> bool:
+    """Whether `platform` (default: `jax.default_backend()`) compiles `jax.lax.ragged_all_to_all`: not XLA:CPU."""
+    return (platform or jax.default_backend()) != "cpu"
+
+
+def padded_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
+    """`jax.lax.ragged_all_to_all`'s semantics (one slice per peer) from a fixed-size `jax.lax.all_to_all`:
+    every slice is padded to C = min(N, M) rows (no slice is longer than the operand or the receiver's output).
+    operand `[N, ...]`, output `[M, ...]`, the four int32 `[ep]` arrays as for `ragged_all_to_all`. Returns
+    `output` with the received slices written. Holds `[ep, C, ...]` chunks on each side besides the output."""
+    n, ep = operand.shape[0], input_offsets.shape[0]
+    c = min(n, output.shape[0])
+    rows = jnp.arange(c, dtype=jnp.int32)
+    src = input_offsets[:, None] + rows[None, :]  # [ep, C] rows of operand sent to each peer
+    chunks = jnp.take(operand, jnp.minimum(src, n - 1), axis=0)
+    keep = (rows[None, :] < send_sizes[:, None]).reshape(ep, c, *([1] * (operand.ndim - 1)))
+    chunks = jnp.where(keep, chunks, jnp.zeros((), operand.dtype))
+    got = jax.lax.all_to_all(chunks, axis_name, 0, 0)  # [ep, C, ...]: slot s = sender s's slice
+    at = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)  # where sender s's slice lands here
+    dst = jnp.where(rows[None, :] < recv_sizes[:, None], at[:, None] + rows[None, :], output.shape[0])
+    return output.at[dst.reshape(-1)].set(got.reshape(ep * c, *operand.shape[1:]), mode="drop")
+
+
+def _exclusive_cumsum(x, axis):
+    return jnp.cumsum(x, axis=axis) - x
+
+
+def _local_experts(buf, local_id, e_local: int, gate, up, down, act: str, dtype):
+    """Rows `buf` `[R, D]` of local experts `local_id` `[R]` (e_local = padding, computes zeros) -> `[R, D]`
+    expert outputs in the compute dtype (grouped matmuls over the rows sorted by local expert)."""
+    order = jnp.argsort(local_id, stable=True)
+    sizes = jnp.bincount(local_id, length=e_local).astype(jnp.int32)  # padding ids (== e_local) not counted
+    xs = jnp.take(buf, order, axis=0)
+
+    def gmm(lhs, w):
+        return jax.lax.ragged_dot(lhs, w.astype(dtype), sizes, preferred_element_type=jnp.float32).astype(dtype)
+
+    ys = gmm(activation(act, gmm(xs, gate)) * gmm(xs, up), down)
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    return jnp.take(ys, inverse, axis=0)
+
+
+def _dispatch_local(
+    x, weights, experts, gate, up, down, *, num_experts, act, dtype, exchange, tokens_sharded, sum_axes
+):
+    """shard_map body: this device's tokens x `[b, T, D]`, weights/experts `[b, T, k]`, its experts' weights
+    `[E/ep, D, F/tp]` / `[E/ep, F/tp, D]` -> `[b, T, D]` float32, summed over `sum_axes` ('tensor' when F is
+    split over it, 'expert' when the tokens are replicated)."""
+    b, t, d = x.shape
+    k = experts.shape[-1]
+    ep, me = jax.lax.axis_size(AXIS), jax.lax.axis_index(AXIS)
+    e_local = num_experts // ep
+    flat = experts.reshape(-1)  # [n*k], assignment a = token a // k
+    order = jnp.argsort(flat, stable=True)  # grouped by expert, so by owning device
+    xs = jnp.take(x.reshape(b * t, d), order // k, axis=0).astype(dtype)  # [n*k, D]
+    if tokens_sharded:
+        sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # [E] this device's rows per expert
+        counts = jax.lax.all_gather(sizes, AXIS).reshape(ep, ep, e_local)  # [sender, receiver, local expert]
+        pair = jnp.sum(counts, axis=-1)  # [sender, receiver] rows
+        send_sizes, recv_sizes = pair[me], pair[:, me]
+        send_offsets = _exclusive_cumsum(send_sizes, 0)  # where my slice for each peer starts in xs
+        land = _exclusive_cumsum(pair, 0)  # [sender, receiver]: where sender's slice starts at the receiver
+        buf = exchange(
+            xs, jnp.zeros((ep * xs.shape[0], d), dtype), send_offsets, send_sizes, land[me], recv_sizes,
+            axis_name=AXIS,
+        )  # fmt: skip
+        # received rows: sender by sender, each sender's rows by local expert; padding after the last one
+        ends = jnp.cumsum(counts[:, me].reshape(-1))  # [ep * e_local]
+        pos = jnp.arange(buf.shape[0], dtype=jnp.int32)
+        slot = jnp.searchsorted(ends, pos, side="right").astype(jnp.int32)
+        local_id = jnp.where(slot < ep * e_local, slot % e_local, e_local)
+        out = _local_experts(buf, local_id, e_local, gate, up, down, act, dtype)
+        back_at = _exclusive_cumsum(pair, 1)[:, me]  # where each sender's slice came from in its xs
+        ys = exchange(
+            out, jnp.zeros_like(xs), land[:, me], recv_sizes, back_at, send_sizes, axis_name=AXIS
+        )  # fmt: skip
+    else:  # replicated tokens: my experts' assignments only, summed over 'expert' below
+        local = jnp.take(flat, order) - me * e_local
+        local_id = jnp.where((local >= 0) & (local < e_local), local, e_local)
+        ys = _local_experts(xs, local_id, e_local, gate, up, down, act, dtype)
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    ys = jnp.take(ys, inverse, axis=0).astype(jnp.float32).reshape(b * t, k, d)
+    y = jnp.einsum("NKD,NK->ND", ys, weights.reshape(b * t, k)).reshape(b, t, d)
+    return jax.lax.psum(y, sum_axes) if sum_axes else y
+
+
+def dispatch(x, weights, experts, gate, up, down, *, num_experts: int, act: str, dtype):
+    """Expert-parallel MoE experts on the ambient mesh: x `[B, T, D]`, weights `[B, T, k]` float32, experts
+    `[B, T, k]` int32, gate/up `[E, D, F]`, down `[E, F, D]` -> `[B, T, D]` float32 (what the single-device
+    `MoE.experts` computes). Raises ValueError when E does not divide over the 'expert' axis."""
+    from jaxrl_post.runtime.sharding import LOGICAL_AXIS_RULES
+
+    mesh = jax.sharding.get_abstract_mesh()
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    ep, tp = sizes[AXIS], sizes.get("tensor", 1)
+    if num_experts % ep:
+        raise ValueError(f"num_experts={num_experts} does not divide over the mesh's expert axis (size {ep})")
+    batch_axes = LOGICAL_AXIS_RULES["batch"]
+    n_rows = 1
+    for a in batch_axes:
+        n_rows *= sizes.get(a, 1)
+    sharded = x.shape[0] % n_rows == 0
+    rows = batch_axes if sharded else None
+    f = "tensor" if gate.shape[-1] % tp == 0 else None
+    tok, route = P(rows, None, None), P(rows, None, None)
+    exchange = jax.lax.ragged_all_to_all if ragged_all_to_all_supported() else padded_ragged_all_to_all
+
+    def body(x, weights, experts, gate, up, down):
+        return _dispatch_local(
+            x, weights, experts, gate, up, down,
+            num_experts=num_experts, act=act, dtype=dtype, exchange=exchange, tokens_sharded=sharded,
+            sum_axes=(() if sharded else (AXIS,)) + (("tensor",) if f else ()),
+        )  # fmt: skip
+
+    return jax.shard_map(
+        body,
+        in_specs=(tok, route, route, P(AXIS, None, f), P(AXIS, None, f), P(AXIS, f, None)),
+        out_specs=tok,
+    )(x, weights, experts, gate, up, down)
