@@ -215,11 +215,46 @@ def _json_file(path: str) -> dict:
         raise ValueError(f"{path}: not valid JSON ({e}); the file is corrupt or truncated") from e
 
 
+_CONFIG_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _check_hf_config(path: str) -> None:
+    """``config.json`` at ``path`` is JSON and a model config we can build: the sizes every decoder needs are there
+    and positive integers, and ``ModelConfig.from_hf_config`` accepts the rest (a supported model type, values of
+    the right types). Raises ValueError naming the file and the key."""
+    from jaxrl_post.models.config import ModelConfig
+
+    raw = _json_file(path)
+    text = raw.get("text_config") if raw.get("model_type") == "gemma3" else None  # a multimodal wrapper's text part
+    text = text if isinstance(text, dict) else raw
+    for key in _CONFIG_INTS:
+        if key not in text:
+            raise ValueError(f"{path}: the model config has no {key!r}; the file is incomplete")
+        if not _positive_int(text[key]):
+            raise ValueError(f"{path}: {key}={text[key]!r} is not a positive integer")
+    try:
+        cfg = ModelConfig.from_hf_config(raw)
+    except KeyError as e:
+        raise ValueError(f"{path}: the model config has no {e.args[0]!r}; the file is incomplete") from e
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: the model config has a value of the wrong type ({e})") from e
+    except NotImplementedError as e:  # a model type or feature the decoder does not have
+        raise ValueError(f"{path}: {e}") from e
+    for key, hf_key in (("num_kv_heads", "num_key_value_heads"), ("head_dim", "head_dim")):
+        if not _positive_int(getattr(cfg, key)):
+            raise ValueError(f"{path}: {hf_key}={getattr(cfg, key)!r} is not a positive integer")
+
+
 def check_model_files(kind: str, path: str) -> None:
     """Read the headers of a resolved checkpoint (``resolve_model_path``'s ``(kind, path)``; no weights are read)
-    so that a corrupt or truncated file is named before anything is built: an HF directory's ``config.json``,
-    ``model.safetensors.index.json`` and every ``*.safetensors`` header (safetensors checks that the header
-    covers the whole file, so a cut file is found); a GGUF file's magic bytes, metadata and tensor table.
+    so that a corrupt or truncated file is named before anything is built: an HF directory's ``config.json`` (JSON,
+    with the keys and positive integer sizes a model needs), ``model.safetensors.index.json`` and every
+    ``*.safetensors`` header (safetensors checks that the header covers the whole file, so a cut file is found); a
+    GGUF file's magic bytes, metadata and tensor table.
 
     Raises:
       ValueError: naming the file and what is wrong with it.
@@ -240,7 +275,7 @@ def check_model_files(kind: str, path: str) -> None:
         return
     from safetensors import SafetensorError, safe_open
 
-    _json_file(os.path.join(path, "config.json"))
+    _check_hf_config(os.path.join(path, "config.json"))
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
         files = sorted(set(_json_file(index).get("weight_map", {}).values()))

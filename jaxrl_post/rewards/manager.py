@@ -44,6 +44,14 @@ def rm_score(data_source, solution_str, ground_truth, extra_info=None):
     return float(extra_info["rm_score"])
 
 
+def _preload(compute_score) -> tuple[str, ...]:
+    """Modules a reward worker imports before its first call: reasoning-gym for the built-in scorer (its import
+    takes seconds, tens on a loaded machine: inside a call it would time out, and so would each replacement)."""
+    from jaxrl_post.rewards import default_compute_score  # here: jaxrl_post.rewards imports this module
+
+    return ("reasoning_gym",) if compute_score is default_compute_score else ()
+
+
 class RewardManager:
     """Scores a rollout batch with a rule reward function.
 
@@ -126,7 +134,7 @@ class RewardManager:
         self._batched = callable(getattr(compute_score, "score_batch", None))
         self.rm_scorer = rm_scorer
         self._pool = (
-            RewardWorkerPool(compute_score, self.num_workers, timeout_s, mp_context)
+            RewardWorkerPool(compute_score, self.num_workers, timeout_s, mp_context, preload=_preload(compute_score))
             if self.num_workers > 0 and not self._batched
             else None
         )

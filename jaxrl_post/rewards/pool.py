@@ -12,6 +12,7 @@ them down after a Ctrl-C, see `engine/interrupt.py`).
 
 from __future__ import annotations
 
+import importlib
 import logging
 import multiprocessing as mp
 import pickle
@@ -51,11 +52,16 @@ class CallResult:
     exception: BaseException | None = None
 
 
-def _worker_main(conn, fn: Callable[..., Any]) -> None:  # runs in the child process
+def _worker_main(conn, fn: Callable[..., Any], preload: tuple[str, ...] = ()) -> None:  # runs in the child process
     # Ctrl-C in a terminal reaches the whole process group: the parent finishes its step and stops the
     # workers itself (`close`), so a worker ignores SIGINT instead of dying with a KeyboardInterrupt
     # traceback mid-call. SIGTERM keeps its default (a quiet exit), so `kill` still works on a stray one.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for name in preload:  # slow imports before READY: under startup_timeout_s, not a call's timeout
+        try:
+            importlib.import_module(name)
+        except ImportError as e:  # the call that needs the module reports it; one line on stderr here
+            print(f"{name} not preloaded in a worker: {e}", file=sys.stderr)
     conn.send(_READY)
     while True:
         try:
@@ -76,9 +82,10 @@ def _worker_main(conn, fn: Callable[..., Any]) -> None:  # runs in the child pro
 
 
 class _Worker:
-    def __init__(self, ctx, fn, label: str = "reward"):
+    def __init__(self, ctx, fn, label: str = "reward", preload: tuple[str, ...] = ()):
         self.conn, child = ctx.Pipe(duplex=True)
-        self.proc = ctx.Process(target=_worker_main, args=(child, fn), daemon=True, name=f"jaxrl_post-{label}")
+        args = (child, fn, preload)
+        self.proc = ctx.Process(target=_worker_main, args=args, daemon=True, name=f"jaxrl_post-{label}")
         self.proc.start()
         child.close()
         self.spawned_at = time.monotonic()
@@ -115,6 +122,9 @@ class RewardWorkerPool:
       mp_context: 'forkserver' or 'spawn' ('fork' is refused: unsafe with JAX).
       startup_timeout_s: how long a new worker may take to import and report ready.
       label: what the calls are, in process names and messages ('reward'; the agent loop's tools: 'tool').
+      preload: modules each worker imports before it reports ready, so a slow first import (reasoning-gym's
+        takes seconds, tens on a loaded machine) counts against `startup_timeout_s`, not against the first call
+        of every new worker (a timed-out worker is replaced, and its replacement would time out on it again).
     Raises:
       TypeError: `fn` is not picklable. ValueError: bad arguments.
       RuntimeError: a worker failed to start within `startup_timeout_s`.
@@ -128,6 +138,7 @@ class RewardWorkerPool:
         mp_context: str | None = None,
         startup_timeout_s: float = 120.0,
         label: str = "reward",
+        preload: Sequence[str] = (),
     ):
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
@@ -151,14 +162,15 @@ class RewardWorkerPool:
         self._workers: list[_Worker] = []
         self.num_restarts = 0
         self.label = label
+        self.preload = tuple(preload)
 
     def _ensure_workers(self) -> None:
         while len(self._workers) < self.num_workers:
-            self._workers.append(_Worker(self._ctx, self._fn, self.label))
+            self._workers.append(_Worker(self._ctx, self._fn, self.label, self.preload))
 
     def _replace(self, w: _Worker) -> None:
         w.kill()
-        self._workers[self._workers.index(w)] = _Worker(self._ctx, self._fn, self.label)
+        self._workers[self._workers.index(w)] = _Worker(self._ctx, self._fn, self.label, self.preload)
         self.num_restarts += 1
 
     def map(self, arg_tuples: Sequence[tuple]) -> list[CallResult]:

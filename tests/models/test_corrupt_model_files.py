@@ -78,3 +78,48 @@ def test_corrupt_model_files_are_named(tmp_path):
         ConfigError, match=r"^config\.distillation\.teacher_models\.teacher_model\.model_path=.*b'XXXX'"
     ):
         check_teacher_path(oc)
+
+
+def test_incomplete_or_mistyped_config_json_is_named(tmp_path):
+    """A config.json that is valid JSON but lacks a key the model needs, has a size of the wrong type, or names an
+    unsupported model type: the pre-flight check names model.path, the file and the key (one `error:` line from
+    main) instead of a KeyError / TypeError traceback from the loader (found by the new-user trial of issue 55)."""
+    import json
+    import shutil
+
+    import ml_collections
+    from flax import nnx
+
+    from jaxrl_post.models import get_preset, hf_io
+    from jaxrl_post.models.decoder import Transformer
+    from jaxrl_post.rl.preflight import check_model_path
+
+    mcfg = get_preset("smollm2_135m").replace(
+        num_layers=1, hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=1, head_dim=16, vocab_size=64
+    )
+    good = tmp_path / "good"
+    hf_io.save_pretrained(Transformer(mcfg, rngs=nnx.Rngs(0)), None, str(good))
+    base = json.loads((good / "config.json").read_text())
+    cases = [
+        ("no_heads", {"num_attention_heads": None}, "num_attention_heads=None is not a positive integer"),
+        ("str_size", {"hidden_size": "sixty-four"}, "hidden_size='sixty-four' is not a positive integer"),
+        ("zero_vocab", {"vocab_size": 0}, "vocab_size=0 is not a positive integer"),
+        ("list_layers", {"num_hidden_layers": [2]}, "num_hidden_layers=[2] is not a positive integer"),
+        ("bad_rope", {"rope_scaling": "x"}, "the model config has a value of the wrong type ("),
+        ("bert", {"model_type": "bert"}, "model_type 'bert' not supported; supported: ["),
+    ]
+    missing = {k: v for k, v in base.items() if k != "num_attention_heads"}
+    for name, change, what in [*cases, ("missing_heads", None, "the model config has no 'num_attention_heads'")]:
+        shutil.copytree(good, tmp_path / name)
+        cfg = missing if change is None else {**base, **change}
+        (tmp_path / name / "config.json").write_text(json.dumps(cfg))
+        c = ml_collections.ConfigDict(
+            {"trainer_type": "rl", "model": {"random_init": False, "path": str(tmp_path / name)}}
+        )
+        with pytest.raises(ConfigError) as e:
+            check_model_path(c)
+        file = tmp_path / name / "config.json"
+        assert str(e.value).startswith(f"config.model.path={str(tmp_path / name)!r}: {file}: "), str(e.value)
+        assert what in str(e.value) and "\n" not in str(e.value), str(e.value)
+    c = ml_collections.ConfigDict({"trainer_type": "rl", "model": {"random_init": False, "path": str(good)}})
+    check_model_path(c)  # the intact checkpoint passes
