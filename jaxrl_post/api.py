@@ -68,8 +68,6 @@ def load_config(spec: str, overrides: Mapping[str, object] | None = None):
             try:
                 node[leaf] = value
             except TypeError as e:
-                from jaxrl_post.errors import ConfigError
-
                 raise ConfigError(f"config.{key}={value!r}: {e}") from e
     return cfg
 

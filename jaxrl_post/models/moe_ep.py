@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_post.models.layers import activation
+from jaxrl_post.runtime.sharding import LOGICAL_AXIS_RULES
 
 AXIS = "expert"  # mesh axis of expert parallelism (sharding.MESH_AXES)
 
@@ -133,7 +134,6 @@ def dispatch(x, weights, experts, gate, up, down, *, num_experts: int, act: str,
     """Expert-parallel MoE experts on the ambient mesh: x `[B, T, D]`, weights `[B, T, k]` float32, experts
     `[B, T, k]` int32, gate/up `[E, D, F]`, down `[E, F, D]` -> `[B, T, D]` float32 (what the single-device
     `MoE.experts` computes). Raises ValueError when E does not divide over the 'expert' axis."""
-    from jaxrl_post.runtime.sharding import LOGICAL_AXIS_RULES
 
     mesh = jax.sharding.get_abstract_mesh()
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))

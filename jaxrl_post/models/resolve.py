@@ -23,6 +23,7 @@ import importlib.util
 import os
 import re
 
+from jaxrl_post.models.config import ModelConfig
 from jaxrl_post.models.gguf_config import _reader
 
 __all__ = [
@@ -226,8 +227,6 @@ def _check_hf_config(path: str) -> None:
     """``config.json`` at ``path`` is JSON and a model config we can build: the sizes every decoder needs are there
     and positive integers, and ``ModelConfig.from_hf_config`` accepts the rest (a supported model type, values of
     the right types). Raises ValueError naming the file and the key."""
-    from jaxrl_post.models.config import ModelConfig
-
     raw = _json_file(path)
     text = raw.get("text_config") if raw.get("model_type") == "gemma3" else None  # a multimodal wrapper's text part
     text = text if isinstance(text, dict) else raw

@@ -15,10 +15,19 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxrl_post.algos.distillation import DistillationLossConfig
+from jaxrl_post.algos.registry import policy_loss_spec
 from jaxrl_post.engine import steps
 from jaxrl_post.errors import ConfigError
+from jaxrl_post.models import get_preset, init_model, load_pretrained, lora
+from jaxrl_post.models import load_tokenizer as _load
+from jaxrl_post.models.attention import resolve_attention_impl
+from jaxrl_post.models.char_tokenizer import build_char_tokenizer
+from jaxrl_post.models.tokenizer import eos_token_ids
 from jaxrl_post.rl import ppo_update
+from jaxrl_post.rl.config_features import lora_enabled
 from jaxrl_post.runtime.platform_defaults import resolve
+from jaxrl_post.runtime.sharding import make_mesh
 
 log = logging.getLogger(__name__)
 
@@ -26,8 +35,6 @@ log = logging.getLogger(__name__)
 def build_mesh(cfg: Any) -> jax.sharding.Mesh:
     """Mesh ('data', 'fsdp', 'expert', 'tensor') from `trainer.mesh.*` over all devices (multi-slice when a
     `trainer.mesh.dcn_*` factor is > 1: `sharding.make_mesh`). Raises ConfigError when the devices do not fit."""
-    from jaxrl_post.errors import ConfigError
-    from jaxrl_post.runtime.sharding import make_mesh
 
     m = cfg.trainer.mesh
     dcn = dict(dcn_data=int(m.get("dcn_data", 1)), dcn_fsdp=int(m.get("dcn_fsdp", 1)))
@@ -41,7 +48,6 @@ def build_mesh(cfg: Any) -> jax.sharding.Mesh:
 
 def model_config_from(cfg: Any):
     """ModelConfig of a randomly initialised model: preset `model.preset` + non-None `model.arch` fields."""
-    from jaxrl_post.models import get_preset
 
     overrides = {k: v for k, v in cfg.model.arch.items() if v is not None}
     dtype = resolve("model.dtype", cfg.model.dtype)
@@ -52,15 +58,12 @@ def load_tokenizer(path: str):
     """`models.load_tokenizer`, memoised per process (a GGUF tokenizer takes seconds to parse);
     `'char'` -> the in-memory character tokenizer of `char_tokenizer.py` (tiny test models)."""
     if path == "char":
-        from jaxrl_post.models.char_tokenizer import build_char_tokenizer
-
         return build_char_tokenizer()
     return _load_tokenizer_cached(str(path))
 
 
 @functools.lru_cache(maxsize=4)
 def _load_tokenizer_cached(path: str):
-    from jaxrl_post.models import load_tokenizer as _load
 
     return _load(path)
 
@@ -71,7 +74,6 @@ def build_actor_and_tokenizer(cfg: Any, mesh: jax.sharding.Mesh | None):
     Raises:
       ValueError: the tokenizer's vocabulary is larger than the model's (token ids would be out of range).
     """
-    from jaxrl_post.models import init_model, load_pretrained
 
     tok_path = cfg.model.tokenizer_path
     dtype = resolve("model.dtype", cfg.model.dtype)
@@ -108,7 +110,6 @@ def apply_attention_impl(cfg: Any, model, platform: str | None = None) -> str:
     and under 'splash' that the shared-prompt packing layout is off (`roles._pack_spec`). Returns the backend.
 
     Raises ConfigError naming `model.attention_impl` (see `models.attention.resolve_attention_impl`)."""
-    from jaxrl_post.models.attention import resolve_attention_impl
 
     platform = platform or jax.default_backend()
     try:
@@ -140,8 +141,6 @@ def attach_lora(cfg: Any, model) -> None:
     """Attach the actor's LoRA adapters when LoRA is on (`config_features.lora_enabled`): the PEFT adapter at
     `model.lora_adapter_path` (its r, alpha, targets), else fresh ones (`model.lora_rank`, `lora_alpha`,
     `target_modules`; A seeded by `trainer.seed`, B = 0). Raises what `models.lora.load_peft_adapter` raises."""
-    from jaxrl_post.models import lora
-    from jaxrl_post.rl.config_features import lora_enabled
 
     if not lora_enabled(cfg):
         return
@@ -155,7 +154,6 @@ def attach_lora(cfg: Any, model) -> None:
 
 def eos_and_pad(tokenizer) -> tuple[tuple[int, ...], int]:
     """(EOS ids ending a response, pad id) of the tokenizer."""
-    from jaxrl_post.models.tokenizer import eos_token_ids
 
     eos = tuple(eos_token_ids(tokenizer))
     pad = tokenizer.pad_token_id
@@ -188,7 +186,6 @@ def actor_loss_config(cfg: Any, on_policy: bool) -> ppo_update.ActorLossConfig:
     """`actor.*` -> ActorLossConfig. Logs one line when the policy loss fixes its own aggregation
     (`register_policy_loss(loss_agg_mode=...)`, e.g. GSPO) and `actor.loss_agg_mode` differs: the configured
     mode then only aggregates the entropy and KL losses."""
-    from jaxrl_post.algos.registry import policy_loss_spec
 
     a = cfg.actor
     low = a.clip_ratio if a.clip_ratio_low is None else a.clip_ratio_low
@@ -223,7 +220,6 @@ def actor_loss_config(cfg: Any, on_policy: bool) -> ppo_update.ActorLossConfig:
 def distillation_loss_config(cfg: Any):
     """`distillation.distillation_loss.*` -> `distillation.DistillationLossConfig`, or None when
     `distillation.enabled` is off."""
-    from jaxrl_post.algos.distillation import DistillationLossConfig
 
     if not cfg.distillation.enabled:
         return None

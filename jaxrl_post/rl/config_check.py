@@ -18,7 +18,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from jaxrl_post.algos.loss_agg import LOSS_AGG_MODES
+from jaxrl_post.algos.registry import ADV_ESTIMATOR_REGISTRY, POLICY_LOSS_REGISTRY
+from jaxrl_post.algos.rollout_corr import parse_rollout_rs
 from jaxrl_post.errors import ConfigError
+from jaxrl_post.models.attention import ATTENTION_IMPLS
 from jaxrl_post.rl.config_features import (
     _DYNAMIC_BSZ_KEYS,
     _get,
@@ -32,6 +36,7 @@ from jaxrl_post.rl.config_features import (
     estimator_needs,
 )
 from jaxrl_post.rl.config_run import RESUME_MODES, check_data_rewards_and_run  # noqa: F401 (re-exported)
+from jaxrl_post.runtime.distributed import config_errors
 
 KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full")
 WARMUP_STYLES = ("constant", "cosine")
@@ -89,8 +94,6 @@ def validate_config(cfg: Any, n_devices: int | None = None) -> None:
         import jax
 
         n_devices = jax.device_count()
-    from jaxrl_post.algos.loss_agg import LOSS_AGG_MODES
-    from jaxrl_post.algos.registry import ADV_ESTIMATOR_REGISTRY, POLICY_LOSS_REGISTRY
 
     errors: list[str] = []
 
@@ -239,7 +242,6 @@ def validate_config(cfg: Any, n_devices: int | None = None) -> None:
     check("model.use_remove_padding", lambda v: isinstance(v, bool), "must be a bool")
     check("model.seqs_per_packed_row", pos_int, "must be a positive int")
     check("model.pack_shared_prompts", lambda v: isinstance(v, bool), "must be a bool")
-    from jaxrl_post.models.attention import ATTENTION_IMPLS
 
     check("model.attention_impl", lambda v: v in ATTENTION_IMPLS, f"valid: {', '.join(map(repr, ATTENTION_IMPLS))}")
     row_len = None
@@ -308,8 +310,6 @@ def validate_config(cfg: Any, n_devices: int | None = None) -> None:
     rc_ok &= check(f"{rc}.rollout_is_threshold", lambda v: is_num(v) and v > 0, "must be > 0")
     rc_ok &= check(f"{rc}.rollout_is_batch_normalize", lambda v: isinstance(v, bool), "must be a bool")
     if rc_cfg.rollout_rs is not None:
-        from jaxrl_post.algos.rollout_corr import parse_rollout_rs
-
         try:
             parse_rollout_rs(rc_cfg.rollout_rs, rc_cfg.rollout_rs_threshold)
         except ValueError as e:
@@ -365,7 +365,6 @@ def validate_config(cfg: Any, n_devices: int | None = None) -> None:
     check_async(cfg, check, err, is_int, is_num)
     check_distillation(cfg, check, err, is_int, is_num)
     check_router_replay(cfg, check, err)
-    from jaxrl_post.runtime.distributed import config_errors
 
     errors += config_errors(cfg)  # trainer.distributed.*, the per-process prompt share
     if errors:

@@ -10,7 +10,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from jaxrl_post.algos.distillation import DISTILLATION_LOSS_MODES, TOPK_LOSS_MODES
 from jaxrl_post.errors import ConfigError
+from jaxrl_post.models.lora import parse_target_modules, read_adapter_config
+from jaxrl_post.rl.async_training.settings import MODES
+from jaxrl_post.rollout.tool_parser import _PARSERS
 
 ROUTER_REPLAY_MODES = ("disabled", "R2", "R3")  # verl's actor.router_replay.mode
 # filter_groups metrics every reward function has (the rest are extra keys of a reward function's dict results)
@@ -62,7 +66,6 @@ def check_lora(cfg: Any, check, err, is_int, is_num) -> None:
         return
     if not lora_enabled(cfg):
         return
-    from jaxrl_post.models.lora import parse_target_modules, read_adapter_config
 
     check("model.lora_alpha", lambda v: is_num(v) and v > 0, "must be > 0 (updates are scaled by alpha / rank)")
     path = cfg.model.lora_adapter_path
@@ -101,7 +104,6 @@ def check_multi_turn(cfg: Any, check, err, is_int, is_num) -> None:
         lambda v: v in ("left", "middle", "right"),
         "must be left, middle or right",
     )
-    from jaxrl_post.rollout.tool_parser import _PARSERS
 
     check("rollout.multi_turn.format", lambda v: v in _PARSERS, f"must be one of {sorted(_PARSERS)}")
     check("rollout.multi_turn.tool_num_workers", lambda v: is_int(v) and v > 0, "must be a positive int")
@@ -129,7 +131,6 @@ def check_distillation(cfg: Any, check, err, is_int, is_num) -> None:
         or not cfg.distillation.enabled
     ):
         return
-    from jaxrl_post.algos.distillation import DISTILLATION_LOSS_MODES, TOPK_LOSS_MODES
 
     key = "distillation.teacher_models"
     extra = [k for k in cfg.distillation.teacher_models if k != "teacher_model"]
@@ -309,7 +310,6 @@ def critic_enabled(cfg: Any) -> bool:
 
 def check_async(cfg: Any, check, err, is_int, is_num) -> None:
     """`async_training.*`, `rollout.n_gpus_per_node`, `rollout.nnodes` (asynchronous training, docs/async.md)."""
-    from jaxrl_post.rl.async_training.settings import MODES
 
     if cfg.get("async_training") is None:
         return

@@ -1,11 +1,11 @@
 """`RLTrainer`: verl's `RayPPOTrainer.fit()` dataflow as one host loop (the only impure orchestration).
 
-Per training step (`train_step`), each stage a named timer (`timing_s/<stage>`): gen (rollout.n responses per
-prompt) -> reward (the reward manager; DAPO's overlong shaping and dynamic sampling, `dynamic_sampling.py`) ->
-old_log_prob (skipped when exactly on-policy) -> ref (a KL term on) -> teacher (on-policy distillation) ->
-values (PPO) -> adv (KL in reward, the estimator: `advantage_fn.py`) -> update_critic -> update_actor (after
-`critic_warmup`) -> metrics (verl's names) -> console + metrics.jsonl. docs/architecture.md follows one step
-file by file.
+Per training step (`train_step`, the body in `step.py`), each stage a named timer (`timing_s/<stage>`): gen
+(rollout.n responses per prompt) -> reward (the reward manager; DAPO's overlong shaping and dynamic sampling,
+`dynamic_sampling.py`) -> old_log_prob (skipped when exactly on-policy) -> ref (a KL term on) -> teacher (on-policy
+distillation) -> values (PPO) -> adv (KL in reward, the estimator: `advantage_fn.py`) -> update_critic ->
+update_actor (after `critic_warmup`) -> metrics (verl's names) -> console + metrics.jsonl. docs/architecture.md
+follows one step file by file.
 
 "Exactly on-policy" (verl: `on_policy` in the actor): `actor.ppo_epochs == 1`, one mini-batch per step and
 no KL-in-reward. Then the old log-probs equal the current ones, so the update uses
@@ -14,9 +14,10 @@ no KL-in-reward. Then the old log-probs equal the current ones, so the update us
 The trainer composes role objects (roles/), one device pytree `TrainState` and one `HostState`
 (engine/train_state.py), a `Placement` (engine/placement.py) and a `RunDir` (engine/run/run_dir.py: lock,
 checkpoints, resume, saves after an error); the update loops are functions in updates.py, the validation loop in
-validation_loop.py. Checkpoints (see `state_dict`) hold actor/critic params and optimizer states, counters, the
-RNG key, the KL controller, the data position and the non-finite counters (the reference as a pointer, the
-teacher not at all); resuming is exact: the same steps give bit-identical params and metrics.
+validation_loop.py. Checkpoints (see `state_dict`, `trainer_checkpoint.py`) hold actor/critic params and
+optimizer states, counters, the RNG key, the KL controller, the data position and the non-finite counters (the
+reference as a pointer, the teacher not at all); resuming is exact: the same steps give bit-identical params and
+metrics.
 """
 
 from __future__ import annotations
@@ -28,19 +29,16 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
 
 from jaxrl_post.algos import core_algos
 from jaxrl_post.batch.protocol import DataProto
-from jaxrl_post.engine import loop, steps, train_state
+from jaxrl_post.engine import loop
 from jaxrl_post.engine.nonfinite import NonFiniteGuard
 from jaxrl_post.engine.placement import Placement
-from jaxrl_post.engine.placement import to_numpy as _np
-from jaxrl_post.engine.run import checkpoint as ckpt
 from jaxrl_post.engine.run.run_dir import RunDir
 from jaxrl_post.engine.run.run_files import config_to_dict
 from jaxrl_post.engine.run.tracking import Tracking
-from jaxrl_post.engine.train_state import HostState, OptimizedParams, TrainState, place_like
+from jaxrl_post.engine.train_state import HostState, TrainState
 from jaxrl_post.errors import ConfigError
 from jaxrl_post.rl import (
     advantage_fn,
@@ -49,18 +47,18 @@ from jaxrl_post.rl import (
     data_rows,
     preflight,
     reward_builders,
-    updates,
+    step,
+    trainer_checkpoint,
 )
 from jaxrl_post.rl import metrics as metrics_lib
 from jaxrl_post.rl.async_training import AsyncSettings, async_mode
-from jaxrl_post.rl.async_training.producer import AsyncRollout, rollout_probs_diff
+from jaxrl_post.rl.async_training.producer import AsyncRollout
 from jaxrl_post.rl.config_check import kl_in_use, validate_config
 from jaxrl_post.rl.config_features import critic_enabled
 from jaxrl_post.rl.dynamic_sampling import FilteredRollout
-from jaxrl_post.rl.dynamic_sampling import timer as _timer
 from jaxrl_post.rl.geometry import StepGeometry
 from jaxrl_post.rl.roles import CriticRole, PolicyRole, ReferencePolicy, RolloutRole, TeacherRole
-from jaxrl_post.rl.roles.teacher import check_teacher_path, kl_to_teacher_metrics
+from jaxrl_post.rl.roles.teacher import check_teacher_path
 from jaxrl_post.rl.validation_loop import run_validation
 from jaxrl_post.runtime import distributed
 from jaxrl_post.runtime.platform_defaults import log_resolved, resolve_config
@@ -205,109 +203,9 @@ class RLTrainer:
 
     # ------------------------------------------------------------------------------------ one step
     def train_step(self, prompts: DataProto, next_prompts: Callable[[], DataProto] | None = None) -> dict[str, float]:
-        """Runs one PPO/GRPO iteration on a batch of `data.train_batch_size` prompts; returns its metrics.
-
-        With `algorithm.filter_groups.enable` (DAPO dynamic sampling), further prompt batches come from
-        `next_prompts()` (default: the training loader) until `data.train_batch_size` groups are kept
-        (dynamic_sampling.py); raises `FilterGroupsError` after `max_num_gen_batches` generation batches.
-        """
-        cfg, g = self.config, self.geometry
-        timing: dict[str, float] = {}
-        gen_seed, shuffle_seed = self._next_seeds()
-        metrics: dict[str, float] = {}
-        with _timer("step", timing):
-            # -- rollout + reward (+ dynamic sampling: more generation batches until enough groups vary)
-            more = next_prompts or (lambda: next(self.data.train_loader))
-            # asynchronous: the step's groups from the queue (async_training/producer.py)
-            kw = {} if self.async_rollout is None else {"step": self.host.global_steps}
-            b, nt, reward_metrics, prompts, rng = self.rollout.collect(
-                prompts, gen_seed, timing, self.reward_fn, self.state.rng, more, **kw
-            )
-            self.state = self.state.replace(rng=rng)
-            metrics.update(reward_metrics)
-            metrics.update(self.rollout.multi_turn_metrics(nt, b))
-            baselines = b.get("reward_baselines")
-
-            # b["loss_mask"]: the model's own tokens (rollout); train_mask: the tokens the updates train (minus
-            # dropped truncated responses and rejected tokens; advantages keep the rollout's loss_mask)
-            train_mask = _np(steps.compute_loss_mask(b["loss_mask"], b["truncated"], bool(cfg.actor.drop_truncated)))
-            if cfg.actor.drop_truncated:
-                metrics["actor/num_dropped_truncated"] = float(np.sum(b["truncated"]))
-
-            # -- old / reference / teacher log-probs, values
-            actor_params = self.state.actor.params
-            if not g.on_policy:
-                with _timer("old_log_prob", timing):
-                    b["old_log_probs"] = self.policy.old_log_probs(actor_params, b)
-            if self.reference is not None:
-                with _timer("ref", timing):
-                    b["ref_log_prob"] = self.reference.log_probs(actor_params, b)  # LoRA: adapters off
-            if self.teacher is not None:
-                with _timer("teacher", timing):
-                    b.update(self.teacher.forward(b))
-                student = b["old_log_probs"] if "old_log_probs" in b else b["rollout_log_probs"]
-                loss_mode = cfg.distillation.distillation_loss.loss_mode
-                metrics.update(kl_to_teacher_metrics(student, b["teacher_log_prob"], train_mask, loss_mode))
-            if self.critic is not None:
-                with _timer("values", timing):
-                    b["values"] = self.critic.values(self.state.critic.params, b)
-
-            metrics.update(updates.moe_mismatch_metrics(self.policy, g, b, train_mask))  # MoE: routing replay
-            if g.use_rollout_corr:  # IS weights / rejection mask from log(pi_old / pi_rollout), whole batch
-                train_mask, corr_metrics = updates.rollout_correction(cfg, b, train_mask)
-                metrics.update(corr_metrics)
-            elif self.async_rollout is not None:  # behaviour (rollout) vs proximal (recomputed) policy
-                metrics.update(rollout_probs_diff(b, train_mask))
-
-            # -- KL in reward, advantages
-            kl_ctrl = self.host.kl_ctrl
-            with _timer("adv", timing):
-                _, index = np.unique(np.asarray(nt["uid"]), return_inverse=True)
-                rewards, current_kl, adv, ret = self.advantage(
-                    b["token_level_scores"],
-                    b["loss_mask"],
-                    index.astype(np.int32).reshape(-1),
-                    np.float32(kl_ctrl.value),
-                    b.get("old_log_probs"),
-                    b.get("ref_log_prob"),
-                    b.get("values"),
-                    None if baselines is None else np.asarray(baselines, np.float32),
-                )
-                b["token_level_rewards"], b["advantages"], b["returns"] = _np(rewards), _np(adv), _np(ret)
-                if cfg.algorithm.use_kl_in_reward:
-                    metrics["actor/reward_kl_penalty"] = float(current_kl)
-                    metrics["actor/reward_kl_penalty_coeff"] = float(kl_ctrl.value)
-                    kl_ctrl.update(float(current_kl), n_steps=g.batch_size)  # responses, as verl
-
-            # -- updates
-            rng = np.random.default_rng(shuffle_seed)
-            if self.critic is not None:
-                with _timer("update_critic", timing):
-                    args = (cfg, self.critic, g, self.state, self.host, b, train_mask, rng)
-                    self.state, out = updates.update_critic(*args)  # the state first: NonFiniteError below
-                    metrics.update(updates.critic_metrics(self.critic, self.host, out))
-            if self.host.global_steps >= int(cfg.trainer.critic_warmup):
-                with _timer("update_actor", timing):
-                    args = (cfg, self.policy, g, self.state, self.host, b, train_mask, rng)
-                    self.state, out = updates.update_actor(*args)
-                    metrics.update(updates.actor_metrics(cfg, self.policy, self.host, out))
-                self.sync_weights(step=self.host.global_steps + 1)
-
-        self.host.global_steps += 1
-        model_config, n_devices, use_critic = (
-            self.policy.model.config,
-            self.placement.n_devices,
-            self.critic is not None,
-        )
-        step = self.host.global_steps
-        metrics.update(updates.step_metrics(cfg, g, model_config, n_devices, step, b, timing, prompts, use_critic))
-        return metrics
-
-    def _next_seeds(self) -> tuple[int, int]:
-        rng, k_gen, k_shuffle = jax.random.split(self.state.rng, 3)
-        self.state = self.state.replace(rng=rng)
-        to_int = lambda k: int(jax.random.randint(k, (), 0, 2**31 - 1))
-        return to_int(k_gen), to_int(k_shuffle)
+        """One PPO/GRPO iteration on a batch of `data.train_batch_size` prompts; returns its metrics (`step.train_step`:
+        the stages, DAPO's further batches from `next_prompts`, `FilterGroupsError`)."""
+        return step.train_step(self, prompts, next_prompts)
 
     def sync_weights(self, step: int | None = None) -> None:
         """The actor's module and the rollout get the current actor params (`RolloutRole.sync`): after every
@@ -457,81 +355,25 @@ class RLTrainer:
 
     # ------------------------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume exactly (`train_state.state_dict`: pytrees of arrays + JSON-able host
-        values). The reference params are included only when they differ from the initial actor (never in this
-        trainer); otherwise `host['reference']` points at how they are rebuilt."""
-        cfg, ref = self.config, self.reference
-        ref_saved = ref is not None and not ref.is_initial
-        base = ckpt.reference_pointer(
-            model_path=None if cfg.model.random_init else cfg.model.path,
-            random_init=bool(cfg.model.random_init),
-            seed=int(cfg.trainer.seed),
-        )
-        lora = self.policy.lora
-        meta = {
-            "reference": None if ref is None else "saved" if ref_saved else base,
-            "model": ckpt.model_metadata(
-                self.policy.model.config,
-                cfg.model.tokenizer_path or cfg.model.path,
-                lora=None if lora is None else lora.to_dict(),
-                base=base,
-            ),
-        }
-        out = train_state.state_dict(
-            self.state,
-            self.host,
-            data_iter=self.data.train_loader.get_state(),
-            ref=ref.params if ref_saved else None,
-            meta=meta,
-            total_training_steps=self.total_training_steps,
-            config=config_to_dict(cfg),
-        )
-        if self.async_rollout is not None:  # the queue, the batch in flight, the rollout's (older) weights
-            self.async_rollout.add_to_checkpoint(out, self.state.rollout)
-        return out
+        """Everything needed to resume exactly (`trainer_checkpoint.state_dict`)."""
+        return trainer_checkpoint.state_dict(self)
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         """Inverse of `state_dict` (arrays are placed like the current ones)."""
-        self.state = train_state.load_state_dict(saved, self.state, self.host)
-        self.data.train_loader.set_state(saved["host"]["data_iter"])
-        if saved.get("ref") is not None and self.reference is not None:
-            self.reference.params = place_like(saved["ref"]["params"], self.reference.params)
-        ar = self.async_rollout
-        rollout_params = None if ar is None else ar.restore_checkpoint(saved, self.state.rollout)
-        if rollout_params is None:  # synchronous (or a synchronous run's checkpoint): publish the actor's
-            self.sync_weights()
-            return
-        self.state = self.state.replace(rollout=rollout_params)  # the rollout keeps its saved version's weights
-        self.policy.sync_model(self.state.actor.params)
+        trainer_checkpoint.load_state_dict(self, saved)
 
     def save_checkpoint(self) -> bool:
         """Start an (async) checkpoint of the current state as step `global_steps`; False if one exists."""
         return self.run.checkpointer.save(self.global_steps, self.state_dict())
 
     def load_checkpoint(self, root: str, step: int) -> None:
-        """Restore the full training state of `<root>/global_step_<step>` into this trainer (arrays go
-        straight to the current shardings). Raises CheckpointError (see `RunDir.restore`)."""
-
-        def like(items: set[str]) -> dict:
-            out = {k: v for k, v in self.state_dict().items() if k != "host"}
-            if "rollout.params" not in items:  # a synchronous run's checkpoint
-                out.pop("rollout", None)
-            if self.reference is not None and "ref.params" in items:
-                out["ref"] = {"params": self.reference.params}
-            return out
-
-        p = self.policy
-        self.load_state_dict(self.run.restore(root, step, like, model_config=p.model.config, lora=p.lora))
-        n, total = self.global_steps, self.total_training_steps
-        self._say(f"resumed from step {n}{f' of {total}' if n < total else ''} ({self.run.resumed_from})")
+        """Restore the full training state of `<root>/global_step_<step>` (`trainer_checkpoint.load_checkpoint`).
+        Raises CheckpointError (see `RunDir.restore`)."""
+        trainer_checkpoint.load_checkpoint(self, root, step)
 
     def load_actor_params_from(self, root: str, step: int) -> None:
         """Load only the actor params of a checkpoint (evaluation / export); optimizer state untouched."""
-        actor = self.state.actor
-        got = self.run.open_checkpoint_dir(root).restore(step, like={"actor": {"params": actor.params}})
-        params = place_like(got["actor"]["params"], actor.params)
-        self.state = self.state.replace(actor=OptimizedParams(params, actor.opt_state))
-        self.sync_weights()
+        trainer_checkpoint.load_actor_params_from(self, root, step)
 
     def close(self) -> None:
         """Wait for a pending checkpoint save (raises `CheckpointError` if it failed), then release loggers,

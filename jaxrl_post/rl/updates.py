@@ -13,7 +13,10 @@ from collections.abc import Iterator
 import jax
 import numpy as np
 
-from jaxrl_post.algos.rollout_corr import compute_rollout_probs_diff_metrics
+from jaxrl_post.algos.rollout_corr import (
+    compute_rollout_correction_and_rejection_mask,
+    compute_rollout_probs_diff_metrics,
+)
 from jaxrl_post.batch.keys import ACTOR_UPDATE_KEYS, CRITIC_UPDATE_KEYS
 from jaxrl_post.batch.protocol import DataProto
 from jaxrl_post.engine.train_state import HostState, TrainState
@@ -73,7 +76,6 @@ def rollout_correction(cfg, b: dict[str, np.ndarray], train_mask: np.ndarray) ->
     tokens leave `train_mask` (actor and critic losses, every `loss_agg_mode` normaliser); advantages
     keep the rollout's `loss_mask`. Returns `(train_mask [B, R] int32, metrics)`: the `rollout_corr/*` and
     `training/rollout_probs_diff_*` metrics."""
-    from jaxrl_post.algos.rollout_corr import compute_rollout_correction_and_rejection_mask
 
     rc = cfg.algorithm.rollout_correction
     if not np.any(train_mask):

@@ -36,6 +36,8 @@ from typing import Any
 
 import numpy as np
 
+from jaxrl_post import rewards
+
 CORE_PREFIXES = ("mean", "maj", "best", "pass")
 
 
@@ -249,7 +251,6 @@ def extract_answer(data_source: str, solution_str: str, extra_info: Mapping[str,
     MATH sources: the last \\boxed{...} content; reasoning-gym: the task's answer format
     (`extra_info['answer_format']`, default `<answer>` tags), whitespace-stripped.
     """
-    from jaxrl_post import rewards
 
     if data_source in rewards.GSM8K_SOURCES:
         x = rewards.gsm8k.extract_solution(solution_str, method="strict")

@@ -17,6 +17,7 @@ from flax import nnx
 
 from jaxrl_post.models.moe import routes_dtype
 from jaxrl_post.rollout.sampling import is_eos, sample_tokens
+from jaxrl_post.runtime.sharding import batch_sharding, cache_shardings
 
 TRACE_COUNTS = {"prefill": 0, "decode": 0}
 
@@ -24,7 +25,6 @@ TRACE_COUNTS = {"prefill": 0, "decode": 0}
 def _constrain_cache(cache, mesh):
     if mesh is None:
         return cache
-    from jaxrl_post.runtime.sharding import cache_shardings
 
     sh = cache_shardings(cache, mesh)
     k, v, mask = jax.lax.with_sharding_constraint((cache.k, cache.v, cache.mask), (sh.k, sh.v, sh.mask))
@@ -34,7 +34,6 @@ def _constrain_cache(cache, mesh):
 def _constrain_batch(x, mesh):
     if mesh is None:
         return x
-    from jaxrl_post.runtime.sharding import batch_sharding
 
     return jax.lax.with_sharding_constraint(x, batch_sharding(mesh, x.ndim))
 

@@ -41,6 +41,8 @@ from flax import nnx
 from jaxrl_post.batch.protocol import DataProto
 from jaxrl_post.rollout.decode import _decode, _prefill, compaction_sizes
 from jaxrl_post.rollout.sampling import SamplingParams, get_response_mask, is_eos
+from jaxrl_post.runtime.distributed import global_from_local, local_part, local_rows, to_host
+from jaxrl_post.runtime.sharding import InMesh, batch_shards, shard_batch
 
 MIN_CACHE_SEGMENT = 128  # default KV cache segment length is never shorter (see Generator.cache_segment_len)
 log = logging.getLogger(__name__)
@@ -194,7 +196,6 @@ class Generator:
     def _batch_multiple(self) -> int:
         if self.mesh is None:
             return 1
-        from jaxrl_post.runtime.sharding import batch_shards
 
         return batch_shards(self.mesh)
 
@@ -274,7 +275,6 @@ class Generator:
             prompt_id = np.concatenate([i * b + np.arange(b), nproc * b + i * (b_pad - b) + np.arange(b_pad - b)])
             row_ids = (prompt_id[:, None] * n + np.arange(n)).reshape(-1).astype(np.int32)
             arrays = (*arrays, row_ids)
-            from jaxrl_post.runtime.distributed import global_from_local, local_rows
 
             own = local_rows(self.mesh, b_pad * nproc)
             if (own.start, own.stop) != (jax.process_index() * b_pad, (jax.process_index() + 1) * b_pad):
@@ -285,15 +285,12 @@ class Generator:
                 )
             *arrays, row_ids = (global_from_local(a, self.mesh) for a in arrays)
         elif self.mesh is not None:
-            from jaxrl_post.runtime.sharding import shard_batch
-
             arrays = shard_batch(arrays, self.mesh)
         else:
             arrays = tuple(jnp.asarray(a) for a in arrays)
         pid_d, pmask_d, done_d = arrays
         max_len = p_pad + n_alloc
         seg = self.cache_segment_len or max(MIN_CACHE_SEGMENT, -(-max_len // 128) * 16)
-        from jaxrl_post.runtime.sharding import InMesh
 
         routes = bool(self.return_routed_experts)
         logits, cache, *prompt_routes = InMesh(_prefill, self.mesh)(
@@ -327,7 +324,6 @@ class Generator:
             mesh=self.mesh,
             routes=routes,
         )
-        from jaxrl_post.runtime.distributed import local_part, to_host
 
         host = local_part if nproc > 1 else to_host
         self.last_decode_stats = {"sizes": sizes, "stage_end_step": [int(x) for x in to_host(stage_end)]}

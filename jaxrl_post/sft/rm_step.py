@@ -25,6 +25,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jaxrl_post.data.preference import collate_pairs
 from jaxrl_post.engine.update_core import apply_update, merge_model
 
 RM_TOKEN_KEYS = ("input_ids", "attention_mask")
@@ -51,7 +52,6 @@ def layout_pairs(
     """`n_micro * pairs_per_micro` `PreferencePair`s -> `input_ids`, `attention_mask` `[n_micro, 2m, T] int32`
     and `margin` `[n_micro, m] float32` (the pair's `margin`, 0 when it has none). Raises ValueError for the
     wrong number of pairs or a sequence longer than `row_len`."""
-    from jaxrl_post.data.preference import collate_pairs
 
     m = int(pairs_per_micro)
     if len(pairs) != n_micro * m:

@@ -19,10 +19,17 @@ import numpy as np
 from flax import nnx
 
 from jaxrl_post.algos.registry import adv_estimator_needs
+from jaxrl_post.batch.protocol import DataProto
 from jaxrl_post.engine.placement import Placement, to_numpy
+from jaxrl_post.models.hf_io import empty_model
+from jaxrl_post.models.lora import merged_state
 from jaxrl_post.rl import reward_builders
 from jaxrl_post.rl.dynamic_sampling import score_everywhere, timer
+from jaxrl_post.rollout import Generator, SamplingParams
+from jaxrl_post.rollout.agent_loop import rollout_metrics
+from jaxrl_post.rollout.paged.engine import paged_generator_from_config
 from jaxrl_post.runtime import platform_defaults
+from jaxrl_post.runtime.distributed import gather_reward, gather_rows
 
 
 class RolloutRole:
@@ -53,9 +60,6 @@ class RolloutRole:
         process_local: bool,
         separate_copy: bool = False,
     ):
-        from jaxrl_post.models.hf_io import empty_model
-        from jaxrl_post.models.lora import merged_state
-        from jaxrl_post.rollout import Generator
 
         self.config, self.policy = cfg, policy
         self.eos_token_ids, self.pad_token_id = eos_token_ids, pad_token_id
@@ -80,8 +84,6 @@ class RolloutRole:
         else:
             self.model = m
         if cfg.rollout.name == "paged":  # docs/paged_rollout.md; validate_config keeps it single-turn, one device
-            from jaxrl_post.rollout.paged.engine import paged_generator_from_config
-
             self.generator = paged_generator_from_config(self.model, cfg.rollout)
         else:
             self.generator = Generator(
@@ -124,7 +126,6 @@ class RolloutRole:
 
     def sampling_params(self, *, validate: bool, seed: int = 0):
         """`rollout.SamplingParams` of a training step (`rollout.*`) or of validation (`rollout.val_kwargs`)."""
-        from jaxrl_post.rollout import SamplingParams
 
         r = self.config.rollout
         src = r.val_kwargs if validate else r
@@ -161,7 +162,6 @@ class RolloutRole:
     def score_generated(self, prompts, out, timing: dict[str, float], reward_fn):
         """The scoring half of `generate_and_score` on a generated batch `out` of `prompts` (asynchronous
         training scores a batch that partial rollout generated in several calls). Same returns and raises."""
-        from jaxrl_post.runtime.distributed import gather_reward, gather_rows
 
         n = int(self.config.rollout.n)
         local = self.process_local
@@ -197,8 +197,6 @@ class RolloutRole:
         the counts."""
         if self.agent_loop is None:
             return {}
-        from jaxrl_post.batch.protocol import DataProto
-        from jaxrl_post.rollout.agent_loop import rollout_metrics
 
         stats = self._multi_turn_stats
         total = {k: sum(s.get(k, 0) for s in stats) for k in ("tool_errors", "tool_format_errors", "tool_timeouts")}

@@ -1,0 +1,128 @@
+"""One RL training step (verl's `RayPPOTrainer.fit()` loop body) over an `RLTrainer`'s roles and state: rollout +
+reward -> old / reference / teacher log-probs, values -> rollout correction -> KL in reward, advantages -> critic
+and actor updates -> weight sync -> metrics. Each stage is a named timer (`timing_s/<stage>`); the trainer's
+`train_step` calls `train_step` here. docs/architecture.md follows one step file by file."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+from jaxrl_post.batch.protocol import DataProto
+from jaxrl_post.engine import steps
+from jaxrl_post.engine.placement import to_numpy as _np
+from jaxrl_post.rl import updates
+from jaxrl_post.rl.async_training.producer import rollout_probs_diff
+from jaxrl_post.rl.dynamic_sampling import timer as _timer
+from jaxrl_post.rl.roles.teacher import kl_to_teacher_metrics
+
+
+def train_step(trainer, prompts: DataProto, next_prompts: Callable[[], DataProto] | None = None) -> dict[str, float]:
+    """Runs one PPO/GRPO iteration of `trainer` (an `RLTrainer`; its `state` and `host` advance) on a batch of
+    `data.train_batch_size` prompts; returns its metrics.
+
+    With `algorithm.filter_groups.enable` (DAPO dynamic sampling), further prompt batches come from
+    `next_prompts()` (default: the training loader) until `data.train_batch_size` groups are kept
+    (dynamic_sampling.py); raises `FilterGroupsError` after `max_num_gen_batches` generation batches.
+    """
+    cfg, g = trainer.config, trainer.geometry
+    timing: dict[str, float] = {}
+    gen_seed, shuffle_seed = next_seeds(trainer)
+    metrics: dict[str, float] = {}
+    with _timer("step", timing):
+        # -- rollout + reward (+ dynamic sampling: more generation batches until enough groups vary)
+        more = next_prompts or (lambda: next(trainer.data.train_loader))
+        # asynchronous: the step's groups from the queue (async_training/producer.py)
+        kw = {} if trainer.async_rollout is None else {"step": trainer.host.global_steps}
+        b, nt, reward_metrics, prompts, rng = trainer.rollout.collect(
+            prompts, gen_seed, timing, trainer.reward_fn, trainer.state.rng, more, **kw
+        )
+        trainer.state = trainer.state.replace(rng=rng)
+        metrics.update(reward_metrics)
+        metrics.update(trainer.rollout.multi_turn_metrics(nt, b))
+        baselines = b.get("reward_baselines")
+
+        # b["loss_mask"]: the model's own tokens (rollout); train_mask: the tokens the updates train (minus
+        # dropped truncated responses and rejected tokens; advantages keep the rollout's loss_mask)
+        train_mask = _np(steps.compute_loss_mask(b["loss_mask"], b["truncated"], bool(cfg.actor.drop_truncated)))
+        if cfg.actor.drop_truncated:
+            metrics["actor/num_dropped_truncated"] = float(np.sum(b["truncated"]))
+
+        # -- old / reference / teacher log-probs, values
+        actor_params = trainer.state.actor.params
+        if not g.on_policy:
+            with _timer("old_log_prob", timing):
+                b["old_log_probs"] = trainer.policy.old_log_probs(actor_params, b)
+        if trainer.reference is not None:
+            with _timer("ref", timing):
+                b["ref_log_prob"] = trainer.reference.log_probs(actor_params, b)  # LoRA: adapters off
+        if trainer.teacher is not None:
+            with _timer("teacher", timing):
+                b.update(trainer.teacher.forward(b))
+            student = b["old_log_probs"] if "old_log_probs" in b else b["rollout_log_probs"]
+            loss_mode = cfg.distillation.distillation_loss.loss_mode
+            metrics.update(kl_to_teacher_metrics(student, b["teacher_log_prob"], train_mask, loss_mode))
+        if trainer.critic is not None:
+            with _timer("values", timing):
+                b["values"] = trainer.critic.values(trainer.state.critic.params, b)
+
+        metrics.update(updates.moe_mismatch_metrics(trainer.policy, g, b, train_mask))  # MoE: routing replay
+        if g.use_rollout_corr:  # IS weights / rejection mask from log(pi_old / pi_rollout), whole batch
+            train_mask, corr_metrics = updates.rollout_correction(cfg, b, train_mask)
+            metrics.update(corr_metrics)
+        elif trainer.async_rollout is not None:  # behaviour (rollout) vs proximal (recomputed) policy
+            metrics.update(rollout_probs_diff(b, train_mask))
+
+        # -- KL in reward, advantages
+        kl_ctrl = trainer.host.kl_ctrl
+        with _timer("adv", timing):
+            _, index = np.unique(np.asarray(nt["uid"]), return_inverse=True)
+            rewards, current_kl, adv, ret = trainer.advantage(
+                b["token_level_scores"],
+                b["loss_mask"],
+                index.astype(np.int32).reshape(-1),
+                np.float32(kl_ctrl.value),
+                b.get("old_log_probs"),
+                b.get("ref_log_prob"),
+                b.get("values"),
+                None if baselines is None else np.asarray(baselines, np.float32),
+            )
+            b["token_level_rewards"], b["advantages"], b["returns"] = _np(rewards), _np(adv), _np(ret)
+            if cfg.algorithm.use_kl_in_reward:
+                metrics["actor/reward_kl_penalty"] = float(current_kl)
+                metrics["actor/reward_kl_penalty_coeff"] = float(kl_ctrl.value)
+                kl_ctrl.update(float(current_kl), n_steps=g.batch_size)  # responses, as verl
+
+        # -- updates
+        rng = np.random.default_rng(shuffle_seed)
+        if trainer.critic is not None:
+            with _timer("update_critic", timing):
+                args = (cfg, trainer.critic, g, trainer.state, trainer.host, b, train_mask, rng)
+                trainer.state, out = updates.update_critic(*args)  # the state first: NonFiniteError below
+                metrics.update(updates.critic_metrics(trainer.critic, trainer.host, out))
+        if trainer.host.global_steps >= int(cfg.trainer.critic_warmup):
+            with _timer("update_actor", timing):
+                args = (cfg, trainer.policy, g, trainer.state, trainer.host, b, train_mask, rng)
+                trainer.state, out = updates.update_actor(*args)
+                metrics.update(updates.actor_metrics(cfg, trainer.policy, trainer.host, out))
+            trainer.sync_weights(step=trainer.host.global_steps + 1)
+
+    trainer.host.global_steps += 1
+    model_config, n_devices, use_critic = (
+        trainer.policy.model.config,
+        trainer.placement.n_devices,
+        trainer.critic is not None,
+    )
+    step = trainer.host.global_steps
+    metrics.update(updates.step_metrics(cfg, g, model_config, n_devices, step, b, timing, prompts, use_critic))
+    return metrics
+
+
+def next_seeds(trainer) -> tuple[int, int]:
+    """Two integer seeds (generation, mini-batch shuffle) split off the train state's RNG key, which advances."""
+    rng, k_gen, k_shuffle = jax.random.split(trainer.state.rng, 3)
+    trainer.state = trainer.state.replace(rng=rng)
+    to_int = lambda k: int(jax.random.randint(k, (), 0, 2**31 - 1))
+    return to_int(k_gen), to_int(k_shuffle)
