@@ -94,30 +94,15 @@ def simulate_paged(prompt_len, lengths, n, *, max_response, num_pages, block_siz
     out["tail_decode_steps"] = 0
     while not sched.idle:
         in_tail = not sched.waiting and not sched.prefilling  # every sequence admitted and prefilled
-        pieces = sched.schedule_prefill()
-        if pieces:
-            dt = cost.prefill_s(sum(p.count for p in pieces)) + cost.host_s
-            sched.prefill_done(pieces)
+        d = paged_dispatch(sched, target, k=k, cost=cost, max_num_seqs=max_num_seqs, block_size=block_size)
+        dt = d["seconds"]
+        if d["prefill"]:
             out["prefill_dispatches"] += 1
         else:
-            seqs = sched.schedule_decode()
-            lens = np.array([s.length for s in seqs])
-            emit = np.array([min(k, target[s.row] - len(s.tokens)) for s in seqs])
-            pages = sum(int(np.ceil((lens + np.minimum(j, emit) + 1) / block_size).sum()) for j in range(k))
-            pages += (max_num_seqs - len(seqs)) * k  # idle slots read the null page
-            dt = (k * cost.step_bytes + pages * block_size * cost.kv_token_bytes) / cost.bandwidth + cost.host_s
-            shape = (max_num_seqs, k)
-            emitted = np.zeros(shape, bool)
-            done = np.zeros(max_num_seqs, bool)
-            for s, e in zip(seqs, emit):
-                emitted[s.slot, :e] = True
-                done[s.slot] = len(s.tokens) + e >= target[s.row]
-            z = np.zeros(shape, np.float32)
-            sched.decode_done(seqs, np.zeros(shape, np.int32), z, z, emitted, done)
             out["decode_dispatches"] += 1
-            out["emitted"] += int(emit.sum())
-            out["kv_pages_read"] += pages
-            out["running_slot_steps"] += len(seqs) * k
+            out["emitted"] += d["emitted"]
+            out["kv_pages_read"] += d["kv_pages_read"]
+            out["running_slot_steps"] += d["running"] * k
             decode_t += dt
             out["tail_decode_steps"] += k if in_tail else 0
         t += dt
@@ -133,6 +118,36 @@ def simulate_paged(prompt_len, lengths, n, *, max_response, num_pages, block_siz
         preemptions=sched.num_preemptions,
         tokens_per_s=out["emitted"] / t,
     )
+
+
+def paged_dispatch(sched, target, *, k, cost, max_num_seqs, block_size) -> dict:
+    """One dispatch of the engine's loop on `sched` (a prefill while sequences wait for their prompt, else `k`
+    decode steps), the model replaced by `target [rows] int` response lengths (a sequence finishes at its target).
+    Returns `{"seconds", "prefill", "emitted", "kv_pages_read", "running", "seqs"}` (`seqs`: those decoded, with
+    `emit` their tokens emitted, for callers that tag tokens)."""
+    pieces = sched.schedule_prefill()
+    if pieces:
+        dt = cost.prefill_s(sum(p.count for p in pieces)) + cost.host_s
+        sched.prefill_done(pieces)
+        return dict(seconds=dt, prefill=True, emitted=0, kv_pages_read=0, running=0, seqs=[], emit=[])
+    seqs = sched.schedule_decode()
+    lens = np.array([s.length for s in seqs])
+    emit = np.array([min(k, target[s.row] - len(s.tokens)) for s in seqs])
+    pages = sum(int(np.ceil((lens + np.minimum(j, emit) + 1) / block_size).sum()) for j in range(k))
+    pages += (max_num_seqs - len(seqs)) * k  # idle slots read the null page
+    dt = (k * cost.step_bytes + pages * block_size * cost.kv_token_bytes) / cost.bandwidth + cost.host_s
+    shape = (max_num_seqs, k)
+    emitted = np.zeros(shape, bool)
+    done = np.zeros(max_num_seqs, bool)
+    for s, e in zip(seqs, emit):
+        emitted[s.slot, :e] = True
+        done[s.slot] = len(s.tokens) + e >= target[s.row]
+    z = np.zeros(shape, np.float32)
+    sched.decode_done(seqs, np.zeros(shape, np.int32), z, z, emitted, done)
+    return dict(
+        seconds=dt, prefill=False, emitted=int(emit.sum()), kv_pages_read=pages, running=len(seqs),
+        seqs=seqs, emit=[int(e) for e in emit],
+    )  # fmt: skip
 
 
 def retime(result: dict, cost: Cost, other: Cost) -> dict:
