@@ -54,7 +54,10 @@ def test_default_run_accuracy_is_quoted_only_inside_spans():
     data = figures.load(REPO)
     texts = {figures.render(data, "default_run.val_after", fmt) for fmt in ("pct", "f3", "f2")}  # 34.58% 0.346 0.35
     texts.add(f"{data['default_run']['figures']['val_after']['value']}")  # 0.3458
-    loose = [(p.name, t) for p in figures.pages(REPO) for t in texts if t in figures.SPAN.sub("", _markdown(p))]
+    # a quote is the number on its own, not the tail or head of another one (20.35, 0.352 are not 0.35)
+    quoted = {t: re.compile(r"(?<![\d.])" + re.escape(t) + r"(?![\d])") for t in texts}
+    pages = {p.name: figures.SPAN.sub("", _markdown(p)) for p in figures.pages(REPO)}
+    loose = [(name, t) for name, text in pages.items() for t in texts if quoted[t].search(text)]
     assert not loose, f"quoted outside a <!-- fig:... --> span: {loose}"
 
 
