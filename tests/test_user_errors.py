@@ -202,7 +202,7 @@ def test_unknown_config_variant_lists_the_valid_ones(tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines() == [
         "error: --config=configs/grpo.py:lroa: configs/grpo.py: unknown variant 'lroa'; "
-        "valid: ['default', 'gsm8k', 'lora', 'moe_tiny', 'tiny']"
+        "valid: ['async', 'default', 'gsm8k', 'lora', 'moe_tiny', 'tiny']"
     ]
     assert secs < 60
 

@@ -221,7 +221,8 @@ def fake8():
 @pytest.mark.slow  # a subprocess on 8 fake devices compiling 3 padded and 3 packed programs
 def test_sharded_slot_blocks_log_probs_and_update_equal_padded_single_device(fake8):
     assert fake8["shards"] == 4 and fake8["slot_pos_shape"] == [2, 4, 10]  # n_micro 2, Q = 8 * 5 = 40
-    assert fake8["slot_pos_spec"] == str(P(None, ("data", "fsdp", "expert"), None))
+    batch_axes = ("data", "fsdp", "expert")  # rows over the batch axes; a trailing None (replicated) is the same spec
+    assert fake8["slot_pos_spec"] in (str(P(None, batch_axes)), str(P(None, batch_axes, None)))
     assert fake8["lp_scale"] > 1.0  # O(1) log-probs: the tolerances below are not vacuous
     assert fake8["lp_diff"] <= 1e-5 and fake8["ent_diff"] <= 1e-5 and fake8["lp_pad_zero"]
     assert fake8["lp_replay_diff"] <= 1e-5 < fake8["replay_changes"]  # the threshold mask does change them
