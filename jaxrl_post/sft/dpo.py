@@ -34,7 +34,6 @@ import numpy as np
 
 from jaxrl_post.data.preference import TRUNCATIONS, load_preference_pairs
 from jaxrl_post.engine.placement import Placement
-from jaxrl_post.engine.run import checkpoint as ckpt
 from jaxrl_post.engine.run.tracking import Tracking
 from jaxrl_post.engine.train_state import OptimizedParams
 from jaxrl_post.engine.trained_model import TrainedModel
@@ -42,7 +41,7 @@ from jaxrl_post.errors import ConfigError
 from jaxrl_post.rl import builders
 from jaxrl_post.sft import dpo_step, sft_step
 from jaxrl_post.sft.batches import SupervisedData, on_mesh
-from jaxrl_post.sft.sft_task import SFTTask
+from jaxrl_post.sft.sft_task import SFTTask, batch_errors, is_positive_int, run_length_errors
 from jaxrl_post.sft.trainer import SupervisedTrainer
 
 log = logging.getLogger(__name__)
@@ -58,17 +57,11 @@ def pair_tokens(pairs) -> int:
 def pair_config_errors(cfg) -> list[str]:
     """The checks DPO and reward-model training share (they read the same preference pairs): batch geometry,
     lengths, truncation, training files, epochs, resume mode. Returns one `key=value: what is wrong` per bad key."""
-    d, bad = cfg.data, []
-    is_pos = lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0
-    for key in ("train_batch_size", "micro_batch_size", "max_length"):
-        if not is_pos(d[key]):
-            bad.append(f"data.{key}={d[key]!r}: must be an int > 0")
-    if not bad and d.train_batch_size % d.micro_batch_size:
-        bad.append(
-            f"data.train_batch_size={d.train_batch_size} must be a multiple of data.micro_batch_size="
-            f"{d.micro_batch_size}"
-        )
-    if d.max_prompt_length is not None and not (is_pos(d.max_prompt_length) and d.max_prompt_length < d.max_length):
+    d = cfg.data
+    bad = batch_errors(d)
+    if d.max_prompt_length is not None and not (
+        is_positive_int(d.max_prompt_length) and d.max_prompt_length < d.max_length
+    ):
         bad.append(f"data.max_prompt_length={d.max_prompt_length!r}: must be None or an int in [1, data.max_length)")
     if d.get("packing_strategy", "per_step") not in sft_step.PACKING_STRATEGIES:
         bad.append(f"data.packing_strategy={d.packing_strategy!r}: must be one of {list(sft_step.PACKING_STRATEGIES)}")
@@ -78,10 +71,7 @@ def pair_config_errors(cfg) -> list[str]:
         bad.append(f"data.truncation={d.truncation!r}: must be one of {list(TRUNCATIONS)} for preference data")
     if not d.train_files:
         bad.append("data.train_files: no training data given (a .jsonl of prompt / chosen / rejected rows)")
-    if cfg.trainer.total_training_steps is None and not is_pos(cfg.trainer.total_epochs):
-        bad.append(f"trainer.total_epochs={cfg.trainer.total_epochs!r}: must be an int > 0")
-    if cfg.trainer.resume_mode not in ckpt.RESUME_MODES:
-        bad.append(f"trainer.resume_mode={cfg.trainer.resume_mode!r}: must be one of {list(ckpt.RESUME_MODES)}")
+    bad += run_length_errors(cfg)
     return bad
 
 

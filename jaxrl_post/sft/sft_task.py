@@ -28,18 +28,38 @@ from jaxrl_post.sft import sft_step
 from jaxrl_post.sft.batches import SupervisedData, on_mesh
 
 
-def validate_sft_config(cfg) -> None:
-    """Raise one `ConfigError` naming every bad SFT key (batch geometry, lengths, formats)."""
-    d, bad = cfg.data, []
-    is_pos = lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0
-    for key in ("train_batch_size", "micro_batch_size", "max_length"):
-        if not is_pos(d[key]):
-            bad.append(f"data.{key}={d[key]!r}: must be an int > 0")
+def is_positive_int(v) -> bool:
+    """An int (not a bool) > 0."""
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+def batch_errors(d) -> list[str]:
+    """`data.{train_batch_size, micro_batch_size, max_length}` positive ints, the batch a multiple of the
+    micro-batch (SFT, DPO and the reward model share these). One `key=value: what is wrong` per bad key."""
+    keys = ("train_batch_size", "micro_batch_size", "max_length")
+    bad = [f"data.{key}={d[key]!r}: must be an int > 0" for key in keys if not is_positive_int(d[key])]
     if not bad and d.train_batch_size % d.micro_batch_size:
         bad.append(
             f"data.train_batch_size={d.train_batch_size} must be a multiple of data.micro_batch_size="
             f"{d.micro_batch_size}"
         )
+    return bad
+
+
+def run_length_errors(cfg) -> list[str]:
+    """`trainer.total_epochs` (when no step count is set) and `trainer.resume_mode`."""
+    bad = []
+    if cfg.trainer.total_training_steps is None and not is_positive_int(cfg.trainer.total_epochs):
+        bad.append(f"trainer.total_epochs={cfg.trainer.total_epochs!r}: must be an int > 0")
+    if cfg.trainer.resume_mode not in ckpt.RESUME_MODES:
+        bad.append(f"trainer.resume_mode={cfg.trainer.resume_mode!r}: must be one of {list(ckpt.RESUME_MODES)}")
+    return bad
+
+
+def validate_sft_config(cfg) -> None:
+    """Raise one `ConfigError` naming every bad SFT key (batch geometry, lengths, formats)."""
+    d = cfg.data
+    bad = batch_errors(d)
     if d.format not in FORMATS:
         bad.append(f"data.format={d.format!r}: must be one of {list(FORMATS)}")
     if d.packing_strategy not in sft_step.PACKING_STRATEGIES:
@@ -50,10 +70,7 @@ def validate_sft_config(cfg) -> None:
         bad.append(f"data.truncation={d.truncation!r}: must be one of {list(TRUNCATIONS)} for SFT")
     if not d.train_files:
         bad.append("data.train_files: no training data given")
-    if cfg.trainer.total_training_steps is None and not is_pos(cfg.trainer.total_epochs):
-        bad.append(f"trainer.total_epochs={cfg.trainer.total_epochs!r}: must be an int > 0")
-    if cfg.trainer.resume_mode not in ckpt.RESUME_MODES:
-        bad.append(f"trainer.resume_mode={cfg.trainer.resume_mode!r}: must be one of {list(ckpt.RESUME_MODES)}")
+    bad += run_length_errors(cfg)
     if bad:
         raise ConfigError("invalid SFT config:\n  " + "\n  ".join(f"config.{b}" for b in bad))
 
