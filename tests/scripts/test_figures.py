@@ -67,9 +67,10 @@ def test_a_tampered_copy_fails_naming_the_span_and_write_repairs_it(copy, capsys
     span = "<!-- fig:default_run.val_after -->34.58%<!-- /fig -->"
     assert span in original[readme]
     readme.write_text(original[readme].replace(span, span.replace("34.58%", "30.25%"), 1))
-    nb.write_text(original[nb].replace("-->3.1<!-- /fig -->", "-->3.4<!-- /fig -->"))
+    nb01 = figures.render(figures.load(copy), "notebook_times.nb01_s", "min1")  # the minutes 01's first cell quotes
+    nb.write_text(original[nb].replace(f"-->{nb01}<!-- /fig -->", "-->3.4<!-- /fig -->"))
     line = next(i for i, s in enumerate(original[readme].splitlines(), 1) if span in s)
-    nb_line = next(i for i, s in enumerate(original[nb].splitlines(), 1) if "-->3.1<!--" in s)
+    nb_line = next(i for i, s in enumerate(original[nb].splitlines(), 1) if f"-->{nb01}<!--" in s)
     rc, out = _check(copy, capsys)
     assert rc == 1
     assert f"README.md:{line}: fig:default_run.val_after says '30.25%', docs/figures.json gives '34.58%'" in out
