@@ -44,6 +44,7 @@ BATCH_KEYS: dict[str, BatchKey] = {
         BatchKey("rollout_log_probs", "[B, R]", "float32", "rollout", "sampler's log-probs of the model tokens"),
         BatchKey("sampling_logit_threshold", "[B, R]", "float32", "rollout", "top-k/p cut of each step (replay)"),
         BatchKey("truncated", "[B]", "bool", "rollout", "no EOS within R"),
+        BatchKey("rollout_versions", "[B, R]", "int32", "async queue", "policy version that sampled each token"),
         BatchKey(
             "routed_experts",
             "[B, T, M, k] | [n, rows, L, M, k]",

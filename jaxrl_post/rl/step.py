@@ -1,7 +1,9 @@
 """One RL training step (verl's `RayPPOTrainer.fit()` loop body) over an `RLTrainer`'s roles and state: rollout +
 reward -> old / reference / teacher log-probs, values -> rollout correction -> KL in reward, advantages -> critic
-and actor updates -> weight sync -> metrics. Each stage is a named timer (`timing_s/<stage>`); the trainer's
-`train_step` calls `train_step` here. docs/architecture.md follows one step file by file."""
+and actor updates -> weight sync -> metrics. The batch is one `DataProto` passed from stage to stage, each stage's
+reads and writes checked against its contract (`rl/stages.py`, `batch/contracts.py`); each stage is a named timer
+(`timing_s/<stage>`). The trainer's `train_step` calls `train_step` here. docs/architecture.md follows one step
+file by file."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
+from jaxrl_post.batch.arrays import as_non_tensor_array
+from jaxrl_post.batch.contracts import StagedBatch
 from jaxrl_post.batch.protocol import DataProto
 from jaxrl_post.engine import steps
 from jaxrl_post.engine.placement import to_numpy as _np
@@ -17,6 +21,7 @@ from jaxrl_post.rl import updates
 from jaxrl_post.rl.async_training.producer import rollout_probs_diff
 from jaxrl_post.rl.dynamic_sampling import timer as _timer
 from jaxrl_post.rl.roles.teacher import kl_to_teacher_metrics
+from jaxrl_post.rl.stages import stage
 
 
 def train_step(trainer, prompts: DataProto, next_prompts: Callable[[], DataProto] | None = None) -> dict[str, float]:
@@ -36,9 +41,13 @@ def train_step(trainer, prompts: DataProto, next_prompts: Callable[[], DataProto
         more = next_prompts or (lambda: next(trainer.data.train_loader))
         # asynchronous: the step's groups from the queue (async_training/producer.py)
         kw = {} if trainer.async_rollout is None else {"step": trainer.host.global_steps}
-        b, nt, reward_metrics, prompts, rng = trainer.rollout.collect(
-            prompts, gen_seed, timing, trainer.reward_fn, trainer.state.rng, more, **kw
-        )
+        data = StagedBatch()  # one DataProto through the stages, each checked against its contract (stages.py)
+        with stage(data, "rollout") as b:
+            rolled, nt, reward_metrics, prompts, rng = trainer.rollout.collect(
+                prompts, gen_seed, timing, trainer.reward_fn, trainer.state.rng, more, **kw
+            )
+            b.update(rolled)
+            data.data.non_tensor_batch.update({k: as_non_tensor_array(k, v) for k, v in nt.items()})
         trainer.state = trainer.state.replace(rng=rng)
         metrics.update(reward_metrics)
         metrics.update(trainer.rollout.multi_turn_metrics(nt, b))
@@ -53,31 +62,36 @@ def train_step(trainer, prompts: DataProto, next_prompts: Callable[[], DataProto
         # -- old / reference / teacher log-probs, values
         actor_params = trainer.state.actor.params
         if not g.on_policy:
-            with _timer("old_log_prob", timing):
-                b["old_log_probs"] = trainer.policy.old_log_probs(actor_params, b)
+            with stage(data, "old_log_prob", timing) as b:
+                b["old_log_probs"], routes = trainer.policy.old_log_probs(actor_params, b)
+                if routes is not None:  # R2: the routes this forward chose, replayed by the update
+                    b["routed_experts"] = routes
         if trainer.reference is not None:
-            with _timer("ref", timing):
+            with stage(data, "ref", timing) as b:
                 b["ref_log_prob"] = trainer.reference.log_probs(actor_params, b)  # LoRA: adapters off
         if trainer.teacher is not None:
-            with _timer("teacher", timing):
+            with stage(data, "teacher", timing) as b:
                 b.update(trainer.teacher.forward(b))
             student = b["old_log_probs"] if "old_log_probs" in b else b["rollout_log_probs"]
             loss_mode = cfg.distillation.distillation_loss.loss_mode
             metrics.update(kl_to_teacher_metrics(student, b["teacher_log_prob"], train_mask, loss_mode))
         if trainer.critic is not None:
-            with _timer("values", timing):
+            with stage(data, "values", timing) as b:
                 b["values"] = trainer.critic.values(trainer.state.critic.params, b)
 
         metrics.update(updates.moe_mismatch_metrics(trainer.policy, g, b, train_mask))  # MoE: routing replay
         if g.use_rollout_corr:  # IS weights / rejection mask from log(pi_old / pi_rollout), whole batch
-            train_mask, corr_metrics = updates.rollout_correction(cfg, b, train_mask)
+            with stage(data, "rollout_correction") as b:
+                weights, train_mask, corr_metrics = updates.rollout_correction(cfg, b, train_mask)
+                if weights is not None:
+                    b["rollout_is_weights"] = weights
             metrics.update(corr_metrics)
         elif trainer.async_rollout is not None:  # behaviour (rollout) vs proximal (recomputed) policy
             metrics.update(rollout_probs_diff(b, train_mask))
 
         # -- KL in reward, advantages
         kl_ctrl = trainer.host.kl_ctrl
-        with _timer("adv", timing):
+        with stage(data, "adv", timing) as b:
             _, index = np.unique(np.asarray(nt["uid"]), return_inverse=True)
             rewards, current_kl, adv, ret = trainer.advantage(
                 b["token_level_scores"],
@@ -98,16 +112,17 @@ def train_step(trainer, prompts: DataProto, next_prompts: Callable[[], DataProto
         # -- updates
         rng = np.random.default_rng(shuffle_seed)
         if trainer.critic is not None:
-            with _timer("update_critic", timing):
+            with stage(data, "update_critic", timing) as b:
                 args = (cfg, trainer.critic, g, trainer.state, trainer.host, b, train_mask, rng)
                 trainer.state, out = updates.update_critic(*args)  # the state first: NonFiniteError below
                 metrics.update(updates.critic_metrics(trainer.critic, trainer.host, out))
         if trainer.host.global_steps >= int(cfg.trainer.critic_warmup):
-            with _timer("update_actor", timing):
+            with stage(data, "update_actor", timing) as b:
                 args = (cfg, trainer.policy, g, trainer.state, trainer.host, b, train_mask, rng)
                 trainer.state, out = updates.update_actor(*args)
                 metrics.update(updates.actor_metrics(cfg, trainer.policy, trainer.host, out))
             trainer.sync_weights(step=trainer.host.global_steps + 1)
+        b = data.finish()
 
     trainer.host.global_steps += 1
     model_config, n_devices, use_critic = (

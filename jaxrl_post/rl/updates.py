@@ -70,16 +70,17 @@ def actor_metrics(cfg, policy, host: HostState, pending: list) -> dict[str, floa
     return res
 
 
-def rollout_correction(cfg, b: dict[str, np.ndarray], train_mask: np.ndarray) -> tuple[np.ndarray, dict]:
-    """verl's rollout correction on the whole batch (`rollout_corr.compute_rollout_correction_and_rejection_mask`):
-    `b["rollout_is_weights"] [B, R]` (IS on) multiplies the per-token policy loss after clipping; rejected
-    tokens leave `train_mask` (actor and critic losses, every `loss_agg_mode` normaliser); advantages
-    keep the rollout's `loss_mask`. Returns `(train_mask [B, R] int32, metrics)`: the `rollout_corr/*` and
+def rollout_correction(cfg, b: dict[str, np.ndarray], train_mask: np.ndarray):
+    """verl's rollout correction on the whole batch (`rollout_corr.compute_rollout_correction_and_rejection_mask`)
+    from `b["old_log_probs"]` and `b["rollout_log_probs"]` (read only). Returns `(weights, train_mask, metrics)`:
+    `weights [B, R] float32` or None (IS off), the caller's `b["rollout_is_weights"]`, which multiplies the
+    per-token policy loss after clipping; `train_mask [B, R] int32` without the rejected tokens (actor and critic
+    losses, every `loss_agg_mode` normaliser; advantages keep the rollout's `loss_mask`); the `rollout_corr/*` and
     `training/rollout_probs_diff_*` metrics."""
 
     rc = cfg.algorithm.rollout_correction
     if not np.any(train_mask):
-        return train_mask, {}
+        return None, train_mask, {}
     weights, mask, metrics = compute_rollout_correction_and_rejection_mask(
         b["old_log_probs"],
         b["rollout_log_probs"],
@@ -90,9 +91,8 @@ def rollout_correction(cfg, b: dict[str, np.ndarray], train_mask: np.ndarray) ->
         rollout_rs=rc.rollout_rs,
         rollout_rs_threshold=rc.rollout_rs_threshold,
     )
-    if weights is not None:
-        b["rollout_is_weights"] = np.asarray(weights, np.float32)
-    return np.asarray(mask).astype(np.int32), {k: float(v) for k, v in jax.device_get(metrics).items()}
+    weights = None if weights is None else np.asarray(weights, np.float32)
+    return weights, np.asarray(mask).astype(np.int32), {k: float(v) for k, v in jax.device_get(metrics).items()}
 
 
 def moe_mismatch_metrics(policy, geometry: StepGeometry, b: dict[str, np.ndarray], train_mask) -> dict[str, float]:

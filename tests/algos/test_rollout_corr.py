@@ -538,7 +538,8 @@ def test_trainer_applies_rollout_correction_to_a_bf16_rollout(tmp_path):
             trainer.policy.old_log_prob_fn, trainer.state.actor.params, b, 8, trainer.policy.old_log_prob_spec
         )[0]
         before = b["loss_mask"].astype(np.int32)
-        kept, m = updates.rollout_correction(trainer.config, b, before.copy())
+        w, kept, m = updates.rollout_correction(trainer.config, b, before.copy())
+        assert "rollout_is_weights" not in b  # returned, not written behind the caller's back
         log_ratio = b["old_log_probs"] - b["rollout_log_probs"]  # bf16 sampler vs f32 training: |.| ~1e-3
         valid = before.astype(bool)
         lo, hi = np.log(0.999), np.log(1.001)  # verl's token_k1 keeps tokens with -log_ratio in [log lo, log hi]
@@ -547,7 +548,6 @@ def test_trainer_applies_rollout_correction_to_a_bf16_rollout(tmp_path):
         assert 0.02 < m["rollout_corr/rollout_rs_masked_fraction"] < 0.98
         np.testing.assert_array_equal(kept.astype(bool)[clear], keep[clear])
         assert not kept[~valid].any()
-        w = b["rollout_is_weights"]
         np.testing.assert_allclose(w[valid], np.minimum(np.exp(log_ratio[valid]), 1.0005), rtol=1e-5)
         for k in ("rollout_corr/rollout_is_mean", "rollout_corr/kl", "training/rollout_probs_diff_max"):
             assert np.isfinite(m[k]), k

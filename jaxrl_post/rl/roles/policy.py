@@ -140,19 +140,18 @@ class PolicyRole:
             return packed_steps.make_packed_log_prob_fn(self.graphdef, self.rest, **kw, on_trace=on_trace)
         return steps.make_log_prob_fn(self.graphdef, self.rest, micro_batch_size=micro, **kw, on_trace=on_trace)
 
-    def old_log_probs(self, params, batch: dict[str, np.ndarray]) -> np.ndarray:
-        """`old_log_probs [B, R] float32` of the batch's response tokens under `params` (host numpy). Routing
-        replay: 'R3' forces the rollout's `batch["routed_experts"]`; 'R2' stores the routes this forward chose
-        in `batch["routed_experts"] [B, T, M, k]` (replayed by the updates)."""
+    def old_log_probs(self, params, batch: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray | None]:
+        """`(old_log_probs [B, R] float32, routes)` of the batch's response tokens under `params` (host numpy;
+        `batch` is read only). Routing replay: 'R3' forces the rollout's `batch["routed_experts"]`; 'R2' returns
+        the routes this forward chose, `[B, T, M, k]` (the caller's `routed_experts`, replayed by the updates);
+        routes is None otherwise. Raises ValueError under 'R3' without `routed_experts`."""
         fn, micro, spec = self.old_log_prob_fn, self.old_log_prob_micro, self.old_log_prob_spec
         mode = self.router_replay
         keys = (*FORWARD_KEYS, *REPLAY_KEYS) if mode == "R3" else FORWARD_KEYS
         if mode == "R3" and "routed_experts" not in batch:
             raise ValueError("actor.router_replay.mode='R3': the rollout batch has no routed_experts")
         out = self.placement.forward(fn, params, batch, micro, spec, self.frozen, keys=keys, token_output=mode == "R2")
-        if mode == "R2":
-            batch["routed_experts"] = out[-1]
-        return out[0]
+        return out[0], (out[-1] if mode == "R2" else None)
 
     def update(self, actor: OptimizedParams, minibatch: dict[str, np.ndarray]):
         """One optimizer step on a host mini-batch (`ACTOR_UPDATE_KEYS`, `[M, ...]`): returns
