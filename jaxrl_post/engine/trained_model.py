@@ -8,8 +8,9 @@ It returns the model and its arrays, a `train_state.OptimizedParams` the trainer
 `set_update(fn, state)` jits a pure `fn(params, opt_state, batch, *extra) -> (params, opt_state, metrics)` once
 (params and optimizer state donated, `Placement.jit_update`); `step(state, batch, *extra)` runs it.
 
-The supervised trainers (sft/trainer.py: SFT, DPO, reward model) hold one; the arrays live in the trainer's
-`state`, never here, so a checkpoint restore replaces them in one place.
+Every trained model holds one: the supervised trainers (sft/trainer.py: SFT, DPO, reward model) and the RL
+policy and critic roles (rl/roles/policy.py, rl/roles/critic.py); the arrays live in the trainer's `state`, never
+here, so a checkpoint restore replaces them in one place.
 """
 
 from __future__ import annotations
@@ -30,33 +31,44 @@ from jaxrl_post.runtime.sharding import init_opt_state
 class TrainedModel:
     """A trained module's layout, optimizer and jitted update (see the module docstring).
 
-    Attributes: `module` (the nnx module; holds the live params after `sync`), `lora` (`LoraConfig`, or None:
-    full fine-tuning), `graphdef` / `rest` (`nnx.split`), `frozen` (a LoRA model's base params, else None),
-    `tx` / `lr` (optax optimizer and its schedule of the update count), `update` (the jitted update, None
-    before `set_update`).
+    Attributes: `module` (the nnx module; holds the live params after `sync`; None when the caller keeps none),
+    `lora` (`LoraConfig`, or None: full fine-tuning), `graphdef` / `rest` (`nnx.split`), `frozen` (a LoRA model's
+    base params, else None), `tx` / `lr` (optax optimizer and its schedule of the update count), `update` (the
+    jitted update, None before `set_update`).
     """
 
     def __init__(self, module: nnx.Module, graphdef, rest, frozen, tx: optax.GradientTransformation, lr):
         self.module = module
-        self.lora = lora_config_of(module)
+        self.lora = None if module is None else lora_config_of(module)
         self.graphdef, self.rest, self.frozen = graphdef, rest, frozen
         self.tx, self.lr = tx, lr
         self.update: Callable | None = None
 
     @classmethod
-    def build(cls, module: nnx.Module, placement: Placement, optim_cfg) -> tuple[TrainedModel, OptimizedParams]:
+    def build(
+        cls, module: nnx.Module, placement: Placement, optim_cfg, *, offload: bool = False
+    ) -> tuple[TrainedModel, OptimizedParams]:
         """The model and its initial arrays: the trained params (LoRA: the adapters) committed to their
-        shardings and a fresh optimizer state (`optim_cfg`: `steps.OptimConfig`) sharded like them."""
+        shardings and a fresh optimizer state (`optim_cfg`: `steps.OptimConfig`) sharded like them (`offload`:
+        in host memory between updates, `sharding.init_opt_state`)."""
         if lora_config_of(module) is not None:
             graphdef, params, frozen, rest = steps.split_lora_model(module)
             frozen = placement.commit(frozen)
         else:
             graphdef, params, rest = steps.split_model(module)
             frozen = None
+        return cls.from_split(module, graphdef, params, rest, frozen, placement, optim_cfg, offload=offload)
+
+    @classmethod
+    def from_split(
+        cls, module, graphdef, params, rest, frozen, placement: Placement, optim_cfg, *, offload: bool = False
+    ) -> tuple[TrainedModel, OptimizedParams]:
+        """`build` from an already split module (a caller that places or copies the params first, e.g. the
+        critic's fresh buffers): commits `params`, builds the optimizer, schedule and optimizer state."""
         params = placement.commit(params)
         tx = steps.make_optimizer(optim_cfg)
         lr = steps.make_lr_schedule(optim_cfg)
-        opt_state = placement.commit(init_opt_state(tx, params, placement.opt_mesh()))
+        opt_state = placement.commit(init_opt_state(tx, params, placement.opt_mesh(), offload=offload))
         return cls(module, graphdef, rest, frozen, tx, lr), OptimizedParams(params, opt_state)
 
     def frozen_args(self) -> tuple:

@@ -226,7 +226,7 @@ class RLTrainer:
     def compile_counts(self) -> dict[str, int]:
         """Compiled executables per jitted function (1 each after any number of same-shaped steps)."""
         fns = {
-            "update_actor": self.policy.update_fn,
+            "update_actor": self.policy.trained.update,
             "old_log_prob": self.policy.old_log_prob_fn,
             "adv": self.advantage,
         }
@@ -235,7 +235,7 @@ class RLTrainer:
         if self.teacher is not None:
             fns["teacher"] = self.teacher.log_prob_fn
         if self.critic is not None:
-            fns.update(update_critic=self.critic.update_fn, values=self.critic.values_fn)
+            fns.update(update_critic=self.critic.trained.update, values=self.critic.values_fn)
         out = {k: f._cache_size() for k, f in fns.items()}
         if self.reward_fn.rm_scorer is not None:
             out["rm"] = self.reward_fn.rm_scorer.compile_count()

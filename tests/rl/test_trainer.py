@@ -460,8 +460,8 @@ def test_verl_mini_batch_sizes_count_prompts(tmp_path):
 
         return wrapped
 
-    trainer.policy.update_fn = spy("actor", trainer.policy.update_fn)
-    trainer.critic.update_fn = spy("critic", trainer.critic.update_fn)
+    trainer.policy.trained.update = spy("actor", trainer.policy.trained.update)
+    trainer.critic.trained.update = spy("critic", trainer.critic.trained.update)
     try:
         m = trainer.train_step(next(trainer.data.train_loader))
         for role in ("actor", "critic"):

@@ -1,6 +1,7 @@
-"""The critic role (verl's critic worker, PPO): a value model initialised from the actor, its optimizer and
-its jitted value and update fns (`steps.make_value_fn` / `make_critic_update`, packed twins in
-`packed_steps`). The arrays it trains are `TrainState.critic` (train_state.py)."""
+"""The critic role (verl's critic worker, PPO): a value model initialised from the actor, held as a `TrainedModel`
+(`engine/trained_model.py`: layout, optimizer, the jitted `ppo_update.make_critic_update` on the padded or packed
+layout), and its jitted value fn (`steps.make_value_fn` / `packed_steps.make_packed_value_fn`). The arrays it
+trains are `TrainState.critic` (train_state.py)."""
 
 from __future__ import annotations
 
@@ -11,18 +12,19 @@ from flax import nnx
 from jaxrl_post.engine import packed_steps, steps
 from jaxrl_post.engine.placement import Placement
 from jaxrl_post.engine.train_state import OptimizedParams
+from jaxrl_post.engine.trained_model import TrainedModel
 from jaxrl_post.models import CriticModel
 from jaxrl_post.rl import builders, ppo_update
 from jaxrl_post.rl.geometry import StepGeometry
-from jaxrl_post.runtime.sharding import init_opt_state, shard_params
+from jaxrl_post.runtime.sharding import shard_params
 
 
 class CriticRole:
     """The value model (see the module docstring). Build with `CriticRole.build`.
 
-    Attributes: `graphdef` / `rest`, `mini` (responses per critic mini-batch), `tx` / `lr`, `spec` /
-    `values_spec` (pack specs of the update and the value forward; None when padded), `update_fn`,
-    `values_fn`.
+    Attributes: `trained` (`TrainedModel`; read through `graphdef` / `rest` / `tx` / `lr`; `trained.update` is
+    the jitted update), `mini` (responses per critic mini-batch), `spec` / `values_spec` (pack specs of the update
+    and the value forward; None when padded), `values_fn`.
     """
 
     @classmethod
@@ -37,8 +39,7 @@ class CriticRole:
         cg, cp, cr = steps.split_model(critic)
         if placement.n_devices > 1:
             cp = shard_params(cp, placement.mesh)
-        self.graphdef, self.rest = cg, cr
-        params = placement.commit(builders.copy_tree(cp))  # own buffers: actor params are donated
+        own = builders.copy_tree(cp)  # own buffers: actor params are donated
         del critic, cp
         self.mini = int(c.ppo_mini_batch_size) * int(cfg.rollout.n)  # responses per critic update
         self.optim_cfg = builders.optim_config(
@@ -47,34 +48,36 @@ class CriticRole:
             total_training_steps=geometry.total_training_steps,
             updates_per_step=int(c.ppo_epochs) * (geometry.batch_size // self.mini),
         )
-        self.tx = steps.make_optimizer(self.optim_cfg)
-        self.lr = steps.make_lr_schedule(self.optim_cfg)
         offload = bool(c.fsdp_config.optimizer_offload)  # the state in host memory between updates
-        opt_state = placement.commit(init_opt_state(self.tx, params, placement.opt_mesh(), offload=offload))
+        # no module kept (its initial buffers are freed; the critic is never exported), no frozen base
+        self.trained, state = TrainedModel.from_split(
+            None, cg, own, cr, None, placement, self.optim_cfg, offload=offload
+        )
         loss_cfg = ppo_update.CriticLossConfig(float(c.cliprange_value), c.loss_agg_mode)
         self.spec = policy.pack_spec("critic", self.mini, int(c.ppo_micro_batch_size))
         self.values_micro = int(c.forward_micro_batch_size)
         self.values_spec = policy.pack_spec("values", geometry.batch_size, self.values_micro)
         if self.spec is not None:
-            update = ppo_update.make_critic_update(
-                packed_steps.PACKED, cg, cr, self.tx, loss_cfg, on_trace=placement.tracer("update_critic")
-            )
+            layout = packed_steps.PACKED
             values = packed_steps.make_packed_value_fn(cg, cr, on_trace=placement.tracer("values"))
         else:
-            update = ppo_update.make_critic_update(
-                steps.padded_layout(n_micro=self.mini // int(c.ppo_micro_batch_size)),
-                cg,
-                cr,
-                self.tx,
-                loss_cfg,
-                on_trace=placement.tracer("update_critic"),
-            )
+            layout = steps.padded_layout(n_micro=self.mini // int(c.ppo_micro_batch_size))
             values = steps.make_value_fn(
                 cg, cr, micro_batch_size=self.values_micro, on_trace=placement.tracer("values")
             )
-        self.update_fn = placement.jit_update(update, params, opt_state)
+        t = self.trained
+        update = ppo_update.make_critic_update(
+            layout, cg, cr, t.tx, loss_cfg, on_trace=placement.tracer("update_critic")
+        )
+        t.set_update(update, placement, state)
         self.values_fn = jax.jit(values)
-        return self, OptimizedParams(params, opt_state)
+        return self, state
+
+    # the value model's layout and optimizer (`engine/trained_model.py`)
+    graphdef = property(lambda self: self.trained.graphdef)
+    rest = property(lambda self: self.trained.rest)
+    tx = property(lambda self: self.trained.tx)
+    lr = property(lambda self: self.trained.lr)
 
     def values(self, params, batch: dict[str, np.ndarray]) -> np.ndarray:
         """`values [B, R] float32` of the batch's response tokens (host numpy)."""
@@ -84,5 +87,4 @@ class CriticRole:
         """One optimizer step on a host mini-batch (`CRITIC_UPDATE_KEYS`): `(OptimizedParams, device
         metrics)`. Donates `critic`."""
         put = self.placement.put_minibatch(minibatch, self.spec)
-        params, opt_state, m = self.update_fn(critic.params, critic.opt_state, put)
-        return OptimizedParams(params, opt_state), m
+        return self.trained.step(critic, put)

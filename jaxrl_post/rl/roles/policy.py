@@ -1,10 +1,10 @@
 """The policy role (verl's actor worker) and the reference policy (verl's ref worker).
 
-`PolicyRole` owns the actor's layout (graph, trainable params, a LoRA actor's frozen base), its optimizer and
-LR schedule, its pack specs and two jitted fns, each built once and compiled once per run: `update_fn`
-(`steps.make_actor_update` / `packed_steps.make_packed_actor_update`; params and optimizer state donated)
-and `old_log_prob_fn` (`steps.make_log_prob_fn` / `packed_steps.make_packed_log_prob_fn`). The arrays it
-trains are `TrainState.actor` (train_state.py): `PolicyRole.build` returns them beside the role.
+`PolicyRole` owns the actor's `TrainedModel` (`engine/trained_model.py`: graph, trainable params, a LoRA actor's
+frozen base, optimizer and LR schedule, and the jitted update, `ppo_update.make_actor_update` on the padded or
+packed layout; params and optimizer state donated), its pack specs and the jitted `old_log_prob_fn`
+(`steps.make_log_prob_fn` / `packed_steps.make_packed_log_prob_fn`), each built once and compiled once per run.
+The arrays it trains are `TrainState.actor` (train_state.py): `PolicyRole.build` returns them beside the role.
 
 `ReferencePolicy` is the frozen initial policy: a copy of the initial actor params in the compute dtype
 (`builders.reference_params`), or with LoRA no copy at all: the actor's own model with its adapters off.
@@ -20,11 +20,12 @@ from jaxrl_post.batch.keys import FORWARD_KEYS, REPLAY_KEYS
 from jaxrl_post.engine import packed_steps, packing, steps
 from jaxrl_post.engine.placement import Placement
 from jaxrl_post.engine.train_state import OptimizedParams
+from jaxrl_post.engine.trained_model import TrainedModel
 from jaxrl_post.models.lora import lora_config_of
 from jaxrl_post.rl import builders, ppo_update
 from jaxrl_post.rl.config_features import dynamic_bsz, router_replay_mode
 from jaxrl_post.rl.geometry import StepGeometry
-from jaxrl_post.runtime.sharding import batch_shards, init_opt_state
+from jaxrl_post.runtime.sharding import batch_shards
 
 
 def pack_spec(
@@ -57,11 +58,12 @@ class PolicyRole:
     """The actor: layout, optimizer, jitted log-prob and update fns (see the module docstring).
 
     Build with `PolicyRole.build`. Attributes: `model` (the nnx module; always holds the live params, see
-    `sync_model`), `lora` (`LoraConfig` or None: full fine-tuning), `graphdef` / `rest` / `frozen` (a LoRA
-    actor's base params, an argument of every jitted actor fn; None otherwise), `tx` / `lr` (optax optimizer
-    and schedule), `loss_cfg` (`ppo_update.ActorLossConfig`), `spec` / `old_log_prob_spec` (`packing.PackSpec` of
-    the update and of the old-log-prob forward; None when padded), `update_fn`, `old_log_prob_fn`,
-    `router_replay` (`actor.router_replay.mode`: 'disabled', 'R2', 'R3'; MoE routing replay, docs/moe.md).
+    `sync_model`), `lora` (`LoraConfig` or None: full fine-tuning), `trained` (`TrainedModel`; read through
+    `graphdef` / `rest` / `frozen` (a LoRA actor's base params, an argument of every jitted actor fn; None
+    otherwise) / `tx` / `lr` (optax optimizer and schedule); `trained.update` is the jitted update), `loss_cfg`
+    (`ppo_update.ActorLossConfig`), `spec` / `old_log_prob_spec` (`packing.PackSpec` of the update and of the
+    old-log-prob forward; None when padded), `old_log_prob_fn`, `router_replay` (`actor.router_replay.mode`:
+    'disabled', 'R2', 'R3'; MoE routing replay, docs/moe.md).
     """
 
     def __init__(self, cfg, model, placement: Placement, geometry: StepGeometry):
@@ -75,47 +77,45 @@ class PolicyRole:
         committed to their shardings, and a fresh optimizer state sharded like them."""
         self = cls(cfg, model, placement, geometry)
         a = cfg.actor
-        if self.lora is not None:
-            graphdef, params, frozen, rest = steps.split_lora_model(model)
-            self.frozen = placement.commit(frozen)
-            nnx.update(model, self.frozen)
-        else:
-            graphdef, params, rest = steps.split_model(model)
-            self.frozen = None
-        self.graphdef, self.rest = graphdef, rest
-        params = placement.commit(params)
-        nnx.update(model, params)
         self.optim_cfg = builders.optim_config(
             a.optim,
             grad_clip=a.grad_clip,
             total_training_steps=geometry.total_training_steps,
             updates_per_step=geometry.actor_updates_per_step,
         )
-        self.tx = steps.make_optimizer(self.optim_cfg)
-        self.lr = steps.make_lr_schedule(self.optim_cfg)
         offload = bool(a.fsdp_config.optimizer_offload)  # the state in host memory between updates
-        opt_state = placement.commit(init_opt_state(self.tx, params, placement.opt_mesh(), offload=offload))
+        self.trained, state = TrainedModel.build(model, placement, self.optim_cfg, offload=offload)
+        t = self.trained
+        if t.frozen is not None:
+            nnx.update(model, t.frozen)
+        nnx.update(model, state.params)
         self.loss_cfg = builders.actor_loss_config(cfg, geometry.on_policy)
         self.router_replay = router_replay_mode(cfg, model.config, geometry.on_policy)  # ConfigError: dense model
         self.spec = self.pack_spec("actor", geometry.actor_mini, int(a.ppo_micro_batch_size))
         self.old_log_prob_micro = int(cfg.rollout.log_prob_micro_batch_size)
         self.old_log_prob_spec = self.pack_spec("rollout", geometry.batch_size, self.old_log_prob_micro)
-        on_trace = placement.tracer("update_actor")
         if self.spec is not None:
-            update = ppo_update.make_actor_update(
-                packed_steps.PACKED, graphdef, rest, self.tx, self.loss_cfg, on_trace=on_trace
-            )
+            layout = packed_steps.PACKED
         else:
-            n_micro = geometry.actor_mini // int(a.ppo_micro_batch_size)
-            update = ppo_update.make_actor_update(
-                steps.padded_layout(n_micro=n_micro), graphdef, rest, self.tx, self.loss_cfg, on_trace=on_trace
-            )
-        self.update_fn = placement.jit_update(update, params, opt_state)
+            layout = steps.padded_layout(n_micro=geometry.actor_mini // int(a.ppo_micro_batch_size))
+        on_trace = placement.tracer("update_actor")
+        t.set_update(
+            ppo_update.make_actor_update(layout, t.graphdef, t.rest, t.tx, self.loss_cfg, on_trace=on_trace),
+            placement,
+            state,
+        )
         r2 = self.router_replay == "R2"  # the old-log-prob forward records its routes for the update
         self.old_log_prob_fn = jax.jit(
             self.log_prob_fn(self.old_log_prob_spec, self.old_log_prob_micro, "old_log_prob", record_routes=r2)
         )
-        return self, OptimizedParams(params, opt_state)
+        return self, state
+
+    # the model's layout and optimizer (`engine/trained_model.py`)
+    graphdef = property(lambda self: self.trained.graphdef)
+    rest = property(lambda self: self.trained.rest)
+    frozen = property(lambda self: self.trained.frozen)  # a LoRA actor's base params, else None
+    tx = property(lambda self: self.trained.tx)
+    lr = property(lambda self: self.trained.lr)
 
     def pack_spec(self, role: str, n_seqs: int, micro: int):
         """`placement.pack_spec` of one pass of this policy (None when padded)."""
@@ -157,11 +157,7 @@ class PolicyRole:
         """One optimizer step on a host mini-batch (`ACTOR_UPDATE_KEYS`, `[M, ...]`): returns
         `(OptimizedParams, metrics)` with the metrics still on device (no host sync). Donates `actor`."""
         put = self.placement.put_minibatch(minibatch, self.spec)
-        args = (actor.params, actor.opt_state, put)
-        if self.frozen is not None:  # LoRA: the adapters are trained, the base is an argument
-            args += (self.frozen,)
-        params, opt_state, m = self.update_fn(*args)
-        return OptimizedParams(params, opt_state), m
+        return self.trained.step(actor, put, *self.trained.frozen_args())  # LoRA: the frozen base, last
 
     def sync_model(self, params) -> None:
         """Put `params` into the nnx module (it always holds the live params)."""
