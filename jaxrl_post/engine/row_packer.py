@@ -85,8 +85,8 @@ def pack_rows(
       `RowPlan` (pure function of the arguments).
     Raises:
       ValueError: an unknown strategy, a negative length, an item longer than `row_len`, limits without
-        ``"ffd"`` and `max_rows` or with weights of another length, or the items do not fit `max_rows` rows and
-        the limits.
+        ``"ffd"`` and `max_rows` or with rows < 1 or weights of another length, or the items do not fit
+        `max_rows` rows and the limits.
     """
     lengths = np.asarray(lengths, np.int64).reshape(-1)
     n = len(lengths)
@@ -101,20 +101,26 @@ def pack_rows(
             "group limits need max_rows" if strategy == "ffd" else "group limits need strategy='ffd' and max_rows"
         )
     weights = [np.ones(n, np.int64) if g.weights is None else np.asarray(g.weights, np.int64) for g in limits]
-    for w in weights:
-        if w.shape != (n,):
-            raise ValueError(f"GroupLimit weights of {w.size} items for {n} items")
+    for g, w in zip(limits, weights, strict=True):
+        if w.shape != (n,) or int(g.rows) < 1:
+            raise ValueError(f"{g}: needs rows >= 1 and weights of the {n} items (got {w.size})")
     index = np.arange(n)
     keep = index[lengths > 0] if skip_empty else index
     order = keep[np.lexsort((keep, -lengths[keep]))]  # longest first, ties: lower index first
-    row = np.full(n, -1, np.int64)
-    offset = np.zeros(n, np.int64)
-    starts = tuple(np.zeros(n, np.int64) for _ in limits)
+    row, offset = [-1] * n, [0] * n  # python ints in the loops: numpy scalars cost more than the search
+    starts = [[0] * n for _ in limits]
+    sizes = lengths.tolist()
     if strategy == "bfd":
-        n_rows = _best_fit(lengths, order, row_len, max_rows, row, offset)
+        n_rows = _best_fit(sizes, order.tolist(), row_len, max_rows, row, offset)
     else:
-        n_rows = _first_fit(lengths, order, row_len, max_rows, limits, weights, row, offset, starts)
-    return RowPlan(row=row, offset=offset, order=order, starts=starts, n_rows=n_rows)
+        n_rows = _first_fit(sizes, order.tolist(), row_len, max_rows, limits, weights, row, offset, starts)
+    return RowPlan(
+        row=np.asarray(row, np.int64),
+        offset=np.asarray(offset, np.int64),
+        order=order,
+        starts=tuple(np.asarray(x, np.int64) for x in starts),
+        n_rows=n_rows,
+    )
 
 
 def _no_room(n_items: int, max_rows: int | None, row_len: int, limits) -> ValueError:
@@ -122,41 +128,57 @@ def _no_room(n_items: int, max_rows: int | None, row_len: int, limits) -> ValueE
     return ValueError(f"{n_items} items do not fit {max_rows} rows of {row_len} tokens{why}")
 
 
-def _first_fit(lengths, order, row_len, max_rows, limits, weights, row, offset, starts) -> int:
-    """First fit over a fixed grid of rows (`max_rows`, else one per item); fills `row`, `offset`, `starts`."""
+def _first_fit(sizes, order, row_len, max_rows, limits, weights, row, offset, starts) -> int:
+    """First fit over a fixed grid of rows (`max_rows`, else one per item); fills `row`, `offset`, `starts`.
+    Without limits every unopened row is allowed, so the open rows are always rows `0 .. n_open - 1`."""
     grid = len(order) if max_rows is None else int(max_rows)
     used = np.zeros(grid, np.int64)
     opened = np.zeros(grid, bool)
+    n_open = 0
+    caps = [int(g.cap) for g in limits]
     group_of = [np.arange(grid) // int(g.rows) for g in limits]
     held = [np.zeros(-(-grid // int(g.rows)), np.int64) for g in limits]
-    for i in order.tolist():
-        allowed = np.ones(grid, bool)
-        for g, w, of, h in zip(limits, weights, group_of, held, strict=True):
-            allowed &= h[of] + w[i] <= g.cap
-        fits = opened & (used + lengths[i] <= row_len) & allowed
-        if not fits.any():
-            fits = ~opened & allowed
-            if not fits.any():
-                raise _no_room(len(order), max_rows, row_len, limits)
-        r = int(np.argmax(fits))
-        row[i], offset[i] = r, used[r]
-        for k, (w, of, h) in enumerate(zip(weights, group_of, held, strict=True)):
-            starts[k][i] = h[of[r]]
-            h[of[r]] += w[i]
+    wl = [w.tolist() for w in weights]
+    for i in order:
+        need = sizes[i]
+        if limits:
+            allowed = held[0][group_of[0]] <= caps[0] - wl[0][i]
+            for k in range(1, len(limits)):
+                allowed &= held[k][group_of[k]] <= caps[k] - wl[k][i]
+            fits = opened & (used <= row_len - need) & allowed
+            r = int(fits.argmax())
+            if not fits[r]:
+                fits = ~opened & allowed
+                r = int(fits.argmax())
+                if not fits[r]:
+                    raise _no_room(len(order), max_rows, row_len, limits)
+        else:
+            fits = used[:n_open] <= row_len - need
+            r = int(fits.argmax()) if n_open else 0
+            if not n_open or not fits[r]:
+                if n_open == grid:
+                    raise _no_room(len(order), max_rows, row_len, limits)
+                r = n_open
+        row[i], offset[i] = r, int(used[r])
+        for k in range(len(limits)):
+            g = int(group_of[k][r])
+            starts[k][i] = int(held[k][g])
+            held[k][g] += wl[k][i]
+        n_open += not opened[r]
         opened[r] = True
-        used[r] += lengths[i]
-    return grid if max_rows is not None else int(opened.sum())  # unlimited: rows open in order 0, 1, ...
+        used[r] += need
+    return grid if max_rows is not None else n_open
 
 
-def _best_fit(lengths, order, row_len, max_rows, row, offset) -> int:
+def _best_fit(sizes, order, row_len, max_rows, row, offset) -> int:
     """Best fit: the open rows' free tokens kept sorted (`frees`, ascending; `owners[k]` is the row of `frees[k]`;
     a row re-enters after the rows of equal room, so equal room goes to the row that reached it first); fills
     `row` and `offset`."""
     frees: list[int] = []
     owners: list[int] = []
     n_rows = 0
-    for i in order.tolist():
-        need = int(lengths[i])
+    for i in order:
+        need = sizes[i]
         k = bisect.bisect_left(frees, need)
         if k == len(frees):
             if max_rows is not None and n_rows == max_rows:

@@ -201,8 +201,10 @@ def test_errors():
         pack_rows([1], 4, limits=(GroupLimit(1, 1),))
     with pytest.raises(ValueError, match="negative length"):
         pack_rows([1, -1], 4)
-    with pytest.raises(ValueError, match="weights of 1 items for 2 items"):
+    with pytest.raises(ValueError, match=r"needs rows >= 1 and weights of the 2 items \(got 1\)"):
         pack_rows([1, 1], 4, max_rows=2, limits=(GroupLimit(1, 9, weights=[1]),))
+    with pytest.raises(ValueError, match="needs rows >= 1"):
+        pack_rows([1, 1], 4, max_rows=2, limits=(GroupLimit(0, 9),))
 
 
 # ------------------------------------------------------------------------------------------ invariants
