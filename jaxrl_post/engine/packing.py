@@ -1,8 +1,8 @@
 """Host-side sequence packing (numpy, pure): train on real tokens with static shapes.
 
 A mini-batch of M sequences (left-padded prompt `[P]` + right-padded response `[R]`, T = P + R) is
-packed, first-fit-decreasing, into rows of `row_len` tokens: every sequence keeps only its real tokens
-(prompt + response, contiguous) as one *segment* of a row, with its own positions (0, 1, ... as in the
+packed, first-fit-decreasing (`row_packer.pack_rows`), into rows of `row_len` tokens: every sequence keeps only
+its real tokens (prompt + response, contiguous) as one *segment* of a row, with its own positions (0, 1, ... as in the
 unpadded sequence) and a segment id (1, 2, ... per row; 0 = padding). Rows are grouped into `n_micro`
 micro-batches of `rows` rows each. Only the response tokens are scored, so each micro-batch also lists
 its response tokens in `slots` *slots* (the LM head and log-softmax run on those slots only).
@@ -41,6 +41,8 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+
+from jaxrl_post.engine.row_packer import GroupLimit, pack_rows
 
 # the packed layout back to the batch's, re-exported where they were
 # Shared-prompt segment ids: `chunk << SUB_BITS | sub` (sub 0 = the chunk prompt, j >= 1 = its j-th response)
@@ -194,38 +196,22 @@ def plan_packing(seq_lens: np.ndarray, resp_lens: np.ndarray, spec: PackSpec) ->
     Sequences (longest first, ties by index) go into the first row with room whose micro-batch still
     has a sequence slot and whose slot block (the micro-batch's, or with `spec.shards > 1` its row's shard's:
     `PackSpec`) still has `resp_lens[i]` response slots; otherwise into a new row of the first micro-batch
-    with a free row and room. The first slot is global (block * block_slots + slot in the block). Pure
-    function of the lengths.
+    with a free row and room (`row_packer.pack_rows` over the `n_micro * rows` rows, with those two group
+    limits). The first slot is global (block * block_slots + slot in the block). Pure function of the lengths.
     Raises ValueError when a sequence is longer than a row or the mini-batch does not fit the spec.
     """
     seq_lens, resp_lens = np.asarray(seq_lens, np.int64), np.asarray(resp_lens, np.int64)
     _check_shards(spec)
-    n_rows = spec.n_micro * spec.rows
     if np.any(seq_lens > spec.row_len) or np.any(resp_lens > spec.block_slots):
         raise ValueError(f"a sequence is longer than a row ({spec.row_len} tokens) or a block's slots")
-    row_used = np.zeros(n_rows, np.int64)
-    row_open = np.zeros(n_rows, bool)
-    row_micro = np.arange(n_rows) // spec.rows
-    row_block = np.arange(n_rows) // spec.block_rows  # micro * shards + shard
-    slots_used = np.zeros(spec.n_micro * spec.shards, np.int64)  # per slot block
-    seqs_used = np.zeros(spec.n_micro, np.int64)
-    place = np.zeros((len(seq_lens), 5), np.int64)
-    for i in sorted(range(len(seq_lens)), key=lambda j: (-seq_lens[j], j)):
-        n, r = seq_lens[i], resp_lens[i]
-        row_ok = (slots_used[row_block] + r <= spec.block_slots) & (seqs_used[row_micro] < spec.seqs)
-        fits = row_open & (row_used + n <= spec.row_len) & row_ok
-        if not fits.any():
-            fits = ~row_open & row_ok
-            if not fits.any():
-                raise ValueError(f"mini-batch of {len(seq_lens)} sequences does not fit {spec}")
-        row = int(np.argmax(fits))
-        k, b = row_micro[row], row_block[row]
-        place[i] = (k, row % spec.rows, row_used[row], seqs_used[k], _first_slot(spec, b, slots_used[b]))
-        row_open[row] = True
-        row_used[row] += n
-        slots_used[b] += r
-        seqs_used[k] += 1
-    return place
+    limits = (GroupLimit(spec.rows, spec.seqs), GroupLimit(spec.block_rows, spec.block_slots, resp_lens))
+    try:
+        plan = pack_rows(seq_lens, spec.row_len, max_rows=spec.n_micro * spec.rows, limits=limits)
+    except ValueError as e:  # the lengths fit a row (checked above): the rows or limits are too few
+        raise ValueError(f"mini-batch of {len(seq_lens)} sequences does not fit {spec}") from e
+    row, (seq_slot, in_block) = plan.row, plan.starts
+    first = (row // spec.block_rows % spec.shards) * spec.block_slots + in_block
+    return np.stack([row // spec.rows, row % spec.rows, plan.offset, seq_slot, first], 1).reshape(-1, 5)
 
 
 def _check_shards(spec: PackSpec) -> None:

@@ -34,6 +34,7 @@ import numpy as np
 
 from jaxrl_post.data.preference import TRUNCATIONS, load_preference_pairs
 from jaxrl_post.engine.placement import Placement
+from jaxrl_post.engine.row_packer import pack_rows
 from jaxrl_post.engine.run.tracking import Tracking
 from jaxrl_post.engine.train_state import OptimizedParams
 from jaxrl_post.engine.trained_model import TrainedModel
@@ -138,12 +139,12 @@ class DPOTask:
     @staticmethod
     def pack_dataset(cfg, data, row_len: int) -> list[list[int]] | None:
         """`data.packing_strategy='bfd'`: the training pairs (each `prompt | chosen | rejected`, one chunk) packed
-        once into rows of 2 * `data.max_length` tokens by best-fit decreasing (`sft_step.best_fit_decreasing`);
+        once into rows of 2 * `data.max_length` tokens by best-fit decreasing (`row_packer.pack_rows(strategy="bfd")`);
         batch sizes then count packed rows. None for per-step packing."""
         if cfg.data.get("packing_strategy", "per_step") != "bfd":
             return None
         need = [len(x.prompt_ids) + len(x.chosen_ids) + len(x.rejected_ids) for x in data.pairs]
-        return sft_step.best_fit_decreasing(need, 2 * row_len)
+        return pack_rows(need, 2 * row_len, strategy="bfd", skip_empty=True).rows()
 
     def build_steps(
         self, model: TrainedModel, state: OptimizedParams, placement: Placement, data: SupervisedData, say

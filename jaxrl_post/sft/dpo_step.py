@@ -48,6 +48,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jaxrl_post.engine.row_packer import pack_rows
 from jaxrl_post.engine.update_core import apply_update, merge_model, micro_at, n_used, sum_over_used
 from jaxrl_post.models.decoder import SEGMENT_SUB_BITS
 from jaxrl_post.models.lora import set_lora_enabled
@@ -68,26 +69,6 @@ METRIC_KEYS = (
 
 
 # ------------------------------------------------------------------------------------------ host layout
-def _place_rows(lengths: Sequence[int], row_len: int, pack: bool, per_row: int) -> list[list[int]]:
-    """Items per row: in order, `per_row` rows of one item each (unpacked), or first-fit decreasing (packed)."""
-    order = list(range(len(lengths)))
-    if not pack:
-        return [[i] for i in order]
-    order.sort(key=lambda i: -lengths[i])
-    rows: list[list[int]] = []
-    free: list[int] = []
-    for i in order:
-        for r, f in enumerate(free):
-            if lengths[i] <= f:
-                rows[r].append(i)
-                free[r] -= lengths[i]
-                break
-        else:
-            rows.append([i])
-            free.append(row_len - lengths[i])
-    return rows
-
-
 def layout_pairs(
     pairs: Sequence,
     *,
@@ -126,7 +107,7 @@ def layout_pairs(
         raise ValueError(f"a {'pair' if pack else 'sequence'} of {max(need)} tokens does not fit a row of {row_len}")
     if pack:
         if plan is None:
-            plan = _place_rows(need, row_len, True, 1)
+            plan = pack_rows(need, row_len).rows()
         elif sorted(i for row in plan for i in row) != list(range(len(pairs))):
             raise ValueError("the packing plan must place every pair exactly once")
         elif plan and max(sum(need[i] for i in row) for row in plan) > row_len:

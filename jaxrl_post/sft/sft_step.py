@@ -34,6 +34,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jaxrl_post.engine.row_packer import pack_rows
 from jaxrl_post.engine.update_core import apply_update, merge_model, micro_at, n_used, sum_over_used
 
 LAYOUT_KEYS = ("input_ids", "segment_ids", "positions", "labels", "loss_mask")
@@ -54,52 +55,6 @@ def micro_geometry(batch_size: int, micro_batch_size: int) -> tuple[int, int]:
     return batch_size // micro_batch_size, micro_batch_size
 
 
-def _assign_rows(lengths: Sequence[int], n_rows: int, row_len: int, pack: bool) -> list[list[int]]:
-    """Example indices per row: in order, one per row (unpacked), or first-fit decreasing (packed)."""
-    order = [i for i in range(len(lengths)) if lengths[i] > 0]
-    if not pack:
-        return [[i] for i in order]
-    order.sort(key=lambda i: -lengths[i])
-    rows: list[list[int]] = []
-    free: list[int] = []
-    for i in order:
-        for r, f in enumerate(free):
-            if lengths[i] <= f:
-                rows[r].append(i)
-                free[r] -= lengths[i]
-                break
-        else:
-            rows.append([i])
-            free.append(row_len - lengths[i])
-    return rows
-
-
-def best_fit_decreasing(lengths: Sequence[int], row_len: int) -> list[list[int]]:
-    """Example indices per row of `row_len` tokens, best-fit decreasing (TRL `pack_dataset(strategy='bfd')`):
-    longest first (ties: lower index first), each into the fullest row it still fits (ties: the older row; a new
-    row when none fits). Examples are never split; empty ones are left out. Raises ValueError when an example is
-    longer than `row_len`."""
-    import bisect
-
-    if lengths and max(lengths) > row_len:
-        raise ValueError(f"an example of {max(lengths)} tokens does not fit a row of {row_len}")
-    rows: list[list[int]] = []
-    frees: list[int] = []  # free slots of the open rows, ascending; `owners[k]` is the row of `frees[k]`
-    owners: list[int] = []
-    for i in sorted((i for i in range(len(lengths)) if lengths[i] > 0), key=lambda i: (-lengths[i], i)):
-        k = bisect.bisect_left(frees, lengths[i])
-        if k == len(frees):
-            rows.append([i])
-            r, free = len(rows) - 1, row_len - lengths[i]
-        else:
-            r, free = owners.pop(k), frees.pop(k) - lengths[i]
-            rows[r].append(i)
-        k = bisect.bisect_right(frees, free)  # after equal frees: the older row is found first
-        frees.insert(k, free)
-        owners.insert(k, r)
-    return rows
-
-
 def layout_batch(
     input_ids: Sequence[np.ndarray],
     loss_mask: Sequence[np.ndarray],
@@ -113,8 +68,9 @@ def layout_batch(
     """The `[n_micro, rows, row_len] int32` arrays of `LAYOUT_KEYS` for examples `input_ids[i]`, `loss_mask[i]`
     (`[T_i]`, `loss_mask[i][t] = 1`: token t is trained; empty examples are left out).
 
-    `plan` (optional): the example indices of each row, already packed (`best_fit_decreasing` over the dataset);
-    without it the examples are packed here (`pack`: first-fit decreasing) or one per row.
+    `plan` (optional): the example indices of each row, already packed (best fit decreasing over the dataset:
+    `SFTTask.pack_dataset`); without it the examples are packed here (`pack`: first-fit decreasing,
+    `row_packer.pack_rows`) or one per row.
 
     Raises ValueError when an example is longer than `row_len`, a planned row overflows, or the examples need
     more than `n_micro * rows` rows (unpacked: more examples than rows).
@@ -122,8 +78,10 @@ def layout_batch(
     lengths = [len(x) for x in input_ids]
     if lengths and max(lengths) > row_len:
         raise ValueError(f"an example of {max(lengths)} tokens does not fit a row of {row_len}")
-    if plan is None:
-        plan = _assign_rows(lengths, n_micro * rows, row_len, pack)
+    if plan is None and pack:
+        plan = pack_rows(lengths, row_len, skip_empty=True).rows()
+    elif plan is None:
+        plan = [[i] for i in range(len(lengths)) if lengths[i] > 0]
     if len(plan) > n_micro * rows:
         raise ValueError(f"{len(plan)} rows needed, the batch layout has {n_micro * rows}")
     shape = (n_micro * rows, row_len)

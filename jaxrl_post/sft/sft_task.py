@@ -18,6 +18,7 @@ import jax
 
 from jaxrl_post.data.sft import FORMATS, TRUNCATIONS, SFTKeys, load_sft_data
 from jaxrl_post.engine.placement import Placement
+from jaxrl_post.engine.row_packer import pack_rows
 from jaxrl_post.engine.run import checkpoint as ckpt
 from jaxrl_post.engine.train_state import OptimizedParams
 from jaxrl_post.engine.trained_model import TrainedModel
@@ -118,10 +119,10 @@ class SFTTask:
     @staticmethod
     def pack_dataset(cfg, data, row_len: int) -> list[list[int]] | None:
         """`data.packing_strategy='bfd'`: the training examples packed once into rows of `data.max_length`
-        (`sft_step.best_fit_decreasing`, TRL's BFD); None for per-step packing."""
+        by best-fit decreasing (`row_packer.pack_rows(strategy="bfd")`, TRL's BFD); None for per-step packing."""
         if cfg.data.get("packing_strategy", "per_step") != "bfd":
             return None
-        return sft_step.best_fit_decreasing([len(x) for x in data.input_ids], row_len)
+        return pack_rows([len(x) for x in data.input_ids], row_len, strategy="bfd", skip_empty=True).rows()
 
     # ------------------------------------------------------------------------------------ model, steps
     def build_model(self, mesh):

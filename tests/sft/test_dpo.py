@@ -11,6 +11,7 @@ import pytest
 
 from jaxrl_post.data.preference import collate_pairs, load_preference_pairs, pair_ids, tokenize_pairs
 from jaxrl_post.data.rows import MalformedRowError
+from jaxrl_post.engine.row_packer import pack_rows
 from jaxrl_post.models.char_tokenizer import CHARS, build_char_tokenizer
 
 S, E = 1, 2  # <|im_start|>, <|im_end|> (= eos) of the character tokenizer
@@ -322,7 +323,7 @@ def test_bfd_packing_steps_over_packed_pair_rows(tmp_path):
     import jax
 
     from jaxrl_post.errors import ConfigError
-    from jaxrl_post.sft import dpo_step, sft_step
+    from jaxrl_post.sft import dpo_step
     from jaxrl_post.sft.dpo import DPOTrainer, pair_tokens, validate_dpo_config
 
     bad = _tiny_config(tmp_path, "x", data__packing_strategy="bfd", model__use_remove_padding=False)
@@ -332,7 +333,7 @@ def test_bfd_packing_steps_over_packed_pair_rows(tmp_path):
     cfg.data.train_batch_size, cfg.data.micro_batch_size = 2, 1  # packed rows of 2 * 16 characters
     t = DPOTrainer(cfg)
     need = [len(x.prompt_ids) + len(x.chosen_ids) + len(x.rejected_ids) for x in t.data.train.pairs]
-    assert t.data.packed_rows == sft_step.best_fit_decreasing(need, 32)
+    assert t.data.packed_rows == pack_rows(need, 32, strategy="bfd", skip_empty=True).rows()
     assert max(len(r) for r in t.data.packed_rows) > 1  # several pairs share a row
     assert t.data.loader.batches_per_epoch == len(t.data.packed_rows) // 2
     m1 = t.train_step()  # after it the policy differs from the reference: the loss depends on the pairs

@@ -17,6 +17,7 @@ import pytest
 from jaxrl_post.data.rows import MalformedRowError
 from jaxrl_post.data.sft import SFTKeys, load_sft_data, row_ids_and_mask, tokenize_rows
 from jaxrl_post.engine import steps
+from jaxrl_post.engine.row_packer import pack_rows
 from jaxrl_post.models.char_tokenizer import CHARS, build_char_tokenizer
 from jaxrl_post.sft import sft_step
 
@@ -235,7 +236,7 @@ def test_packed_and_micro_batched_equal_the_whole_batch(tiny, grads_fn):
     _, _, params, _ = tiny
     ids, masks = _examples(8, seed=1)
     whole = sft_step.layout_batch(ids, masks, n_micro=1, rows=8, row_len=16, pack=False)
-    plan = sft_step.best_fit_decreasing([len(x) for x in ids], 16)
+    plan = pack_rows([len(x) for x in ids], 16, strategy="bfd", skip_empty=True).rows()
     variants = {
         "micro": sft_step.layout_batch(ids, masks, n_micro=4, rows=2, row_len=16, pack=False),
         "packed": sft_step.layout_batch(ids, masks, n_micro=4, rows=2, row_len=16, pack=True),
@@ -265,25 +266,8 @@ def test_layout_positions_segments_and_shifted_labels():
         sft_step.layout_batch(ids, masks, n_micro=1, rows=1, row_len=6, pack=False)
 
 
-def test_best_fit_decreasing_by_hand_and_invariants():
-    # row 10, lengths 5 3 7 2 6 4 (and an empty one): 7 -> r0 (3 free), 6 -> r1 (4), 5 -> r2 (5), 4 -> r1 (the
-    # fullest that fits: 4 free), 3 -> r0 (3 free), 2 -> r2 (5 free: the only one); the empty one is left out
-    assert sft_step.best_fit_decreasing([5, 3, 7, 2, 6, 4, 0], 10) == [[2, 1], [4, 5], [0, 3]]
-    # best fit, not first fit (row 20): 13 -> r0 (7 free), 11 -> r1 (9), 8 -> r1 (1), 5 -> r0 (2), 3 -> r2 (17),
-    # then 1 -> r1 (1 free: the fullest that fits; first fit would take r0)
-    lengths = [3, 11, 8, 13, 5, 1]
-    assert sft_step.best_fit_decreasing(lengths, 20) == [[3, 4], [1, 2, 5], [0]]
-    assert sft_step._assign_rows(lengths, 9, 20, True) == [[3, 4, 5], [1, 2], [0]]
-    with pytest.raises(ValueError, match="an example of 11 tokens does not fit a row of 10"):
-        sft_step.best_fit_decreasing([3, 11], 10)
-    rng = np.random.default_rng(0)
-    for _ in range(50):
-        lengths = rng.integers(1, 33, size=int(rng.integers(1, 40))).tolist()
-        rows = sft_step.best_fit_decreasing(lengths, 32)
-        assert sorted(i for r in rows for i in r) == list(range(len(lengths)))  # each example once
-        assert all(sum(lengths[i] for i in r) <= 32 for r in rows)
-        assert len(rows) <= len(sft_step._assign_rows(lengths, 99, 32, True))  # never worse than first fit
-        assert len(rows) >= -(-sum(lengths) // 32)
+def test_layout_rejects_an_overfull_plan():
+    # the packer itself (first fit, best fit, by hand and against the replaced copies): tests/engine/test_row_packer.py
     ids = [np.arange(1, 7, dtype=np.int32)] * 2
     with pytest.raises(ValueError, match="row 0 of the plan holds 12 tokens > 10"):
         sft_step.layout_batch(ids, [np.ones(6, np.int32)] * 2, n_micro=1, rows=2, row_len=10, pack=True, plan=[[0, 1]])
@@ -429,7 +413,7 @@ def test_bfd_packing_steps_over_packed_rows(tmp_path):
     cfg.data.train_batch_size, cfg.data.micro_batch_size = 2, 1  # packed rows
     t = SFTTrainer(cfg)
     lengths = [len(x) for x in t.data.train.input_ids]
-    assert t.data.packed_rows == sft_step.best_fit_decreasing(lengths, 256)
+    assert t.data.packed_rows == pack_rows(lengths, 256, strategy="bfd", skip_empty=True).rows()
     assert sorted(i for r in t.data.packed_rows for i in r) == list(range(12))
     assert len(t.data.packed_rows) < 12 and t.data.loader.batches_per_epoch == len(t.data.packed_rows) // 2
     state = t.data.loader.get_state()
