@@ -196,17 +196,11 @@ def check_reward_model_scoring(cfg: Any, check, err, is_int, is_num) -> None:
 
 def check_router_replay(cfg: Any, check, err) -> None:
     """`actor.router_replay.mode` (verl's): 'disabled', 'R2' (the old-log-prob forward's routes replayed in the
-    update) or 'R3' (the rollout's routes replayed in the old-log-prob and update forwards); R3 needs the dense
-    single-turn rollout (`rollout.name='dense'`, no `rollout.multi_turn.enable`), which records the routes. That
-    the model is an MoE is checked when it is built (`router_replay_mode`)."""
+    update) or 'R3' (the rollout's routes replayed in the old-log-prob and update forwards); R3 needs a
+    single-turn rollout (`rollout.name` 'dense' or 'paged', no `rollout.multi_turn.enable`): both engines record
+    the routes. That the model is an MoE is checked when it is built (`router_replay_mode`)."""
     if not check("actor.router_replay.mode", lambda v: v in ROUTER_REPLAY_MODES, f"valid: {ROUTER_REPLAY_MODES}"):
         return
-    if cfg.actor.router_replay.mode == "R3" and cfg.rollout.name != "dense":
-        err(
-            "actor.router_replay.mode",
-            f"'R3' needs rollout.name='dense' (rollout.name={cfg.rollout.name!r} does "
-            "not record the experts it routes to); use 'R2' or rollout.name='dense'",
-        )
     if cfg.actor.router_replay.mode == "R3" and cfg.rollout.multi_turn.enable:
         err(
             "actor.router_replay.mode",

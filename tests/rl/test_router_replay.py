@@ -156,8 +156,8 @@ def test_actor_update_with_forced_routes_moves_the_router(moe_rollout):
 
 
 def test_router_replay_config_errors():
-    """One `error:`-style line per bad setting: an unknown mode, R3 with the paged or multi-turn rollout (they do not
-    record routes), replay on a dense model, R2 without an old-log-prob forward."""
+    """One `error:`-style line per bad setting: an unknown mode, R3 with the multi-turn rollout (it does not record
+    routes; the paged engine does: accepted), replay on a dense model, R2 without an old-log-prob forward."""
     from configs import grpo
     from jaxrl_post.rl.config_check import validate_config
     from jaxrl_post.rl.config_features import router_replay_mode
@@ -167,8 +167,7 @@ def test_router_replay_config_errors():
     with pytest.raises(ConfigError, match=r"config.actor.router_replay.mode='R4': valid: \('disabled', 'R2', 'R3'\)"):
         validate_config(c, n_devices=1)
     c.actor.router_replay.mode, c.rollout.name = "R3", "paged"
-    with pytest.raises(ConfigError, match="'R3' needs rollout.name='dense'"):
-        validate_config(c, n_devices=1)
+    validate_config(c, n_devices=1)  # the paged engine records the routes too (tests/rollout/test_paged_moe.py)
     c.rollout.name, c.rollout.multi_turn.enable = "dense", True
     with pytest.raises(ConfigError, match="'R3' is not supported with rollout.multi_turn.enable"):
         validate_config(c, n_devices=1)
@@ -186,12 +185,12 @@ def test_router_replay_config_errors():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["R3", "R2"])
-def test_moe_tiny_grpo_step_with_router_replay(tmp_path, mode):
+@pytest.mark.parametrize("mode,engine", [("R3", "dense"), ("R2", "dense"), ("R3", "paged")])
+def test_moe_tiny_grpo_step_with_router_replay(tmp_path, mode, engine):
     """`configs/grpo.py:moe_tiny` with `actor.router_replay.mode`: one GRPO step (the rollout records the routes
-    (R3) or the old-log-prob forward does (R2); packed old-log-prob forward and 2 packed updates replay them) logs
-    the rollout / trainer mismatch (`training/rollout_probs_diff_*`, float32 both sides: near 0) and moves the
-    router."""
+    (R3; the dense `Generator` or the paged engine, `rollout.name`) or the old-log-prob forward does (R2); packed
+    old-log-prob forward and 2 packed updates replay them) logs the rollout / trainer mismatch
+    (`training/rollout_probs_diff_*`, float32 both sides: near 0) and moves the router."""
     import sys
 
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2]))
@@ -203,10 +202,13 @@ def test_moe_tiny_grpo_step_with_router_replay(tmp_path, mode):
     c.trainer.save_freq = -1
     c.trainer.total_training_steps = 1
     c.trainer.val_before_train = c.trainer.val_at_end = False
-    c.actor.router_replay.mode = mode
+    c.actor.router_replay.mode, c.rollout.name = mode, engine
     trainer = RLTrainer(c, console_write=lambda s: None)
     try:
         assert trainer.policy.router_replay == mode
+        gen = trainer.rollout.generator
+        assert (type(gen).__name__ == "PagedGenerator") == (engine == "paged")
+        assert gen.return_routed_experts == (mode == "R3")
         before = np.asarray(trainer.state.actor.params["layers"][0]["mlp"]["router"][...])
         hist = trainer.fit()["history"]
         m = hist[-1]

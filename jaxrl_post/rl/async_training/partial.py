@@ -43,6 +43,7 @@ def _seq_json(s: Seq) -> dict[str, Any]:
         "tokens": [int(t) for t in s.tokens],
         "log_probs": f32(s.log_probs),
         "thresholds": f32(s.thresholds),
+        "routes": [encode_array(r) for r in s.routes],  # MoE routing replay: experts of the tokens fed so far
     }
 
 
@@ -54,6 +55,7 @@ def _seq_from_json(d: dict[str, Any]) -> Seq:
         tokens=list(d["tokens"]),
         log_probs=[np.float32(x) for x in d["log_probs"]],
         thresholds=[np.float32(x) for x in d["thresholds"]],
+        routes=[decode_array(r) for r in d.get("routes", [])],
     )
 
 

@@ -84,7 +84,8 @@ class RolloutRole:
         else:
             self.model = m
         if cfg.rollout.name == "paged":  # docs/paged_rollout.md; validate_config keeps it single-turn, one device
-            self.generator = paged_generator_from_config(self.model, cfg.rollout)
+            r3 = policy.router_replay == "R3"  # `routed_experts`, replayed by the actor
+            self.generator = paged_generator_from_config(self.model, cfg.rollout, return_routed_experts=r3)
         else:
             self.generator = Generator(
                 self.model,

@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 from jaxrl_post.batch.protocol import DataProto
+from jaxrl_post.models.moe import routes_dtype
 from jaxrl_post.rollout.generate import _assemble, check_prompts, kv_cache_dtype
 from jaxrl_post.rollout.paged import forward, programs
 from jaxrl_post.rollout.paged.allocator import PageAllocator
@@ -52,6 +53,11 @@ class PagedGenerator:
       scan_layers: run the layers as a `lax.scan` over params stacked once per call (compiles one layer); False:
         unrolled. None: scanned off CPU, unrolled on CPU, where the scan materializes each layer's slice of the
         stacked MLP kernels at every step (docs/paged_rollout.md#how-it-works).
+      return_routed_experts: an MoE model's routing replay (`actor.router_replay.mode='R3'`), as `Generator`'s: the
+        result also holds `routed_experts [B, P + R, M, k]` uint8/int16. A token's experts are those of the first
+        forward that fed it (prefill for the prompt, shared by its `n` samples; the decode step for a response
+        token), kept when a preempted or resumed sequence's context is prefilled again. Raises ValueError on a
+        model without MoE layers.
     """
 
     model: nnx.Module
@@ -65,9 +71,12 @@ class PagedGenerator:
     min_prompt_bucket: int = 16
     scan_layers: bool | None = None
     max_model_len: int | None = None
+    return_routed_experts: bool = False
     last_stats: dict | None = dataclasses.field(default=None, init=False, repr=False)
 
     def __post_init__(self):
+        if self.return_routed_experts and not getattr(getattr(self.model, "config", None), "moe_layers", ()):
+            raise ValueError("return_routed_experts needs a model with MoE layers (routing replay)")
         self.impl = resolve_paged_attention_impl(self.attention_impl, jax.default_backend())
         if self.scan_layers is None:
             self.scan_layers = jax.default_backend() != "cpu"
@@ -206,10 +215,23 @@ class PagedGenerator:
             page_indices=jnp.asarray(tables),
             cu_q_lens=jnp.asarray(cu),
             num_seqs=jnp.asarray([len(pieces)], jnp.int32),
+            token_mask=jnp.asarray(real[None]),
         )
-        kv, new = programs.prefill(
-            self._graphdef, self._state, self._graphdefs, self._stacked, kv, rag, jnp.asarray(last), impl=self.impl
+        kv, new, *routes = programs.prefill(
+            self._graphdef,
+            self._state,
+            self._graphdefs,
+            self._stacked,
+            kv,
+            rag,
+            jnp.asarray(last),
+            impl=self.impl,
+            routes=self.return_routed_experts,
         )
+        if routes:
+            routes = np.asarray(jax.device_get(routes[0]))
+            for pc, lo in zip(pieces, np.concatenate([[0], np.cumsum([pc.count for pc in pieces])])):
+                _record_routes(pc.seq, pc.start, routes[lo : lo + pc.count])
         complete, copies = sched.prefill_done(pieces)
         src, dst = np.full(s_max, 0, np.int32), np.full(s_max, s_max, np.int32)
         k = 0
@@ -218,6 +240,8 @@ class PagedGenerator:
             for s in group:
                 src[k], dst[k] = index[id(first)], s.slot
                 k += 1
+                if s is not first and not s.routes:  # a fork: the prompt's experts are its first sample's
+                    s.routes = list(first.routes)
         if k:
             logits = programs.place_logits(logits, new, jnp.asarray(src), jnp.asarray(dst))
         if copies:
@@ -238,7 +262,7 @@ class PagedGenerator:
             pos[s.slot], t[s.slot], rows[s.slot], limit[s.slot] = s.length, len(s.tokens), s.row, s.limit
             done[s.slot] = False
             tables[s.slot] = sched.alloc.page_table([s.row], pps)[0]
-        kv, logits, tokens, lps, ths, emitted, done_out = programs.decode(
+        kv, logits, tokens, lps, ths, emitted, done_out, *routes = programs.decode(
             self._graphdef,
             self._state,
             self._graphdefs,
@@ -250,11 +274,15 @@ class PagedGenerator:
             impl=self.impl,
             params=params,
             steps=self.steps_per_dispatch,
+            routes=self.return_routed_experts,
         )
-        host = [np.asarray(a) for a in jax.device_get((tokens, lps, ths, emitted, done_out))]
+        host = [np.asarray(a) for a in jax.device_get((tokens, lps, ths, emitted, done_out, *routes))]
+        if routes:  # before `decode_done` retires sequences (their slots are read here)
+            for s in seqs:
+                _record_routes(s, s.length, host[5][s.slot][host[3][s.slot]])
         stats["decode_slot_steps"] += len(seqs) * self.steps_per_dispatch
         stats["emitted"] += int(host[3].sum())
-        sched.decode_done(seqs, *host)
+        sched.decode_done(seqs, *host[:5])
         return kv, logits
 
     # ------------------------------------------------------------------ output
@@ -274,7 +302,32 @@ class PagedGenerator:
             for key in ("response_attention_mask", "loss_mask"):
                 out.batch[key][s.row, len(s.tokens) :] = 0
             out.batch["attention_mask"][s.row, ids.shape[1] + len(s.tokens) :] = 0
+        if self.return_routed_experts:
+            out.batch["routed_experts"] = self._routed_experts(seqs, rows, ids.shape[1], r, out.batch["attention_mask"])
         return out
+
+    def _routed_experts(self, seqs, rows: int, p: int, r: int, attention_mask) -> np.ndarray:
+        """`[rows, p + r, M, k]` of the sequences' recorded experts, prompts left-padded as `input_ids`; 0 where
+        `attention_mask [rows, p + r]` is 0 (padding, after EOS, not generated yet) and for context tokens not fed
+        yet (a call stopped before a sequence's prefill)."""
+        cfg = self.model.config
+        m, k = len(cfg.moe_layers), cfg.num_experts_per_tok
+        out = np.zeros((rows, p + r, m, k), np.dtype(routes_dtype(cfg.num_experts)))
+        for s in seqs:
+            got = np.concatenate(s.routes) if s.routes else np.zeros((0, m, k), out.dtype)
+            n_p = len(s.prompt)
+            out[s.row, p - n_p : p - n_p + min(len(got), n_p)] = got[:n_p]
+            resp = got[n_p : n_p + len(s.tokens)]
+            out[s.row, p : p + len(resp)] = resp
+        return np.where(attention_mask.astype(bool)[:, :, None, None], out, 0).astype(out.dtype)
+
+
+def _record_routes(seq: Seq, start: int, routes: np.ndarray) -> None:
+    """Append the experts `routes [n, M, k]` of `seq`'s context tokens `[start, start + n)` that it has none of
+    yet (a token keeps the experts of the first forward that fed it)."""
+    have = sum(len(r) for r in seq.routes)
+    if start <= have < start + len(routes):
+        seq.routes.append(np.array(routes[have - start :]))
 
 
 def pages_for_memory(budget_bytes: int, model_config, page_size: int, dtype) -> int:
@@ -285,12 +338,13 @@ def pages_for_memory(budget_bytes: int, model_config, page_size: int, dtype) -> 
     return int(budget_bytes) // per_page
 
 
-def paged_generator_from_config(model, rollout) -> PagedGenerator:
+def paged_generator_from_config(model, rollout, return_routed_experts: bool = False) -> PagedGenerator:
     """The engine of `rollout.name='paged'` from the `rollout.*` keys (configs/base.py): `max_num_seqs`,
     `max_num_batched_tokens`, `block_size`, `num_scheduler_steps`, `max_model_len`, and the pool from
     `num_gpu_blocks_override`, else `gpu_memory_utilization` x the device's memory limit minus the bytes in use
-    (weights), else None (enough pages for every slot). Raises ValueError when `gpu_memory_utilization` is set on
-    a device without memory stats or leaves no room for two pages."""
+    (weights), else None (enough pages for every slot); return_routed_experts: as `PagedGenerator`'s. Raises
+    ValueError when `gpu_memory_utilization` is set on a device without memory stats or leaves no room for two
+    pages, or `return_routed_experts` on a model without MoE layers."""
     pages = rollout.num_gpu_blocks_override
     if pages is None and rollout.gpu_memory_utilization is not None:
         stats = jax.devices()[0].memory_stats() or {}
@@ -313,4 +367,5 @@ def paged_generator_from_config(model, rollout) -> PagedGenerator:
         num_pages=pages,
         steps_per_dispatch=int(rollout.num_scheduler_steps),
         max_model_len=rollout.get("max_model_len"),
+        return_routed_experts=return_routed_experts,
     )

@@ -5,7 +5,12 @@ carries the whole pool, so each step writes its new keys/values in place and rea
 
 `Ragged` holds one call's token layout: tokens `[B', T']` (decode: one token per slot, `[S, 1]`; prefill: a chunk
 of prompt tokens, `[1, T]`), each token's position in its sequence (its RoPE position and slot), its flat pool slot,
-and the kernel's per-sequence metadata (`attention` module docstring).
+the kernel's per-sequence metadata (`attention` module docstring) and which tokens are real.
+
+MoE layers run the decoder's own `models.moe.MoE` on the call's B' * T' tokens, padding included: routing is per
+token and the dispatch dropless, so a padded slot changes no real token's experts or output; the token mask keeps
+padding out of the routing statistics. `hidden_states(..., with_routes=True)` also returns every token's experts
+(routing replay's `routed_experts`, issue 58).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from flax import nnx
 
 from jaxrl_post.models.decoder import layer_period
 from jaxrl_post.models.layers import _rope_angles, apply_rope
+from jaxrl_post.models.moe import MoE, routes_dtype
 from jaxrl_post.rollout.paged.attention import paged_attention
 from jaxrl_post.rollout.paged.kv_pool import write_kv
 
@@ -27,7 +33,8 @@ from jaxrl_post.rollout.paged.kv_pool import write_kv
 class Ragged:
     """tokens `[B', T'] int32`; positions `[B', T'] int32` (index in the sequence); slots `[B' * T'] int32` (flat
     pool slots, the null page's for padding); kv_lens `[S] int32`, page_indices `[S, pages_per_seq] int32`,
-    cu_q_lens `[S + 1] int32`, num_seqs `[1] int32` over the B' * T' tokens flattened (row-major)."""
+    cu_q_lens `[S + 1] int32`, num_seqs `[1] int32` over the B' * T' tokens flattened (row-major); token_mask
+    `[B', T'] bool` (real tokens, counted in MoE routing statistics) or None (all)."""
 
     tokens: jax.Array
     positions: jax.Array
@@ -36,6 +43,7 @@ class Ragged:
     page_indices: jax.Array
     cu_q_lens: jax.Array
     num_seqs: jax.Array
+    token_mask: jax.Array | None = None
 
 
 @flax.struct.dataclass
@@ -92,43 +100,65 @@ def _attention(attn, x, positions, kv, layer, rag: Ragged, impl: str):
 
 
 def _block(block, x, positions, kv, layer, rag: Ragged, impl: str):
-    """`decoder.Block.__call__` with `_attention` (pre-norm residual; Gemma's post norms)."""
+    """`decoder.Block.__call__` with `_attention` (pre-norm residual; Gemma's post norms). Returns (x, pool, the
+    tokens' experts `[B', T', k] int32` of an MoE layer, else None)."""
     h, kv = _attention(block.attn, block.input_norm(x), positions, kv, layer, rag, impl)
     if block.post_attn_norm is not None:
         h = block.post_attn_norm(h)
     x = x + h
-    h = block.mlp(block.pre_mlp_norm(x))
+    experts = None
+    if isinstance(block.mlp, MoE):
+        mask = jnp.ones(x.shape[:2], bool) if rag.token_mask is None else rag.token_mask
+        h, (experts, *_) = block.mlp(block.pre_mlp_norm(x), mask)
+    else:
+        h = block.mlp(block.pre_mlp_norm(x))
     if block.post_mlp_norm is not None:
         h = block.post_mlp_norm(h)
-    return x + h, kv
+    return x + h, kv, experts
 
 
-def hidden_states(model, graphdefs, layers: LayerStack, kv, rag: Ragged, impl: str = "xla"):
+def _routes(per_layer: list, num_experts: int):
+    """Experts per layer (None for dense layers), in layer order -> `[B', T', M, k]` (`moe.routes_dtype`)."""
+    moe = [e for e in per_layer if e is not None]
+    return jnp.stack(moe, axis=2).astype(routes_dtype(num_experts)) if moe else None
+
+
+def hidden_states(model, graphdefs, layers: LayerStack, kv, rag: Ragged, impl: str = "xla", with_routes: bool = False):
     """Final-normed hidden states `[B', T', D]` (compute dtype) of `rag.tokens` and the pool `kv [L, ...]` with
     their keys/values written. `model`: the decoder (its embedding and final norm are read; its blocks' params
     come from `layers`, `stack_layers`'s). graphdefs and layers None: the model's own blocks, unrolled (each layer
-    reads its params in place: no per-layer slice of stacked params, which XLA:CPU copies)."""
+    reads its params in place: no per-layer slice of stacked params, which XLA:CPU copies).
+    with_routes: returns (hidden, pool, routes): routes `[B', T', M, k]` uint8/int16, each token's experts in the
+    model's M MoE layers (`moe.MoEOutput.routed_experts`'s layout), None for a dense model."""
     x = jnp.take(model.embedding[...], rag.tokens, axis=0).astype(model.dtype)
     if model.config.embed_scale:
         x = x * jnp.asarray(math.sqrt(model.config.hidden_size), model.dtype)
-    positions = rag.positions
+    positions, experts = rag.positions, []
     if layers is None:
         for i, block in enumerate(model.layers):
-            x, kv = _block(block, x, positions, kv, i, rag, impl)
-        return model.final_norm(x), kv
-    gds, tail_gds = graphdefs
-    p = len(gds)
+            x, kv, e = _block(block, x, positions, kv, i, rag, impl)
+            experts.append(e)
+    else:
+        gds, tail_gds = graphdefs
+        p = len(gds)
 
-    def body(carry, states):
-        x, kv, layer = carry
-        for j, (gd, st) in enumerate(zip(gds, states)):
-            x, kv = _block(nnx.merge(gd, st), x, positions, kv, layer + j, rag, impl)
-        return (x, kv, layer + p), None
+        def body(carry, states):
+            x, kv, layer = carry
+            es = []
+            for j, (gd, st) in enumerate(zip(gds, states)):
+                x, kv, e = _block(nnx.merge(gd, st), x, positions, kv, layer + j, rag, impl)
+                es.append(e)
+            return (x, kv, layer + p), (tuple(es) if with_routes else None)
 
-    layer = jnp.int32(0)
-    if p:
-        (x, kv, layer), _ = jax.lax.scan(body, (x, kv, layer), layers.stacked)
-    for gd, st in zip(tail_gds, layers.tail):
-        x, kv = _block(nnx.merge(gd, st), x, positions, kv, layer, rag, impl)
-        layer = layer + 1
-    return model.final_norm(x), kv
+        layer = jnp.int32(0)
+        if p:
+            (x, kv, layer), ys = jax.lax.scan(body, (x, kv, layer), layers.stacked)
+            groups = jax.tree.leaves(layers.stacked)[0].shape[0]  # L // p
+            ys = ys or (None,) * p
+            experts = [None if ys[j] is None else ys[j][g] for g in range(groups) for j in range(p)]
+        for gd, st in zip(tail_gds, layers.tail):
+            x, kv, e = _block(nnx.merge(gd, st), x, positions, kv, layer, rag, impl)
+            experts.append(e)
+            layer = layer + 1
+    h = model.final_norm(x)
+    return (h, kv, _routes(experts, model.config.num_experts)) if with_routes else (h, kv)

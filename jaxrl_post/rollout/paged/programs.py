@@ -18,15 +18,16 @@ from jaxrl_post.rollout.sampling import is_eos, sample_tokens
 TRACE_COUNTS = {"prefill": 0, "decode": 0}
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "graphdefs", "impl"), donate_argnames=("kv",))
-def prefill(graphdef, state, graphdefs, layers, kv, rag: forward.Ragged, last, *, impl):
+@functools.partial(jax.jit, static_argnames=("graphdef", "graphdefs", "impl", "routes"), donate_argnames=("kv",))
+def prefill(graphdef, state, graphdefs, layers, kv, rag: forward.Ragged, last, *, impl, routes=False):
     """One ragged prefill chunk `rag` (tokens `[1, T]`). Returns (pool with its keys/values written, logits
-    `[S, V] float32` at flat token indices `last [S] int32`)."""
+    `[S, V] float32` at flat token indices `last [S] int32`); with `routes` (an MoE model, routing replay) also
+    the chunk's experts `[T, M, k]` uint8/int16 (`forward.hidden_states`)."""
     TRACE_COUNTS["prefill"] += 1
     model = nnx.merge(graphdef, state)
-    h, kv = forward.hidden_states(model, graphdefs, layers, kv, rag, impl)
+    h, kv, *experts = forward.hidden_states(model, graphdefs, layers, kv, rag, impl, with_routes=routes)
     h_last = jnp.take(h[0], last, axis=0)[:, None]  # [S, 1, D]
-    return kv, model.logits_from_hidden(h_last)[:, 0]
+    return (kv, model.logits_from_hidden(h_last)[:, 0], *(e[0] for e in experts))
 
 
 @functools.partial(jax.jit, donate_argnames=("logits",))
@@ -42,17 +43,37 @@ def copy_pages(kv, src, dst):
 
 
 @functools.partial(
-    jax.jit, static_argnames=("graphdef", "graphdefs", "impl", "params", "steps"), donate_argnames=("kv", "logits")
+    jax.jit,
+    static_argnames=("graphdef", "graphdefs", "impl", "params", "steps", "routes"),
+    donate_argnames=("kv", "logits"),
 )
 def decode(
-    graphdef, state, graphdefs, layers, kv, logits, pos, t, rows, limit, done, tables, key, *, impl, params, steps
+    graphdef,
+    state,
+    graphdefs,
+    layers,
+    kv,
+    logits,
+    pos,
+    t,
+    rows,
+    limit,
+    done,
+    tables,
+    key,
+    *,
+    impl,
+    params,
+    steps,
+    routes=False,
 ):
     """`steps` decode steps of the slot batch. Per slot: logits `[S, V] float32` of its next token, pos `[S] int32`
     (its next token's position), t `[S] int32` (tokens it has generated), rows `[S] int32` (sampling ids), limit
     `[S] int32`, done `[S] bool` (idle or finished), tables `[S, pages_per_seq] int32`. Each step samples with
     `fold_in(fold_in(key, t), row)` per slot (the dense `Generator`'s key of that row and step), records the token,
     then runs it through the model. Returns (pool, logits, tokens `[S, steps] int32`, log_probs, thresholds
-    `[S, steps] float32`, emitted `[S, steps] bool`, done `[S] bool`)."""
+    `[S, steps] float32`, emitted `[S, steps] bool`, done `[S] bool`); with `routes` (an MoE model, routing
+    replay) also the experts each token was routed to when it was fed, `[S, steps, M, k]` uint8/int16."""
     TRACE_COUNTS["decode"] += 1
     model = nnx.merge(graphdef, state)
     s, ps = logits.shape[0], kv.shape[2]
@@ -72,13 +93,14 @@ def decode(
             page_indices=tables,
             cu_q_lens=jnp.arange(s + 1, dtype=jnp.int32),
             num_seqs=jnp.array([s], jnp.int32),
+            token_mask=emitted[:, None],
         )
-        h, kv = forward.hidden_states(model, graphdefs, layers, kv, rag, impl)
+        h, kv, *experts = forward.hidden_states(model, graphdefs, layers, kv, rag, impl, with_routes=routes)
         new_done = done | is_eos(tok, params.eos_token_ids) | (t + 1 >= limit)
         step_ = emitted.astype(jnp.int32)
-        out = (tok, lp, th, emitted)
+        out = (tok, lp, th, emitted, *(e[:, 0] for e in experts))
         return (kv, model.logits_from_hidden(h)[:, 0], pos + step_, t + step_, new_done), out
 
     (kv, logits, _, _, done), outs = jax.lax.scan(step, (kv, logits, pos, t, done), None, length=steps)
-    tokens, lps, ths, emitted = (o.T for o in outs)
-    return kv, logits, tokens, lps, ths, emitted, done
+    tokens, lps, ths, emitted = (o.T for o in outs[:4])
+    return (kv, logits, tokens, lps, ths, emitted, done, *(jnp.swapaxes(e, 0, 1) for e in outs[4:]))

@@ -25,7 +25,8 @@ from jaxrl_post.rollout.paged.allocator import PageAllocator
 class Seq:
     """One sequence (a sample of a prompt). row: its output row and sampling key id; prompt `[P] int32`; limit:
     response tokens at most; tokens / log_probs / thresholds: its response so far; prefilled: tokens of its
-    context (prompt + response) whose keys/values are in the pool."""
+    context (prompt + response) whose keys/values are in the pool; routes: an MoE model's experts of its first
+    `sum(len(r) for r in routes)` context tokens, blocks `[n, M, k]` (routing replay, `PagedGenerator`)."""
 
     row: int
     prompt: np.ndarray
@@ -34,6 +35,7 @@ class Seq:
     log_probs: list = dataclasses.field(default_factory=list)
     thresholds: list = dataclasses.field(default_factory=list)
     prefilled: int = 0
+    routes: list = dataclasses.field(default_factory=list)
     slot: int | None = None
     done: bool = False
 
