@@ -185,6 +185,15 @@ def test_family_export_loads_in_transformers_with_equal_logits(family, tmp_path)
 
 
 def test_family_config_fields_and_unsupported_ones():
+    from jaxrl_post.models import PRESETS
+
+    # model cards: Mixtral-8x7B 46.7B total / 12.9B active; Qwen1.5-MoE-A2.7B 14.3B / 2.7B
+    for name, total, active in (("mixtral_8x7b", 46.7e9, 12.9e9), ("qwen1_5_moe_a2_7b", 14.3e9, 2.7e9)):
+        cfg = PRESETS[name]
+        assert (
+            abs(cfg.num_params() - total) / total < 0.01 and abs(cfg.num_params(active=True) - active) / active < 0.01
+        )
+        assert ModelConfig.from_hf_config(cfg.to_hf_config()) == cfg, name
     mixtral = ModelConfig.from_hf_config(transformers.MixtralConfig(**HF_CASES["mixtral"][1]).to_dict())
     assert (mixtral.num_experts, mixtral.moe_intermediate_size, mixtral.num_experts_per_tok) == (6, 32, 2)
     assert mixtral.norm_topk_prob and mixtral.moe_layers == (0, 1) and not mixtral.qk_norm and not mixtral.qkv_bias
