@@ -169,7 +169,8 @@ def capacity_keep(experts: jax.Array, token_mask: jax.Array, num_experts: int, c
     """Which assignments an expert takes under a capacity factor (MaxText's `capacity_factor`, per sequence as
     its dropping path): experts `[B, T, k]` int, token_mask `[B, T]` bool -> keep `[B, T, k]` bool.
 
-    Each expert takes at most `C = ceil(capacity_factor * T * k / E)` assignments of a row, in priority order:
+    Each expert takes at most `C = ceil(capacity_factor * T * k / E)` assignments of a row (a packed row of several
+    sequences is one row), in priority order:
     the valid (masked-in) tokens first, then by position, then by slot (the top-1 choice of a token before its
     top-2); the rest are dropped. A decode step (T = 1) never drops when C >= 1."""
     t, k = experts.shape[1:]
