@@ -119,6 +119,9 @@ def get_base_config() -> mlc.ConfigDict:
     # MoE: add the load-balancing loss to the actor loss (HF's switch)
     c.model.arch.output_router_logits = mlc.FieldReference(None, field_type=bool)
     c.model.arch.router_aux_loss_coef = mlc.FieldReference(None, field_type=float)  # MoE: its weight (HF: 0.001)
+    # MoE capacity factor (MaxText's capacity_factor): each expert takes <= ceil(cf * T * k / E) tokens per sequence,
+    # the rest dropped (residual only); None = dropless (ours; docs/moe.md)
+    c.model.arch.moe_capacity_factor = mlc.FieldReference(None, field_type=float)
 
     # ---------------------------------------------------------------- data
     c.data = mlc.ConfigDict()

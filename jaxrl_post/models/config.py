@@ -1,5 +1,5 @@
-"""Decoder architecture as data: one frozen dataclass covers Llama, Qwen2/2.5, Qwen3, Gemma 2, Gemma 3 and
-Qwen3-MoE.
+"""Decoder architecture as data: one frozen dataclass covers Llama, Qwen2/2.5, Qwen3, Gemma 2, Gemma 3 and the
+mixture-of-experts families Qwen3-MoE, Qwen2-MoE and Mixtral (their HF fields: `models/moe_families.py`).
 
 The families differ only in fields (qkv bias, q/k norm, norm offset, embedding scale, post norms,
 soft-capping, sliding-window layers, rope bases). `ModelConfig.from_hf_config` reads a transformers
@@ -14,6 +14,8 @@ import json
 import os
 from typing import Any
 
+from jaxrl_post.models.moe_families import moe_fields_from_hf, moe_fields_to_hf
+
 # family -> (HF model_type, HF architecture class)
 HF_ARCH = {
     "llama": ("llama", "LlamaForCausalLM"),
@@ -22,6 +24,8 @@ HF_ARCH = {
     "gemma2": ("gemma2", "Gemma2ForCausalLM"),
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
     "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "qwen2_moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
+    "mixtral": ("mixtral", "MixtralForCausalLM"),
 }
 _MODEL_TYPE_TO_FAMILY = {mt: fam for fam, (mt, _) in HF_ARCH.items()}
 _MODEL_TYPE_TO_FAMILY.update({"mistral": "llama", "gemma3": "gemma3"})
@@ -55,6 +59,9 @@ class ModelConfig:
     other layers keep the dense MLP of width `intermediate_size`. Each token goes to `num_experts_per_tok` of
     `num_experts` experts of width `moe_intermediate_size`; `norm_topk_prob` renormalizes the chosen
     probabilities to sum 1. `router_aux_loss_coef` weights the load-balancing loss when `output_router_logits`.
+    `shared_expert_intermediate_size` > 0 adds Qwen2-MoE's sigmoid-gated shared expert to every MoE layer.
+    `moe_capacity_factor` (not an HF field; None: dropless) caps the tokens an expert takes per sequence
+    (`moe.capacity_keep`).
     """
 
     family: str = "llama"
@@ -93,6 +100,8 @@ class ModelConfig:
     mlp_only_layers: tuple[int, ...] = ()
     router_aux_loss_coef: float = 0.001
     output_router_logits: bool = False
+    shared_expert_intermediate_size: int = 0
+    moe_capacity_factor: float | None = None
     dtype: str = "float32"  # default compute dtype
     param_dtype: str = "float32"  # default parameter dtype
 
@@ -130,6 +139,9 @@ class ModelConfig:
                     f"moe_intermediate_size >= 1 ({self.moe_intermediate_size}), decoder_sparse_step >= 1 "
                     f"({self.decoder_sparse_step})"
                 )
+        cf = self.moe_capacity_factor
+        if cf is not None and (not self.num_experts or not cf > 0):
+            raise ValueError(f"moe_capacity_factor={cf}: needs an MoE model and a value > 0 (None: dropless)")
 
     # ----------------------------------------------------------------- derived
     @property
@@ -177,6 +189,8 @@ class ModelConfig:
         n_moe = len(self.moe_layers)
         experts = self.num_experts_per_tok if active else self.num_experts
         moe = d * self.num_experts + 3 * d * self.moe_intermediate_size * experts
+        if self.shared_expert_intermediate_size:
+            moe += 3 * d * self.shared_expert_intermediate_size + d
         emb = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * (attn + norms) + (self.num_layers - n_moe) * 3 * d * f + n_moe * moe + emb + d
 
@@ -289,19 +303,7 @@ class ModelConfig:
             eos_token_id=cfg.get("eos_token_id"),
             pad_token_id=cfg.get("pad_token_id"),
         )
-        if family == "qwen3_moe":
-            if cfg.get("attention_bias"):
-                raise NotImplementedError("Qwen3-MoE attention_bias checkpoints are not supported")
-            kw.update(
-                num_experts=cfg.get("num_experts", cfg.get("num_local_experts", 0)),
-                num_experts_per_tok=cfg["num_experts_per_tok"],
-                moe_intermediate_size=cfg["moe_intermediate_size"],
-                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
-                decoder_sparse_step=cfg.get("decoder_sparse_step", 1),
-                mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
-                router_aux_loss_coef=cfg.get("router_aux_loss_coef", 0.001),
-                output_router_logits=bool(cfg.get("output_router_logits", False)),
-            )
+        kw.update(moe_fields_from_hf(family, cfg))
         if gemma and kw["hidden_act"] == "gelu":  # HF Gemma maps legacy exact gelu to the tanh approximation
             kw["hidden_act"] = "gelu_pytorch_tanh"
         kw.update(overrides)
@@ -362,19 +364,7 @@ class ModelConfig:
             out["use_bidirectional_attention"] = False
         else:
             out["rope_parameters"] = full
-        if self.family == "qwen3_moe":
-            out.update(
-                num_experts=self.num_experts,
-                num_experts_per_tok=self.num_experts_per_tok,
-                moe_intermediate_size=self.moe_intermediate_size,
-                norm_topk_prob=self.norm_topk_prob,
-                decoder_sparse_step=self.decoder_sparse_step,
-                mlp_only_layers=list(self.mlp_only_layers),
-                router_aux_loss_coef=self.router_aux_loss_coef,
-                output_router_logits=self.output_router_logits,
-            )
-        elif self.num_experts:
-            raise ValueError(f"family {self.family!r} has no mixture-of-experts layers; use family='qwen3_moe'")
+        out.update(moe_fields_to_hf(self))
         if self.family in ("qwen2", "qwen3", "qwen3_moe"):
             sliding = self.layer_types is not None
             out["use_sliding_window"] = sliding

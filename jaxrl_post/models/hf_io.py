@@ -9,7 +9,8 @@ Layout changes HF -> ours (inverse on export): linear weights [out, in] are tran
 Projection weights and biases live in `Linear` modules (`layers.<i>.attn.q_proj.kernel`, `.bias`).
 Llama/Qwen's `post_attention_layernorm` is the pre-MLP norm; Gemma's is the post-attention norm.
 MoE layers (Qwen3-MoE): router `mlp.gate.weight` [E, D] -> `mlp.router` [D, E]; the per-expert
-`mlp.experts.<j>.<proj>.weight` are stacked into `mlp.<proj>` [E, in, out] (`moe.stack_experts` / `split_experts`).
+`mlp.experts.<j>.<proj>.weight` are stacked into `mlp.<proj>` [E, in, out] (`moe.stack_experts` / `split_experts`);
+Mixtral's and Qwen2-MoE's tensors: `moe_families`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from flax import nnx
 from jaxrl_post.models.config import ModelConfig
 from jaxrl_post.models.decoder import Transformer
 from jaxrl_post.models.moe import experts_key, split_experts, stack_experts
+from jaxrl_post.models.moe_families import hf_to_ours_name, ours_to_hf_name, shared_expert_params
 from jaxrl_post.models.resolve import check_model_files
 from jaxrl_post.models.reward_model import HF_SEQ_CLS_ARCH, RewardModel
 from jaxrl_post.runtime.sharding import _check_divisible, logical_to_mesh_spec
@@ -70,6 +72,8 @@ def param_map(config: ModelConfig) -> dict[str, tuple[tuple, Callable, Callable]
         moe = config.is_moe_layer(i)
         if moe:  # router [E, D] -> [D, E]; experts: the [E, out, in] stack of HF's per-expert weights (`experts_key`)
             out[p + "mlp.gate.weight"] = (a + ("mlp", "router"), *t)
+            if config.shared_expert_intermediate_size:
+                out.update(shared_expert_params(p, a, t))
         for name in ("gate_proj", "up_proj", "down_proj"):
             if moe:
                 out[experts_key(i, name)] = (a + ("mlp", name), *stacked_t)
@@ -146,7 +150,8 @@ def load_state_dict_into(
     """
     mapping = param_map(model.config) if mapping is None else mapping
     seen, unexpected, bad_shape, incomplete = set(), [], [], []
-    named = ((n, a) for n, a in ((_normalize_name(r), a) for r, a in hf_named_tensors) if n is not None)
+    family = model.config.family
+    named = ((hf_to_ours_name(family, n), a) for n, a in ((_normalize_name(r), a) for r, a in hf_named_tensors) if n)
     for name, array in stack_experts(named, model.config.num_experts, incomplete):
         if name not in mapping:
             if not (name == "lm_head.weight" and model.config.tie_word_embeddings):
@@ -297,6 +302,7 @@ def save_pretrained(
         for name in names:
             path, _, to_hf = mapping[name]
             for hf_name, array in split_experts(name, to_hf(_to_host(_export_value(model, path)))):
+                hf_name = ours_to_hf_name(config.family, hf_name)
                 tensors[hf_name] = np.ascontiguousarray(array)
                 weight_map[hf_name] = fname
                 total += tensors[hf_name].nbytes

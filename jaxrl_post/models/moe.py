@@ -11,6 +11,12 @@ Dispatch is dropless: the N * k (token, expert) assignments are sorted by expert
 contiguous group goes through one grouped matmul (`jax.lax.ragged_dot`, group sizes = tokens per expert),
 so the FLOPs are those of the k chosen experts only (no dense all-experts einsum).
 
+Qwen2-MoE's shared expert (`shared_expert_intermediate_size` > 0): every token also goes through one dense MLP,
+scaled by `sigmoid(x @ shared_expert_gate)`, added to the routed experts' sum. A capacity factor
+(`moe_capacity_factor`, MaxText's `capacity_factor`; default None: dropless) caps each expert at
+`ceil(cf * T * k / E)` assignments per sequence (`capacity_keep`); the dropped ones get weight 0 (the residual
+carries the token).
+
 Rollout routing replay (R3, arXiv 2510.11370): `MoE.__call__(x, routes=...)` takes the experts to use
 instead of the router's top-k; their probabilities are still computed by the router (and renormalized), so
 the router weights get gradients, and the same forced routes as those emitted give bitwise the same output.
@@ -18,6 +24,7 @@ the router weights get gradients, and the same forced routes as those emitted gi
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Iterator
 from typing import NamedTuple
@@ -28,8 +35,9 @@ import numpy as np
 from flax import nnx
 
 from jaxrl_post.models import moe_ep
-from jaxrl_post.models.layers import ParamInit, activation
+from jaxrl_post.models.layers import MLP, ParamInit, activation
 
+F32 = jnp.float32
 EXPERT_AXIS = "expert"  # logical name of the experts dim (sharding.LOGICAL_AXIS_RULES)
 _EXPERT_NAME = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _STACKED_NAME = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_proj|up_proj|down_proj)$")
@@ -49,6 +57,7 @@ class MoEOutput(NamedTuple):
     router_prob_sum: `[M, E]` float32, the router's softmax probabilities summed over the valid tokens.
     router_entropy_sum: `[M]` float32, the router's softmax entropy (nats) summed over the valid tokens.
     num_tokens: `[]` float32, valid (attention-mask) tokens.
+    dropped: `[M]` float32, assignments of valid tokens dropped by the capacity factor (None when dropless).
     """
 
     routed_experts: jax.Array
@@ -56,11 +65,13 @@ class MoEOutput(NamedTuple):
     router_prob_sum: jax.Array
     router_entropy_sum: jax.Array
     num_tokens: jax.Array
+    dropped: jax.Array | None = None
 
 
 class MoE(nnx.Module):
     """Top-k routed experts. Params: `router` `[D, E]`, `gate_proj` / `up_proj` `[E, D, F]`, `down_proj`
-    `[E, F, D]` (logical axes 'expert', 'embed', 'mlp'); HF's `mlp.gate.weight` and `mlp.experts.<j>.*`."""
+    `[E, F, D]` (logical axes 'expert', 'embed', 'mlp'); HF's `mlp.gate.weight` and `mlp.experts.<j>.*`. With
+    `cfg.shared_expert_intermediate_size` > 0 also `shared_expert` (an `MLP`) and `shared_expert_gate` `[D, 1]`."""
 
     def __init__(self, cfg, *, dtype, init: ParamInit):
         d, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
@@ -70,6 +81,10 @@ class MoE(nnx.Module):
         self.gate_proj = init.normal((e, d, f), (EXPERT_AXIS, "embed", "mlp"))
         self.up_proj = init.normal((e, d, f), (EXPERT_AXIS, "embed", "mlp"))
         self.down_proj = init.normal((e, f, d), (EXPERT_AXIS, "mlp", "embed"))
+        self.capacity_factor = cfg.moe_capacity_factor
+        s = cfg.shared_expert_intermediate_size
+        self.shared_expert = MLP(cfg, dtype=dtype, init=init, intermediate_size=s) if s else None
+        self.shared_expert_gate = init.normal((d, 1), ("embed", None)) if s else None
 
     def route(self, x: jax.Array, routes: jax.Array | None = None):
         """x `[N, D]` -> (probs `[N, E]` float32, weights `[N, k]` float32, experts `[N, k]` int32).
@@ -114,11 +129,19 @@ class MoE(nnx.Module):
     def __call__(self, x: jax.Array, token_mask: jax.Array, routes: jax.Array | None = None):
         """x `[B, T, D]`; token_mask `[B, T]` bool (tokens counted in the statistics); routes: optional
         forced experts `[B, T, k]`. Returns (y `[B, T, D]` compute dtype, stats): stats = (experts
-        `[B, T, k]` int32, expert load `[E]`, router prob sum `[E]`, entropy sum `[]`), float32 sums over the
-        masked tokens (`MoEOutput`)."""
+        `[B, T, k]` int32, expert load `[E]`, router prob sum `[E]`, entropy sum `[]`, dropped assignments `[]`
+        or None when dropless), float32 sums over the masked tokens (`MoEOutput`). The expert load counts the
+        routed assignments, dropped ones included (as the load-balancing loss wants)."""
         b, t, d = x.shape
         xf = x.reshape(b * t, d)
         probs, weights, experts = self.route(xf, None if routes is None else routes.reshape(b * t, self.top_k))
+        m = token_mask.reshape(-1).astype(jnp.float32)
+        dropped = None
+        if self.capacity_factor is not None:
+            keep = capacity_keep(experts.reshape(b, t, -1), token_mask, self.num_experts, self.capacity_factor)
+            keep = keep.reshape(b * t, self.top_k)
+            weights = jnp.where(keep, weights, 0.0)
+            dropped = jnp.sum(jnp.where(keep, 0.0, m[:, None]))
         if moe_ep.expert_parallel_size() > 1:  # experts split over the mesh's 'expert' axis: all-to-all dispatch
             y = moe_ep.dispatch(
                 x,
@@ -133,11 +156,36 @@ class MoE(nnx.Module):
             ).astype(self.dtype)
         else:
             y = self.experts(xf, weights, experts).astype(self.dtype).reshape(b, t, d)
-        m = token_mask.reshape(-1).astype(jnp.float32)
+        if self.shared_expert is not None:  # Qwen2-MoE: + sigmoid(x @ w_gate) * shared_mlp(x)
+            g = jnp.einsum("BTD,DO->BTO", x, self.shared_expert_gate[...].astype(x.dtype), preferred_element_type=F32)
+            y = (y.astype(F32) + jax.nn.sigmoid(g) * self.shared_expert(x).astype(F32)).astype(self.dtype)
         load = jnp.bincount(experts.reshape(-1), weights=jnp.repeat(m, self.top_k), length=self.num_experts)
         entropy = -jnp.sum(probs * jnp.log(jnp.maximum(probs, jnp.finfo(jnp.float32).tiny)), axis=-1)
-        stats = (experts.reshape(b, t, self.top_k), load, m @ probs, m @ entropy)
+        stats = (experts.reshape(b, t, self.top_k), load, m @ probs, m @ entropy, dropped)
         return y, stats
+
+
+def capacity_keep(experts: jax.Array, token_mask: jax.Array, num_experts: int, capacity_factor: float) -> jax.Array:
+    """Which assignments an expert takes under a capacity factor (MaxText's `capacity_factor`, per sequence as
+    its dropping path): experts `[B, T, k]` int, token_mask `[B, T]` bool -> keep `[B, T, k]` bool.
+
+    Each expert takes at most `C = ceil(capacity_factor * T * k / E)` assignments of a row (a packed row of several
+    sequences is one row), in priority order:
+    the valid (masked-in) tokens first, then by position, then by slot (the top-1 choice of a token before its
+    top-2); the rest are dropped. A decode step (T = 1) never drops when C >= 1."""
+    t, k = experts.shape[1:]
+    cap = math.ceil(capacity_factor * t * k / num_experts)
+
+    def row(e, valid):
+        flat = e.reshape(-1)  # [T*k], token-major
+        invalid = jnp.repeat(~valid, k).astype(jnp.int32)
+        order = jnp.argsort(flat * 2 + invalid, stable=True)  # grouped by expert, valid first, then position
+        sizes = jnp.bincount(flat, length=num_experts)
+        starts = jnp.cumsum(sizes) - sizes
+        rank = jnp.zeros_like(flat).at[order].set(jnp.arange(t * k, dtype=flat.dtype) - starts[flat[order]])
+        return (rank < cap).reshape(t, k)
+
+    return jax.vmap(row)(experts.astype(jnp.int32), token_mask.astype(bool))
 
 
 def layer_routes(cfg, routed_experts, shape) -> list:
@@ -156,10 +204,11 @@ def layer_routes(cfg, routed_experts, shape) -> list:
 
 def collect(stats: list, token_mask: jax.Array, num_experts: int) -> MoEOutput:
     """Per-MoE-layer `MoE.__call__` stats (in layer order) -> one `MoEOutput`."""
-    experts, load, prob_sum, entropy = (list(x) for x in zip(*stats))
+    experts, load, prob_sum, entropy, dropped = (list(x) for x in zip(*stats))
     routes = jnp.stack(experts, axis=2).astype(routes_dtype(num_experts))
     n = jnp.sum(token_mask.astype(jnp.float32))
-    return MoEOutput(routes, jnp.stack(load), jnp.stack(prob_sum), jnp.stack(entropy), n)
+    dropped = None if any(x is None for x in dropped) else jnp.stack(dropped)
+    return MoEOutput(routes, jnp.stack(load), jnp.stack(prob_sum), jnp.stack(entropy), n, dropped)
 
 
 def load_balancing_loss(moe: MoEOutput) -> jax.Array:
@@ -178,7 +227,8 @@ def router_metrics(moe: MoEOutput, prefix: str = "actor/moe") -> dict[str, jax.A
     """Per-layer routing metrics (float32 scalars), keyed `{prefix}/layer_{j}/...` for MoE layer j:
     `expert_load_max` (the busiest expert's share of assignments times E: 1 = balanced, E = collapsed),
     `expert_load_min` (same, the idlest), `router_entropy` (mean softmax entropy per token, nats), plus
-    `{prefix}/aux_loss` (`load_balancing_loss`)."""
+    `{prefix}/aux_loss` (`load_balancing_loss`); under a capacity factor also `dropped_token_fraction` (the share
+    of the valid tokens' k assignments dropped)."""
     m, e = moe.expert_load.shape
     share = moe.expert_load / jnp.maximum(jnp.sum(moe.expert_load, axis=1, keepdims=True), 1.0) * e
     ent = moe.router_entropy_sum / jnp.maximum(moe.num_tokens, 1.0)
@@ -187,6 +237,9 @@ def router_metrics(moe: MoEOutput, prefix: str = "actor/moe") -> dict[str, jax.A
         out[f"{prefix}/layer_{j}/expert_load_max"] = jnp.max(share[j])
         out[f"{prefix}/layer_{j}/expert_load_min"] = jnp.min(share[j])
         out[f"{prefix}/layer_{j}/router_entropy"] = ent[j]
+        if moe.dropped is not None:
+            k = moe.routed_experts.shape[-1]
+            out[f"{prefix}/layer_{j}/dropped_token_fraction"] = moe.dropped[j] / jnp.maximum(moe.num_tokens * k, 1.0)
     return out
 
 

@@ -147,6 +147,49 @@ qwen3_235b_a22b = dataclasses.replace(
     moe_intermediate_size=1536,
 )
 
+# Mixtral-8x7B: every layer MoE (8 experts of width 14336, top-2, renormalized).
+mixtral_8x7b = ModelConfig(
+    family="mixtral",
+    vocab_size=32000,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=32768,
+    bos_token_id=1,
+    eos_token_id=2,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=14336,
+    norm_topk_prob=True,
+)
+
+# Qwen1.5-MoE-A2.7B (Qwen2MoeForCausalLM): 60 experts top-4 (not renormalized) + a gated shared expert, qkv bias.
+qwen1_5_moe_a2_7b = ModelConfig(
+    family="qwen2_moe",
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=5632,
+    num_layers=24,
+    num_heads=16,
+    num_kv_heads=16,
+    head_dim=128,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    qkv_bias=True,
+    max_position_embeddings=8192,
+    bos_token_id=151643,
+    eos_token_id=151643,
+    num_experts=60,
+    num_experts_per_tok=4,
+    moe_intermediate_size=1408,
+    shared_expert_intermediate_size=5632,
+)
+
 _GEMMA = dict(
     norm_offset=1.0,
     embed_scale=True,
@@ -209,6 +252,8 @@ PRESETS: dict[str, ModelConfig] = {
     "gemma3_1b": gemma3_1b,
     "qwen3_30b_a3b": qwen3_30b_a3b,
     "qwen3_235b_a22b": qwen3_235b_a22b,
+    "mixtral_8x7b": mixtral_8x7b,
+    "qwen1_5_moe_a2_7b": qwen1_5_moe_a2_7b,
 }
 
 

@@ -283,10 +283,11 @@ def test_grouped_matmul_dispatch_equals_per_expert_loop():
                 y[n] += w[slot] * ((h / (1 + np.exp(-h))) * (flat[n] @ u[e])) @ dn[e]
         return y.reshape(x.shape), top.reshape(2, 6, 3), p
 
-    y, (experts, load, prob_sum, ent) = moe(jnp.asarray(x), jnp.asarray(token_mask))
+    y, (experts, load, prob_sum, ent, dropped) = moe(jnp.asarray(x), jnp.asarray(token_mask))
     ref, top, p = reference()
     np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(experts), top)
+    assert dropped is None  # dropless (no moe_capacity_factor)
     m = token_mask.reshape(-1)
     np.testing.assert_array_equal(np.asarray(load), np.bincount(top.reshape(-1, 3)[m].ravel(), minlength=5))
     np.testing.assert_allclose(np.asarray(prob_sum), p[m].sum(0), rtol=1e-5)
