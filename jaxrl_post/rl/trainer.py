@@ -23,6 +23,7 @@ metrics.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from collections.abc import Callable
@@ -330,20 +331,16 @@ class RLTrainer:
         self.tracker.log(self.data.stats, step=self.global_steps)
 
     def run_step(self) -> dict[str, float]:
-        """One step on the next prompt batch; a reward failure before its updates: the RNG and the data position
-        put back, step N saved, the error re-raised (`RunDir.save_on_error_in_step`)."""
-        loader = self.data.train_loader
-
-        def restore(snapshot):
-            self.state = self.state.replace(rng=snapshot[0])
-            loader.set_state(snapshot[1])
-
-        snapshot = (self.state.rng, loader.get_state())
+        """One step on the next prompt batch; a reward failure before its updates: the RNG, the data position and
+        the asynchronous queue put back (`trainer_checkpoint.step_snapshot`), step N saved, the error re-raised
+        (`RunDir.save_on_error_in_step`)."""
+        snapshot = trainer_checkpoint.step_snapshot(self)
+        restore = functools.partial(trainer_checkpoint.restore_step_snapshot, self)
         guard = self.run.save_on_error_in_step(
             self.global_steps, self.host.marks, snapshot, restore, self.save_checkpoint
         )
         with guard:
-            return self.train_step(next(loader))
+            return self.train_step(next(self.data.train_loader))
 
     def validation_guard(self, metrics):
         """The step is logged and saved, then a reward failure re-raised (`RunDir.save_on_error_in_validation`)."""

@@ -10,6 +10,7 @@ from jaxrl_post.engine import train_state
 from jaxrl_post.engine.run import checkpoint as ckpt
 from jaxrl_post.engine.run.run_files import config_to_dict
 from jaxrl_post.engine.train_state import OptimizedParams, place_like
+from jaxrl_post.rl.async_training.producer import AsyncRollout
 
 
 def state_dict(trainer) -> dict[str, Any]:
@@ -62,14 +63,32 @@ def load_state_dict(trainer, saved: dict[str, Any]) -> None:
     trainer.policy.sync_model(trainer.state.actor.params)
 
 
+def step_snapshot(trainer) -> tuple:
+    """What a step moves before its updates: the RNG, the data position and the asynchronous producer's state (its
+    queue, the batch in flight), for `restore_step_snapshot` after a reward failure (`RLTrainer.run_step`)."""
+    ar = trainer.async_rollout
+    return trainer.state.rng, trainer.data.train_loader.get_state(), None if ar is None else ar.snapshot()
+
+
+def restore_step_snapshot(trainer, snapshot: tuple) -> None:
+    """Put back what `step_snapshot` took: resuming after the error repeats the step exactly."""
+    rng, data_iter, producer = snapshot
+    trainer.state = trainer.state.replace(rng=rng)
+    trainer.data.train_loader.set_state(data_iter)
+    if producer is not None:
+        trainer.async_rollout.restore(producer)
+
+
 def load_checkpoint(trainer, root: str, step: int) -> None:
     """Restore the full training state of `<root>/global_step_<step>` into this trainer (arrays go
     straight to the current shardings). Raises CheckpointError (see `RunDir.restore`)."""
 
     def like(items: set[str]) -> dict:
-        out = {k: v for k, v in trainer.state_dict().items() if k != "host"}
+        out = {k: v for k, v in trainer.state_dict().items() if k not in ("host", "async")}
         if "rollout.params" not in items:  # a synchronous run's checkpoint
             out.pop("rollout", None)
+        if "async.arrays" in items:  # the queue's arrays: their sizes are in the host JSON
+            out["async"] = {"arrays": AsyncRollout.arrays_like(trainer.run.open_checkpoint_dir(root).read_host(step))}
         if trainer.reference is not None and "ref.params" in items:
             out["ref"] = {"params": trainer.reference.params}
         return out

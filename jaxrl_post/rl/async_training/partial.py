@@ -17,45 +17,48 @@ from typing import Any
 import numpy as np
 
 from jaxrl_post.batch.protocol import DataProto
-from jaxrl_post.rl.async_training.queue import decode_array, encode_array
+from jaxrl_post.rl.async_training.host_arrays import ArrayPacker, decode_array, encode_array
 from jaxrl_post.rollout.paged.scheduler import Seq
 
 
-def _proto_json(dp: DataProto) -> dict[str, Any]:
+def _proto_json(dp: DataProto, packer: ArrayPacker | None) -> dict[str, Any]:
     return {
-        "batch": {k: encode_array(np.asarray(v)) for k, v in dp.batch.items()},
-        "non_tensor": {k: encode_array(v) for k, v in dp.non_tensor_batch.items()},
+        "batch": {k: encode_array(np.asarray(v), packer) for k, v in dp.batch.items()},
+        "non_tensor": {k: encode_array(v, packer) for k, v in dp.non_tensor_batch.items()},
     }
 
 
-def _proto_from_json(d: dict[str, Any]) -> DataProto:
-    return DataProto.from_dict(
-        {k: decode_array(v) for k, v in d["batch"].items()}, {k: decode_array(v) for k, v in d["non_tensor"].items()}
-    )
+def _proto_from_json(d: dict[str, Any], arrays) -> DataProto:
+    batch = {k: decode_array(v, arrays) for k, v in d["batch"].items()}
+    return DataProto.from_dict(batch, {k: decode_array(v, arrays) for k, v in d["non_tensor"].items()})
 
 
-def _seq_json(s: Seq) -> dict[str, Any]:
-    f32 = lambda xs: [float(np.float32(x)) for x in xs]
-    return {
-        "row": int(s.row),
-        "prompt": [int(t) for t in s.prompt],
-        "limit": int(s.limit),
-        "tokens": [int(t) for t in s.tokens],
-        "log_probs": f32(s.log_probs),
-        "thresholds": f32(s.thresholds),
-        "routes": [encode_array(r) for r in s.routes],  # MoE routing replay: experts of the tokens fed so far
+def _seq_json(s: Seq, packer: ArrayPacker | None) -> dict[str, Any]:
+    arrays = {
+        "prompt": np.asarray(s.prompt, np.int32),
+        "tokens": np.asarray(s.tokens, np.int32).reshape(-1),
+        "log_probs": np.asarray(s.log_probs, np.float32).reshape(-1),
+        "thresholds": np.asarray(s.thresholds, np.float32).reshape(-1),
     }
+    out = {"row": int(s.row), "limit": int(s.limit)}
+    if packer is None:  # flat lists (float32 -> Python float -> float32 is exact)
+        out.update({k: v.tolist() for k, v in arrays.items()})
+    else:
+        out.update({k: packer.add(v) for k, v in arrays.items()})
+    out["routes"] = [encode_array(r, packer) for r in s.routes]  # MoE routing replay: experts of the tokens fed so far
+    return out
 
 
-def _seq_from_json(d: dict[str, Any]) -> Seq:
+def _seq_from_json(d: dict[str, Any], arrays) -> Seq:
+    get = lambda x, dt: np.asarray(x, dt) if isinstance(x, list) else decode_array(x, arrays)  # a list: the old form
     return Seq(
         row=d["row"],
-        prompt=np.asarray(d["prompt"], np.int32),
+        prompt=get(d["prompt"], np.int32),
         limit=d["limit"],
-        tokens=list(d["tokens"]),
-        log_probs=[np.float32(x) for x in d["log_probs"]],
-        thresholds=[np.float32(x) for x in d["thresholds"]],
-        routes=[decode_array(r) for r in d.get("routes", [])],
+        tokens=[int(t) for t in get(d["tokens"], np.int32)],
+        log_probs=list(get(d["log_probs"], np.float32)),
+        thresholds=list(get(d["thresholds"], np.float32)),
+        routes=[decode_array(r, arrays) for r in d.get("routes", [])],
     )
 
 
@@ -107,24 +110,26 @@ class PartialGeneration:
         self.unfinished = list(engine.unfinished)
         self._tag(rows, version)
 
-    def state_dict(self) -> dict[str, Any]:
-        """JSON-able state (tokens, log-probs, thresholds, versions, the result so far)."""
+    def state_dict(self, packer: ArrayPacker | None = None) -> dict[str, Any]:
+        """JSON-able state (tokens, log-probs, thresholds, versions, the result so far); with `packer` the numeric
+        arrays go into its buffers (host_arrays.py) and the JSON holds references."""
         return {
-            "prompts": _proto_json(self.prompts),
+            "prompts": _proto_json(self.prompts, packer),
             "seed": int(self.seed),
             "n": int(self.n),
-            "out": None if self.out is None else _proto_json(self.out),
-            "unfinished": [_seq_json(s) for s in self.unfinished],
-            "versions": None if self.versions is None else encode_array(self.versions),
+            "out": None if self.out is None else _proto_json(self.out, packer),
+            "unfinished": [_seq_json(s, packer) for s in self.unfinished],
+            "versions": None if self.versions is None else encode_array(self.versions, packer),
         }
 
     @classmethod
-    def from_state_dict(cls, d: dict[str, Any]) -> PartialGeneration:
+    def from_state_dict(cls, d: dict[str, Any], arrays: dict[str, np.ndarray] | None = None) -> PartialGeneration:
+        """Inverse of `state_dict` (`arrays`: the packer's buffers, when it had one)."""
         return cls(
-            prompts=_proto_from_json(d["prompts"]),
+            prompts=_proto_from_json(d["prompts"], arrays),
             seed=int(d["seed"]),
             n=int(d["n"]),
-            out=None if d["out"] is None else _proto_from_json(d["out"]),
-            unfinished=[_seq_from_json(s) for s in d["unfinished"]],
-            versions=None if d["versions"] is None else decode_array(d["versions"]),
+            out=None if d["out"] is None else _proto_from_json(d["out"], arrays),
+            unfinished=[_seq_from_json(s, arrays) for s in d["unfinished"]],
+            versions=None if d["versions"] is None else decode_array(d["versions"], arrays),
         )

@@ -16,6 +16,7 @@ step t + 1 sampled by the weights of step t); 'fully_async' = `staleness_thresho
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import jax
@@ -23,6 +24,7 @@ import numpy as np
 
 from jaxrl_post.algos.rollout_corr import compute_rollout_probs_diff_metrics
 from jaxrl_post.engine.train_state import place_like
+from jaxrl_post.rl.async_training.host_arrays import ArrayPacker
 from jaxrl_post.rl.async_training.partial import PartialGeneration
 from jaxrl_post.rl.async_training.queue import GroupQueue, merge_groups, split_groups
 from jaxrl_post.rl.async_training.settings import AsyncSettings
@@ -162,42 +164,75 @@ class AsyncRollout:
         return b, nt, metrics, prompts, rng
 
     # ---------------------------------------------------------------- checkpoint
-    def state_dict(self) -> dict[str, Any]:
-        """JSON-able: the queue, the batch in flight, the pending prompts, the rollout version, the group counter."""
-        pending = [PartialGeneration(p, sd, self.settings.n).state_dict() for p, sd in self.pending]
+    def state_dict(self, packer: ArrayPacker | None = None) -> dict[str, Any]:
+        """JSON-able: the queue, the batch in flight, the pending prompts, the rollout version, the group counter
+        (with `packer`: their numeric arrays in its buffers, host_arrays.py)."""
+        pending = [PartialGeneration(p, sd, self.settings.n).state_dict(packer) for p, sd in self.pending]
         return {
-            "queue": self.queue.state_dict(),
-            "in_flight": None if self.in_flight is None else self.in_flight.state_dict(),
+            "queue": self.queue.state_dict(packer),
+            "in_flight": None if self.in_flight is None else self.in_flight.state_dict(packer),
             "pending": pending,
             "rollout_version": self.rollout_version,
             "next_group_id": self._next_group_id,
         }
 
     def add_to_checkpoint(self, tree: dict[str, Any], rollout_params) -> None:
-        """Put this state into a trainer checkpoint `tree`: `host['async']` (JSON) and the rollout's weights
-        (`rollout.params`: older than the actor's between publications)."""
-        tree["host"]["async"] = self.state_dict()
+        """Put this state into a trainer checkpoint `tree`: `host['async']` (JSON: references and metadata;
+        `host['async']['arrays']` the buffer sizes), the numeric arrays as one flat buffer per dtype (the array item
+        `async.arrays`) and the rollout's weights (`rollout.params`: older than the actor's between publications)."""
+        packer = ArrayPacker()
+        tree["host"]["async"] = dict(self.state_dict(packer), arrays=packer.sizes())
         tree["rollout"] = {"params": rollout_params}
+        arrays = packer.arrays()
+        if arrays:
+            tree["async"] = {"arrays": arrays}
+
+    @staticmethod
+    def arrays_like(host: dict[str, Any]) -> dict[str, np.ndarray] | None:
+        """Restore targets of the `async.arrays` item of a checkpoint whose host JSON is `host` (None: none)."""
+        sizes = (host.get("async") or {}).get("arrays") or {}
+        return {k: np.zeros((int(n),), np.dtype(k)) for k, n in sizes.items()} or None
 
     def restore_checkpoint(self, saved: dict[str, Any], like):
         """Inverse of `add_to_checkpoint`: loads the state and returns the rollout's weights placed like `like` (the
-        rollout model samples with them again), or None when `saved` is a synchronous run's checkpoint."""
+        rollout model samples with them again), or None when `saved` is a synchronous run's checkpoint. A checkpoint
+        written before the array item (every array a JSON list) loads too."""
         if not (saved.get("rollout") and "async" in saved["host"]):
             return None
-        self.load_state_dict(saved["host"]["async"])
+        arrays = (saved.get("async") or {}).get("arrays")
+        arrays = None if arrays is None else {k: np.asarray(v) for k, v in arrays.items()}
+        self.load_state_dict(saved["host"]["async"], arrays)
         params = place_like(saved["rollout"]["params"], like)
         self.rollout.publish_copy(params)
         return params
 
-    def load_state_dict(self, d: dict[str, Any]) -> None:
-        self.queue.load_state_dict(d["queue"])
-        self.in_flight = None if d["in_flight"] is None else PartialGeneration.from_state_dict(d["in_flight"])
+    def load_state_dict(self, d: dict[str, Any], arrays: dict[str, np.ndarray] | None = None) -> None:
+        """Inverse of `state_dict` (`arrays`: the packer's buffers, when it had one)."""
+        self.queue.load_state_dict(d["queue"], arrays)
+        fly = d["in_flight"]
+        self.in_flight = None if fly is None else PartialGeneration.from_state_dict(fly, arrays)
         self.pending = []
         for p in d["pending"]:
-            gen = PartialGeneration.from_state_dict(p)
+            gen = PartialGeneration.from_state_dict(p, arrays)
             self.pending.append((gen.prompts, gen.seed))
         self.rollout_version = int(d["rollout_version"])
         self._next_group_id = int(d["next_group_id"])
+
+    # ---------------------------------------------------------------- a failed step
+    def snapshot(self) -> tuple:
+        """The producer's state at a step's start, for `restore` (`RLTrainer.run_step`: a reward failure in the step
+        puts it back, so nothing is trained, lost or counted twice). Queued groups and pending prompt batches are
+        never changed in place, so the lists are copied; the batch in flight is (its rows are written in place
+        when it resumes), so it is copied deeply."""
+        fly = copy.deepcopy(self.in_flight)
+        return self.queue.snapshot(), fly, list(self.pending), self.rollout_version, self._next_group_id
+
+    def restore(self, snap: tuple) -> None:
+        """Put back the state of `snapshot()`."""
+        queue, fly, pending, version, next_id = snap
+        self.queue.restore(queue)
+        self.in_flight, self.pending = copy.deepcopy(fly), list(pending)
+        self.rollout_version, self._next_group_id = version, next_id
 
 
 def rollout_probs_diff(b: dict[str, np.ndarray], mask_BR: np.ndarray) -> dict[str, float]:

@@ -1,9 +1,10 @@
 """`GroupQueue`: the bounded FIFO of scored groups between the rollout (producer) and the trainer (consumer).
 
 A group is one prompt's `rollout.n` scored responses (the unit GRPO's advantages need), tagged with the policy
-version that sampled its oldest token. The queue is pure Python and deterministic; `state_dict` is JSON-able (arrays
-as dtype, shape and a flat list: float32 -> Python float -> float32 is exact), so a checkpoint holds it and a
-resumed run continues with the very same groups (Tunix keeps a data queue for its async rollout; verl's fully-async
+version that sampled its oldest token. The queue is pure Python and deterministic; `state_dict` is JSON-able (with an
+`ArrayPacker` the numeric arrays go to the checkpoint's array item and the JSON keeps references; without one, as
+flat lists: float32 -> Python float -> float32 is exact), so a checkpoint holds it and a resumed run continues with
+the very same groups (Tunix keeps a data queue for its async rollout; verl's fully-async
 `MessageQueue` is bounded the same way).
 """
 
@@ -15,22 +16,7 @@ from typing import Any
 
 import numpy as np
 
-
-def encode_array(x: np.ndarray) -> dict[str, Any]:
-    """`x` as JSON-able `{"dtype", "shape", "data"}` (exact for ints, bools and float32)."""
-    x = np.asarray(x)
-    if x.dtype == object or x.dtype.kind in "US":
-        return {"dtype": "object", "shape": list(x.shape), "data": x.reshape(-1).tolist()}
-    return {"dtype": str(x.dtype), "shape": list(x.shape), "data": x.reshape(-1).tolist()}
-
-
-def decode_array(d: dict[str, Any]) -> np.ndarray:
-    """Inverse of `encode_array`."""
-    if d["dtype"] == "object":
-        out = np.empty(len(d["data"]), dtype=object)
-        out[:] = d["data"]
-        return out.reshape(d["shape"])
-    return np.asarray(d["data"], dtype=np.dtype(d["dtype"])).reshape(d["shape"])
+from jaxrl_post.rl.async_training.host_arrays import ArrayPacker, decode_array, encode_array
 
 
 @dataclasses.dataclass
@@ -52,22 +38,24 @@ class ScoredGroup:
     non_tensor: dict[str, np.ndarray]
     metrics: dict[str, float]
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, packer: ArrayPacker | None = None) -> dict[str, Any]:
+        """JSON-able; with `packer` the numeric arrays go into its buffers (host_arrays.py), else as lists."""
         return {
             "group_id": int(self.group_id),
             "version": int(self.version),
-            "batch": {k: encode_array(v) for k, v in self.batch.items()},
-            "non_tensor": {k: encode_array(v) for k, v in self.non_tensor.items()},
+            "batch": {k: encode_array(v, packer) for k, v in self.batch.items()},
+            "non_tensor": {k: encode_array(v, packer) for k, v in self.non_tensor.items()},
             "metrics": {k: float(v) for k, v in self.metrics.items()},
         }
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> ScoredGroup:
+    def from_json(cls, d: dict[str, Any], arrays: dict[str, np.ndarray] | None = None) -> ScoredGroup:
+        """Inverse of `to_json` (`arrays`: the packer's buffers, when it had one)."""
         return cls(
             group_id=int(d["group_id"]),
             version=int(d["version"]),
-            batch={k: decode_array(v) for k, v in d["batch"].items()},
-            non_tensor={k: decode_array(v) for k, v in d["non_tensor"].items()},
+            batch={k: decode_array(v, arrays) for k, v in d["batch"].items()},
+            non_tensor={k: decode_array(v, arrays) for k, v in d["non_tensor"].items()},
             metrics=dict(d["metrics"]),
         )
 
@@ -158,20 +146,32 @@ class GroupQueue:
         out.update({f"async/dropped_groups_total/{r}": float(len(ids)) for r, ids in sorted(self.dropped.items())})
         return out
 
-    def state_dict(self) -> dict[str, Any]:
-        """JSON-able state: the queued groups and the counters."""
+    def snapshot(self) -> tuple:
+        """The queue's contents and counters now, for `restore` (groups are not changed in place: a list copy)."""
+        return list(self._items), self.produced, len(self.trained), {k: len(v) for k, v in self.dropped.items()}
+
+    def restore(self, snap: tuple) -> None:
+        """Put back the state of `snapshot()` (the groups produced, trained and dropped since are forgotten)."""
+        items, produced, n_trained, dropped = snap
+        self._items = collections.deque(items)
+        self.produced, self.trained = produced, self.trained[:n_trained]
+        self.dropped = {k: v[: dropped[k]] for k, v in self.dropped.items() if k in dropped}
+
+    def state_dict(self, packer: ArrayPacker | None = None) -> dict[str, Any]:
+        """JSON-able state: the queued groups and the counters (with `packer`: the groups' numeric arrays in its
+        buffers, see `ScoredGroup.to_json`)."""
         return {
             "capacity": self.capacity,
-            "items": [g.to_json() for g in self._items],
+            "items": [g.to_json(packer) for g in self._items],
             "produced": self.produced,
             "trained": list(self.trained),
             "dropped": {k: list(v) for k, v in self.dropped.items()},
         }
 
-    def load_state_dict(self, d: dict[str, Any]) -> None:
-        """Inverse of `state_dict`."""
+    def load_state_dict(self, d: dict[str, Any], arrays: dict[str, np.ndarray] | None = None) -> None:
+        """Inverse of `state_dict` (`arrays`: the packer's buffers, when it had one)."""
         self.capacity = int(d["capacity"])
-        self._items = collections.deque(ScoredGroup.from_json(g) for g in d["items"])
+        self._items = collections.deque(ScoredGroup.from_json(g, arrays) for g in d["items"])
         self.produced = int(d["produced"])
         self.trained = [int(i) for i in d["trained"]]
         self.dropped = {k: [int(i) for i in v] for k, v in d["dropped"].items()}
