@@ -42,3 +42,35 @@ def test_checkpoint_of_the_old_layout_resumes_exactly(tmp_path):
         assert got == want["grpo_tiny_step_2"]
     finally:
         trainer.close()
+
+
+ASYNC_FIXTURE = FIXTURE.parent / "ckpt_grpo_async_tiny_json_queue"
+
+
+@pytest.mark.slow  # one tiny paged asynchronous trainer, two steps (~25 s on 2 cores)
+def test_async_checkpoint_with_the_json_queue_resumes_exactly(tmp_path):
+    """`ckpt_grpo_async_tiny_json_queue/` was written by commit 24f35a8, before the queue's arrays had an array
+    item of their own (every array a JSON list in `host['async']`): `configs/grpo.py:async` with
+    `total_training_steps=4`, `save_freq=2`, `val_before_train=False`, `val_at_end=False`, `fit(max_steps=2)` in
+    process (the XLA:CPU flags of the CLI set), stopped with 4 groups queued and a batch in flight.
+    `expected_straight.json`: that code's metrics of the same config run 8 steps straight (timings left out; its
+    first 4 steps equal a 4-step run's)."""
+    run = tmp_path / "run"
+    shutil.copytree(ASYNC_FIXTURE / "checkpoints", run / "checkpoints")
+    want = json.loads((ASYNC_FIXTURE / "expected_straight.json").read_text())["async_tiny_straight_8_steps"]
+    host = json.loads((run / "checkpoints" / "global_step_2" / "host" / "metadata").read_text())
+    assert "async.arrays" not in host["items"] and host["async"]["queue"]["items"][0]["batch"]["responses"]["data"]
+    c = grpo.get_config("async")
+    c.trainer.default_local_dir = str(run)
+    c.trainer.total_training_steps = 4
+    c.trainer.val_before_train = c.trainer.val_at_end = False
+    c.trainer.progress_bar = False
+    c.trainer.logger = ("jsonl",)
+    trainer = RLTrainer(c, console_write=lambda s: None)
+    try:
+        assert trainer.resumed_from is not None and trainer.resumed_from.endswith("global_step_2")
+        hist = trainer.fit()["history"]
+    finally:
+        trainer.close()
+    got = [{k: v for k, v in m.items() if not k.startswith(("timing", "perf/"))} for m in hist]
+    assert got == want[2:4]

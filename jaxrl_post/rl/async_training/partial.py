@@ -110,6 +110,23 @@ class PartialGeneration:
         self.unfinished = list(engine.unfinished)
         self._tag(rows, version)
 
+    def copy(self) -> PartialGeneration:
+        """A copy that later runs do not change (they write resumed rows into `out` and extend the unfinished
+        sequences in place); arrays are copied, keys keep their order."""
+        shallow = lambda dp: DataProto(dict(dp.batch), dict(dp.non_tensor_batch), dict(dp.meta_info))
+        out = None
+        if self.out is not None:
+            out = shallow(self.out)
+            out.batch = {k: np.array(v) for k, v in out.batch.items()}
+        lists = lambda s: dict(tokens=list(s.tokens), log_probs=list(s.log_probs), thresholds=list(s.thresholds))
+        return dataclasses.replace(
+            self,
+            prompts=shallow(self.prompts),
+            out=out,
+            unfinished=[dataclasses.replace(s, **lists(s)) for s in self.unfinished],
+            versions=None if self.versions is None else self.versions.copy(),
+        )
+
     def state_dict(self, packer: ArrayPacker | None = None) -> dict[str, Any]:
         """JSON-able state (tokens, log-probs, thresholds, versions, the result so far); with `packer` the numeric
         arrays go into its buffers (host_arrays.py) and the JSON holds references."""

@@ -16,7 +16,6 @@ step t + 1 sampled by the weights of step t); 'fully_async' = `staleness_thresho
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import jax
@@ -223,15 +222,15 @@ class AsyncRollout:
         """The producer's state at a step's start, for `restore` (`RLTrainer.run_step`: a reward failure in the step
         puts it back, so nothing is trained, lost or counted twice). Queued groups and pending prompt batches are
         never changed in place, so the lists are copied; the batch in flight is (its rows are written in place
-        when it resumes), so it is copied deeply."""
-        fly = copy.deepcopy(self.in_flight)
+        when it resumes), so it is copied (`PartialGeneration.copy`)."""
+        fly = None if self.in_flight is None else self.in_flight.copy()
         return self.queue.snapshot(), fly, list(self.pending), self.rollout_version, self._next_group_id
 
     def restore(self, snap: tuple) -> None:
         """Put back the state of `snapshot()`."""
         queue, fly, pending, version, next_id = snap
         self.queue.restore(queue)
-        self.in_flight, self.pending = copy.deepcopy(fly), list(pending)
+        self.in_flight, self.pending = None if fly is None else fly.copy(), list(pending)
         self.rollout_version, self._next_group_id = version, next_id
 
 

@@ -161,3 +161,16 @@ def test_reward_failure_mid_step_puts_the_producer_back():
         np.testing.assert_array_equal(nt["pid"], nt2["pid"])
     q, rq = ar.queue, ref.queue
     assert (q.produced, q.trained, q.dropped) == (rq.produced, rq.trained, rq.dropped)  # nothing counted twice
+
+
+def test_a_copy_of_a_batch_in_flight_is_not_reached_by_later_runs():
+    gen = _partial_generation()
+    c = gen.copy()
+    c.out.batch["responses"][1, 3] = 7  # what a resumed row's write does
+    c.unfinished[0].tokens.append(9)  # what resuming a sequence does
+    c.unfinished[0].log_probs.append(np.float32(0.5))
+    c.versions[1, 3] = 3
+    assert gen.out.batch["responses"][1, 3] != 7 and gen.unfinished[0].tokens == [3, 1, 4]
+    assert len(gen.unfinished[0].log_probs) == 3 and gen.versions[1, 3] == -1
+    assert list(c.out.batch) == list(gen.out.batch)  # the same key order: the same checkpoint layout
+    _same_partial(gen.copy(), gen)
