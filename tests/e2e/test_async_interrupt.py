@@ -1,7 +1,7 @@
 """Asynchronous training stopped mid-queue and resumed, as a user runs it (`python -m jaxrl_post.main
 --config=configs/grpo.py:async`, 8 steps): Ctrl-C after a step (exit 130, the checkpoint written at the interrupt
 holds queued groups and a batch stopped half-way), a rerun resumes from it and is killed with SIGKILL right after
-its next checkpoint, and a third run resumes from that one to the end. Every step is logged once, and every step's
+its next checkpoint (a batch in flight again), and a third run resumes from that one to the end. Every step is logged once, and every step's
 metrics equal, bit for bit, those of the same config run 8 steps straight (the fixture of
 test_resume_old_checkpoint.py: `expected_straight.json`, whose code trains exactly as today's, which that test
 checks).
@@ -76,7 +76,7 @@ def test_sigint_and_sigkill_mid_queue_resume_to_the_straight_run(tmp_path):
         out = p.communicate()[0]
     m = ckpt.list_complete_steps(root)[-1]
     assert f"resumed from step {n} of {TOTAL}" in out and n < m < TOTAL, out[-3000:]
-    assert _host(root, m)["async"]["queue"]["items"]  # again mid-queue
+    assert _host(root, m)["async"]["in_flight"] is not None  # again a batch in flight
 
     # 3. the last run resumes from step m (the lines the killed run logged after it are dropped) to the end
     r = subprocess.run(again, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
