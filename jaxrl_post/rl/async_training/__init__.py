@@ -3,6 +3,7 @@ the trainer (consumer), the staleness rule, partial rollout, and the schedule of
 
   settings.py   `AsyncSettings` from `async_training.*` / `rollout.n_gpus_per_node` (verl's fully-async names)
   queue.py      `ScoredGroup`, `GroupQueue` (bounded, FIFO, JSON-able state for checkpoints)
+  host_arrays.py  `ArrayPacker`: the state's numeric arrays as one flat buffer per dtype (checkpoint item async.arrays)
   staleness.py  the staleness rule and the `async/staleness/*` metrics
   partial.py    `PartialGeneration`: a paged generation stopped at a weight update and resumed under new weights
   producer.py   `AsyncRollout`: the producer/consumer schedule driving today's rollout + reward code
