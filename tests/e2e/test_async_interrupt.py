@@ -1,10 +1,10 @@
 """Asynchronous training stopped mid-queue and resumed, as a user runs it (`python -m jaxrl_post.main
 --config=configs/grpo.py:async`, 8 steps): Ctrl-C after a step (exit 130, the checkpoint written at the interrupt
 holds queued groups and a batch stopped half-way), a rerun resumes from it and is killed with SIGKILL right after
-its next checkpoint (a batch in flight again), and a third run resumes from that one to the end. Every step is logged once, and every step's
-metrics equal, bit for bit, those of the same config run 8 steps straight (the fixture of
-test_resume_old_checkpoint.py: `expected_straight.json`, whose code trains exactly as today's, which that test
-checks).
+its next checkpoint (a batch in flight again), and a third run resumes from that one to the end. Every step is
+logged once, and every step's metrics equal, bit for bit, those of the same config run 8 steps straight (the
+fixture of test_resume_old_checkpoint.py: `expected_straight.json`, whose code trains exactly as today's, which
+that test checks).
 """
 
 import json

@@ -118,7 +118,9 @@ class PartialGeneration:
         if self.out is not None:
             out = shallow(self.out)
             out.batch = {k: np.array(v) for k, v in out.batch.items()}
-        lists = lambda s: dict(tokens=list(s.tokens), log_probs=list(s.log_probs), thresholds=list(s.thresholds))
+        lists = lambda s: dict(
+            tokens=list(s.tokens), log_probs=list(s.log_probs), thresholds=list(s.thresholds), routes=list(s.routes)
+        )
         return dataclasses.replace(
             self,
             prompts=shallow(self.prompts),

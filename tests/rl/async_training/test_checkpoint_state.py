@@ -47,7 +47,8 @@ def _partial_generation():
     )
     out.batch["rollout_log_probs"] = out.batch["rollout_log_probs"].astype(np.float32)
     lp = list(rng.normal(size=3).astype(np.float32))
-    seq = Seq(row=1, prompt=np.arange(5, dtype=np.int32), limit=4, tokens=[3, 1, 4], log_probs=lp, thresholds=lp[::-1])
+    routes = [rng.integers(0, 4, (1, 7, 2)).astype(np.int32)]  # an MoE model's experts of the 7 tokens fed (k = 2)
+    seq = Seq(1, np.arange(5, dtype=np.int32), 4, [3, 1, 4], lp, lp[::-1], routes=routes)
     versions = np.array([[2, 2, 2, -1], [2, 2, 2, -1]], np.int32)
     return PartialGeneration(prompts, 17, 2, out, [seq], versions)
 
@@ -62,6 +63,7 @@ def _same_partial(a, b):
             np.testing.assert_array_equal(x.batch[k], y.batch[k])
     (s,), (t,) = a.unfinished, b.unfinished
     assert (s.row, s.limit, s.tokens) == (t.row, t.limit, t.tokens)
+    assert len(s.routes) == len(t.routes) and all(np.array_equal(x, y) for x, y in zip(s.routes, t.routes))
     np.testing.assert_array_equal(s.prompt, t.prompt)
     for u, v in ((s.log_probs, t.log_probs), (s.thresholds, t.thresholds)):
         assert np.asarray(u, np.float32).tobytes() == np.asarray(v, np.float32).tobytes()  # to the bit
