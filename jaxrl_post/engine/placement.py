@@ -52,17 +52,20 @@ class Placement:
     Args:
       mesh: the device mesh (`builders.build_mesh`).
       n_devices: devices of the run (default `jax.device_count()`); 1 = no shardings, no mesh context.
+      sharded: arrays placed on `mesh` by explicit shardings (default: `n_devices > 1`); True for a one-device
+        mesh that is not the default device (the split placement's training mesh, `builders.build_meshes`).
     """
 
-    def __init__(self, mesh, n_devices: int | None = None):
+    def __init__(self, mesh, n_devices: int | None = None, *, sharded: bool | None = None):
         self.mesh = mesh
         self.n_devices = jax.device_count() if n_devices is None else int(n_devices)
+        self.sharded = self.n_devices > 1 if sharded is None else bool(sharded)
         self.trace_counts: dict[str, int] = {}
 
     @property
     def active_mesh(self):
-        """The mesh jitted fns run under (None on one device)."""
-        return self.mesh if self.n_devices > 1 else None
+        """The mesh jitted fns run under (None on one device, unless `sharded`)."""
+        return self.mesh if self.sharded else None
 
     def tracer(self, name: str) -> Callable[[], None]:
         """A callback that counts one trace of the jitted fn `name` in `trace_counts`."""
@@ -81,7 +84,7 @@ class Placement:
         replicated = NamedSharding(self.mesh, PartitionSpec())
 
         def one(x):
-            if isinstance(x.sharding, NamedSharding) or self.n_devices == 1:
+            if isinstance(x.sharding, NamedSharding) or not self.sharded:
                 return jax.device_put(x, x.sharding)
             return jax.device_put(x, replicated)
 
@@ -106,7 +109,7 @@ class Placement:
 
     def put(self, tree: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """Host `[M, ...]` arrays on the mesh, rows split over the batch axes (one device: plain arrays)."""
-        if self.n_devices > 1:
+        if self.sharded:
             return shard_batch(tree, self.mesh)
         return {k: jnp.asarray(v) for k, v in tree.items()}
 
@@ -114,7 +117,7 @@ class Placement:
         """Place a packed mini-batch: packed rows `[n, rows, L]` split over ('data', 'fsdp', 'expert') on the rows dim,
         and so a per-shard `slot_pos [n, shards, Q / shards]` on its shard dim (`packing.PackSpec.shards`); the
         rest of the small packing plan (`[n, Q]`, `[n, S, ...]`) replicated, `[M, ...]` fields as `put`."""
-        if self.n_devices == 1:
+        if not self.sharded:
             return {k: jnp.asarray(v) for k, v in tree.items()}
         from jax.sharding import NamedSharding, PartitionSpec
 

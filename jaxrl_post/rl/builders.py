@@ -25,6 +25,7 @@ from jaxrl_post.models.attention import resolve_attention_impl
 from jaxrl_post.models.char_tokenizer import build_char_tokenizer
 from jaxrl_post.models.tokenizer import eos_token_ids
 from jaxrl_post.rl import ppo_update
+from jaxrl_post.rl.async_training.placement import split_meshes
 from jaxrl_post.rl.config_features import lora_enabled
 from jaxrl_post.runtime.platform_defaults import resolve
 from jaxrl_post.runtime.sharding import make_mesh
@@ -32,18 +33,37 @@ from jaxrl_post.runtime.sharding import make_mesh
 log = logging.getLogger(__name__)
 
 
-def build_mesh(cfg: Any) -> jax.sharding.Mesh:
-    """Mesh ('data', 'fsdp', 'expert', 'tensor') from `trainer.mesh.*` over all devices (multi-slice when a
-    `trainer.mesh.dcn_*` factor is > 1: `sharding.make_mesh`). Raises ConfigError when the devices do not fit."""
+def build_mesh(cfg: Any, devices=None) -> jax.sharding.Mesh:
+    """Mesh ('data', 'fsdp', 'expert', 'tensor') from `trainer.mesh.*` over `devices` (default: all devices;
+    multi-slice when a `trainer.mesh.dcn_*` factor is > 1: `sharding.make_mesh`). Raises ConfigError when the
+    devices do not fit."""
 
     m = cfg.trainer.mesh
     dcn = dict(dcn_data=int(m.get("dcn_data", 1)), dcn_fsdp=int(m.get("dcn_fsdp", 1)))
+    n = jax.device_count() if devices is None else len(devices)
     try:
         return make_mesh(
-            data=int(m.data), fsdp=int(m.fsdp), tensor=int(m.tensor), expert=int(m.get("expert", 1)), **dcn
+            data=int(m.data),
+            fsdp=int(m.fsdp),
+            tensor=int(m.tensor),
+            devices=devices,
+            expert=int(m.get("expert", 1)),
+            **dcn,
         )
     except ValueError as e:
-        raise ConfigError(f"config.trainer.mesh: {e} ({jax.device_count()} {jax.devices()[0].platform} devices)") from e
+        raise ConfigError(f"config.trainer.mesh: {e} ({n} {jax.devices()[0].platform} devices)") from e
+
+
+def build_meshes(cfg: Any) -> tuple[jax.sharding.Mesh, jax.sharding.Mesh | None]:
+    """`(train_mesh, rollout_mesh)`. Colocated (`rollout.n_gpus_per_node == 0`): `build_mesh(cfg)` and None. Split
+    placement: the first `rollout.n_gpus_per_node` devices form the rollout mesh (all on 'fsdp':
+    `async_training.placement.split_meshes`), the rest the training mesh laid out by `trainer.mesh.*`. Raises
+    ConfigError as `build_mesh` (validate_config reports the same first)."""
+    n = int(cfg.rollout.n_gpus_per_node)
+    if n == 0:
+        return build_mesh(cfg), None
+    rollout_mesh, _ = split_meshes(jax.devices(), n)
+    return build_mesh(cfg, jax.devices()[n:]), rollout_mesh
 
 
 def model_config_from(cfg: Any):

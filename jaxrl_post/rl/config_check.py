@@ -30,10 +30,12 @@ from jaxrl_post.rl.config_features import (
     check_distillation,
     check_lora,
     check_multi_turn,
+    check_placement,
     check_router_replay,
     critic_enabled,
     dynamic_bsz,
     estimator_needs,
+    rollout_device_count,
 )
 from jaxrl_post.rl.config_run import RESUME_MODES, check_data_rewards_and_run  # noqa: F401 (re-exported)
 from jaxrl_post.runtime.distributed import config_errors
@@ -90,10 +92,13 @@ def validate_config(cfg: Any, n_devices: int | None = None) -> None:
       cfg: the job ConfigDict.
       n_devices: devices the mesh is built over (default `jax.device_count()`).
     """
-    if n_devices is None:
-        import jax
+    import jax  # at call time, as before: the device count is known only once jax is configured
 
+    if n_devices is None:
         n_devices = jax.device_count()
+    n_total = n_devices
+    n_rollout = rollout_device_count(cfg, n_total)  # split placement: the mesh below is the training devices'
+    n_devices -= n_rollout
 
     errors: list[str] = []
 
@@ -161,6 +166,7 @@ def validate_config(cfg: Any, n_devices: int | None = None) -> None:
         n_slices = dcn_factors(cfg)[0] * dcn_factors(cfg)[1]
         per_slice = n_devices // n_slices
         dcn = "" if n_slices == 1 else f" x dcn_data*dcn_fsdp = {n_slices} slices"
+        dcn += f" (training devices: {n_total} - rollout.n_gpus_per_node={n_rollout})" if n_rollout else ""
         if sum(s == -1 for s in mesh_sizes) > 1:
             err("trainer.mesh", "at most one of data/fsdp/expert/tensor may be -1")
         elif n_devices % n_slices:
@@ -351,7 +357,7 @@ def validate_config(cfg: Any, n_devices: int | None = None) -> None:
             err("rollout.max_num_seqs", f"must be >= rollout.n={cfg.rollout.n} (a prompt's samples decode together)")
         if cfg.rollout.multi_turn.enable:
             err("rollout.name", "'paged' is single-turn for now; use 'dense' with rollout.multi_turn.enable")
-        if (n_devices or 1) > 1:
+        if (n_devices or 1) > 1 and not n_rollout:  # split: check_placement
             err("rollout.name", f"'paged' runs on one device for now, the run has {n_devices}; use 'dense'")
     if cfg.rollout.do_sample:
         check("rollout.temperature", lambda v: is_num(v) and v > 0, "must be > 0 when rollout.do_sample")
@@ -363,6 +369,7 @@ def validate_config(cfg: Any, n_devices: int | None = None) -> None:
     check_lora(cfg, check, err, is_int, is_num)
     check_multi_turn(cfg, check, err, is_int, is_num)
     check_async(cfg, check, err, is_int, is_num)
+    check_placement(cfg, check, err, is_int, n_total, jax.process_count())
     check_distillation(cfg, check, err, is_int, is_num)
     check_router_replay(cfg, check, err)
 

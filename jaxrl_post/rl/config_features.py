@@ -303,12 +303,10 @@ def critic_enabled(cfg: Any) -> bool:
 
 
 def check_async(cfg: Any, check, err, is_int, is_num) -> None:
-    """`async_training.*`, `rollout.n_gpus_per_node`, `rollout.nnodes` (asynchronous training, docs/async.md)."""
+    """`async_training.*` (asynchronous training, docs/async.md; the placement keys: `check_placement`)."""
 
     if cfg.get("async_training") is None:
         return
-    check("rollout.n_gpus_per_node", lambda v: v == 0, "must be 0 (colocated): split placement is not built yet")
-    check("rollout.nnodes", lambda v: is_int(v) and v >= 1, "must be an int >= 1")
     if not check("async_training.mode", lambda v: v in MODES, f"valid: {list(MODES)}"):
         return
     a = cfg.async_training
@@ -336,3 +334,39 @@ def check_async(cfg: Any, check, err, is_int, is_num) -> None:
             err("async_training.partial_rollout", "needs rollout.name='paged' (stop and resume at a dispatch)")
     if cfg.algorithm.filter_groups.enable is True:
         err("async_training.mode", "asynchronous training with algorithm.filter_groups is not built yet; use 'sync'")
+
+
+def rollout_device_count(cfg: Any, n_devices: int) -> int:
+    """Devices the split placement gives the rollout: `rollout.n_gpus_per_node` when it is an int in
+    (0, n_devices), else 0 (colocated, or a bad value that `check_placement` reports)."""
+    n = cfg.rollout.get("n_gpus_per_node", 0)
+    ok = isinstance(n, int) and not isinstance(n, bool) and 0 < n < n_devices
+    return n if ok else 0
+
+
+def check_placement(cfg: Any, check, err, is_int, n_devices: int, n_processes: int) -> None:
+    """`rollout.n_gpus_per_node`, `rollout.nnodes` (verl fully-async's names): the split placement, the first
+    `n_gpus_per_node` devices a rollout mesh of their own, the rest the training mesh (docs/async.md). Whether
+    `trainer.mesh` fits the training devices is checked with the mesh (`validate_config`)."""
+    if not check("rollout.n_gpus_per_node", lambda v: is_int(v) and v >= 0, "must be an int >= 0 (0 = colocated)"):
+        return
+    nodes_ok = check("rollout.nnodes", lambda v: is_int(v) and v >= 1, "must be an int >= 1")
+    n = cfg.rollout.n_gpus_per_node
+    if n == 0:
+        return
+    if n >= n_devices:
+        err("rollout.n_gpus_per_node", f"must be < the run's {n_devices} devices: the rest form the training mesh")
+    if nodes_ok and cfg.rollout.nnodes != 1:
+        err(
+            "rollout.nnodes",
+            "must be 1: the split placement divides one process's devices (rollout hosts of their "
+            "own are not built yet)",
+        )
+    if n_processes > 1:
+        err("rollout.n_gpus_per_node", f"the split placement runs in one process for now, the run has {n_processes}")
+    if cfg.rollout.name == "paged" and n != 1:
+        err(
+            "rollout.name",
+            f"'paged' runs on one device for now: with the split placement it needs "
+            f"rollout.n_gpus_per_node=1, not {n}; use 'dense'",
+        )

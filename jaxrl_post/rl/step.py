@@ -121,7 +121,7 @@ def train_step(trainer, prompts: DataProto, next_prompts: Callable[[], DataProto
                 args = (cfg, trainer.policy, g, trainer.state, trainer.host, b, train_mask, rng)
                 trainer.state, out = updates.update_actor(*args)
                 metrics.update(updates.actor_metrics(cfg, trainer.policy, trainer.host, out))
-            trainer.sync_weights(step=trainer.host.global_steps + 1)
+            metrics.update(trainer.sync_weights(step=trainer.host.global_steps + 1, timing=timing))  # split: bytes
         b = data.finish()
 
     trainer.host.global_steps += 1

@@ -112,7 +112,9 @@ class RLTrainer:
 
         log_resolved(resolved)  # after the run-directory / model-path checks (an error there stays one line)
         # ---- devices, model, tokenizer
-        self.placement = Placement(builders.build_mesh(cfg))
+        train_mesh, rollout_mesh = builders.build_meshes(cfg)  # rollout_mesh: split placement, else None
+        split = {} if rollout_mesh is None else {"n_devices": train_mesh.size, "sharded": True}
+        self.placement = Placement(train_mesh, **split)
         mesh = self.placement.mesh
         actor_model, self.tokenizer = builders.build_actor_and_tokenizer(cfg, mesh)
         eos_token_ids, pad_token_id = builders.eos_and_pad(self.tokenizer)
@@ -137,9 +139,8 @@ class RLTrainer:
         # the critic (PPO); the arrays they train are `self.state`
         self.policy, actor = PolicyRole.build(cfg, actor_model, self.placement, g)
         is_async = async_mode(cfg) != "sync"  # the rollout's own weights, published every k steps (docs/async.md)
-        rollout = RolloutRole(
-            cfg, self.policy, self.placement, self.tokenizer, eos_token_ids, pad_token_id, process_local, is_async
-        )
+        args = (cfg, self.policy, self.placement, self.tokenizer, eos_token_ids, pad_token_id, process_local)
+        rollout = RolloutRole(*args, is_async, rollout_mesh=rollout_mesh)
         self.rollout = FilteredRollout(cfg, rollout) if cfg.algorithm.filter_groups.enable else rollout
         if is_async:  # the producer and its queue, around the rollout (config_check: no filter_groups then)
             self.rollout = AsyncRollout(AsyncSettings.from_config(cfg), rollout)
@@ -208,16 +209,19 @@ class RLTrainer:
         the stages, DAPO's further batches from `next_prompts`, `FilterGroupsError`)."""
         return step.train_step(self, prompts, next_prompts)
 
-    def sync_weights(self, step: int | None = None) -> None:
+    def sync_weights(self, step: int | None = None, timing: dict[str, float] | None = None) -> dict[str, float]:
         """The actor's module and the rollout get the current actor params (`RolloutRole.sync`): after every
         actor update and restore. `step`: training steps the params have done; asynchronous training publishes
-        them to the rollout only every `async_training.trigger_parameter_sync_step` steps (None: publish)."""
+        them to the rollout only every `async_training.trigger_parameter_sync_step` steps (None: publish).
+
+        Returns `RolloutRole.publish_metrics` ({} colocated); split placement: `timing['sync_rollout_weights']`."""
         ar = self.async_rollout
         publish = ar is None or step is None or ar.settings.publishes_after(step)
-        new = self.rollout.sync(self.state.actor.params, self.state.rollout, publish=publish)
+        new = self.rollout.sync(self.state.actor.params, self.state.rollout, publish=publish, timing=timing)
         self.state = self.state.replace(rollout=new)
         if ar is not None and publish:
             ar.publish(self.global_steps if step is None else step)
+        return self.rollout.publish_metrics()
 
     @property
     def trace_counts(self) -> dict[str, int]:

@@ -7,7 +7,7 @@ the trainer (consumer), the staleness rule, partial rollout, and the schedule of
   staleness.py  the staleness rule and the `async/staleness/*` metrics
   partial.py    `PartialGeneration`: a paged generation stopped at a weight update and resumed under new weights
   producer.py   `AsyncRollout`: the producer/consumer schedule driving today's rollout + reward code
-  placement.py  split placement building blocks: disjoint meshes, weight publication with its bytes (not wired yet)
+  placement.py  split placement: disjoint rollout / training meshes, weight publication with its bytes
 """
 
 from jaxrl_post.rl.async_training.queue import GroupQueue, ScoredGroup

@@ -1,7 +1,8 @@
-"""Split placement building blocks (not wired into the trainer yet: `rollout.n_gpus_per_node` must be 0): disjoint
-rollout and training device sets, each its own ('data', 'fsdp', 'tensor') mesh, and the weight publication from the
-training mesh to the rollout mesh as one batched `jax.device_put` of the whole params tree (one call: JAX moves
-every leaf between the two device sets; a jitted program cannot span disjoint meshes), with its bytes."""
+"""Split placement (`rollout.n_gpus_per_node` > 0, docs/async.md): disjoint rollout and training device sets, each
+its own ('data', 'fsdp', 'expert', 'tensor') mesh, and the weight publication from the training mesh to the rollout
+mesh as one batched `jax.device_put` of the whole params tree (one call: JAX moves every leaf between the two device
+sets; a jitted program cannot span disjoint meshes), with its bytes. The trainer builds its meshes with
+`rl.builders.build_meshes`; `RolloutRole.sync` publishes."""
 
 from __future__ import annotations
 

@@ -37,7 +37,7 @@ class CriticRole:
         c = cfg.critic
         critic = CriticModel.from_actor(policy.model, nnx.Rngs(int(cfg.trainer.seed) + 1))
         cg, cp, cr = steps.split_model(critic)
-        if placement.n_devices > 1:
+        if placement.sharded:
             cp = shard_params(cp, placement.mesh)
         own = builders.copy_tree(cp)  # own buffers: actor params are donated
         del critic, cp

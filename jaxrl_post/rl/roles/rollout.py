@@ -5,7 +5,9 @@ The rollout model is the actor itself when `rollout.dtype` (None = `model.dtype`
 the param dtype (one copy of the weights; a LoRA actor samples with its adapters), else an abstract model with
 weights and compute in `rollout.dtype`, filled by `sync` (verl: the rollout engine's own weights). A LoRA
 actor's copy has no adapters: it holds the merged kernels `W + (alpha / r) A . B`
-(`models.lora.merged_state`). The copy's arrays are `TrainState.rollout` (train_state.py).
+(`models.lora.merged_state`). The copy's arrays are `TrainState.rollout` (train_state.py). Under the split
+placement (`rollout.n_gpus_per_node` > 0) the copy lives on the rollout's own mesh: cast (if needed) on the
+training mesh, then published there by one batched `jax.device_put` (`async_training.placement.publish_weights`).
 
 Every rollout answers `collect(prompts, seed, timing, reward_fn, rng, next_prompts)`;
 `dynamic_sampling.FilteredRollout` wraps one with DAPO's group filter.
@@ -24,6 +26,7 @@ from jaxrl_post.engine.placement import Placement, to_numpy
 from jaxrl_post.models.hf_io import empty_model
 from jaxrl_post.models.lora import merged_state
 from jaxrl_post.rl import reward_builders
+from jaxrl_post.rl.async_training.placement import publish_weights
 from jaxrl_post.rl.dynamic_sampling import score_everywhere, timer
 from jaxrl_post.rollout import Generator, SamplingParams
 from jaxrl_post.rollout.agent_loop import rollout_metrics
@@ -43,8 +46,12 @@ class RolloutRole:
       process_local: multi-process runs where each process holds only its share of every prompt batch.
       separate_copy: the rollout samples with its own copy of the weights even when dtypes agree (asynchronous
         training: the rollout's weights are published every `trigger_parameter_sync_step` steps, `sync(publish=)`).
+      rollout_mesh: the split placement's rollout mesh (`builders.build_meshes`): the rollout samples there with its
+        own copy of the weights; None: colocated on `placement.mesh`.
 
     Attributes: `model` (the sampling nnx module), `copy` (True: a separate copy in `rollout.dtype`),
+    `rollout_mesh` (split placement, else None), `published_bytes` (bytes of the last publication to the rollout
+    mesh: the `async/publish_bytes` metric; 0 colocated),
     `generator` (`rollout.Generator`, or `PagedGenerator` under `rollout.name='paged'`), `agent_loop`
     (multi-turn `AgentLoop`, None: single-turn).
     """
@@ -59,6 +66,7 @@ class RolloutRole:
         pad_token_id,
         process_local: bool,
         separate_copy: bool = False,
+        rollout_mesh=None,
     ):
 
         self.config, self.policy = cfg, policy
@@ -66,7 +74,10 @@ class RolloutRole:
         self.process_local = bool(process_local)
         rdt = jnp.dtype(cfg.rollout.dtype or platform_defaults.resolve("model.dtype", cfg.model.dtype))
         m = policy.model
-        self.copy = separate_copy or not (rdt == m.dtype == m.param_dtype)
+        self.rollout_mesh, self.published_bytes = rollout_mesh, 0
+        # split placement without a cast: the actor's params go to the rollout mesh as they are
+        self._publish_direct = rollout_mesh is not None and policy.lora is None and rdt == m.param_dtype
+        self.copy = separate_copy or rollout_mesh is not None or not (rdt == m.dtype == m.param_dtype)
         if self.copy:
             self.model = empty_model(m.config, dtype=rdt, param_dtype=rdt)
             # a same-dtype `astype` would hand back the actor's own (later donated) buffers: copy instead
@@ -76,7 +87,7 @@ class RolloutRole:
             if policy.lora is not None:  # fn(adapters, frozen base) -> merged params, shardings of the base
                 g, r = policy.graphdef, policy.rest
                 to_rollout = lambda p, f: cast(merged_state(nnx.merge(g, p, f, r)))
-                out = jax.tree.map(lambda x: x.sharding, policy.frozen) if placement.n_devices > 1 else None
+                out = jax.tree.map(lambda x: x.sharding, policy.frozen) if placement.sharded else None
             else:
                 to_rollout, out = (lambda p, f: cast(p)), None
             self._cast_first = jax.jit(to_rollout, out_shardings=out)
@@ -89,7 +100,7 @@ class RolloutRole:
         else:
             self.generator = Generator(
                 self.model,
-                mesh=placement.active_mesh,
+                mesh=placement.active_mesh if rollout_mesh is None else rollout_mesh,
                 cache_segment_len=platform_defaults.cache_segment_len(),  # one segment off CPU (no per-segment cond)
                 return_routed_experts=policy.router_replay == "R3",  # `routed_experts`, replayed by the actor
             )
@@ -101,25 +112,41 @@ class RolloutRole:
         """What generates: the multi-turn agent loop, else the single-turn generator."""
         return self.generator if self.agent_loop is None else self.agent_loop
 
-    def sync(self, actor_params, rollout_params, publish: bool = True):
+    def sync(self, actor_params, rollout_params, publish: bool = True, timing: dict[str, float] | None = None):
         """The one place where actor and rollout meet, after every actor update and restore: the actor's
         module gets `actor_params`; the rollout model gets them too -- shared buffers when dtypes agree
         (returns None), else cast to `rollout.dtype` by one jitted program (shardings kept; the previous copy
         `rollout_params` is donated to it; LoRA: the adapters merged into the frozen base kernels first).
+        Split placement: the params (cast first when `rollout.dtype` differs or LoRA is on) go to the rollout mesh
+        in one `jax.device_put` (`publish_weights`; `published_bytes` set), the previous copy is dropped; the
+        seconds until it is there are added to `timing['sync_rollout_weights']` (verl's timer name).
         Returns the new rollout copy (`TrainState.rollout`). `publish=False` (asynchronous training between weight
         publications): the actor's module only; the rollout keeps `rollout_params`."""
         self.policy.sync_model(actor_params)  # the actor module always holds the live params
         if not publish:
+            self.published_bytes = 0
             return rollout_params
         if not self.copy:
             return None
         frozen = self.policy.frozen
+        if self.rollout_mesh is not None:  # split placement: cast on the training mesh, then one device_put
+            with timer("sync_rollout_weights", {} if timing is None else timing):
+                src = actor_params if self._publish_direct else self._cast_first(actor_params, frozen)
+                new, self.published_bytes = publish_weights(src, self.rollout_mesh)
+                jax.block_until_ready(new)
+            nnx.update(self.model, new)
+            return new
         if rollout_params is None:
             new = self._cast_first(actor_params, frozen)
         else:
             new = self._cast_donating(actor_params, frozen, rollout_params)
         nnx.update(self.model, new)
         return new
+
+    def publish_metrics(self) -> dict[str, float]:
+        """{} colocated; split placement: `async/publish_bytes`, the bytes the last `sync` moved to the rollout
+        mesh (0 when it did not publish)."""
+        return {} if self.rollout_mesh is None else {"async/publish_bytes": float(self.published_bytes)}
 
     def publish_copy(self, rollout_params) -> None:
         """The rollout model samples with `rollout_params` (a restored copy; asynchronous training)."""

@@ -199,7 +199,7 @@ class TeacherRole:
         vocab = policy.model.config.vocab_size
         model = build_teacher(cfg, placement.mesh, tokenizer, vocab)
         g, params, rest = steps.split_model(model)
-        if placement.n_devices > 1:
+        if placement.sharded:
             params = shard_params(params, placement.mesh)
         self.graphdef, self.rest = g, rest
         self.params = placement.commit(params)
