@@ -230,8 +230,8 @@ def get_base_config() -> mlc.ConfigDict:
     c.rollout.num_scheduler_steps = 16  # paged: decode steps per dispatch between scheduling rounds (vLLM)
     c.rollout.max_model_len = _opt_int()  # paged: prompt + response tokens a page table holds (None = P + R)
     # Placement (verl fully-async's top-level rollout.* names): devices of the rollout's own mesh
-    c.rollout.n_gpus_per_node = 0  # devices per host given to the rollout; 0 = colocated (split: not built yet)
-    c.rollout.nnodes = 1  # hosts given to the rollout (with n_gpus_per_node > 0)
+    c.rollout.n_gpus_per_node = 0  # devices given to the rollout (its own mesh, the first N); 0 = colocated
+    c.rollout.nnodes = 1  # hosts given to the rollout (with n_gpus_per_node > 0; only 1 for now)
     # Asynchronous training (docs/async.md; verl's fully-async recipe names, `mode` is ours)
     c.async_training = mlc.ConfigDict()
     c.async_training.mode = "sync"  # 'sync' | 'one_step_off' | 'fully_async'

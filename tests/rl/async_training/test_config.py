@@ -47,7 +47,8 @@ def test_defaults_are_synchronous_and_valid():
             },
             "(+ 1 with partial_rollout) = 1",
         ),
-        ({"rollout__n_gpus_per_node": 4}, "config.rollout.n_gpus_per_node=4: must be 0 (colocated)"),
+        ({"rollout__n_gpus_per_node": 4}, "config.rollout.n_gpus_per_node=4: must be < the run's 1 devices"),
+        ({"rollout__n_gpus_per_node": -1}, "config.rollout.n_gpus_per_node=-1: must be an int >= 0 (0 = colocated)"),
     ],
 )
 def test_bad_async_keys_are_one_line_each(kw, line):
@@ -75,3 +76,44 @@ def test_settings_of_each_mode():
     # groups sampled up to k - 1 = 1 step before a publication: 3 - 1 = 2 steps ahead, in batches of 4 prompts
     assert full.ahead_chunks == 2 and full.chunk_prompts == 4
     assert [full.publishes_after(t) for t in range(1, 5)] == [False, True, False, True]
+
+
+@pytest.mark.parametrize(
+    "kw, n_devices, line",
+    [
+        ({"rollout__n_gpus_per_node": 4}, 4, "config.rollout.n_gpus_per_node=4: must be < the run's 4 devices"),
+        (
+            {"rollout__n_gpus_per_node": 4, "trainer__mesh": {"data": 1, "fsdp": 8, "tensor": 1}},
+            8,
+            "config.trainer.mesh=",  # the training set of 4 devices cannot hold an 8-device mesh
+        ),
+        ({"rollout__n_gpus_per_node": 2, "rollout__nnodes": 2}, 4, "config.rollout.nnodes=2: must be 1"),
+        ({"rollout__n_gpus_per_node": 2, "rollout__name": "paged"}, 4, "it needs rollout.n_gpus_per_node=1, not 2"),
+    ],
+)
+def test_bad_split_placement_is_one_line_each(kw, n_devices, line):
+    c = grpo.get_config("tiny")
+    for k, v in kw.items():
+        section, key = k.split("__")
+        if isinstance(v, dict):
+            getattr(c, section)[key].update(v)
+        else:
+            setattr(getattr(c, section), key, v)
+    with pytest.raises(ConfigError) as e:
+        validate_config(c, n_devices=n_devices)
+    msg = str(e.value)
+    assert line in msg, msg
+    assert msg.count("\n  ") == 1, msg  # exactly that key
+
+
+def test_split_placement_checks_the_mesh_on_the_training_devices():
+    c = grpo.get_config("tiny")
+    c.rollout.n_gpus_per_node = 4
+    c.trainer.mesh.fsdp, c.trainer.mesh.tensor = 2, 2  # the 4 training devices; 8 would not fit it colocated
+    validate_config(c, n_devices=8)
+    with pytest.raises(ConfigError, match="data\\*fsdp\\*expert\\*tensor = 4 but 8 devices"):
+        c.rollout.n_gpus_per_node = 0
+        validate_config(c, n_devices=8)
+    c.rollout.n_gpus_per_node, c.rollout.name = 1, "paged"  # the paged engine on the rollout's one device
+    c.trainer.mesh.fsdp, c.trainer.mesh.tensor = -1, 1
+    validate_config(c, n_devices=2)

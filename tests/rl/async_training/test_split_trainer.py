@@ -23,8 +23,11 @@ SCRIPT = textwrap.dedent(
     from configs import grpo
     from jaxrl_post.rl.trainer import RLTrainer
 
-    def run(n_rollout, workdir):
+    def run(n_rollout, workdir, lora, engine="dense"):
         c = grpo.get_config("tiny")
+        c.rollout.name = engine
+        if lora:
+            c.model.lora_rank, c.model.lora_alpha = 4, 8.0
         c.trainer.default_local_dir = workdir
         c.trainer.val_before_train = c.trainer.val_at_end = False
         c.trainer.save_freq = -1
@@ -34,7 +37,8 @@ SCRIPT = textwrap.dedent(
         try:
             hist = t.fit()["history"]
             devs = lambda tree: sorted({d.id for x in jax.tree.leaves(tree) for d in x.sharding.device_set})
-            params = jax.tree.leaves(t.state.actor.params)
+            # what the rollout samples with: the params, or with LoRA the base with the adapters merged in
+            params = jax.tree.leaves(t.state.actor.params if t.policy.frozen is None else t.policy.frozen)
             return {
                 "hist": hist,
                 "actor": devs(t.state.actor.params),
@@ -44,39 +48,44 @@ SCRIPT = textwrap.dedent(
         finally:
             t.close()
 
-    out = {"colocated": run(0, sys.argv[1] + "/colocated"), "split": run(int(sys.argv[2]), sys.argv[1] + "/split")}
+    root, n, lora, engines = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "lora", sys.argv[4].split(",")
+    out = {"colocated": run(0, root + "/colocated", lora), "split": [run(n, root + "/" + e, lora, e) for e in engines]}
     print("RESULT" + json.dumps(out))
     """
 )
 
 
-def _run(tmp_path, n_devices: int, n_rollout: int) -> dict:
+def _run(tmp_path, n_devices: int, n_rollout: int, lora: bool, engines: str) -> dict:
     flags = f"--xla_force_host_platform_device_count={n_devices}"
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags, PYTHONPATH=REPO)
-    cmd = [sys.executable, "-c", SCRIPT, str(tmp_path), str(n_rollout)]
+    cmd = [sys.executable, "-c", SCRIPT, str(tmp_path), str(n_rollout), "lora" if lora else "full", engines]
     out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.split("RESULT", 1)[1])
 
 
-@pytest.mark.slow  # two tiny trainers in a subprocess per device count (~2-4 min each on 2 loaded cores)
-@pytest.mark.parametrize("n_devices, n_rollout", [(2, 1), (8, 4)])
-def test_split_placement_at_staleness_zero_equals_colocated(tmp_path, n_devices, n_rollout):
-    r = _run(tmp_path, n_devices, n_rollout)
-    col, split = r["colocated"], r["split"]
+@pytest.mark.slow  # 2-3 tiny trainers in a subprocess per case (~2-5 min each on 2 loaded cores)
+@pytest.mark.parametrize(
+    "n_devices, n_rollout, lora, engines",
+    [(2, 1, False, "dense,paged"), (8, 4, False, "dense"), (2, 1, True, "dense")],
+)
+def test_split_placement_at_staleness_zero_equals_colocated(tmp_path, n_devices, n_rollout, lora, engines):
+    """The colocated run is dense (the paged engine runs on one device: colocated only on a 1-device run); the
+    paged engine on the split's one rollout device samples what the dense one does. LoRA: the colocated rollout
+    samples with the adapters, the split one with them merged into its copy."""
+    r = _run(tmp_path, n_devices, n_rollout, lora, engines)
+    col = r["colocated"]
     assert col["actor"] == list(range(n_devices)) and col["rollout"] is None
-    assert split["actor"] == list(range(n_rollout, n_devices))
-    assert split["rollout"] == list(range(n_rollout))
-    assert len(col["hist"]) == len(split["hist"]) == 2
-    for c, s in zip(col["hist"], split["hist"], strict=True):
-        keys = [k for k in c if not k.startswith(_TIME)]
-        assert set(s) - set(c) == {
-            "async/publish_bytes",
-            "timing_s/sync_rollout_weights",
-            "timing_per_token_ms/sync_rollout_weights",
-        }
-        got, want = np.array([s[k] for k in keys]), np.array([c[k] for k in keys])
-        bad = [k for k, x, y in zip(keys, got, want) if not np.isclose(x, y, rtol=1e-5, atol=1e-7)]
-        assert not bad, {k: (s[k], c[k]) for k in bad}
-        assert s["async/publish_bytes"] == split["param_bytes"] > 0  # float32 params, no cast
-        assert s["timing_s/sync_rollout_weights"] > 0
+    assert len(r["split"]) == len(engines.split(","))
+    for split in r["split"]:
+        assert split["actor"] == list(range(n_rollout, n_devices))
+        assert split["rollout"] == list(range(n_rollout))
+        assert len(col["hist"]) == len(split["hist"]) == 2
+        for c, s in zip(col["hist"], split["hist"], strict=True):
+            keys = [k for k in c if not k.startswith(_TIME)]
+            new = {"async/publish_bytes", "timing_s/sync_rollout_weights", "timing_per_token_ms/sync_rollout_weights"}
+            assert set(s) - set(c) == new
+            bad = [k for k in keys if not np.isclose(s[k], c[k], rtol=1e-5, atol=1e-7)]
+            assert not bad, {k: (s[k], c[k]) for k in bad}
+            assert s["async/publish_bytes"] == split["param_bytes"] > 0  # float32 params (LoRA: merged), no cast
+            assert s["timing_s/sync_rollout_weights"] > 0
