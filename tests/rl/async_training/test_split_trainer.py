@@ -64,7 +64,7 @@ def _run(tmp_path, n_devices: int, n_rollout: int, lora: bool, engines: str) -> 
     return json.loads(out.stdout.split("RESULT", 1)[1])
 
 
-@pytest.mark.slow  # 2-3 tiny trainers in a subprocess per case (~2-5 min each on 2 loaded cores)
+@pytest.mark.slow  # 2-3 tiny trainers in a subprocess per case (45-95 s each on 2 cores, minutes when loaded)
 @pytest.mark.parametrize(
     "n_devices, n_rollout, lora, engines",
     [(2, 1, False, "dense,paged"), (8, 4, False, "dense"), (2, 1, True, "dense")],
