@@ -42,7 +42,7 @@ from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jaxrl_post.engine import packed_steps, packing, steps
+from jaxrl_post.engine import packed_steps, packing, steps, update_core
 from jaxrl_post.engine.placement import Placement
 from jaxrl_post.models import CriticModel, ModelConfig, init_model
 from jaxrl_post.rl import ppo_update
@@ -169,7 +169,7 @@ def trainer_programs(mesh, scan: bool) -> dict:
     spec = packing.make_pack_spec(M, rows, P_LEN, R_LEN, row_len=row_len, shards=MESH["data"] * MESH["fsdp"])
     batch = placer.put_packed(placer.pack(fake_batch(np.random.default_rng(0)), spec))
     out = {"slots": spec.slots, "slot_shards": spec.shards}
-    lp = jax.jit(packed_steps.make_packed_log_prob_fn(graphdef, rest, temperature=1.0, with_entropy=False))
+    lp = jax.jit(update_core.make_log_prob_fn(packed_steps.PACKED, graphdef, rest, temperature=1.0, with_entropy=False))
     out["old_log_prob"] = inspect("old_log_prob", lp, (params, batch), mesh, head=True)
     loss_cfg = ppo_update.ActorLossConfig()
     upd = placer.jit_update(

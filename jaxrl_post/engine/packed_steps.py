@@ -34,7 +34,6 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from jaxrl_post.algos import core_algos, functional
 from jaxrl_post.algos.distillation_topk import gather_log_probs, teacher_topk
@@ -278,41 +277,3 @@ class PackedLayout:
 
 
 PACKED = PackedLayout()
-
-
-# ------------------------------------------------------------------------------------------ forward
-
-
-def make_packed_log_prob_fn(
-    graphdef: nnx.GraphDef,
-    rest: nnx.State,
-    *,
-    temperature: float,
-    with_entropy: bool,
-    adapters: bool = True,
-    on_trace: Callable[[], None] | None = None,
-    topk: int = 0,
-    record_routes: bool = False,
-) -> Callable:
-    """Pure `fn(params, batch, frozen=None) -> (log_probs [M, R] float32, entropy [M, R] | None)`; wrap with
-    `jax.jit`. With `topk` K > 0 (the top-k distillation teacher): `(log_probs, entropy | None, topk_log_probs
-    [M, R, K] float32, topk_ids [M, R, K] int32)`, as `steps.make_log_prob_fn` (`packed_teacher_topk`).
-    `record_routes`: also, last, the packed `routed_experts [n, rows, L, M, k]` the forward chose
-    (`update_core.make_log_prob_fn`).
-
-    batch: the `packing.pack_batch` arrays (spec with `seqs = M`) + `responses [M, R]` (for the shape).
-    Response padding positions are 0 (the padded path returns the model's value there; both are masked).
-    `frozen` / `adapters`: as `steps.make_log_prob_fn` (a LoRA model's base params; adapters off = reference).
-    """
-    kw = dict(temperature=temperature, with_entropy=with_entropy, adapters=adapters, on_trace=on_trace, topk=topk)
-    return update_core.make_log_prob_fn(PACKED, graphdef, rest, **kw, record_routes=record_routes)
-
-
-def make_packed_value_fn(
-    graphdef: nnx.GraphDef, rest: nnx.State, *, on_trace: Callable[[], None] | None = None
-) -> Callable:
-    """Pure `fn(params, batch) -> values [M, R] float32` (critic) on a packed batch, as the log-prob fn."""
-    return update_core.make_value_fn(PACKED, graphdef, rest, on_trace=on_trace)
-
-
-# ------------------------------------------------------------------------------------------ update

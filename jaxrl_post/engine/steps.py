@@ -4,18 +4,18 @@ Everything here is a pure function of (graphdef, state, batch). The trainer buil
 once (`jax.jit` with explicit shardings and donated params/optimizer state) and calls it every step with
 same-shaped arrays, so each compiles exactly once per run.
 
-* `make_log_prob_fn`: log pi(response token) (+ entropy) of an actor or the reference, `[B, R] float32`,
-  micro-batched with `lax.map` so only one micro-batch's `[mb, R, V]` logits are live.
-* `make_value_fn`: critic values of the response positions, `[B, R] float32`, micro-batched.
-* `make_actor_update` / `make_critic_update`: ONE optimizer step on one mini-batch. The mini-batch
-  `[M, ...]` is viewed as `[mb, n_micro, ...]` (micro-batch k = rows k, k + n_micro, ...; each device
-  keeps its rows), scanned over the micro-batches with `lax.scan` while summing gradients. Every micro
-  loss is aggregated with the *mini-batch's* token / sequence counts (`core_algos.global_batch_info`),
-  so the summed loss and gradient equal those of the un-split mini-batch (`agg_loss` docstring).
+* the padded layout (`PaddedLayout`, `padded_layout(...)`): `[B, T]` rows, micro-batched with `lax.map` (forward) or
+  `lax.scan` (update), so only one micro-batch's `[mb, R, V]` logits are live. A mini-batch `[M, ...]` is viewed
+  as `[mb, n_micro, ...]` (micro-batch k = rows k, k + n_micro, ...; each device keeps its rows); every micro loss
+  is aggregated with the *mini-batch's* token / sequence counts (`core_algos.global_batch_info`), so the summed
+  loss and gradient equal those of the un-split mini-batch (`agg_loss` docstring).
+* the shared per-micro-batch math: response log-probs / logits / values, the loss mask, the optimizer and its LR
+  schedule, splitting a model into trained / frozen / other state.
 
-The math is written once in `update_core.py` (forward and update builders for any layout); this file owns the
-padded layout (`PaddedLayout`, `model.use_remove_padding=False`) and the public padded factories; the default
-packed layout, on rows of real tokens with the same losses (`losses.py`), is in `packed_steps.py`.
+The forwards and updates are built once, for any layout, in `update_core.py` (`make_log_prob_fn(layout, ...)`,
+`make_value_fn`, `make_update`; the RL losses in `rl/ppo_update.py`); this file owns the padded layout
+(`model.use_remove_padding=False`); the default packed layout, on rows of real tokens with the same losses, is
+`packed_steps.PACKED`.
 
 Shape letters: B batch (responses), M mini-batch, mb micro-batch, P prompt, R response, T = P + R, V vocab.
 Sources: verl `dp_actor.DataParallelPPOActor.{compute_log_prob,update_policy}`,
@@ -25,7 +25,6 @@ Sources: verl `dp_actor.DataParallelPPOActor.{compute_log_prob,update_policy}`,
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -231,51 +230,3 @@ def padded_layout(*, n_micro: int | None = None, micro_batch_size: int | None = 
     """The padded layout with `n_micro` micro-batches per mini-batch (updates) or micro-batches of
     `micro_batch_size` rows (forwards; the batch rows must be a multiple)."""
     return PaddedLayout(n_micro=n_micro, micro_batch_size=micro_batch_size)
-
-
-# ------------------------------------------------------------------------------------------ forward
-
-
-def make_log_prob_fn(
-    graphdef: nnx.GraphDef,
-    rest: nnx.State,
-    *,
-    micro_batch_size: int,
-    temperature: float,
-    with_entropy: bool,
-    adapters: bool = True,
-    on_trace: Callable[[], None] | None = None,
-    topk: int = 0,
-    record_routes: bool = False,
-) -> Callable:
-    """Pure `fn(params, batch, frozen=None) -> (log_probs [B, R], entropy [B, R] | None)`; wrap with `jax.jit`.
-
-    With `topk` K > 0 (the top-k distillation teacher) it returns `(log_probs, entropy | None, topk_log_probs
-    [B, R, K] float32, topk_ids [B, R, K] int32)`: the K most likely tokens of each response position under
-    `logits / temperature` (`distillation_topk.teacher_topk`), from the same micro-batch's logits.
-
-    `batch`: `input_ids`, `attention_mask`, `position_ids` `[B, T]`, `responses` `[B, R]`; B must be a
-    multiple of `micro_batch_size` (the trainer pads). `frozen`: the frozen base params of a LoRA model
-    (`split_lora_model`). `adapters=False` runs the model with its LoRA adapters off (the reference policy
-    of a LoRA actor: the base model, no second copy). `on_trace` is called each time the function is traced.
-    `record_routes` (an MoE model, `actor.router_replay.mode='R2'`): also, last, `routed_experts [B, T, M, k]`
-    uint8/int16, the experts the forward routed every token to; `batch["routed_experts"]`, when given, are forced.
-    `update_core.make_log_prob_fn` on `padded_layout(micro_batch_size=...)`.
-    """
-    layout = padded_layout(micro_batch_size=micro_batch_size)
-    kw = dict(temperature=temperature, with_entropy=with_entropy, adapters=adapters, on_trace=on_trace, topk=topk)
-    return update_core.make_log_prob_fn(layout, graphdef, rest, **kw, record_routes=record_routes)
-
-
-def make_value_fn(
-    graphdef: nnx.GraphDef, rest: nnx.State, *, micro_batch_size: int, on_trace: Callable[[], None] | None = None
-) -> Callable:
-    """Pure `fn(params, batch) -> values [B, R] float32` (critic), micro-batched like `make_log_prob_fn`."""
-    layout = padded_layout(micro_batch_size=micro_batch_size)
-    return update_core.make_value_fn(layout, graphdef, rest, on_trace=on_trace)
-
-
-# ------------------------------------------------------------------------------------------ update
-
-
-# ------------------------------------------------------------------------------------------ advantages

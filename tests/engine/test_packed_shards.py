@@ -92,9 +92,10 @@ _SCRIPT = textwrap.dedent(
     from flax import nnx
     from jaxrl_post.models import ModelConfig, init_model
     from jaxrl_post.runtime.sharding import InMesh, make_mesh
-    from jaxrl_post.engine import packed_steps, packing, steps
+    from jaxrl_post.engine import packed_steps, packing, steps, update_core
     from jaxrl_post.rl import ppo_update
     from jaxrl_post.engine.placement import Placement
+    PAD8, PK = steps.padded_layout(micro_batch_size=8), packed_steps.PACKED  # the forwards' two layouts
 
     assert jax.device_count() == 8
     mesh = make_mesh(data=1, fsdp=4, tensor=2)
@@ -129,11 +130,10 @@ _SCRIPT = textwrap.dedent(
     out["slot_pos_spec"] = str(pk["slot_pos"].sharding.spec)
     mask = am[:, p:]
 
-    fwd = steps.make_log_prob_fn(graphdef, rest1, micro_batch_size=8, temperature=0.7, with_entropy=True)
+    fwd = update_core.make_log_prob_fn(PAD8, graphdef, rest1, temperature=0.7, with_entropy=True)
     keys = ("input_ids", "attention_mask", "position_ids", "responses")
     lp0, ent0 = jax.jit(fwd)(single, {k: b[k] for k in keys})
-    fwd_pk = InMesh(jax.jit(packed_steps.make_packed_log_prob_fn(graphdef, rest, temperature=0.7,
-                                                                 with_entropy=True)), mesh)
+    fwd_pk = InMesh(jax.jit(update_core.make_log_prob_fn(PK, graphdef, rest, temperature=0.7, with_entropy=True)), mesh)
     fwd_keys = packed_steps.PACK_KEYS + ("responses",)
     lp1, ent1 = fwd_pk(params, {k: pk[k] for k in fwd_keys})
     diff = lambda x, y: float(np.abs(np.asarray(x) - np.asarray(y))[mask].max())
@@ -142,18 +142,18 @@ _SCRIPT = textwrap.dedent(
     out["lp_scale"] = float(np.abs(np.asarray(lp0)[mask]).max())
 
     # sampling-mask replay (slot_threshold): the full-logits head per block, vs the padded one
-    fwd_t = steps.make_log_prob_fn(graphdef, rest1, micro_batch_size=8, temperature=0.7, with_entropy=False)
+    fwd_t = update_core.make_log_prob_fn(PAD8, graphdef, rest1, temperature=0.7, with_entropy=False)
     lp0t, _ = jax.jit(fwd_t)(single, {k: b[k] for k in keys + ("sampling_logit_threshold",)})
-    fwd_pkt = InMesh(jax.jit(packed_steps.make_packed_log_prob_fn(graphdef, rest, temperature=0.7,
-                                                                  with_entropy=False)), mesh)
+    fwd_pkt = update_core.make_log_prob_fn(PK, graphdef, rest, temperature=0.7, with_entropy=False)
+    fwd_pkt = InMesh(jax.jit(fwd_pkt), mesh)
     lp1t, _ = fwd_pkt(params, {k: pk[k] for k in fwd_keys + ("slot_threshold",)})
     out["lp_replay_diff"] = diff(lp0t, lp1t)
     out["replay_changes"] = diff(lp0t, lp0)
 
     # the top-k distillation teacher head (chunked over the flat slots): same top-k log-probs and ids
-    fk = steps.make_log_prob_fn(graphdef, rest1, micro_batch_size=8, temperature=1.0, with_entropy=False, topk=3)
+    fk = update_core.make_log_prob_fn(PAD8, graphdef, rest1, temperature=1.0, with_entropy=False, topk=3)
     k0 = jax.jit(fk)(single, {k: b[k] for k in keys})
-    fk1 = packed_steps.make_packed_log_prob_fn(graphdef, rest, temperature=1.0, with_entropy=False, topk=3)
+    fk1 = update_core.make_log_prob_fn(PK, graphdef, rest, temperature=1.0, with_entropy=False, topk=3)
     k1 = InMesh(jax.jit(fk1), mesh)(params, {k: pk[k] for k in fwd_keys})
     out["topk_lp_diff"] = float(np.abs(np.asarray(k0[2]) - np.asarray(k1[2]))[mask].max())
     out["topk_ids_equal"] = bool(np.array_equal(np.asarray(k0[3])[mask], np.asarray(k1[3])[mask]))
@@ -181,8 +181,8 @@ _SCRIPT = textwrap.dedent(
                                            cp["value_head"][...].sharding)
     cp1 = jax.device_put(jax.device_get(cp), jax.devices()[0])
     cr1 = jax.device_put(jax.device_get(cr), jax.devices()[0])
-    v0 = jax.jit(steps.make_value_fn(cg, cr1, micro_batch_size=8))(cp1, {k: b[k] for k in keys})
-    v1 = InMesh(jax.jit(packed_steps.make_packed_value_fn(cg, cr)), mesh)(cp, {k: pk[k] for k in fwd_keys})
+    v0 = jax.jit(update_core.make_value_fn(PAD8, cg, cr1))(cp1, {k: b[k] for k in keys})
+    v1 = InMesh(jax.jit(update_core.make_value_fn(PK, cg, cr)), mesh)(cp, {k: pk[k] for k in fwd_keys})
     out["value_diff"] = diff(v0, v1)
     out["value_scale"] = float(np.abs(np.asarray(v0)[mask]).max())
 

@@ -10,7 +10,7 @@ import optax
 import pytest
 from flax import nnx
 
-from jaxrl_post.engine import packed_steps, packing, steps
+from jaxrl_post.engine import packed_steps, packing, steps, update_core
 from jaxrl_post.engine.packing import (
     PackSpec,
     make_pack_spec,
@@ -306,8 +306,14 @@ def test_packed_log_probs_values_and_critic_update_equal_padded():
     graphdef, params, rest = steps.split_model(model)
     b = _rollout(seed=3)
     mask = b["attention_mask"][:, 6:].astype(bool)
-    fwd_pad = jax.jit(steps.make_log_prob_fn(graphdef, rest, micro_batch_size=4, temperature=0.7, with_entropy=True))
-    fwd_pk = jax.jit(packed_steps.make_packed_log_prob_fn(graphdef, rest, temperature=0.7, with_entropy=True))
+    fwd_pad = jax.jit(
+        update_core.make_log_prob_fn(
+            steps.padded_layout(micro_batch_size=4), graphdef, rest, temperature=0.7, with_entropy=True
+        )
+    )
+    fwd_pk = jax.jit(
+        update_core.make_log_prob_fn(packed_steps.PACKED, graphdef, rest, temperature=0.7, with_entropy=True)
+    )
     (lp0, ent0), (lp1, ent1) = fwd_pad(params, b), fwd_pk(params, _packed(b, rows=4))
     np.testing.assert_allclose(np.asarray(lp1)[mask], np.asarray(lp0)[mask], atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(ent1)[mask], np.asarray(ent0)[mask], atol=1e-5, rtol=1e-5)
@@ -316,8 +322,8 @@ def test_packed_log_probs_values_and_critic_update_equal_padded():
     critic = CriticModel.from_actor(model, nnx.Rngs(1))
     cg, cp, cr = steps.split_model(critic)
     cp["value_head"][...] = jnp.asarray(np.random.RandomState(0).randn(32, 1).astype(np.float32) * 0.3)
-    v_pad = jax.jit(steps.make_value_fn(cg, cr, micro_batch_size=4))(cp, b)
-    v_pk = jax.jit(packed_steps.make_packed_value_fn(cg, cr))(cp, _packed(b, rows=4))
+    v_pad = jax.jit(update_core.make_value_fn(steps.padded_layout(micro_batch_size=4), cg, cr))(cp, b)
+    v_pk = jax.jit(update_core.make_value_fn(packed_steps.PACKED, cg, cr))(cp, _packed(b, rows=4))
     np.testing.assert_allclose(np.asarray(v_pk)[mask], np.asarray(v_pad)[mask], atol=1e-5, rtol=1e-5)
     tx = optax.sgd(1.0)
     for mode in ("token-mean", "seq-mean-token-mean"):
@@ -527,16 +533,18 @@ def test_shared_prompt_actor_update_log_probs_and_critic_equal_padded(mode):
     if mode != "token-mean":
         return
     mask = b["attention_mask"][:, 6:].astype(bool)
-    lp0, _ = jax.jit(steps.make_log_prob_fn(graphdef, rest, micro_batch_size=4, temperature=1.0, with_entropy=False))(
-        params, b
-    )
-    lp1, _ = jax.jit(packed_steps.make_packed_log_prob_fn(graphdef, rest, temperature=1.0, with_entropy=False))(
-        params, pk
-    )
+    lp0, _ = jax.jit(
+        update_core.make_log_prob_fn(
+            steps.padded_layout(micro_batch_size=4), graphdef, rest, temperature=1.0, with_entropy=False
+        )
+    )(params, b)
+    lp1, _ = jax.jit(
+        update_core.make_log_prob_fn(packed_steps.PACKED, graphdef, rest, temperature=1.0, with_entropy=False)
+    )(params, pk)
     np.testing.assert_allclose(np.asarray(lp1)[mask], np.asarray(lp0)[mask], atol=1e-5, rtol=1e-5)
     critic = CriticModel.from_actor(model, nnx.Rngs(1))
     cg, cp, cr = steps.split_model(critic)
     cp["value_head"][...] = jnp.asarray(np.random.RandomState(0).randn(32, 1).astype(np.float32) * 0.3)
-    v_pad = jax.jit(steps.make_value_fn(cg, cr, micro_batch_size=4))(cp, b)
-    v_pk = jax.jit(packed_steps.make_packed_value_fn(cg, cr))(cp, pk)
+    v_pad = jax.jit(update_core.make_value_fn(steps.padded_layout(micro_batch_size=4), cg, cr))(cp, b)
+    v_pk = jax.jit(update_core.make_value_fn(packed_steps.PACKED, cg, cr))(cp, pk)
     np.testing.assert_allclose(np.asarray(v_pk)[mask], np.asarray(v_pad)[mask], atol=1e-5, rtol=1e-5)

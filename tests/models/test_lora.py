@@ -237,7 +237,7 @@ def test_lora_packed_update_and_log_probs_equal_padded():
     gives the base model's log-probs, written out from its logits."""
     import optax
 
-    from jaxrl_post.engine import packed_steps, steps
+    from jaxrl_post.engine import packed_steps, steps, update_core
     from tests.engine.test_packing import _model, _packed, _rollout
 
     model = apply_lora(_model("llama", seed=1), LoRAConfig(4, 8.0))
@@ -261,9 +261,11 @@ def test_lora_packed_update_and_log_probs_equal_padded():
 
     mask = b["attention_mask"][:, 6:].astype(bool)
     kw = dict(temperature=0.7, with_entropy=False)
-    ref_pad = jax.jit(steps.make_log_prob_fn(graphdef, rest, micro_batch_size=4, adapters=False, **kw))
-    ref_pk = jax.jit(packed_steps.make_packed_log_prob_fn(graphdef, rest, adapters=False, **kw))
-    act_pk = jax.jit(packed_steps.make_packed_log_prob_fn(graphdef, rest, **kw))
+    ref_pad = jax.jit(
+        update_core.make_log_prob_fn(steps.padded_layout(micro_batch_size=4), graphdef, rest, adapters=False, **kw)
+    )
+    ref_pk = jax.jit(update_core.make_log_prob_fn(packed_steps.PACKED, graphdef, rest, adapters=False, **kw))
+    act_pk = jax.jit(update_core.make_log_prob_fn(packed_steps.PACKED, graphdef, rest, **kw))
     lp_pad, lp_pk = ref_pad(params, b, frozen)[0], ref_pk(params, _packed(b, rows=4), frozen)[0]
     base = _model("llama", seed=1)  # the same weights without adapters
     logits = base(b["input_ids"], b["attention_mask"], positions=b["position_ids"])[:, 5:-1] / 0.7

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxrl_post.algos import core_algos, distillation
-from jaxrl_post.engine import steps
+from jaxrl_post.engine import steps, update_core
 from jaxrl_post.errors import ConfigError
 from jaxrl_post.rl import losses, ppo_update
 
@@ -326,8 +326,12 @@ def test_tiny_opd_run_moves_the_student_toward_the_teacher(tmp_path):
     want = _own_forward(trainer.teacher.model, {k: v[:4] for k, v in b.items()})  # 4 rows: eager is slow
     mask = b["attention_mask"][:, -trainer.geometry.response_length :] > 0
     np.testing.assert_allclose(got[:4][mask[:4]], want[mask[:4]], rtol=1e-4, atol=1e-4)
-    padded = steps.make_log_prob_fn(
-        trainer.teacher.graphdef, trainer.teacher.rest, micro_batch_size=8, temperature=1.0, with_entropy=False
+    padded = update_core.make_log_prob_fn(
+        steps.padded_layout(micro_batch_size=8),
+        trainer.teacher.graphdef,
+        trainer.teacher.rest,
+        temperature=1.0,
+        with_entropy=False,
     )
     lp_pad = np.asarray(jax.jit(padded)(trainer.teacher.params, {k: jnp.asarray(v) for k, v in b.items()})[0])
     np.testing.assert_allclose(got[mask], lp_pad[mask], rtol=1e-4, atol=1e-4)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxrl_post.algos import core_algos, distillation, distillation_topk
-from jaxrl_post.engine import steps
+from jaxrl_post.engine import steps, update_core
 from jaxrl_post.rl import losses, ppo_update
 from tests.rl.test_opd import _forward, _own_forward, _peaked_model, _rollout_batch
 
@@ -114,7 +114,11 @@ def test_teacher_topk_equals_top_k_of_its_own_log_softmax(monkeypatch):
     g, params, rest = steps.split_model(model)
     b = _rollout_batch(n=4)
     k = 5
-    fn = jax.jit(steps.make_log_prob_fn(g, rest, micro_batch_size=2, temperature=1.0, with_entropy=False, topk=k))
+    fn = jax.jit(
+        update_core.make_log_prob_fn(
+            steps.padded_layout(micro_batch_size=2), g, rest, temperature=1.0, with_entropy=False, topk=k
+        )
+    )
     lp, ent, t_lp, t_ids = fn(params, {kk: jnp.asarray(v) for kk, v in b.items()})
     assert ent is None and t_lp.shape == (4, 5, k) and t_ids.dtype == jnp.int32 and t_lp.dtype == jnp.float32
     full = _own_full_log_softmax(model, b)  # [B, R, V] float64, 0 at padding
@@ -131,7 +135,9 @@ def test_teacher_topk_equals_top_k_of_its_own_log_softmax(monkeypatch):
     monkeypatch.setattr(packed_steps, "TOPK_HEAD_CHUNK", 3)  # 10 slots: 4 chunks, the last one padded
     spec = packing.make_pack_spec(4, rows=1, prompt_length=6, response_length=5, row_len=22, n_micro=2)
     pk = dict(b, **packing.pack_batch(b, spec))
-    pfn = jax.jit(packed_steps.make_packed_log_prob_fn(g, rest, temperature=1.0, with_entropy=False, topk=k))
+    pfn = jax.jit(
+        update_core.make_log_prob_fn(packed_steps.PACKED, g, rest, temperature=1.0, with_entropy=False, topk=k)
+    )
     _, _, p_lp, p_ids = pfn(params, {kk: jnp.asarray(v) for kk, v in pk.items()})
     np.testing.assert_array_equal(np.asarray(p_ids)[mask], np.asarray(t_ids)[mask])
     np.testing.assert_allclose(np.asarray(p_lp)[mask], np.asarray(t_lp)[mask], rtol=1e-5, atol=1e-5)

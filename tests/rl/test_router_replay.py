@@ -11,7 +11,7 @@ import pytest
 from jaxrl_post.algos.rollout_corr import compute_rollout_probs_diff_metrics
 from jaxrl_post.batch.keys import FORWARD_KEYS, REPLAY_KEYS
 from jaxrl_post.batch.protocol import DataProto
-from jaxrl_post.engine import packed_steps, packing, steps
+from jaxrl_post.engine import packed_steps, packing, steps, update_core
 from jaxrl_post.engine.placement import Placement
 from jaxrl_post.errors import ConfigError
 from jaxrl_post.rollout.generate import Generator
@@ -59,8 +59,11 @@ def test_decode_routes_are_the_routes_forced_in_the_training_forwards_bitwise(mo
     placement = Placement(None, n_devices=1)
     spec = packing.make_pack_spec(4, 2, 6, 5, share_prompts=True)
     fns = {
-        "packed": (jax.jit(packed_steps.make_packed_log_prob_fn(g, rest, **_KW)), spec),
-        "padded": (jax.jit(steps.make_log_prob_fn(g, rest, micro_batch_size=2, **_KW)), None),
+        "packed": (jax.jit(update_core.make_log_prob_fn(packed_steps.PACKED, g, rest, **_KW)), spec),
+        "padded": (
+            jax.jit(update_core.make_log_prob_fn(steps.padded_layout(micro_batch_size=2), g, rest, **_KW)),
+            None,
+        ),
     }
     other = dict(b, routed_experts=_other_experts(routes, cfg.num_experts))
     for name, (fn, sp) in fns.items():
@@ -109,7 +112,7 @@ def test_r3_bf16_rollout_scored_in_float32_matches_unless_a_near_tie_flips_witho
     b = _rollout(bf16, greedy=True, prompts=prompts, n=2, r=4)
     assert b["routed_experts"][0, 5, 0, 0] == 0  # prompt 0's last token, rolled out in bf16: expert 0
     g, params, rest = steps.split_model(f32)
-    fn = jax.jit(packed_steps.make_packed_log_prob_fn(g, rest, **_KW))
+    fn = jax.jit(update_core.make_log_prob_fn(packed_steps.PACKED, g, rest, **_KW))
     spec = packing.make_pack_spec(4, 2, 6, 4, share_prompts=True)
     placement, mask = Placement(None, n_devices=1), b["response_attention_mask"]
     free_lp, _, free_routes = placement.forward(fn, params, b, 2, spec, token_output=True)  # R2 / no replay

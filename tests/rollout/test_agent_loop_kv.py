@@ -75,10 +75,12 @@ def _assert_same(a, c):
 
 
 def _training_log_probs(model, out):
-    from jaxrl_post.engine import steps
+    from jaxrl_post.engine import steps, update_core
 
     graphdef, weights, rest = steps.split_model(model)
-    fn = steps.make_log_prob_fn(graphdef, rest, micro_batch_size=len(out), temperature=1.0, with_entropy=False)
+    fn = update_core.make_log_prob_fn(
+        steps.padded_layout(micro_batch_size=len(out)), graphdef, rest, temperature=1.0, with_entropy=False
+    )
     keys = ("input_ids", "attention_mask", "position_ids", "responses")
     return np.asarray(fn(weights, {k: jnp.asarray(out.batch[k]) for k in keys})[0])
 

@@ -54,7 +54,7 @@ def _model():
 
 @pytest.mark.slow
 def test_rollout_log_probs_equal_training_forward_with_observations_in_context():
-    from jaxrl_post.engine import steps
+    from jaxrl_post.engine import steps, update_core
 
     model = _model()
     b, p, r = 6, 32, 48
@@ -69,7 +69,9 @@ def test_rollout_log_probs_equal_training_forward_with_observations_in_context()
     after = loss & (np.cumsum(holes, axis=1) > 0)
     assert after.sum() >= 10, after.sum()
     graphdef, weights, rest = steps.split_model(model)
-    fn = steps.make_log_prob_fn(graphdef, rest, micro_batch_size=b, temperature=1.0, with_entropy=False)
+    fn = update_core.make_log_prob_fn(
+        steps.padded_layout(micro_batch_size=b), graphdef, rest, temperature=1.0, with_entropy=False
+    )
     keys = ("input_ids", "attention_mask", "position_ids", "responses")
     lp = np.asarray(fn(weights, {k: jnp.asarray(out[k]) for k in keys})[0])
     diff = np.abs(lp - out["rollout_log_probs"])[loss]

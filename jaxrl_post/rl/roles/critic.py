@@ -1,6 +1,6 @@
 """The critic role (verl's critic worker, PPO): a value model initialised from the actor, held as a `TrainedModel`
 (`engine/trained_model.py`: layout, optimizer, the jitted `ppo_update.make_critic_update` on the padded or packed
-layout), and its jitted value fn (`steps.make_value_fn` / `packed_steps.make_packed_value_fn`). The arrays it
+layout), and its jitted value fn (`update_core.make_value_fn` on the same layout). The arrays it
 trains are `TrainState.critic` (train_state.py)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxrl_post.engine import packed_steps, steps
+from jaxrl_post.engine import packed_steps, steps, update_core
 from jaxrl_post.engine.placement import Placement
 from jaxrl_post.engine.train_state import OptimizedParams
 from jaxrl_post.engine.trained_model import TrainedModel
@@ -58,13 +58,11 @@ class CriticRole:
         self.values_micro = int(c.forward_micro_batch_size)
         self.values_spec = policy.pack_spec("values", geometry.batch_size, self.values_micro)
         if self.spec is not None:
-            layout = packed_steps.PACKED
-            values = packed_steps.make_packed_value_fn(cg, cr, on_trace=placement.tracer("values"))
+            layout = values_layout = packed_steps.PACKED
         else:
             layout = steps.padded_layout(n_micro=self.mini // int(c.ppo_micro_batch_size))
-            values = steps.make_value_fn(
-                cg, cr, micro_batch_size=self.values_micro, on_trace=placement.tracer("values")
-            )
+            values_layout = steps.padded_layout(micro_batch_size=self.values_micro)
+        values = update_core.make_value_fn(values_layout, cg, cr, on_trace=placement.tracer("values"))
         t = self.trained
         update = ppo_update.make_critic_update(
             layout, cg, cr, t.tx, loss_cfg, on_trace=placement.tracer("update_critic")

@@ -3,7 +3,7 @@
 `PolicyRole` owns the actor's `TrainedModel` (`engine/trained_model.py`: graph, trainable params, a LoRA actor's
 frozen base, optimizer and LR schedule, and the jitted update, `ppo_update.make_actor_update` on the padded or
 packed layout; params and optimizer state donated), its pack specs and the jitted `old_log_prob_fn`
-(`steps.make_log_prob_fn` / `packed_steps.make_packed_log_prob_fn`), each built once and compiled once per run.
+(`update_core.make_log_prob_fn` on the same layout), each built once and compiled once per run.
 The arrays it trains are `TrainState.actor` (train_state.py): `PolicyRole.build` returns them beside the role.
 
 `ReferencePolicy` is the frozen initial policy: a copy of the initial actor params in the compute dtype
@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from jaxrl_post.batch.keys import FORWARD_KEYS, REPLAY_KEYS
-from jaxrl_post.engine import packed_steps, packing, steps
+from jaxrl_post.engine import packed_steps, packing, steps, update_core
 from jaxrl_post.engine.placement import Placement
 from jaxrl_post.engine.train_state import OptimizedParams
 from jaxrl_post.engine.trained_model import TrainedModel
@@ -132,13 +132,12 @@ class PolicyRole:
     def log_prob_fn(self, spec, micro: int, name: str, adapters: bool = True, record_routes: bool = False):
         """A log-prob fn of this policy's graph (not jitted): packed when `spec`, else padded micro-batches;
         `adapters=False`: a LoRA actor with its adapters off (the reference); `record_routes`: also returns the
-        MoE routes it chose (`steps.make_log_prob_fn`)."""
+        MoE routes it chose (`update_core.make_log_prob_fn`)."""
         kw = dict(temperature=self.loss_cfg.temperature, with_entropy=False, adapters=adapters)
         kw["record_routes"] = record_routes
         on_trace = self.placement.tracer(name)
-        if spec is not None:
-            return packed_steps.make_packed_log_prob_fn(self.graphdef, self.rest, **kw, on_trace=on_trace)
-        return steps.make_log_prob_fn(self.graphdef, self.rest, micro_batch_size=micro, **kw, on_trace=on_trace)
+        layout = packed_steps.PACKED if spec is not None else steps.padded_layout(micro_batch_size=micro)
+        return update_core.make_log_prob_fn(layout, self.graphdef, self.rest, **kw, on_trace=on_trace)
 
     def old_log_probs(self, params, batch: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray | None]:
         """`(old_log_probs [B, R] float32, routes)` of the batch's response tokens under `params` (host numpy;

@@ -5,8 +5,8 @@
 exported run dir at `model_path`; or a random model for tests), in its own dtype, sharded on the trainer's
 mesh like the reference, and checks up front that it shares the student's tokenizer. Each step it computes
 `teacher_log_prob [B, R] float32` (and, in the top-k modes, its top-k log-probs and ids `[B, R, K]`) with
-the same packed / padded log-prob forward as the reference (`steps.make_log_prob_fn` /
-`packed_steps.make_packed_log_prob_fn` on the teacher's graph), at temperature 1.0 (verl forces the
+the same packed / padded log-prob forward as the reference (`update_core.make_log_prob_fn`
+on the packed or padded layout and the teacher's graph), at temperature 1.0 (verl forces the
 teacher's temperature to 1.0: it scores fixed tokens, it does not sample).
 
 Vocabulary: the tokenizers must be equal (same token -> id map and special tokens); the embedding tables may
@@ -28,7 +28,7 @@ import jax
 import numpy as np
 
 from jaxrl_post.algos.distillation import TOPK_LOSS_MODES, compute_distillation_losses
-from jaxrl_post.engine import packed_steps, steps
+from jaxrl_post.engine import packed_steps, steps, update_core
 from jaxrl_post.errors import ConfigError
 from jaxrl_post.models import get_preset, init_model, load_pretrained
 from jaxrl_post.models.attention import resolve_attention_impl
@@ -213,10 +213,9 @@ class TeacherRole:
             raise ConfigError(
                 f"config.distillation.distillation_loss.topk={self.topk} exceeds the vocabulary ({vocab} ids)"
             )
-        if self.spec is not None:
-            fn = packed_steps.make_packed_log_prob_fn(g, rest, topk=self.topk, **kw)
-        else:
-            fn = steps.make_log_prob_fn(g, rest, micro_batch_size=self.micro, topk=self.topk, **kw)
+        padded = steps.padded_layout(micro_batch_size=self.micro)
+        layout = packed_steps.PACKED if self.spec is not None else padded
+        fn = update_core.make_log_prob_fn(layout, g, rest, topk=self.topk, **kw)
         self.log_prob_fn = jax.jit(fn)
         return self
 
