@@ -16,6 +16,7 @@ import sys
 import numpy as np
 import pytest
 
+from tests.cheap_compile import CHEAP_COMPILE_FLAGS
 from tests.e2e.test_multihost import _free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -25,7 +26,9 @@ _NOT_COMPARED = ("timing_s/", "perf/")
 
 
 def _launch(config: str, workdir, n_proc: int, devices: int, *extra: str) -> list[subprocess.Popen]:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    # the cheapest compiles (tiny models: compile time dominates); the 1 x 8 and 2 x 4 runs use the same flags
+    flags = f"--xla_force_host_platform_device_count={devices} {CHEAP_COMPILE_FLAGS}"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
     cmd = [
         sys.executable,
         "-m",

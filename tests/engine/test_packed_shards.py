@@ -16,6 +16,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_post.engine.packing import PackSpec, make_pack_spec, pack_batch, plan_packing
+from tests.cheap_compile import CHEAP_COMPILE_FLAGS
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -208,7 +209,7 @@ _SCRIPT = textwrap.dedent(
 def fake8():
     env = dict(
         os.environ,
-        XLA_FLAGS="--xla_force_host_platform_device_count=8",
+        XLA_FLAGS="--xla_force_host_platform_device_count=8 " + CHEAP_COMPILE_FLAGS,
         JAX_PLATFORMS="cpu",
         PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
     )

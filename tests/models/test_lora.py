@@ -29,6 +29,7 @@ from jaxrl_post.models.lora import (
     set_lora_enabled,
 )
 from jaxrl_post.rl import ppo_update
+from tests.cheap_compile import CHEAP_COMPILE_FLAGS
 
 TINY = ModelConfig(
     family="qwen2", vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -449,7 +450,7 @@ def test_lora_bf16_rollout_copy_on_8_fake_devices(tmp_path):
     env = dict(
         os.environ,
         JAX_PLATFORMS="cpu",
-        XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0",
+        XLA_FLAGS="--xla_force_host_platform_device_count=8 " + CHEAP_COMPILE_FLAGS,
     )
     proc = subprocess.run(
         [sys.executable, "-c", _MESH_SCRIPT, str(tmp_path / "run")],

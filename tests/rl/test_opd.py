@@ -14,6 +14,7 @@ from jaxrl_post.algos import core_algos, distillation
 from jaxrl_post.engine import steps, update_core
 from jaxrl_post.errors import ConfigError
 from jaxrl_post.rl import losses, ppo_update
+from tests.cheap_compile import CHEAP_COMPILE_FLAGS
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -372,7 +373,7 @@ def test_tiny_opd_on_8_fake_devices(tmp_path):
     env = dict(
         os.environ,
         JAX_PLATFORMS="cpu",
-        XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0",
+        XLA_FLAGS="--xla_force_host_platform_device_count=8 " + CHEAP_COMPILE_FLAGS,
     )
     proc = subprocess.run(
         [sys.executable, str(script), str(tmp_path / "run")],

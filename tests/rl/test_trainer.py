@@ -23,6 +23,7 @@ from jaxrl_post.engine import steps
 from jaxrl_post.errors import ConfigError
 from jaxrl_post.rl import ppo_update
 from jaxrl_post.rl.config_check import validate_config
+from tests.cheap_compile import CHEAP_COMPILE_FLAGS
 
 # verl metric names the issue requires every step (PPO adds critic/values/*, critic/vf_*).
 REQUIRED_METRICS = [
@@ -481,7 +482,8 @@ def test_main_job_command_reduced(tmp_path):
     """README: `python -m jaxrl_post.main --config=configs/grpo.py ...`, reduced to the tiny config."""
     workdir = tmp_path / "main_run"
     env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    env.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")  # tiny model: compile time dominates
+    # tiny model: compile time dominates (appended: conftest has set XLA_FLAGS already)
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " " + CHEAP_COMPILE_FLAGS
     cmd = [
         sys.executable,
         "-m",
@@ -547,7 +549,7 @@ def test_tiny_ppo_on_8_fake_devices(tmp_path):
     env = dict(
         os.environ,
         JAX_PLATFORMS="cpu",
-        XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0",
+        XLA_FLAGS="--xla_force_host_platform_device_count=8 " + CHEAP_COMPILE_FLAGS,
     )
     proc = subprocess.run(
         [sys.executable, str(script), str(tmp_path / "run")],

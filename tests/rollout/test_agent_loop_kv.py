@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxrl_post.batch.protocol import DataProto
 from jaxrl_post.rollout import Generator, SamplingParams
@@ -127,13 +128,15 @@ def test_turns_reuse_compiled_programs():
     np.testing.assert_array_equal(out.batch["responses"], out2.batch["responses"])
 
 
-# slow: the unsegmented case compiles the whole-cache attention eagerly (~20-57 s on 2 cores); the segmented
-# case stays in the fast tier and covers the same per-row write code
+# slow: the unsegmented case (it was ~20-57 s on 2 cores run op by op, before the forward was jitted); the
+# segmented case stays in the fast tier and covers the same per-row write code
 @pytest.mark.parametrize("segment_len", [pytest.param(None, marks=pytest.mark.slow), 8])
 def test_per_row_cache_index_equals_the_full_forward(segment_len):
     """Rows at different lengths append chunks at their own slots (right-padded chunks, one segment or several);
     each row's logits equal the forward of its whole sequence; a write past the last slot is dropped."""
     model = _model()
+    # jitted (as the rollout runs it): one compile per shape instead of op-by-op dispatch of the whole-cache attention
+    fwd = nnx.jit(lambda m, ids, mask, cache=None: m(ids, mask, cache=cache))
     rng = np.random.default_rng(0)
     seqs = [rng.integers(3, 100, n).tolist() for n in (9, 14, 5)]
     cuts = [(4, 7), (10, 12), (1, 5)]  # each row: chunk 1 = [0, c1), chunk 2 = [c1, c2), chunk 3 = [c2, end)
@@ -147,17 +150,17 @@ def test_per_row_cache_index_equals_the_full_forward(segment_len):
         ids, mask = np.zeros((3, width), np.int32), np.zeros((3, width), np.int32)
         for j, x in enumerate(parts):
             ids[j, : len(x)], mask[j, : len(x)] = x, 1
-        logits, cache = model(jnp.asarray(ids), jnp.asarray(mask), cache=cache.replace(index=jnp.asarray(index)))
+        logits, cache = fwd(model, jnp.asarray(ids), jnp.asarray(mask), cache=cache.replace(index=jnp.asarray(index)))
         for j, x in enumerate(parts):
             got[j].append(np.asarray(logits[j, : len(x)]))
         index = index + np.asarray([len(x) for x in parts], np.int32)
     for j, s in enumerate(seqs):
-        ref = np.asarray(model(jnp.asarray([s]), jnp.ones((1, len(s)), jnp.int32))[0])
+        ref = np.asarray(fwd(model, jnp.asarray([s]), jnp.ones((1, len(s)), jnp.int32))[0])
         np.testing.assert_allclose(np.concatenate(got[j]), ref, rtol=0, atol=2e-5)
     # row 1 (14 tokens) at slot 14 writes a 16-token chunk: slots 24.. are dropped, slots 0..13 stay as they were
     k_before = np.concatenate([np.asarray(x) for x in cache.k[0]], -1)
-    _, after = model(
-        jnp.ones((3, 16), jnp.int32), jnp.ones((3, 16), jnp.int32), cache=cache.replace(index=jnp.asarray(index))
+    _, after = fwd(
+        model, jnp.ones((3, 16), jnp.int32), jnp.ones((3, 16), jnp.int32), cache=cache.replace(index=jnp.asarray(index))
     )
     k_after = np.concatenate([np.asarray(x) for x in after.k[0]], -1)
     np.testing.assert_array_equal(k_after[1, ..., :14], k_before[1, ..., :14])

@@ -27,6 +27,7 @@ from jaxrl_post.rollout import (
     generate_sequences,
 )
 from jaxrl_post.rollout import generate as gen_mod
+from tests.cheap_compile import CHEAP_COMPILE_FLAGS
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -456,7 +457,7 @@ def test_compile_once_across_prompt_lengths_and_batch_sizes():
 
 _SHARDED_SCRIPT = textwrap.dedent("""
     import os, sys
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8 " + sys.argv[2]
     os.environ["JAX_PLATFORMS"] = "cpu"
     sys.path.insert(0, sys.argv[1])
     import jax, numpy as np
@@ -517,7 +518,11 @@ def test_sharded_equals_unsharded_on_8_fake_devices(tmp_path):
     script.write_text(_SHARDED_SCRIPT)
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     proc = subprocess.run(
-        [sys.executable, str(script), str(REPO)], capture_output=True, text=True, env=env, timeout=600
+        [sys.executable, str(script), str(REPO), CHEAP_COMPILE_FLAGS],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
     )
     assert proc.returncode == 0 and "SHARDED_OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-6000:]
 
