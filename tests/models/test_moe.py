@@ -161,10 +161,14 @@ def test_qwen3_moe_logits_loss_and_every_gradient_match_transformers(case, tmp_p
 
 @pytest.mark.slow
 def test_qwen3_moe_greedy_generation_matches_transformers(tmp_path):
-    hf = _hf_model(HF_BASE, seed=1)
+    _assert_greedy_matches_transformers(_hf_model(HF_BASE, seed=1), HF_BASE["vocab_size"], tmp_path)
+
+
+def _assert_greedy_matches_transformers(hf, vocab_size: int, tmp_path):
+    """12 greedy tokens of `hf` (saved to `tmp_path`, loaded here) equal transformers' `generate`."""
     hf.save_pretrained(tmp_path)
     model = load_hf_dir(tmp_path)
-    ids, mask = _batch(HF_BASE["vocab_size"], b=3, t=8, seed=2)
+    ids, mask = _batch(vocab_size, b=3, t=8, seed=2)
     with torch.no_grad():
         ref = hf.generate(
             input_ids=torch.from_numpy(ids).long(),

@@ -10,13 +10,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_post.batch.protocol import DataProto
 from jaxrl_post.models import ModelConfig, save_pretrained
 from jaxrl_post.models.hf_io import load_hf_dir, param_map
 from jaxrl_post.models.moe import capacity_keep, collect, router_metrics
-from jaxrl_post.rollout.generate import generate_sequences
-from jaxrl_post.rollout.sampling import SamplingParams
-from tests.models.test_moe import _batch, _close, _forward, _hf_grads, _label_valid, _loss_and_grads, _random_model
+from tests.models.test_moe import (
+    _assert_greedy_matches_transformers,
+    _batch,
+    _close,
+    _forward,
+    _hf_grads,
+    _label_valid,
+    _loss_and_grads,
+    _random_model,
+)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -100,26 +106,7 @@ def test_family_logits_loss_and_every_gradient_match_transformers(case, tmp_path
 @pytest.mark.parametrize("case", list(HF_CASES))
 @pytest.mark.slow
 def test_family_greedy_generation_matches_transformers(case, tmp_path):
-    hf = _hf_model(case, seed=1)
-    hf.save_pretrained(tmp_path)
-    model = load_hf_dir(tmp_path)
-    ids, mask = _batch(SHAPE["vocab_size"], b=3, t=8, seed=2)
-    with torch.no_grad():
-        ref = hf.generate(
-            input_ids=torch.from_numpy(ids).long(),
-            attention_mask=torch.from_numpy(mask).long(),
-            do_sample=False,
-            max_new_tokens=12,
-            min_new_tokens=12,
-            pad_token_id=0,
-            eos_token_id=None,
-        ).numpy()[:, ids.shape[1] :]
-    out = generate_sequences(
-        model,
-        DataProto.from_dict({"input_ids": ids, "attention_mask": mask}),
-        SamplingParams(max_new_tokens=12, do_sample=False),
-    )
-    np.testing.assert_array_equal(out.batch["responses"], ref)
+    _assert_greedy_matches_transformers(_hf_model(case, seed=1), SHAPE["vocab_size"], tmp_path)
 
 
 def _tiny(family, **kw):
