@@ -456,6 +456,7 @@ def get_base_config() -> mlc.ConfigDict:
     c.trainer.val_at_end = True  # validate after the last step
     c.trainer.test_freq = -1  # validate every k training steps (-1 = only before/after)
     c.trainer.validation_data_dir = _opt_str()  # write each validation's responses to <dir>/<step>.jsonl (None = off)
+    c.trainer.rollout_data_dir = _opt_str()  # write each step's scored training responses to <dir>/<step>.jsonl
     # verl documents the same meaning; its loop (steps counted from 1, actor updated when critic_warmup <= step)
     # gives k-1 critic-only steps for k >= 1.
     c.trainer.critic_warmup = 0  # number of training steps, from the first, that update only the critic
@@ -536,7 +537,7 @@ _VERL_KEYS_TEXT = """
     reward_model.reward_manager custom_reward_function.path custom_reward_function.name
     trainer.project_name trainer.experiment_name trainer.default_local_dir trainer.logger trainer.total_epochs
     trainer.total_training_steps trainer.val_before_train trainer.test_freq trainer.critic_warmup trainer.save_freq
-    trainer.validation_data_dir
+    trainer.validation_data_dir trainer.rollout_data_dir
     trainer.resume_mode trainer.resume_from_path trainer.max_actor_ckpt_to_keep
     distillation.enabled distillation.teacher_models.teacher_model.model_path
     distillation.distillation_loss.loss_mode distillation.distillation_loss.use_task_rewards

@@ -23,7 +23,8 @@ slot reads the null page); dense, `size x (P + R_max)` slots. A prefill dispatch
 Bandwidth bound: the pool full of sequences at the distribution's token-weighted mean context (at most
 `max_num_seqs`), every step's bytes at HBM bandwidth, no prefill and no tail.
 
-Usage: python scripts/simulate_rollout.py [--plans 7b_v5p64,7b_8xh100] [--lengths FILE.json] [--json out.json]
+Usage: python scripts/simulate_rollout.py [--plans 7b_v5p64,7b_8xh100] [--lengths FILE.json or DIR] [--lengths-max R]
+       [--json out.json]
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import inspect
 import json
 import math
 import os
+import pathlib
 import sys
 
 import numpy as np
@@ -219,7 +221,18 @@ def _step_bytes(cfg, slots: int) -> float:
     return got[0] + (cfg.num_layers - 1) * (got[1] - got[0])
 
 
-def run_plan(name: str, *, lengths=None, sigma=1.0, max_num_seqs=256, k=16, max_tokens=2048, host_ms=0.0, seed=0):
+def run_plan(
+    name: str,
+    *,
+    lengths=None,
+    lengths_max=None,
+    sigma=1.0,
+    max_num_seqs=256,
+    k=16,
+    max_tokens=2048,
+    host_ms=0.0,
+    seed=0,
+):
     """Simulate one `plan.ROLLOUT_PLANS` entry for its TP group's share of the batch, under two per-step costs:
     `cost_analysis` (XLA:CPU's bytes, `step_bytes_from_compile`: an upper estimate, XLA:CPU fuses less than
     XLA:TPU / XLA:GPU) and `weights` (the bf16 weights and the `[S, V]` float32 logits written and read: the
@@ -234,8 +247,11 @@ def run_plan(name: str, *, lengths=None, sigma=1.0, max_num_seqs=256, k=16, max_
         lengths = lognormal_lengths(count, p["mean_response"], sigma, p["max_response"], seed)
         source = f"lognormal mean {p['mean_response']:g} sigma {sigma:g} capped at {p['max_response']}"
     else:
-        lengths = np.resize(np.minimum(np.asarray(lengths), p["max_response"]), count)
-        source = "logged lengths"
+        x = np.asarray(lengths, np.float64)
+        if lengths_max:  # a logged run's shape (its R_max = lengths_max) stretched to this plan's R_max
+            x = np.ceil(x / lengths_max * p["max_response"])
+        lengths = np.resize(np.minimum(x, p["max_response"]).astype(np.int64), count)
+        source = "logged lengths" + (f" x {p['max_response']}/{lengths_max}" if lengths_max else "")
     dev = plan.DEVICES[p["device"]]
     weights = row["weights_gb"] * 1e9
     floor = weights + 2 * max_num_seqs * cfg.vocab_size * 4 / tp
@@ -325,23 +341,54 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def read_lengths(path: str) -> list[int]:
+    """Response lengths from `path`: a JSON list of ints, a `<step>.jsonl` file `trainer.rollout_data_dir` wrote
+    (its rows' `response_length`), or that directory (every `*.jsonl` in it, in name order). Raises ValueError
+    when nothing is found."""
+    p = pathlib.Path(path)
+    files = sorted(p.glob("*.jsonl")) if p.is_dir() else [p]
+    if p.suffix == ".json":
+        out = [int(x) for x in json.loads(p.read_text())]
+    else:
+        out = [int(json.loads(line)["response_length"]) for f in files for line in f.read_text().splitlines() if line]
+    if not out:
+        raise ValueError(f"{path}: no response lengths")
+    return out
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--plans", default="7b_v5p64,7b_8xh100,32b_v5p64_tp4", help="rollout/paged/plan.ROLLOUT_PLANS")
-    ap.add_argument("--lengths", default=None, help="JSON list of response lengths of a real run (else lognormal)")
+    ap.add_argument(
+        "--lengths",
+        default=None,
+        help="response lengths of a real run: a JSON list, or trainer.rollout_data_dir's <step>.jsonl files (a file "
+        "or the directory) with their response_length (else lognormal)",
+    )
     ap.add_argument("--sigma", type=float, default=1.0, help="log-sd of the lognormal lengths")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--k", type=int, default=16, help="decode steps per dispatch (rollout.num_scheduler_steps)")
     ap.add_argument("--host-ms", type=float, default=0.0, help="host time per dispatch")
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--lengths-max",
+        type=int,
+        default=None,
+        help="the logged run's data.max_response_length: lengths become fractions of it, scaled to each plan's R_max",
+    )
     a = ap.parse_args(argv)
-    lengths = None
-    if a.lengths:
-        with open(a.lengths) as f:
-            lengths = json.load(f)
+    lengths = None if not a.lengths else read_lengths(a.lengths)
     rows = []
     for name in a.plans.split(","):
-        got = run_plan(name, lengths=lengths, sigma=a.sigma, max_num_seqs=a.max_num_seqs, k=a.k, host_ms=a.host_ms)
+        got = run_plan(
+            name,
+            lengths=lengths,
+            lengths_max=a.lengths_max,
+            sigma=a.sigma,
+            max_num_seqs=a.max_num_seqs,
+            k=a.k,
+            host_ms=a.host_ms,
+        )
         rows += got
         print(json.dumps(got), flush=True)
     print(table(rows))

@@ -22,6 +22,7 @@ from jaxrl_post.rl.async_training.producer import rollout_probs_diff
 from jaxrl_post.rl.dynamic_sampling import timer as _timer
 from jaxrl_post.rl.roles.teacher import kl_to_teacher_metrics
 from jaxrl_post.rl.stages import stage
+from jaxrl_post.rl.validation_loop import write_rollout_generations
 
 
 def train_step(trainer, prompts: DataProto, next_prompts: Callable[[], DataProto] | None = None) -> dict[str, float]:
@@ -108,6 +109,11 @@ def train_step(trainer, prompts: DataProto, next_prompts: Callable[[], DataProto
                 metrics["actor/reward_kl_penalty"] = float(current_kl)
                 metrics["actor/reward_kl_penalty_coeff"] = float(kl_ctrl.value)
                 kl_ctrl.update(float(current_kl), n_steps=g.batch_size)  # responses, as verl
+
+        if cfg.trainer.get("rollout_data_dir"):  # verl: the scored training responses, <dir>/<step>.jsonl
+            with _timer("dump_rollout_generations", timing):
+                step_no = trainer.host.global_steps + 1
+                write_rollout_generations(cfg.trainer.rollout_data_dir, data.data, trainer.reward_fn, step_no)
 
         # -- updates
         rng = np.random.default_rng(shuffle_seed)

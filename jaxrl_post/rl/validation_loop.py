@@ -123,6 +123,25 @@ def write_generations(path: str, per_batch: list[dict[str, Any]], step: int) -> 
     os.replace(tmp, path)
 
 
+def write_rollout_generations(dump_dir: str, batch: Any, reward_fn: Any, step: int) -> None:
+    """verl's `trainer.rollout_data_dir`: one JSON line per training response of step `step` to
+    `<dump_dir>/<step>.jsonl`, the keys of `write_generations` with `score` = the row's summed
+    `token_level_scores` (verl's dump of the training batch) plus `response_length` (the response's real tokens,
+    the lengths a scheduler simulation replays: scripts/simulate_rollout.py --lengths). `batch`: the step's
+    scored `DataProto` (every process holds all rows; process 0 writes). Raises OSError as `write_generations`."""
+    if not distributed.is_main():
+        return
+    b, nt = batch.batch, batch.non_tensor_batch
+    part = dict(
+        dump=_dump_rows(batch, reward_fn),
+        scores=np.asarray(b["token_level_scores"], np.float64).sum(-1),
+        sources=np.asarray(nt["data_source"]),
+        uids=list(nt["uid"]),
+        extras={"response_length": np.asarray(b["response_attention_mask"]).sum(-1).astype(np.float64)},
+    )
+    write_generations(os.path.join(dump_dir, f"{step}.jsonl"), [part], step)
+
+
 def _json_float(x: Any) -> float | None:
     x = float(x)
     return x if np.isfinite(x) else None

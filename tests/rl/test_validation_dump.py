@@ -53,3 +53,40 @@ def test_validation_data_dir_writes_every_scored_response(tmp_path):
     assert all(len(v) == 1 for v in by_uid.values())  # one prompt per uid
     acc = np.mean([r["acc"] for r in rows])
     np.testing.assert_allclose(metrics["val-core/reasoning_gym/basic_arithmetic/acc/mean@2"], acc, rtol=1e-9)
+
+
+@pytest.mark.slow
+def test_rollout_data_dir_writes_every_scored_training_response(tmp_path):
+    """`trainer.rollout_data_dir` (verl): each step's training responses, scored, in `<dir>/<step>.jsonl`."""
+    from jaxrl_post.rl.trainer import RLTrainer
+
+    reward = tmp_path / "reward.py"
+    reward.write_text(REWARD_SRC)
+    c = grpo.get_config("tiny")
+    c.trainer.default_local_dir = str(tmp_path / "run")
+    c.trainer.rollout_data_dir = str(tmp_path / "rollouts")
+    c.trainer.total_training_steps = 2
+    c.trainer.val_at_end = False
+    c.custom_reward_function.path = str(reward)
+    trainer = RLTrainer(c, console_write=lambda line: None)
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    rows_per_step = int(c.data.train_batch_size) * int(c.rollout.n)
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    for step in (1, 2):
+        rows = [json.loads(line) for line in (tmp_path / "rollouts" / f"{step}.jsonl").read_text().splitlines()]
+        assert len(rows) == rows_per_step
+        for r in rows:  # the score is the reward of the written text (recomputed here)
+            assert r["score"] == float(len(r["output"]) % 3 == 0) and r["step"] == step
+            assert r["raw_prompt"][-1]["content"] in r["input"] and r["gts"] is not None
+            assert 1 <= r["response_length"] <= int(c.data.max_response_length)
+        assert sorted(np.unique([r["uid"] for r in rows], return_counts=True)[1]) == [int(c.rollout.n)] * (
+            rows_per_step // int(c.rollout.n)
+        )
+        m = next(m for m in metrics if m.get("training/global_step", m.get("step")) == step)
+        np.testing.assert_allclose(np.mean([r["score"] for r in rows]), m["critic/score/mean"], rtol=1e-6)
+        np.testing.assert_allclose(np.mean([r["response_length"] for r in rows]), m["response_length/mean"], rtol=1e-6)
+        assert "timing_s/dump_rollout_generations" in m
+    assert not list((tmp_path / "rollouts").glob("*.tmp"))
