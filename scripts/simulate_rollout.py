@@ -247,10 +247,7 @@ def run_plan(
         lengths = lognormal_lengths(count, p["mean_response"], sigma, p["max_response"], seed)
         source = f"lognormal mean {p['mean_response']:g} sigma {sigma:g} capped at {p['max_response']}"
     else:
-        x = np.asarray(lengths, np.float64)
-        if lengths_max:  # a logged run's shape (its R_max = lengths_max) stretched to this plan's R_max
-            x = np.ceil(x / lengths_max * p["max_response"])
-        lengths = np.resize(np.minimum(x, p["max_response"]).astype(np.int64), count)
+        lengths = np.resize(stretch_lengths(lengths, lengths_max, p["max_response"]), count)
         source = "logged lengths" + (f" x {p['max_response']}/{lengths_max}" if lengths_max else "")
     dev = plan.DEVICES[p["device"]]
     weights = row["weights_gb"] * 1e9
@@ -354,6 +351,15 @@ def read_lengths(path: str) -> list[int]:
     if not out:
         raise ValueError(f"{path}: no response lengths")
     return out
+
+
+def stretch_lengths(lengths, lengths_max: int | None, max_response: int) -> np.ndarray:
+    """`[N] int64`: logged `lengths` capped at `max_response`; with `lengths_max` (the logged run's R_max) first
+    stretched by `max_response / lengths_max`, rounded up (the run's shape at the plan's R_max)."""
+    x = np.asarray(lengths, np.float64)
+    if lengths_max:
+        x = np.ceil(x * max_response / lengths_max)
+    return np.minimum(x, max_response).astype(np.int64)
 
 
 def main(argv=None) -> list[dict]:

@@ -64,3 +64,22 @@ def test_retime_changes_only_the_step_cost():
     got = sim.retime(out, COST, other)
     assert got["seconds"] == 8 * 10 + 128 + 7 and got["tail_seconds"] == 8 * 10 + 128
     assert got["tokens_per_s"] == pytest.approx(8 / 215)
+
+
+def test_logged_lengths_are_read_and_stretched(tmp_path):
+    """`--lengths` reads trainer.rollout_data_dir's files (a directory: every <step>.jsonl in name order) or a JSON
+    list; `--lengths-max 256` stretches a run's lengths to a plan's R_max (x 16384 / 256 = 64, rounded up, capped)."""
+    d = tmp_path / "rollouts"
+    d.mkdir()
+    (d / "1.jsonl").write_text('{"response_length": 3.0, "output": "a"}\n{"response_length": 256.0}\n')
+    (d / "2.jsonl").write_text('{"response_length": 100.0}\n')
+    assert sim.read_lengths(str(d)) == [3, 256, 100]
+    assert sim.read_lengths(str(d / "2.jsonl")) == [100]
+    (tmp_path / "l.json").write_text("[5, 7]")
+    assert sim.read_lengths(str(tmp_path / "l.json")) == [5, 7]
+    assert sim.stretch_lengths([3, 256, 100, 300], 256, 16384).tolist() == [192, 16384, 6400, 16384]
+    assert sim.stretch_lengths([3, 20000], None, 16384).tolist() == [3, 16384]
+    assert sim.stretch_lengths([1], 48, 16384).tolist() == [342]  # 341.3 rounded up
+    (d / "3.jsonl").write_text("")
+    with pytest.raises(ValueError, match="no response lengths"):
+        sim.read_lengths(str(d / "3.jsonl"))
