@@ -232,6 +232,10 @@ def get_base_config() -> mlc.ConfigDict:
     # Placement (verl fully-async's top-level rollout.* names): devices of the rollout's own mesh
     c.rollout.n_gpus_per_node = 0  # devices given to the rollout (its own mesh, the first N); 0 = colocated
     c.rollout.nnodes = 1  # hosts given to the rollout (with n_gpus_per_node > 0; only 1 for now)
+    # The rollout's own tensor-parallel layout (verl's name; docs/performance.md): None = the training mesh's layout
+    # (no extra copy); an int tp = a rollout mesh with 'tensor' = tp, the rest of its devices on 'fsdp' (colocated:
+    # the training devices, the copy resharded by one jitted program; split: the n_gpus_per_node devices)
+    c.rollout.tensor_model_parallel_size = _opt_int()  # tensor-parallel size of the rollout; None = training's
     # Asynchronous training (docs/async.md; verl's fully-async recipe names, `mode` is ours)
     c.async_training = mlc.ConfigDict()
     c.async_training.mode = "sync"  # 'sync' | 'one_step_off' | 'fully_async'
@@ -513,6 +517,7 @@ _VERL_KEYS_TEXT = """
     critic.use_dynamic_bsz critic.ppo_max_token_len_per_gpu critic.forward_max_token_len_per_gpu
     rollout.n rollout.dtype rollout.temperature rollout.top_k rollout.top_p rollout.do_sample rollout.name
     rollout.max_num_seqs rollout.max_num_batched_tokens rollout.gpu_memory_utilization rollout.max_model_len
+    rollout.tensor_model_parallel_size
     rollout.log_prob_micro_batch_size
     rollout.multi_turn.enable rollout.multi_turn.max_assistant_turns rollout.multi_turn.max_user_turns
     rollout.multi_turn.max_parallel_calls rollout.multi_turn.max_tool_response_length

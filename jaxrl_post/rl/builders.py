@@ -28,7 +28,7 @@ from jaxrl_post.rl import ppo_update
 from jaxrl_post.rl.async_training.placement import split_meshes
 from jaxrl_post.rl.config_features import lora_enabled
 from jaxrl_post.runtime.platform_defaults import resolve
-from jaxrl_post.runtime.sharding import make_mesh
+from jaxrl_post.runtime.sharding import make_mesh, relayout_mesh
 
 log = logging.getLogger(__name__)
 
@@ -55,15 +55,42 @@ def build_mesh(cfg: Any, devices=None) -> jax.sharding.Mesh:
 
 
 def build_meshes(cfg: Any) -> tuple[jax.sharding.Mesh, jax.sharding.Mesh | None]:
-    """`(train_mesh, rollout_mesh)`. Colocated (`rollout.n_gpus_per_node == 0`): `build_mesh(cfg)` and None. Split
-    placement: the first `rollout.n_gpus_per_node` devices form the rollout mesh (all on 'fsdp':
-    `async_training.placement.split_meshes`), the rest the training mesh laid out by `trainer.mesh.*`. Raises
-    ConfigError as `build_mesh` (validate_config reports the same first)."""
+    """`(train_mesh, rollout_mesh)`. Colocated (`rollout.n_gpus_per_node == 0`): `build_mesh(cfg)` and None (the
+    rollout's own layout over the same devices is `colocated_rollout_mesh`'s). Split placement: the first
+    `rollout.n_gpus_per_node` devices form the rollout mesh ('tensor' = `rollout.tensor_model_parallel_size`, 1 when
+    None, the rest on 'fsdp': `async_training.placement.split_meshes`), the rest the training mesh laid out by
+    `trainer.mesh.*`. Raises ConfigError as `build_mesh` (validate_config reports the same first)."""
     n = int(cfg.rollout.n_gpus_per_node)
     if n == 0:
         return build_mesh(cfg), None
-    rollout_mesh, _ = split_meshes(jax.devices(), n)
+    tp = cfg.rollout.get("tensor_model_parallel_size")
+    rollout_mesh, _ = split_meshes(jax.devices(), n, tensor=1 if tp is None else int(tp))
     return build_mesh(cfg, jax.devices()[n:]), rollout_mesh
+
+
+def colocated_rollout_mesh(cfg: Any, train_mesh: jax.sharding.Mesh) -> jax.sharding.Mesh | None:
+    """The colocated rollout's own layout (`rollout.tensor_model_parallel_size` = tp): the training mesh's devices in
+    their order as ('data', 'fsdp', 'expert', 'tensor') = (1, n / tp, 1, tp) (`sharding.relayout_mesh`); None when
+    the key is None (the rollout samples on the training mesh). Raises ConfigError when tp does not divide them."""
+    tp = cfg.rollout.get("tensor_model_parallel_size")
+    if tp is None:
+        return None
+    try:
+        return relayout_mesh(train_mesh, int(tp))
+    except ValueError as e:
+        raise ConfigError(f"config.rollout.tensor_model_parallel_size={tp}: {e}") from None
+
+
+def check_rollout_heads(cfg: Any, model_config) -> None:
+    """Raises ConfigError when `rollout.tensor_model_parallel_size` does not divide the built model's query or KV
+    heads (a loaded model's are known only now; `config_features.check_rollout_tp` checks a preset's first)."""
+    tp = cfg.rollout.get("tensor_model_parallel_size")
+    for name in ("num_heads", "num_kv_heads"):
+        if tp is not None and getattr(model_config, name) % int(tp):
+            raise ConfigError(
+                f"config.rollout.tensor_model_parallel_size={tp}: must divide the model's "
+                f"{name}={getattr(model_config, name)} (heads are split over 'tensor')"
+            )
 
 
 def model_config_from(cfg: Any):

@@ -31,6 +31,7 @@ from jaxrl_post.rl.config_features import (
     check_lora,
     check_multi_turn,
     check_placement,
+    check_rollout_tp,
     check_router_replay,
     critic_enabled,
     dynamic_bsz,
@@ -357,8 +358,12 @@ def validate_config(cfg: Any, n_devices: int | None = None) -> None:
             err("rollout.max_num_seqs", f"must be >= rollout.n={cfg.rollout.n} (a prompt's samples decode together)")
         if cfg.rollout.multi_turn.enable:
             err("rollout.name", "'paged' is single-turn for now; use 'dense' with rollout.multi_turn.enable")
-        if (n_devices or 1) > 1 and not n_rollout:  # split: check_placement
-            err("rollout.name", f"'paged' runs on one device for now, the run has {n_devices}; use 'dense'")
+        if (n_devices or 1) > 1 and not n_rollout and cfg.rollout.get("tensor_model_parallel_size") is None:
+            err(
+                "rollout.name",
+                f"'paged' runs on one device unless rollout.tensor_model_parallel_size shards it, the run has "
+                f"{n_devices}; set that key to {n_devices} or use 'dense'",
+            )
     if cfg.rollout.do_sample:
         check("rollout.temperature", lambda v: is_num(v) and v > 0, "must be > 0 when rollout.do_sample")
     check("rollout.top_p", lambda v: is_num(v) and 0 < v <= 1, "must be in (0, 1]")
@@ -370,6 +375,7 @@ def validate_config(cfg: Any, n_devices: int | None = None) -> None:
     check_multi_turn(cfg, check, err, is_int, is_num)
     check_async(cfg, check, err, is_int, is_num)
     check_placement(cfg, check, err, is_int, n_total, jax.process_count())
+    check_rollout_tp(cfg, check, err, is_int, n_total)
     check_distillation(cfg, check, err, is_int, is_num)
     check_router_replay(cfg, check, err)
 

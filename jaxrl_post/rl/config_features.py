@@ -13,6 +13,7 @@ from typing import Any
 from jaxrl_post.algos.distillation import DISTILLATION_LOSS_MODES, TOPK_LOSS_MODES
 from jaxrl_post.errors import ConfigError
 from jaxrl_post.models.lora import parse_target_modules, read_adapter_config
+from jaxrl_post.models.presets import get_preset
 from jaxrl_post.rl.async_training.settings import MODES
 from jaxrl_post.rollout.tool_parser import _PARSERS
 
@@ -364,9 +365,39 @@ def check_placement(cfg: Any, check, err, is_int, n_devices: int, n_processes: i
         )
     if n_processes > 1:
         err("rollout.n_gpus_per_node", f"the split placement runs in one process for now, the run has {n_processes}")
-    if cfg.rollout.name == "paged" and n != 1:
+    if cfg.rollout.name == "paged" and n != 1 and cfg.rollout.get("tensor_model_parallel_size") is None:
         err(
             "rollout.name",
-            f"'paged' runs on one device for now: with the split placement it needs "
-            f"rollout.n_gpus_per_node=1, not {n}; use 'dense'",
+            f"'paged' runs on one device unless rollout.tensor_model_parallel_size shards it: with the split "
+            f"placement it needs rollout.n_gpus_per_node=1, not {n}, or that key = {n}; or use 'dense'",
+        )
+
+
+def check_rollout_tp(cfg: Any, check, err, is_int, n_devices: int) -> None:
+    """`rollout.tensor_model_parallel_size` (verl's name): None (the training mesh's layout), or an int tp >= 1 that
+    divides the rollout's devices (`rollout.n_gpus_per_node` under the split placement, else all `n_devices`) and a
+    `model.random_init` preset's query and KV heads (a loaded model's are checked once it is built:
+    `builders.check_rollout_heads`); 'paged' needs a tensor-only rollout mesh (tp = its devices)."""
+    key = "rollout.tensor_model_parallel_size"
+    tp = cfg.rollout.get("tensor_model_parallel_size")
+    if not check(key, lambda v: v is None or (is_int(v) and v >= 1), "must be None or an int >= 1") or tp is None:
+        return
+    n = rollout_device_count(cfg, n_devices) or n_devices
+    where = f"the rollout's {n} devices" + (" (rollout.n_gpus_per_node)" if n != n_devices else "")
+    if n % tp:
+        err(key, f"must divide {where}")
+    if cfg.model.random_init:
+        try:
+            mc = get_preset(cfg.model.preset).replace(**{k: v for k, v in cfg.model.arch.items() if v is not None})
+        except (KeyError, TypeError) as e:  # an unknown preset or arch field: the model build reports it
+            err(key, f"cannot check the model's heads: {e}")
+            return
+        for name in ("num_heads", "num_kv_heads"):
+            if getattr(mc, name) % tp:
+                err(key, f"must divide the model's {name}={getattr(mc, name)} (heads are split over 'tensor')")
+    if cfg.rollout.name == "paged" and n != tp:
+        err(
+            key,
+            f"rollout.name='paged' shards one engine over 'tensor' only: needs {n} ({where}); data-parallel "
+            "engine replicas are not built yet",
         )

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -126,6 +127,28 @@ def make_mesh(
         raise ValueError(f"{len(devs)} devices are not divisible by dcn_data*dcn_fsdp = {n_slices} slices")
     ici = _resolve_sizes([data, fsdp, expert, tensor], len(devs) // n_slices, "devices per slice")
     return Mesh(hybrid_device_array(ici, (dcn_data, dcn_fsdp, 1, 1), devs), MESH_AXES, axis_types=auto)
+
+
+def relayout_mesh(mesh: Mesh, tensor: int) -> Mesh:
+    """The devices of `mesh`, in its order, as a mesh ('data', 'fsdp', 'expert', 'tensor') = (1, n / tensor, 1,
+    tensor): a second layout over the same devices (the colocated rollout's, `rollout.tensor_model_parallel_size`).
+    Keeping the device order lets one jitted program read arrays on `mesh` and write them on the new mesh (jit needs
+    one device assignment). Raises ValueError when `tensor` does not divide the device count."""
+    devs = np.asarray(mesh.devices).reshape(-1)
+    if tensor < 1 or devs.size % tensor:
+        raise ValueError(f"tensor={tensor} does not divide the mesh's {devs.size} devices")
+    auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
+    return Mesh(devs.reshape(1, devs.size // tensor, 1, tensor), MESH_AXES, axis_types=auto)
+
+
+def bytes_per_device(tree) -> int:
+    """The most bytes of `tree`'s array leaves that one (addressable) device holds: the sum of each device's shards,
+    replicated leaves counted on every device that holds them."""
+    held: dict[Any, int] = {}
+    for x in jax.tree.leaves(tree):
+        for shard in x.addressable_shards:
+            held[shard.device] = held.get(shard.device, 0) + int(shard.data.size) * shard.data.dtype.itemsize
+    return max(held.values(), default=0)
 
 
 def logical_to_mesh_spec(names: Sequence[str | None] | None) -> P:

@@ -8,12 +8,18 @@ actor's copy has no adapters: it holds the merged kernels `W + (alpha / r) A . B
 (`models.lora.merged_state`). The copy's arrays are `TrainState.rollout` (train_state.py). Under the split
 placement (`rollout.n_gpus_per_node` > 0) the copy lives on the rollout's own mesh: cast (if needed) on the
 training mesh, then published there by one batched `jax.device_put` (`async_training.placement.publish_weights`).
+`rollout.tensor_model_parallel_size` = tp gives the rollout a layout of its own: the split placement's rollout mesh
+has 'tensor' = tp; colocated, the copy lives on the training devices laid out (1, n / tp, 1, tp)
+(`builders.colocated_rollout_mesh`), written from the training layout by one jitted program (cast and LoRA merge in
+it, `out_shardings` the rollout layout's, the previous copy donated).
 
 Every rollout answers `collect(prompts, seed, timing, reward_fn, rng, next_prompts)`;
 `dynamic_sampling.FilteredRollout` wraps one with DAPO's group filter.
 """
 
 from __future__ import annotations
+
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -23,16 +29,21 @@ from flax import nnx
 from jaxrl_post.algos.registry import adv_estimator_needs
 from jaxrl_post.batch.protocol import DataProto
 from jaxrl_post.engine.placement import Placement, to_numpy
+from jaxrl_post.errors import ConfigError
 from jaxrl_post.models.hf_io import empty_model
 from jaxrl_post.models.lora import merged_state
 from jaxrl_post.rl import reward_builders
 from jaxrl_post.rl.async_training.placement import publish_weights
+from jaxrl_post.rl.builders import check_rollout_heads, colocated_rollout_mesh
 from jaxrl_post.rl.dynamic_sampling import score_everywhere, timer
 from jaxrl_post.rollout import Generator, SamplingParams
 from jaxrl_post.rollout.agent_loop import rollout_metrics
 from jaxrl_post.rollout.paged.engine import paged_generator_from_config
 from jaxrl_post.runtime import platform_defaults
 from jaxrl_post.runtime.distributed import gather_reward, gather_rows
+from jaxrl_post.runtime.sharding import bytes_per_device, param_shardings
+
+log = logging.getLogger(__name__)
 
 
 class RolloutRole:
@@ -50,8 +61,11 @@ class RolloutRole:
         own copy of the weights; None: colocated on `placement.mesh`.
 
     Attributes: `model` (the sampling nnx module), `copy` (True: a separate copy in `rollout.dtype`),
-    `rollout_mesh` (split placement, else None), `published_bytes` (bytes of the last publication to the rollout
-    mesh: the `async/publish_bytes` metric; 0 colocated),
+    `rollout_mesh` (split placement, else None), `layout_mesh` (the mesh the rollout samples on when it has a layout
+    of its own: the split placement's, or the colocated one of `rollout.tensor_model_parallel_size`; else None),
+    `published_bytes` (bytes of the last publication to the rollout mesh: the `async/publish_bytes` metric; 0
+    colocated), `weights_bytes_per_chip` (the most bytes of the rollout copy one device holds, with a
+    `layout_mesh`),
     `generator` (`rollout.Generator`, or `PagedGenerator` under `rollout.name='paged'`), `agent_loop`
     (multi-turn `AgentLoop`, None: single-turn).
     """
@@ -75,13 +89,23 @@ class RolloutRole:
         rdt = jnp.dtype(cfg.rollout.dtype or platform_defaults.resolve("model.dtype", cfg.model.dtype))
         m = policy.model
         self.rollout_mesh, self.published_bytes = rollout_mesh, 0
+        self.tp, self.weights_bytes_per_chip = cfg.rollout.get("tensor_model_parallel_size"), 0
+        self.layout_mesh = rollout_mesh if rollout_mesh is not None else colocated_rollout_mesh(cfg, placement.mesh)
+        relayout = rollout_mesh is None and self.layout_mesh is not None  # colocated, a layout of its own
         # split placement without a cast: the actor's params go to the rollout mesh as they are
         self._publish_direct = rollout_mesh is not None and policy.lora is None and rdt == m.param_dtype
-        self.copy = separate_copy or rollout_mesh is not None or not (rdt == m.dtype == m.param_dtype)
+        self.copy = separate_copy or relayout or rollout_mesh is not None or not (rdt == m.dtype == m.param_dtype)
         if self.copy:
             self.model = empty_model(m.config, dtype=rdt, param_dtype=rdt)
+            if self.tp is not None:  # one line per bad key (heads, then any dim the rollout layout splits)
+                check_rollout_heads(cfg, m.config)
+                try:
+                    param_shardings(nnx.state(self.model, nnx.Param), self.layout_mesh)
+                except ValueError as e:
+                    raise ConfigError(f"config.rollout.tensor_model_parallel_size={self.tp}: {e}") from None
             # a same-dtype `astype` would hand back the actor's own (later donated) buffers: copy instead
-            one = (lambda x: jnp.copy(x) if x.dtype == rdt else x.astype(rdt)) if separate_copy else None
+            own = separate_copy or relayout
+            one = (lambda x: jnp.copy(x) if x.dtype == rdt else x.astype(rdt)) if own else None
             one = one or (lambda x: x.astype(rdt))
             cast = lambda p: jax.tree.map(one, p)
             if policy.lora is not None:  # fn(adapters, frozen base) -> merged params, shardings of the base
@@ -90,17 +114,24 @@ class RolloutRole:
                 out = jax.tree.map(lambda x: x.sharding, policy.frozen) if placement.sharded else None
             else:
                 to_rollout, out = (lambda p, f: cast(p)), None
-            self._cast_first = jax.jit(to_rollout, out_shardings=out)
-            self._cast_donating = jax.jit(lambda p, f, old: to_rollout(p, f), donate_argnums=(2,), out_shardings=out)
+            self._to_rollout = to_rollout
+            if relayout:  # its out_shardings are the rollout layout's, of the cast's output: built at the first sync
+                self._cast_first = self._cast_donating = None
+            else:
+                self._cast_first = jax.jit(to_rollout, out_shardings=out)
+                self._cast_donating = jax.jit(
+                    lambda p, f, old: to_rollout(p, f), donate_argnums=(2,), out_shardings=out
+                )
         else:
             self.model = m
-        if cfg.rollout.name == "paged":  # docs/paged_rollout.md; validate_config keeps it single-turn, one device
+        if cfg.rollout.name == "paged":  # docs/paged_rollout.md; validate_config: single-turn, a tensor-only mesh
             r3 = policy.router_replay == "R3"  # `routed_experts`, replayed by the actor
-            self.generator = paged_generator_from_config(self.model, cfg.rollout, return_routed_experts=r3)
+            mesh = self.layout_mesh if self.tp is not None else None
+            self.generator = paged_generator_from_config(self.model, cfg.rollout, return_routed_experts=r3, mesh=mesh)
         else:
             self.generator = Generator(
                 self.model,
-                mesh=placement.active_mesh if rollout_mesh is None else rollout_mesh,
+                mesh=placement.active_mesh if self.layout_mesh is None else self.layout_mesh,
                 cache_segment_len=platform_defaults.cache_segment_len(),  # one segment off CPU (no per-segment cond)
                 return_routed_experts=policy.router_replay == "R3",  # `routed_experts`, replayed by the actor
             )
@@ -116,7 +147,8 @@ class RolloutRole:
         """The one place where actor and rollout meet, after every actor update and restore: the actor's
         module gets `actor_params`; the rollout model gets them too -- shared buffers when dtypes agree
         (returns None), else cast to `rollout.dtype` by one jitted program (shardings kept; the previous copy
-        `rollout_params` is donated to it; LoRA: the adapters merged into the frozen base kernels first).
+        `rollout_params` is donated to it; LoRA: the adapters merged into the frozen base kernels first; with
+        `rollout.tensor_model_parallel_size` colocated, the same program writes the rollout layout).
         Split placement: the params (cast first when `rollout.dtype` differs or LoRA is on) go to the rollout mesh
         in one `jax.device_put` (`publish_weights`; `published_bytes` set), the previous copy is dropped; the
         seconds until it is there are added to `timing['sync_rollout_weights']` (verl's timer name).
@@ -135,18 +167,53 @@ class RolloutRole:
                 new, self.published_bytes = publish_weights(src, self.rollout_mesh)
                 jax.block_until_ready(new)
             nnx.update(self.model, new)
+            self._measure(new, "split placement: published by one device_put")
             return new
+        if self._cast_first is None:
+            self._relayout_programs(actor_params, frozen)
         if rollout_params is None:
             new = self._cast_first(actor_params, frozen)
         else:
             new = self._cast_donating(actor_params, frozen, rollout_params)
         nnx.update(self.model, new)
+        if self.layout_mesh is not None:
+            self._measure(new, "colocated: resharded from the training mesh by one jitted program")
         return new
 
+    def _relayout_programs(self, actor_params, frozen) -> None:
+        """The colocated relayout's two jitted programs (first sync; then every sync, the previous copy donated):
+        cast / LoRA merge and reshard in one, `out_shardings` the rollout layout's (`param_shardings` of the cast's
+        output on `layout_mesh`)."""
+        to_rollout = self._to_rollout
+        out = param_shardings(jax.eval_shape(to_rollout, actor_params, frozen), self.layout_mesh)
+        self._cast_first = jax.jit(to_rollout, out_shardings=out)
+        self._cast_donating = jax.jit(lambda p, f, old: to_rollout(p, f), donate_argnums=(2,), out_shardings=out)
+
+    def _measure(self, new, how: str) -> None:
+        """Set `weights_bytes_per_chip` from the new copy; log the rollout layout at the first sync."""
+        first = not self.weights_bytes_per_chip
+        self.weights_bytes_per_chip = bytes_per_device(new)
+        if first:
+            shape = " x ".join(f"{k}={v}" for k, v in self.layout_mesh.shape.items())
+            log.info(
+                "rollout layout: rollout.tensor_model_parallel_size=%s -> mesh %s over %d devices (%s); weights "
+                "%.3f MB per chip",
+                self.tp,
+                shape,
+                self.layout_mesh.size,
+                how,
+                self.weights_bytes_per_chip / 1e6,
+            )
+
     def publish_metrics(self) -> dict[str, float]:
-        """{} colocated; split placement: `async/publish_bytes`, the bytes the last `sync` moved to the rollout
-        mesh (0 when it did not publish)."""
-        return {} if self.rollout_mesh is None else {"async/publish_bytes": float(self.published_bytes)}
+        """{} colocated on the training layout; split placement: `async/publish_bytes`, the bytes the last `sync`
+        moved to the rollout mesh (0 when it did not publish); with a layout of its own (split, or
+        `rollout.tensor_model_parallel_size`): `rollout/weights_bytes_per_chip`, the most bytes of the rollout's
+        weights one device holds."""
+        out = {} if self.rollout_mesh is None else {"async/publish_bytes": float(self.published_bytes)}
+        if self.layout_mesh is not None:
+            out["rollout/weights_bytes_per_chip"] = float(self.weights_bytes_per_chip)
+        return out
 
     def publish_copy(self, rollout_params) -> None:
         """The rollout model samples with `rollout_params` (a restored copy; asynchronous training)."""

@@ -92,7 +92,9 @@ def paged_attention_xla(
 
     def pages(lo, hi, half):  # keys (half 0) or values (half 1) of pages [lo, hi): [T, (hi - lo) * ps, N, K]
         x = kv_pages[tables[:, lo:hi]] if layer is None else kv_pages[layer, tables[:, lo:hi]]
-        return x[..., half::2, :].reshape(t, (hi - lo) * ps, n, kd).astype(att)
+        # [.., 2N, K] -> [.., N, 2, K]: splits the combined heads as a 'tensor'-sharded pool holds them (kv head n
+        # whole on one device), where a stride-2 slice would not
+        return x.reshape(*x.shape[:-2], n, 2, kd)[..., half, :].reshape(t, (hi - lo) * ps, n, kd).astype(att)
 
     def segment(i, fn, shape, fill):
         if len(bounds) == 1:

@@ -5,10 +5,17 @@ decode steps of the whole slot batch. Shapes are fixed per engine and prompt buc
 width, prefill budget), so each program compiles once. Samples use the dense `Generator`'s per-row keys
 (`fold_in(fold_in(key, step), row)`, row `i * n + j` = sample j of prompt i), so on CPU float32 both engines give
 the same tokens, and log-probs equal to float rounding (prefill and decode batch differently).
+
+With a `mesh` whose only axis > 1 is 'tensor' (`rollout.tensor_model_parallel_size`), the engine runs sharded over
+it: the model's params as they are placed (`sharding.param_shardings` on that mesh), the page pool split over kv
+heads (`kv_pool.POOL_AXES`), page tables, slots, logits and sampled tokens replicated, the programs traced under the
+mesh (GSPMD partitions the per-head XLA attention); the host scheduler is the same. The Pallas TPU kernel stays
+single-device: on a mesh with tensor > 1 'auto' picks the XLA path.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable
@@ -17,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jaxrl_post.batch.protocol import DataProto
 from jaxrl_post.models.moe import routes_dtype
@@ -24,7 +32,7 @@ from jaxrl_post.rollout.generate import _assemble, check_prompts, kv_cache_dtype
 from jaxrl_post.rollout.paged import forward, programs
 from jaxrl_post.rollout.paged.allocator import PageAllocator
 from jaxrl_post.rollout.paged.attention import resolve_paged_attention_impl
-from jaxrl_post.rollout.paged.kv_pool import init_pool, pool_bytes, token_slots
+from jaxrl_post.rollout.paged.kv_pool import init_pool, pool_bytes, token_slots, zeros_on
 from jaxrl_post.rollout.paged.scheduler import Piece, Scheduler, Seq
 from jaxrl_post.rollout.sampling import SamplingParams
 
@@ -33,7 +41,7 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class PagedGenerator:
-    """Paged rollout engine for one model (single device for now).
+    """Paged rollout engine for one model, on one device or on a tensor-parallel mesh (module docstring).
 
     Args:
       model: a `jaxrl_post.models.Transformer`; its params are read (and layers stacked) at each `generate` call
@@ -58,6 +66,9 @@ class PagedGenerator:
         forward that fed it (prefill for the prompt, shared by its `n` samples; the decode step for a response
         token), kept when a preempted or resumed sequence's context is prefilled again. Raises ValueError on a
         model without MoE layers.
+      mesh: a mesh ('data', 'fsdp', 'expert', 'tensor') whose only axis > 1 is 'tensor', the model's params placed
+        on it; None: one device. Raises ValueError for another axis > 1 (data-parallel engine replicas are not
+        built), a 'tensor' size that does not divide the kv heads, or 'pallas_tpu' with tensor > 1.
     """
 
     model: nnx.Module
@@ -72,12 +83,15 @@ class PagedGenerator:
     scan_layers: bool | None = None
     max_model_len: int | None = None
     return_routed_experts: bool = False
+    mesh: jax.sharding.Mesh | None = None
     last_stats: dict | None = dataclasses.field(default=None, init=False, repr=False)
 
     def __post_init__(self):
         if self.return_routed_experts and not getattr(getattr(self.model, "config", None), "moe_layers", ()):
             raise ValueError("return_routed_experts needs a model with MoE layers (routing replay)")
         self.impl = resolve_paged_attention_impl(self.attention_impl, jax.default_backend())
+        if self.mesh is not None:
+            self._check_mesh()
         if self.scan_layers is None:
             self.scan_layers = jax.default_backend() != "cpu"
         for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "steps_per_dispatch"):
@@ -85,6 +99,21 @@ class PagedGenerator:
                 raise ValueError(f"PagedGenerator.{name} must be >= 1, got {getattr(self, name)}")
         self._weights_read = False
         self.unfinished: list[Seq] = []  # sequences the last call stopped before they finished
+
+    def _check_mesh(self) -> None:
+        shape = dict(self.mesh.shape)
+        if any(v > 1 for k, v in shape.items() if k != "tensor"):
+            raise ValueError(
+                f"the paged engine shards over 'tensor' only (no data-parallel replicas yet): mesh {shape}"
+            )
+        tp, n_kv = shape.get("tensor", 1), self.model.config.num_kv_heads
+        if n_kv % tp:
+            raise ValueError(f"the paged engine's tensor size {tp} does not divide the model's {n_kv} kv heads")
+        if tp > 1 and self.impl == "pallas_tpu":
+            if self.attention_impl != "auto":
+                raise ValueError("paged attention 'pallas_tpu' runs on one device; on a tensor mesh use 'xla'")
+            self.impl = "xla"
+            log.info("paged rollout: the Pallas TPU kernel is single-device; tensor=%d uses the XLA attention", tp)
 
     def update_weights(self, model: nnx.Module | None = None) -> None:
         """Take `model`'s (or the current model's) params for the next dispatch: the layers are restacked once
@@ -134,6 +163,10 @@ class PagedGenerator:
         """
         if process_local and jax.process_count() > 1:
             raise ValueError("the paged rollout engine runs in one process for now (rollout.name='dense')")
+        with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
+            return self._generate(prompts, params, seed, n, should_stop, resume)
+
+    def _generate(self, prompts, params, seed, n, should_stop, resume) -> DataProto:
         ids, mask, n = check_prompts(prompts, n)
         b, p = ids.shape
         r = params.max_new_tokens
@@ -158,8 +191,10 @@ class PagedGenerator:
             seqs = list(resume)
             for s in seqs:
                 sched.add([s])
-        kv = init_pool(cfg.num_layers, num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim, dtype).kv
+        kv = init_pool(cfg.num_layers, num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim, dtype, self.mesh).kv
         logits = jnp.zeros((self.max_num_seqs, cfg.vocab_size), jnp.float32)
+        if self.mesh is not None:  # replicated, as the programs return them
+            logits = zeros_on(logits.shape, logits.dtype, jax.sharding.NamedSharding(self.mesh, P()))
         key = jax.random.key(params.seed if seed is None else seed)
         static = dataclasses.replace(params, seed=0, max_new_tokens=1)  # slots carry their limits: one program
         stats = {"prefill_dispatches": 0, "decode_dispatches": 0, "decode_slot_steps": 0, "emitted": 0}
@@ -180,6 +215,8 @@ class PagedGenerator:
             num_pages=num_pages,
             pool_bytes=pool_bytes(cfg.num_layers, num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim, dtype),
             preemptions=sched.num_preemptions,
+            pool_shard_shape=tuple(kv.addressable_shards[0].data.shape),  # one device's share of the pool
+            pool_devices=len(kv.sharding.device_set),
         )
         self.last_stats = stats
         return self._result(prompts, ids, mask, seqs, b * n if resume is None else None, n, params)
@@ -330,19 +367,19 @@ def _record_routes(seq: Seq, start: int, routes: np.ndarray) -> None:
         seq.routes.append(np.array(routes[have - start :]))
 
 
-def pages_for_memory(budget_bytes: int, model_config, page_size: int, dtype) -> int:
-    """Pages (null page included) whose pool fits in `budget_bytes` (e.g. `gpu_memory_utilization` x the device
-    memory minus the weights): budget // bytes per page."""
+def pages_for_memory(budget_bytes: int, model_config, page_size: int, dtype, tensor: int = 1) -> int:
+    """Pages (null page included) whose pool fits in `budget_bytes` per device (e.g. `gpu_memory_utilization` x the
+    device memory minus the weights): budget // bytes per page on one device (a page's kv heads split `tensor` ways)."""
     c = model_config
-    per_page = pool_bytes(c.num_layers, 1, page_size, c.num_kv_heads, c.head_dim, dtype)
+    per_page = pool_bytes(c.num_layers, 1, page_size, c.num_kv_heads, c.head_dim, dtype) // tensor
     return int(budget_bytes) // per_page
 
 
-def paged_generator_from_config(model, rollout, return_routed_experts: bool = False) -> PagedGenerator:
+def paged_generator_from_config(model, rollout, return_routed_experts: bool = False, mesh=None) -> PagedGenerator:
     """The engine of `rollout.name='paged'` from the `rollout.*` keys (configs/base.py): `max_num_seqs`,
     `max_num_batched_tokens`, `block_size`, `num_scheduler_steps`, `max_model_len`, and the pool from
     `num_gpu_blocks_override`, else `gpu_memory_utilization` x the device's memory limit minus the bytes in use
-    (weights), else None (enough pages for every slot); return_routed_experts: as `PagedGenerator`'s. Raises
+    (weights), else None (enough pages for every slot); return_routed_experts, mesh: as `PagedGenerator`'s. Raises
     ValueError when `gpu_memory_utilization` is set on a device without memory stats or leaves no room for two
     pages, or `return_routed_experts` on a model without MoE layers."""
     pages = rollout.num_gpu_blocks_override
@@ -355,7 +392,8 @@ def paged_generator_from_config(model, rollout, return_routed_experts: bool = Fa
             )
         budget = rollout.gpu_memory_utilization * stats["bytes_limit"] - stats.get("bytes_in_use", 0)
         dtype = kv_cache_dtype(model)
-        pages = pages_for_memory(int(budget), model.config, int(rollout.block_size), dtype)
+        tp = 1 if mesh is None else int(dict(mesh.shape).get("tensor", 1))
+        pages = pages_for_memory(int(budget), model.config, int(rollout.block_size), dtype, tp)
         if pages < 2:
             raise ValueError(f"rollout.gpu_memory_utilization={rollout.gpu_memory_utilization} leaves {pages} KV pages")
         log.info("paged rollout: %d KV pages of %d tokens (%.2f GB)", pages, rollout.block_size, budget / 1e9)
@@ -368,4 +406,5 @@ def paged_generator_from_config(model, rollout, return_routed_experts: bool = Fa
         steps_per_dispatch=int(rollout.num_scheduler_steps),
         max_model_len=rollout.get("max_model_len"),
         return_routed_experts=return_routed_experts,
+        mesh=mesh,
     )

@@ -26,7 +26,7 @@ from jaxrl_post.models.decoder import layer_period
 from jaxrl_post.models.layers import _rope_angles, apply_rope
 from jaxrl_post.models.moe import MoE, routes_dtype
 from jaxrl_post.rollout.paged.attention import paged_attention
-from jaxrl_post.rollout.paged.kv_pool import write_kv
+from jaxrl_post.rollout.paged.kv_pool import constrain_pool, write_kv
 
 
 @flax.struct.dataclass
@@ -81,7 +81,7 @@ def _attention(attn, x, positions, kv, layer, rag: Ragged, impl: str):
     angles = _rope_angles(positions, attn.head_dim, attn.rope_base, dict(attn.rope_scaling), attn.max_pos)
     q, k = apply_rope(q, angles), apply_rope(k, angles)
     flat = lambda a: a.reshape(b * t, *a.shape[2:])
-    kv = write_kv(kv, layer, flat(k), flat(v), rag.slots)
+    kv = constrain_pool(write_kv(kv, layer, flat(k), flat(v), rag.slots))  # kv heads stay split (a mesh's 'tensor')
     out = paged_attention(
         flat(q),
         kv,

@@ -5,14 +5,23 @@ head 2n, its value 2n + 1), the layout of the Pallas TPU kernel `ragged_paged_at
 pool as it is. Keys are stored after RoPE. Token `i` of a sequence with page table `table` lives in slot
 `table[i // page_size] * page_size + i % page_size` of the flattened pool (`token_slots`); page 0 is the null page
 (`allocator.NULL_PAGE`): idle slots write there and nothing unmasked reads it.
+
+On a tensor-parallel mesh the pool is split over its combined-head dim on 'tensor' (`POOL_AXES`): with tp dividing
+N, each device holds the keys and values of its N / tp kv heads, the heads its query heads read.
 """
 
 from __future__ import annotations
+
+import functools
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxrl_post.runtime.sharding import constrain, logical_to_mesh_spec
+
+POOL_AXES = ("layers", None, None, "kv_heads", "head_dim")  # logical names of the pool's dims
 
 
 @flax.struct.dataclass
@@ -34,9 +43,30 @@ class PagedKVPool:
         return self.kv.shape[2]
 
 
-def init_pool(num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype) -> PagedKVPool:
-    """Zeros `[L, P, page_size, 2N, K]` of `dtype`."""
-    return PagedKVPool(jnp.zeros((num_layers, num_pages, page_size, 2 * num_kv_heads, head_dim), dtype))
+def init_pool(
+    num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype, mesh=None
+) -> PagedKVPool:
+    """Zeros `[L, P, page_size, 2N, K]` of `dtype`; with `mesh`, written in place on it, split by `POOL_AXES`."""
+    shape = (num_layers, num_pages, page_size, 2 * num_kv_heads, head_dim)
+    if mesh is None:
+        return PagedKVPool(jnp.zeros(shape, dtype))
+    return PagedKVPool(zeros_on(shape, jnp.dtype(dtype), pool_sharding(mesh)))
+
+
+def pool_sharding(mesh) -> jax.sharding.NamedSharding:
+    """The pool's sharding on `mesh`: combined heads over 'tensor' (`POOL_AXES`)."""
+    return jax.sharding.NamedSharding(mesh, logical_to_mesh_spec(POOL_AXES))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def zeros_on(shape: tuple, dtype, sharding):
+    """Zeros of `shape` and `dtype` created on `sharding`'s devices (no full copy on one device first)."""
+    return jax.lax.with_sharding_constraint(jnp.zeros(shape, dtype), sharding)
+
+
+def constrain_pool(kv: jax.Array) -> jax.Array:
+    """`kv` constrained to `POOL_AXES` under an ambient mesh (`jax.set_mesh`); unchanged without one."""
+    return constrain(kv, POOL_AXES)
 
 
 def pool_bytes(num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype) -> int:

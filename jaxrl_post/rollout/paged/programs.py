@@ -1,7 +1,9 @@
 """The paged engine's jitted programs: a ragged prefill chunk, `K` decode steps over the slot batch (`lax.scan`),
 and the small moves between them (first logits into slots, forked pages). Module-level with static graphdefs and
 shapes, so every call with the same model structure and engine shapes reuses one compiled program each.
-`TRACE_COUNTS` counts traces (tests assert compile-once on it)."""
+`TRACE_COUNTS` counts traces (tests assert compile-once on it). Called under a tensor-parallel mesh (`jax.set_mesh`),
+the pool keeps its split over kv heads (`kv_pool.constrain_pool`) and the logits stay replicated, so a program's
+outputs have the layout of its inputs (compile once); without a mesh the constraints are no-ops."""
 
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl_post.rollout.paged import forward
-from jaxrl_post.rollout.paged.kv_pool import token_slots
+from jaxrl_post.rollout.paged.kv_pool import constrain_pool, token_slots
 from jaxrl_post.rollout.sampling import is_eos, sample_tokens
+from jaxrl_post.runtime.sharding import constrain
 
 TRACE_COUNTS = {"prefill": 0, "decode": 0}
 
@@ -27,19 +30,25 @@ def prefill(graphdef, state, graphdefs, layers, kv, rag: forward.Ragged, last, *
     model = nnx.merge(graphdef, state)
     h, kv, *experts = forward.hidden_states(model, graphdefs, layers, kv, rag, impl, with_routes=routes)
     h_last = jnp.take(h[0], last, axis=0)[:, None]  # [S, 1, D]
-    return (kv, model.logits_from_hidden(h_last)[:, 0], *(e[0] for e in experts))
+    logits = _replicated(model.logits_from_hidden(h_last)[:, 0])
+    return (constrain_pool(kv), logits, *(e[0] for e in experts))
+
+
+def _replicated(logits):
+    """`logits [S, V]` replicated under an ambient mesh (no-op without one)."""
+    return constrain(logits, (None, None))
 
 
 @functools.partial(jax.jit, donate_argnames=("logits",))
 def place_logits(logits, new, src, dst):
     """`logits [S, V]` with rows `dst [S] int32` set to `new[src]` (`dst` = S: dropped)."""
-    return logits.at[dst].set(new[src], mode="drop")
+    return _replicated(logits.at[dst].set(new[src], mode="drop"))
 
 
 @functools.partial(jax.jit, donate_argnames=("kv",))
 def copy_pages(kv, src, dst):
     """Pool `[L, P, ...]` with pages `dst [C]` set to pages `src [C]` in every layer ((0, 0) pads: a no-op)."""
-    return kv.at[:, dst].set(kv[:, src])
+    return constrain_pool(kv.at[:, dst].set(kv[:, src]))
 
 
 @functools.partial(
@@ -99,7 +108,8 @@ def decode(
         new_done = done | is_eos(tok, params.eos_token_ids) | (t + 1 >= limit)
         step_ = emitted.astype(jnp.int32)
         out = (tok, lp, th, emitted, *(e[:, 0] for e in experts))
-        return (kv, model.logits_from_hidden(h)[:, 0], pos + step_, t + step_, new_done), out
+        kv, logits = constrain_pool(kv), _replicated(model.logits_from_hidden(h)[:, 0])
+        return (kv, logits, pos + step_, t + step_, new_done), out
 
     (kv, logits, _, _, done), outs = jax.lax.scan(step, (kv, logits, pos, t, done), None, length=steps)
     tokens, lps, ths, emitted = (o.T for o in outs[:4])
