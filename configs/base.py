@@ -218,7 +218,7 @@ def get_base_config() -> mlc.ConfigDict:
     c.rollout.sampling_mask_replay = False  # False: full-softmax log-probs, as verl (biased ratio with truncation)
     # Rollout engine (verl: rollout.name picks the inference engine; docs/paged_rollout.md): 'dense' = today's
     # Generator (a dense KV cache of B x (P + R) slots, compaction); 'paged' = the paged, continuously batched engine
-    # (jaxrl_post/rollout/paged: single-turn, one device for now). The keys below are read by 'paged' only.
+    # (jaxrl_post/rollout/paged: single-turn, one device or one tensor-parallel engine). The keys below are read by 'paged' only.
     c.rollout.name = "dense"  # 'dense' | 'paged'
     c.rollout.max_num_seqs = 256  # paged: sequences decoded at once (slots of the decode batch)
     c.rollout.max_num_batched_tokens = 2048  # paged: prompt tokens per prefill dispatch (chunked prefill)
@@ -233,7 +233,7 @@ def get_base_config() -> mlc.ConfigDict:
     c.rollout.n_gpus_per_node = 0  # devices given to the rollout (its own mesh, the first N); 0 = colocated
     c.rollout.nnodes = 1  # hosts given to the rollout (with n_gpus_per_node > 0; only 1 for now)
     # The rollout's own tensor-parallel layout (verl's name; docs/performance.md): None = the training mesh's layout
-    # (no extra copy); an int tp = a rollout mesh with 'tensor' = tp, the rest of its devices on 'fsdp' (colocated:
+    # (no extra copy); an int tp = a rollout mesh with 'tensor' = tp, the rest of its devices on 'data' (colocated:
     # the training devices, the copy resharded by one jitted program; split: the n_gpus_per_node devices)
     c.rollout.tensor_model_parallel_size = _opt_int()  # tensor-parallel size of the rollout; None = training's
     # Asynchronous training (docs/async.md; verl's fully-async recipe names, `mode` is ours)

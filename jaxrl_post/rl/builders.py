@@ -57,21 +57,24 @@ def build_mesh(cfg: Any, devices=None) -> jax.sharding.Mesh:
 def build_meshes(cfg: Any) -> tuple[jax.sharding.Mesh, jax.sharding.Mesh | None]:
     """`(train_mesh, rollout_mesh)`. Colocated (`rollout.n_gpus_per_node == 0`): `build_mesh(cfg)` and None (the
     rollout's own layout over the same devices is `colocated_rollout_mesh`'s). Split placement: the first
-    `rollout.n_gpus_per_node` devices form the rollout mesh ('tensor' = `rollout.tensor_model_parallel_size`, 1 when
-    None, the rest on 'fsdp': `async_training.placement.split_meshes`), the rest the training mesh laid out by
-    `trainer.mesh.*`. Raises ConfigError as `build_mesh` (validate_config reports the same first)."""
+    `rollout.n_gpus_per_node` devices form the rollout mesh (all on 'fsdp': `async_training.placement.split_meshes`;
+    with `rollout.tensor_model_parallel_size` = tp, 'tensor' = tp and the rest on 'data', as colocated), the rest the
+    training mesh laid out by `trainer.mesh.*`. Raises ConfigError as `build_mesh` (validate_config reports the same
+    first)."""
     n = int(cfg.rollout.n_gpus_per_node)
     if n == 0:
         return build_mesh(cfg), None
-    tp = cfg.rollout.get("tensor_model_parallel_size")
-    rollout_mesh, _ = split_meshes(jax.devices(), n, tensor=1 if tp is None else int(tp))
+    rollout_mesh, _ = split_meshes(jax.devices(), n)
+    if cfg.rollout.get("tensor_model_parallel_size") is not None:
+        rollout_mesh = colocated_rollout_mesh(cfg, rollout_mesh)
     return build_mesh(cfg, jax.devices()[n:]), rollout_mesh
 
 
 def colocated_rollout_mesh(cfg: Any, train_mesh: jax.sharding.Mesh) -> jax.sharding.Mesh | None:
     """The colocated rollout's own layout (`rollout.tensor_model_parallel_size` = tp): the training mesh's devices in
-    their order as ('data', 'fsdp', 'expert', 'tensor') = (1, n / tp, 1, tp) (`sharding.relayout_mesh`); None when
-    the key is None (the rollout samples on the training mesh). Raises ConfigError when tp does not divide them."""
+    their order as ('data', 'fsdp', 'expert', 'tensor') = (n / tp, 1, 1, tp) (`sharding.relayout_mesh`: weights split
+    tp ways, n / tp data-parallel replicas, no FSDP gathers while decoding); None when the key is None (the rollout
+    samples on the training mesh). Raises ConfigError when tp does not divide them."""
     tp = cfg.rollout.get("tensor_model_parallel_size")
     if tp is None:
         return None

@@ -130,15 +130,16 @@ def make_mesh(
 
 
 def relayout_mesh(mesh: Mesh, tensor: int) -> Mesh:
-    """The devices of `mesh`, in its order, as a mesh ('data', 'fsdp', 'expert', 'tensor') = (1, n / tensor, 1,
-    tensor): a second layout over the same devices (the colocated rollout's, `rollout.tensor_model_parallel_size`).
-    Keeping the device order lets one jitted program read arrays on `mesh` and write them on the new mesh (jit needs
-    one device assignment). Raises ValueError when `tensor` does not divide the device count."""
+    """The devices of `mesh`, in its order, as a mesh ('data', 'fsdp', 'expert', 'tensor') = (n / tensor, 1, 1,
+    tensor): a second layout over the same devices (the colocated rollout's, `rollout.tensor_model_parallel_size`):
+    params split over 'tensor' only and replicated over 'data', the batch split over 'data'. Keeping the device order
+    lets one jitted program read arrays on `mesh` and write them on the new mesh (jit needs one device assignment).
+    Raises ValueError when `tensor` does not divide the device count."""
     devs = np.asarray(mesh.devices).reshape(-1)
     if tensor < 1 or devs.size % tensor:
         raise ValueError(f"tensor={tensor} does not divide the mesh's {devs.size} devices")
     auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
-    return Mesh(devs.reshape(1, devs.size // tensor, 1, tensor), MESH_AXES, axis_types=auto)
+    return Mesh(devs.reshape(devs.size // tensor, 1, 1, tensor), MESH_AXES, axis_types=auto)
 
 
 def bytes_per_device(tree) -> int:

@@ -15,7 +15,8 @@ from configs import grpo
 from jaxrl_post.errors import ConfigError
 from jaxrl_post.models import ModelConfig, init_model
 from jaxrl_post.rl.config_check import validate_config
-from jaxrl_post.rollout.paged.engine import PagedGenerator, paged_generator_from_config
+from jaxrl_post.rollout.paged.engine import PagedGenerator
+from jaxrl_post.rollout.paged.from_config import paged_generator_from_config
 
 
 def _paged(**keys):

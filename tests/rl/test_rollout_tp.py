@@ -1,10 +1,10 @@
-"""`rollout.tensor_model_parallel_size` colocated (issue 56 item 4), on 4 fake CPU devices in a subprocess (the device
-count is fixed before jax is imported): tiny GRPO trained FSDP-only (fsdp=4) with the rollout on its own layout,
-dense at tp=2 (fsdp=2 x tensor=2) and paged at tp=4 (one engine over 'tensor'), gives the default run's metrics
-within 1e-5 relative for 2 steps (only the devices' reduction order differs); the rollout's weights have the
-rollout layout (mesh and specs of `param_shardings` there, bytes per chip as reported), the copy is written by one
-jitted program per role (compiled once over the steps, its outputs on the rollout mesh) while the actor keeps the
-training layout."""
+"""`rollout.tensor_model_parallel_size` (issue 56 item 4), on 4 fake CPU devices in a subprocess (the device count is
+fixed before jax is imported): tiny GRPO trained FSDP-only (fsdp=4) with the rollout on its own layout -- colocated,
+dense at tp=2 (data=2 x tensor=2: two replicas) and paged at tp=4 (one engine over 'tensor'); split, paged at tp=2 on
+the first 2 devices -- gives the default run's metrics within 1e-5 relative for 2 steps (only the devices' reduction
+order differs). The rollout's weights have the rollout layout (mesh and specs of `param_shardings` there, bytes per
+chip as reported), the colocated copy is written by one jitted program (compiled once over the steps, its outputs
+on the rollout mesh) while the actor keeps the training layout; the paged pool is split over kv heads."""
 
 import json
 import os
@@ -28,11 +28,12 @@ SCRIPT = textwrap.dedent(
     from jaxrl_post.rl.trainer import RLTrainer
     from jaxrl_post.runtime.sharding import param_shardings
 
-    def run(tp, engine, workdir):
+    def run(tp, engine, workdir, split=0):
         c = grpo.get_config("tiny")
         c.model.arch.num_kv_heads = 4  # tp=4 splits the kv heads too
         c.rollout.name = engine
         c.rollout.tensor_model_parallel_size = tp
+        c.rollout.n_gpus_per_node = split
         c.trainer.default_local_dir = workdir
         c.trainer.val_before_train = c.trainer.val_at_end = False
         c.trainer.save_freq = -1
@@ -55,7 +56,7 @@ SCRIPT = textwrap.dedent(
                     sharded_leaves=sum(any(a is not None for a in x.sharding.spec) for x in got),
                     bytes_per_chip=max(held.values()),
                     total_bytes=sum(x.nbytes for x in got),
-                    compiles=[r._cast_first._cache_size(), r._cast_donating._cache_size()],
+                    compiles=None if split else [r._cast_first._cache_size(), r._cast_donating._cache_size()],
                     engine_mesh=str(dict(r.layout_mesh.shape)),
                 )
                 if engine == "paged":
@@ -66,13 +67,13 @@ SCRIPT = textwrap.dedent(
 
     root = sys.argv[1]
     out = {"default": run(None, "dense", root + "/d"), "dense2": run(2, "dense", root + "/t2"),
-           "paged4": run(4, "paged", root + "/p4")}
+           "paged4": run(4, "paged", root + "/p4"), "split_paged2": run(2, "paged", root + "/s2", split=2)}
     print("RESULT" + json.dumps(out))
     """
 )
 
 
-@pytest.mark.slow  # three tiny trainers on 4 fake devices in a subprocess (~100 s on 2 loaded cores)
+@pytest.mark.slow  # four tiny trainers on 4 fake devices in a subprocess (~130 s on 2 loaded cores)
 def test_rollout_tp_colocated_equals_the_training_layout(tmp_path):
     flags = "--xla_force_host_platform_device_count=4 " + CHEAP_COMPILE_FLAGS
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags, PYTHONPATH=REPO)
@@ -84,20 +85,27 @@ def test_rollout_tp_colocated_equals_the_training_layout(tmp_path):
     fsdp4 = [str({"data": 1, "fsdp": 4, "expert": 1, "tensor": 1})]
     base = r["default"]
     assert base["actor_mesh"] == fsdp4 and len(base["hist"]) == 2
-    for name, tp in (("dense2", 2), ("paged4", 4)):
+    split_keys = {"async/publish_bytes", "timing_s/sync_rollout_weights", "timing_per_token_ms/sync_rollout_weights"}
+    for name, tp, devices in (("dense2", 2, 4), ("paged4", 4, 4), ("split_paged2", 2, 2)):
         run = r[name]
-        layout = [str({"data": 1, "fsdp": 4 // tp, "expert": 1, "tensor": tp})]
-        assert run["actor_mesh"] == fsdp4  # training keeps its layout
+        layout = [str({"data": devices // tp, "fsdp": 1, "expert": 1, "tensor": tp})]
+        split = name.startswith("split")
+        assert run["actor_mesh"] == ([str({"data": 1, "fsdp": 2, "expert": 1, "tensor": 1})] if split else fsdp4)
         assert run["rollout_mesh"] == layout and run["engine_mesh"] == layout[0]
         assert run["same_specs"] and run["sharded_leaves"] > 0
-        assert run["compiles"] == [1, 1]  # one program for the first copy, one (donating) for every later sync
+        # by hand: every float32 kernel split tp ways, the 5 RMSNorm scales [64] (2 per layer + the final) whole
+        norms = 5 * 64 * 4
+        assert run["total_bytes"] == 361_728 and run["bytes_per_chip"] == (run["total_bytes"] - norms) // tp + norms
+        # one program for the first copy, one (donating) for every later sync
+        assert run["compiles"] == (None if split else [1, 1])
         assert len(run["hist"]) == 2
         for c, s in zip(base["hist"], run["hist"], strict=True):
-            assert set(s) - set(c) == {"rollout/weights_bytes_per_chip"}
+            assert set(s) - set(c) == {"rollout/weights_bytes_per_chip"} | (split_keys if split else set())
             assert s["rollout/weights_bytes_per_chip"] == run["bytes_per_chip"] < run["total_bytes"]
             keys = [k for k in c if not k.startswith(_TIME)]
             bad = [k for k in keys if not np.isclose(s[k], c[k], rtol=1e-5, atol=1e-7)]
             assert not bad, (name, {k: (s[k], c[k]) for k in bad})
-    # the paged engine's pool: [L, pages, page, 2N / 4, K] on each of the 4 devices
-    shape, devices = r["paged4"]["pool"]
-    assert devices == 4 and shape[3] == 2 * 4 // 4
+    # the paged engine's pool: [L, pages, page, 2N / tp, K] on each of the tp devices
+    for name, tp in (("paged4", 4), ("split_paged2", 2)):
+        shape, devices = r[name]["pool"]
+        assert devices == tp and shape[3] == 2 * 4 // tp

@@ -9,7 +9,7 @@ actor's copy has no adapters: it holds the merged kernels `W + (alpha / r) A . B
 placement (`rollout.n_gpus_per_node` > 0) the copy lives on the rollout's own mesh: cast (if needed) on the
 training mesh, then published there by one batched `jax.device_put` (`async_training.placement.publish_weights`).
 `rollout.tensor_model_parallel_size` = tp gives the rollout a layout of its own: the split placement's rollout mesh
-has 'tensor' = tp; colocated, the copy lives on the training devices laid out (1, n / tp, 1, tp)
+has 'tensor' = tp; colocated, the copy lives on the training devices laid out (n / tp, 1, 1, tp)
 (`builders.colocated_rollout_mesh`), written from the training layout by one jitted program (cast and LoRA merge in
 it, `out_shardings` the rollout layout's, the previous copy donated).
 
@@ -38,7 +38,7 @@ from jaxrl_post.rl.builders import check_rollout_heads, colocated_rollout_mesh
 from jaxrl_post.rl.dynamic_sampling import score_everywhere, timer
 from jaxrl_post.rollout import Generator, SamplingParams
 from jaxrl_post.rollout.agent_loop import rollout_metrics
-from jaxrl_post.rollout.paged.engine import paged_generator_from_config
+from jaxrl_post.rollout.paged.from_config import paged_generator_from_config
 from jaxrl_post.runtime import platform_defaults
 from jaxrl_post.runtime.distributed import gather_reward, gather_rows
 from jaxrl_post.runtime.sharding import bytes_per_device, param_shardings

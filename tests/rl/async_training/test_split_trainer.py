@@ -84,8 +84,11 @@ def test_split_placement_at_staleness_zero_equals_colocated(tmp_path, n_devices,
         for c, s in zip(col["hist"], split["hist"], strict=True):
             keys = [k for k in c if not k.startswith(_TIME)]
             new = {"async/publish_bytes", "timing_s/sync_rollout_weights", "timing_per_token_ms/sync_rollout_weights"}
+            new.add("rollout/weights_bytes_per_chip")  # the rollout mesh's copy on its fullest device
             assert set(s) - set(c) == new
             bad = [k for k in keys if not np.isclose(s[k], c[k], rtol=1e-5, atol=1e-7)]
             assert not bad, {k: (s[k], c[k]) for k in bad}
             assert s["async/publish_bytes"] == split["param_bytes"] > 0  # float32 params (LoRA: merged), no cast
             assert s["timing_s/sync_rollout_weights"] > 0
+            # the rollout mesh is all 'fsdp': the params split over its devices (norms and indivisible dims whole)
+            assert split["param_bytes"] / n_rollout <= s["rollout/weights_bytes_per_chip"] <= split["param_bytes"]

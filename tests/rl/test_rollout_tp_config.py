@@ -1,0 +1,56 @@
+"""Config checks of `rollout.tensor_model_parallel_size` (one `error:` line each, naming the key): a bad value, a tp
+that does not divide the rollout's devices (colocated: all of them; split: `rollout.n_gpus_per_node`) or the model's
+query / kv heads (saying which), the paged engine on a rollout mesh that is not tensor-only; and the configs it
+accepts, among them the paged engine colocated on several devices once tp shards it."""
+
+import pytest
+
+from configs import grpo
+from jaxrl_post.errors import ConfigError
+from jaxrl_post.rl.config_check import validate_config
+
+KEY = r"config\.rollout\.tensor_model_parallel_size"
+
+
+def _cfg(tp, **rollout):
+    c = grpo.get_config("tiny")  # 4 heads, 2 kv heads
+    c.rollout.tensor_model_parallel_size = tp
+    for k, v in rollout.items():
+        setattr(c.rollout, k, v)
+    return c
+
+
+def test_accepted():
+    assert grpo.get_config("tiny").rollout.tensor_model_parallel_size is None  # default: the training layout
+    validate_config(_cfg(None), n_devices=4)
+    validate_config(_cfg(2), n_devices=4)
+    validate_config(_cfg(1), n_devices=1)
+    validate_config(_cfg(2, name="paged"), n_devices=2)  # one engine over 'tensor' = all devices
+    validate_config(_cfg(2, n_gpus_per_node=2, name="paged"), n_devices=4)  # split: tensor = the rollout devices
+
+
+@pytest.mark.parametrize(
+    "tp, n_devices, rollout, msg",
+    [
+        (0, 4, {}, KEY + r"=0: must be None or an int >= 1"),
+        (3, 6, {}, KEY + r"=3: must divide the model's num_heads=4"),
+        (2, 3, {}, KEY + r"=2: must divide the rollout's 3 devices$"),
+        (4, 8, {}, KEY + r"=4: must divide the model's num_kv_heads=2 \(heads are split over 'tensor'\)"),
+        (2, 6, dict(n_gpus_per_node=3), KEY + r"=2: must divide the rollout's 3 devices \(rollout\.n_gpus_per_node\)"),
+        (2, 4, dict(name="paged"), KEY + r"=2: rollout\.name='paged' shards one engine over 'tensor' only: needs 4"),
+        (1, 4, dict(name="paged", n_gpus_per_node=2), KEY + r"=1: .*needs 2 \(the rollout's 2 devices"),
+    ],
+)
+def test_refused(tp, n_devices, rollout, msg):
+    with pytest.raises(ConfigError, match=msg):
+        validate_config(_cfg(tp, **rollout), n_devices=n_devices)
+
+
+def test_a_loaded_models_heads_are_checked_when_built():
+    from jaxrl_post.models import ModelConfig
+    from jaxrl_post.rl.builders import check_rollout_heads
+
+    mc = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=6, num_kv_heads=2)
+    check_rollout_heads(_cfg(2), mc)
+    with pytest.raises(ConfigError, match=KEY + r"=3: must divide the model's num_kv_heads=2"):
+        check_rollout_heads(_cfg(3), mc)
