@@ -218,7 +218,7 @@ def get_base_config() -> mlc.ConfigDict:
     c.rollout.sampling_mask_replay = False  # False: full-softmax log-probs, as verl (biased ratio with truncation)
     # Rollout engine (verl: rollout.name picks the inference engine; docs/paged_rollout.md): 'dense' = today's
     # Generator (a dense KV cache of B x (P + R) slots, compaction); 'paged' = the paged, continuously batched engine
-    # (jaxrl_post/rollout/paged: single-turn, one device or one tensor-parallel engine). The keys below are read by 'paged' only.
+    # (jaxrl_post/rollout/paged: single-turn, one device or one tensor-parallel engine). Keys below: 'paged' only.
     c.rollout.name = "dense"  # 'dense' | 'paged'
     c.rollout.max_num_seqs = 256  # paged: sequences decoded at once (slots of the decode batch)
     c.rollout.max_num_batched_tokens = 2048  # paged: prompt tokens per prefill dispatch (chunked prefill)
