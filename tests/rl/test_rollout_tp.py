@@ -1,10 +1,11 @@
 """`rollout.tensor_model_parallel_size` (issue 56 item 4), on 4 fake CPU devices in a subprocess (the device count is
 fixed before jax is imported): tiny GRPO trained FSDP-only (fsdp=4) with the rollout on its own layout -- colocated,
-dense at tp=2 (data=2 x tensor=2: two replicas) and paged at tp=4 (one engine over 'tensor'); split, paged at tp=2 on
-the first 2 devices -- gives the default run's metrics within 1e-5 relative for 2 steps (only the devices' reduction
-order differs). The rollout's weights have the rollout layout (mesh and specs of `param_shardings` there, bytes per
-chip as reported), the colocated copy is written by one jitted program (compiled once over the steps, its outputs
-on the rollout mesh) while the actor keeps the training layout; the paged pool is split over kv heads."""
+dense at tp=2 (data=2 x tensor=2: two replicas), paged at tp=4 (one engine over 'tensor') and LoRA at dense tp=2 (the
+adapters merged inside the reshard program); split, paged at tp=2 on the first 2 devices -- gives the default run's
+metrics (LoRA: the default LoRA run's) within 1e-5 relative for 2 steps (only the devices' reduction order differs).
+The rollout's weights have the rollout layout (mesh and specs of `param_shardings` there, bytes per chip as reported
+and as counted by hand), the colocated copy is written by one jitted program (compiled once over the steps, its
+outputs on the rollout mesh) while the actor keeps the training layout; the paged pool is split over kv heads."""
 
 import json
 import os
@@ -28,12 +29,14 @@ SCRIPT = textwrap.dedent(
     from jaxrl_post.rl.trainer import RLTrainer
     from jaxrl_post.runtime.sharding import param_shardings
 
-    def run(tp, engine, workdir, split=0):
+    def run(tp, engine, workdir, split=0, lora=False):
         c = grpo.get_config("tiny")
         c.model.arch.num_kv_heads = 4  # tp=4 splits the kv heads too
         c.rollout.name = engine
         c.rollout.tensor_model_parallel_size = tp
         c.rollout.n_gpus_per_node = split
+        if lora:  # the rollout copy holds the merged kernels, merged inside the reshard program
+            c.model.lora_rank, c.model.lora_alpha = 4, 8.0
         c.trainer.default_local_dir = workdir
         c.trainer.val_before_train = c.trainer.val_at_end = False
         c.trainer.save_freq = -1
@@ -67,13 +70,15 @@ SCRIPT = textwrap.dedent(
 
     root = sys.argv[1]
     out = {"default": run(None, "dense", root + "/d"), "dense2": run(2, "dense", root + "/t2"),
-           "paged4": run(4, "paged", root + "/p4"), "split_paged2": run(2, "paged", root + "/s2", split=2)}
+           "paged4": run(4, "paged", root + "/p4"), "split_paged2": run(2, "paged", root + "/s2", split=2),
+           "lora_default": run(None, "dense", root + "/ld", lora=True),
+           "lora_dense2": run(2, "dense", root + "/l2", lora=True)}
     print("RESULT" + json.dumps(out))
     """
 )
 
 
-@pytest.mark.slow  # four tiny trainers on 4 fake devices in a subprocess (~130 s on 2 loaded cores)
+@pytest.mark.slow  # six tiny trainers on 4 fake devices in a subprocess (~200 s on 2 loaded cores)
 def test_rollout_tp_colocated_equals_the_training_layout(tmp_path):
     flags = "--xla_force_host_platform_device_count=4 " + CHEAP_COMPILE_FLAGS
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags, PYTHONPATH=REPO)
@@ -86,8 +91,9 @@ def test_rollout_tp_colocated_equals_the_training_layout(tmp_path):
     base = r["default"]
     assert base["actor_mesh"] == fsdp4 and len(base["hist"]) == 2
     split_keys = {"async/publish_bytes", "timing_s/sync_rollout_weights", "timing_per_token_ms/sync_rollout_weights"}
-    for name, tp, devices in (("dense2", 2, 4), ("paged4", 4, 4), ("split_paged2", 2, 2)):
-        run = r[name]
+    runs = (("dense2", 2, 4), ("paged4", 4, 4), ("split_paged2", 2, 2), ("lora_dense2", 2, 4))
+    for name, tp, devices in runs:
+        run, base = r[name], r["lora_default" if name.startswith("lora") else "default"]
         layout = [str({"data": devices // tp, "fsdp": 1, "expert": 1, "tensor": tp})]
         split = name.startswith("split")
         assert run["actor_mesh"] == ([str({"data": 1, "fsdp": 2, "expert": 1, "tensor": 1})] if split else fsdp4)
