@@ -374,9 +374,8 @@ def check_placement(cfg: Any, check, err, is_int, n_devices: int, n_processes: i
 
 
 def check_rollout_tp(cfg: Any, check, err, is_int, n_devices: int) -> None:
-    """`rollout.tensor_model_parallel_size` (verl's name): None (the training mesh's layout), or an int tp >= 1 that
-    divides the rollout's devices (`rollout.n_gpus_per_node` under the split placement, else all `n_devices`) and a
-    `model.random_init` preset's query and KV heads (a loaded model's are checked once it is built:
+    """`rollout.tensor_model_parallel_size` (verl's name): None, or an int tp >= 1 dividing the rollout's devices
+    (split: `rollout.n_gpus_per_node`) and a `model.random_init` preset's query / KV heads (a loaded model's:
     `builders.check_rollout_heads`); 'paged' needs a tensor-only rollout mesh (tp = its devices)."""
     key = "rollout.tensor_model_parallel_size"
     tp = cfg.rollout.get("tensor_model_parallel_size")
@@ -396,8 +395,5 @@ def check_rollout_tp(cfg: Any, check, err, is_int, n_devices: int) -> None:
             if getattr(mc, name) % tp:
                 err(key, f"must divide the model's {name}={getattr(mc, name)} (heads are split over 'tensor')")
     if cfg.rollout.name == "paged" and n != tp:
-        err(
-            key,
-            f"rollout.name='paged' shards one engine over 'tensor' only: needs {n} ({where}); data-parallel "
-            "engine replicas are not built yet",
-        )
+        replicas = "data-parallel engine replicas are not built yet"
+        err(key, f"rollout.name='paged' shards one engine over 'tensor' only: needs {n} ({where}); {replicas}")
