@@ -244,6 +244,7 @@ def get_base_config() -> mlc.ConfigDict:
     c.async_training.require_batches = 1  # fully_async: generation batches per training step (prompts split evenly)
     c.async_training.partial_rollout = False  # fully_async: stop generation at a weight update, resume (paged only)
     c.async_training.partial_rollout_dispatches = 2  # ours: engine dispatches the batch in flight runs before that
+    c.async_training.background_producer = True  # ours: split placement, generation ahead on a thread during updates
     c.rollout.log_prob_micro_batch_size = 16  # responses per micro-batch when recomputing old log-probs, global
     c.rollout.log_prob_use_dynamic_bsz = mlc.FieldReference(None, field_type=bool)  # None -> actor.use_dynamic_bsz
     c.rollout.log_prob_max_token_len_per_gpu = _opt_int()  # None -> actor.ppo_max_token_len_per_gpu

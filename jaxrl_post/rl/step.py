@@ -51,7 +51,9 @@ def train_step(trainer, prompts: DataProto, next_prompts: Callable[[], DataProto
             data.data.non_tensor_batch.update({k: as_non_tensor_array(k, v) for k, v in nt.items()})
         trainer.state = trainer.state.replace(rng=rng)
         metrics.update(reward_metrics)
-        metrics.update(trainer.rollout.multi_turn_metrics(nt, b))
+        turn_rows = (nt, {k: b[k] for k in ("response_attention_mask", "loss_mask")})  # multi-turn metrics' input
+        if trainer.async_rollout is None:  # async: after `finish_step` (the ahead batches' tool counts are the step's)
+            metrics.update(trainer.rollout.multi_turn_metrics(*turn_rows))
         baselines = b.get("reward_baselines")
 
         # b["loss_mask"]: the model's own tokens (rollout); train_mask: the tokens the updates train (minus
@@ -127,6 +129,10 @@ def train_step(trainer, prompts: DataProto, next_prompts: Callable[[], DataProto
                 args = (cfg, trainer.policy, g, trainer.state, trainer.host, b, train_mask, rng)
                 trainer.state, out = updates.update_actor(*args)
                 metrics.update(updates.actor_metrics(cfg, trainer.policy, trainer.host, out))
+        if trainer.async_rollout is not None:  # the ahead generation done (split: its thread joined) before publish
+            metrics.update(trainer.async_rollout.finish_step(timing))
+            metrics.update(trainer.rollout.multi_turn_metrics(*turn_rows))
+        if trainer.host.global_steps >= int(cfg.trainer.critic_warmup):
             metrics.update(trainer.sync_weights(step=trainer.host.global_steps + 1, timing=timing))  # split: bytes
         b = data.finish()
 

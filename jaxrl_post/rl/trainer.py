@@ -206,8 +206,14 @@ class RLTrainer:
     # ------------------------------------------------------------------------------------ one step
     def train_step(self, prompts: DataProto, next_prompts: Callable[[], DataProto] | None = None) -> dict[str, float]:
         """One PPO/GRPO iteration on a batch of `data.train_batch_size` prompts; returns its metrics (`step.train_step`:
-        the stages, DAPO's further batches from `next_prompts`, `FilterGroupsError`)."""
-        return step.train_step(self, prompts, next_prompts)
+        the stages, DAPO's further batches from `next_prompts`, `FilterGroupsError`). A step that fails waits for the
+        asynchronous producer's background job first (`AsyncRollout.settle`): nothing runs behind the error."""
+        try:
+            return step.train_step(self, prompts, next_prompts)
+        except BaseException:
+            if self.async_rollout is not None:
+                self.async_rollout.settle()
+            raise
 
     def sync_weights(self, step: int | None = None, timing: dict[str, float] | None = None) -> dict[str, float]:
         """The actor's module and the rollout get the current actor params (`RolloutRole.sync`): after every

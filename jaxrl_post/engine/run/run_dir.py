@@ -256,7 +256,7 @@ class RunDir:
             yield
         except (RewardFunctionError, ToolError, FilterGroupsError):
             where = f"in step {step + 1}"
-            if marks() != before:  # cannot happen today (rewards come before the updates)
+            if marks() != before:  # a split async run's background producer: joined after the updates
                 self.say(f"stopped by an error {where} after its updates began; nothing new was saved")
                 raise
             restore(snapshot)

@@ -23,6 +23,7 @@ import numpy as np
 
 from jaxrl_post.algos.rollout_corr import compute_rollout_probs_diff_metrics
 from jaxrl_post.engine.train_state import place_like
+from jaxrl_post.rl.async_training.background import BackgroundProducer
 from jaxrl_post.rl.async_training.host_arrays import ArrayPacker
 from jaxrl_post.rl.async_training.partial import PartialGeneration
 from jaxrl_post.rl.async_training.queue import GroupQueue, merge_groups, split_groups
@@ -61,6 +62,8 @@ class AsyncRollout:
         self.pending: list[tuple[Any, int]] = []
         self._next_group_id = 0
         self._pulled = 0
+        split = getattr(rollout, "rollout_mesh", None) is not None  # colocated: nothing to overlap, no thread
+        self.background = BackgroundProducer() if split and s.background_producer else None
 
     def __getattr__(self, name):  # the rest of the rollout's interface (sync, sampling_params, engine, close, ...)
         return getattr(self.__dict__["rollout"], name)
@@ -128,8 +131,16 @@ class AsyncRollout:
     # ---------------------------------------------------------------- consumer
     def collect(self, prompts, seed: int, timing: dict[str, float], reward_fn, rng, next_prompts, *, step: int):
         """The training batch of step `step`: `(b, nt, metrics, prompts, rng)` as `RolloutRole.collect`, with
-        `b["rollout_versions"] [B, R] int32` and the `async/*` metrics. `prompts`: the step's prompt batch (queued
-        behind those already pending); `next_prompts()`: more prompt batches when the producer runs ahead."""
+        `b["rollout_versions"] [B, R] int32` and the `async/*` metrics of the batch (the queue's counts come from
+        `finish_step`). `prompts`: the step's prompt batch (queued behind those already pending); `next_prompts()`:
+        more prompt batches when the producer runs ahead.
+
+        The step's `data.train_batch_size` fresh groups are taken first (generating while the queue runs dry), then
+        the ahead generation (`_produce_ahead`) runs: here, or on the background thread (split placement,
+        `async_training.background_producer`) until `finish_step`. Either way the same batches are generated in the
+        same order under the same weights as when the queue is filled to the step's own + `ahead_chunks` batches
+        before taking: production stops at the same count of groups, and taking the oldest fresh groups first
+        does not depend on how many wait behind them."""
         s = self.settings
         self._pulled = 0
         self._add_prompts(prompts, seed)
@@ -140,27 +151,66 @@ class AsyncRollout:
                 f"async_training.staleness_threshold={s.staleness_threshold} allows: no group could ever train "
                 f"(publish every trigger_parameter_sync_step <= staleness_threshold + 1 steps)"
             )
-        while len(self.queue) < need + s.ahead_chunks * s.chunk_prompts:
-            self.produce(timing, reward_fn, next_prompts, seed)
-        taken = []
+        taken, consumed = [], 0
         while len(taken) < need:
             if not len(self.queue):
                 self.produce(timing, reward_fn, next_prompts, seed)
                 continue
             g = self.queue.get()
+            consumed += 1
             if is_fresh(g.version, step, s.staleness_threshold):
                 taken.append(g)
             else:
                 self.queue.drop(g, STALE)
         self.queue.mark_trained(taken)
-        if s.partial_rollout and self.in_flight is None:
-            self._start_in_flight(timing, reward_fn, next_prompts, seed)
+        target = need + s.ahead_chunks * s.chunk_prompts - consumed  # the queue's length after a take-turns fill
+        ahead = (reward_fn, next_prompts, seed, target)
+        if self.background is None:
+            self._produce_ahead(timing, *ahead)
+        else:
+            self.background.start(lambda: self._produce_ahead({}, *ahead), step)
         b, nt, metrics = merge_groups(taken)
         metrics.update(staleness_metrics(b["rollout_versions"], b["response_attention_mask"], step))
-        metrics.update(self.queue.counts())
+        return b, nt, metrics, prompts, rng
+
+    def _produce_ahead(self, timing, reward_fn, more, seed: int, target: int) -> dict[str, float]:
+        """The generation the schedule runs "while earlier steps trained": batches until `target` groups wait, then
+        (partial rollout) the next batch started and stopped after `partial_rollout_dispatches` dispatches. Returns
+        `timing`."""
+        while len(self.queue) < target:
+            self.produce(timing, reward_fn, more, seed)
+        if self.settings.partial_rollout and self.in_flight is None:
+            self._start_in_flight(timing, reward_fn, more, seed)
+        return timing
+
+    def finish_step(self, timing: dict[str, float]) -> dict[str, float]:
+        """After the step's updates, before its weights are published: the background job joined (its `gen` /
+        `reward` seconds added to `timing`, the wait as `timing['wait_producer']`; its error re-raised, see
+        `BackgroundProducer.join`), then the queue's metrics (`GroupQueue.counts`, `async/rollout_version`,
+        `async/in_flight`)."""
+        if self.background is not None and self.background.busy:
+            done, waited = self.background.join()
+            for k, v in done.items():
+                timing[k] = timing.get(k, 0.0) + v
+            timing["wait_producer"] = waited
+        metrics = self.queue.counts()
         metrics["async/rollout_version"] = float(self.rollout_version)
         metrics["async/in_flight"] = float(self.in_flight is not None)
-        return b, nt, metrics, prompts, rng
+        return metrics
+
+    def settle(self) -> None:
+        """A failed step: wait for the background job (if any) so nothing runs behind the error (its own error
+        logged, `BackgroundProducer.settle`)."""
+        if self.background is not None:
+            self.background.settle()
+
+    def close(self) -> None:
+        """Stop the background thread (after its job), then the rollout's own `close`."""
+        try:
+            if self.background is not None:
+                self.background.close()
+        finally:
+            self.rollout.close()
 
     # ---------------------------------------------------------------- checkpoint
     def state_dict(self, packer: ArrayPacker | None = None) -> dict[str, Any]:

@@ -15,6 +15,9 @@ two recipes):
     weights (paged engine only).
   async_training.partial_rollout_dispatches: ours; the engine dispatches the generation in flight runs before the
     weight update stops it (the deterministic stand-in for the generation that overlaps a training step).
+  async_training.background_producer: ours; on the split placement, the generation the schedule runs ahead of the
+    trainer runs on a background thread while the update runs (background.py); False: the two take turns (the
+    reference the threaded run equals bit for bit). Colocated runs never start the thread.
   rollout.n_gpus_per_node, rollout.nnodes: devices given to the rollout (0 = colocated with training).
 """
 
@@ -37,7 +40,8 @@ class AsyncSettings:
     """The schedule of one run (see the module docstring for the keys).
 
     Fields: mode; staleness_threshold (version gap allowed); trigger_parameter_sync_step (k); require_batches (r);
-    partial_rollout; partial_rollout_dispatches; train_batch_size (prompts = groups per step); n (group size).
+    partial_rollout; partial_rollout_dispatches; train_batch_size (prompts = groups per step); n (group size);
+    background_producer (split placement: the ahead generation on a thread, background.py).
     """
 
     mode: str
@@ -48,6 +52,7 @@ class AsyncSettings:
     partial_rollout_dispatches: int
     train_batch_size: int
     n: int
+    background_producer: bool = True
 
     @classmethod
     def from_config(cls, cfg: Any) -> AsyncSettings:
@@ -63,6 +68,7 @@ class AsyncSettings:
             partial_rollout_dispatches=int(a.partial_rollout_dispatches),
             train_batch_size=int(cfg.data.train_batch_size),
             n=int(cfg.rollout.n),
+            background_producer=bool(a.get("background_producer", True)),
         )
 
     @property

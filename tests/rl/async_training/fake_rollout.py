@@ -46,3 +46,6 @@ class FakeRollout:
         }
         nt = {"pid": rows.astype(object), "uid": np.array([f"u{p}" for p in rows], dtype=object)}
         return b, nt, types.SimpleNamespace(metrics={"reward/version": float(self.version)})
+
+    def close(self):
+        """Nothing to release (`RolloutRole.close` stops the agent loop's tools)."""

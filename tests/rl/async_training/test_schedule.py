@@ -25,6 +25,7 @@ def _train(ar, rollout, loader, steps, start=0, log=None):
     out = []
     for t in range(start, start + steps):
         b, nt, m, _, _ = ar.collect(next(loader), 1000 * t + 7, {}, None, None, lambda: next(loader), step=t)
+        m.update(ar.finish_step({}))  # after the 'update', before the publication
         out.append((t, b, nt, m))
         if ar.settings.publishes_after(t + 1):
             rollout.version = t + 1
@@ -99,6 +100,7 @@ def test_stale_groups_are_dropped_with_a_reason_and_replaced():
     rollout.version = 5
     ar.publish(5)  # e.g. weights published while the queue waited: its groups are now 4 versions old at step 5
     b, _, m, _, _ = ar.collect(next(loader), 5007, {}, None, None, lambda: next(loader), step=5)
+    m.update(ar.finish_step({}))
     assert ar.queue.dropped == {"stale": sorted(before)}
     assert m["async/dropped_groups_total/stale"] == len(before)
     assert np.all(b["rollout_versions"] == 5)
