@@ -13,7 +13,7 @@ import pytest
 from jaxrl_post.rl.async_training.background import BackgroundProducer
 from jaxrl_post.rl.async_training.producer import AsyncRollout
 from tests.rl.async_training.fake_rollout import FakeRollout, prompt_batches
-from tests.rl.async_training.test_schedule import B, CASES, N
+from tests.rl.async_training.test_schedule import CASES, B, N
 
 
 class SplitFakeRollout(FakeRollout):
