@@ -3,11 +3,13 @@
 The producer turns prompt batches into scored groups (`RolloutRole.generate_and_score`, or a `PartialGeneration`
 on the paged engine with partial rollout) tagged with the rollout's policy version, into a bounded `GroupQueue`; the
 consumer (`collect`, called by `RLTrainer.train_step` at step t) takes `data.train_batch_size` fresh groups in FIFO
-order, dropping (and counting) stale ones (staleness.py). The interleaving is deterministic: before step t trains,
-the producer fills the queue with the step's own groups plus `AsyncSettings.ahead_chunks` generation batches (what a
-concurrent producer would have generated while earlier steps trained, under the weights then published); with
-partial rollout one more batch is then started and stopped after `partial_rollout_dispatches` dispatches: it is in
-flight across the weight update and resumes under the new weights at step t + 1.
+order, dropping (and counting) stale ones (staleness.py). The interleaving is deterministic: at step t the producer
+generates while the queue is empty, the step's groups are taken, then the producer generates ahead until
+`AsyncSettings.ahead_chunks` generation batches' worth wait (what is generated while step t trains, under the
+weights then published); with partial rollout one more batch is then started and stopped after
+`partial_rollout_dispatches` dispatches: it is in flight across the weight update and resumes under the new weights
+at step t + 1. On the split placement the generation ahead runs on a background thread during the update
+(background.py) and `finish_step` joins it before the publication; elsewhere it runs inside `collect`.
 
 Modes (`async_training.mode`): 'one_step_off' = one batch ahead, weights published after every step (the batch of
 step t + 1 sampled by the weights of step t); 'fully_async' = `staleness_threshold`, `trigger_parameter_sync_step`,
