@@ -75,7 +75,7 @@ def main() -> None:
     rows = []
     for name in args.configs.split(","):
         for i in range(args.repeats):
-            for threaded in ((True, False) if i % 2 == 0 else (False, True)):
+            for threaded in (True, False) if i % 2 == 0 else (False, True):
                 load = os.getloadavg()[0]
                 cmd = [sys.executable, __file__, "--one", f"{name},{int(threaded)}", "--steps", str(args.steps)]
                 out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, check=True)
