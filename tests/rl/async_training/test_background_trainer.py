@@ -122,7 +122,7 @@ def _intersect(a, b) -> float:
     return min(a[1], b[1]) - max(a[0], b[0])
 
 
-@pytest.mark.slow  # 2 + 4 tiny trainers in two subprocesses (~3 min on 2 loaded cores)
+@pytest.mark.slow  # 2 + 4 tiny trainers in two subprocesses (measured: 2.4 min at load avg 3-10, 5.3 min at 12-14)
 @pytest.mark.parametrize("mode", ["one_step_off", "fully_async"])
 def test_threaded_run_equals_take_turns_bit_for_bit(runs, mode):
     """fully_async is configs/grpo.py:async: paged engine, partial rollout, two batches ahead, staleness <= 2."""
@@ -154,7 +154,7 @@ def test_generation_overlaps_the_update(runs, mode):
     assert max(overlaps.values()) > 0, overlaps
 
 
-@pytest.mark.slow  # one tiny trainer in a subprocess (~40 s on 2 loaded cores)
+@pytest.mark.slow  # one tiny trainer in a subprocess (measured: 45 s at load avg ~10, 86 s at 12-14)
 def test_reward_failure_on_the_worker_surfaces_on_the_main_thread(tmp_path):
     r = _run(tmp_path, "error")
     f = r["failed"]
