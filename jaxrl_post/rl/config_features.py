@@ -315,8 +315,7 @@ def check_async(cfg: Any, check, err, is_int, is_num) -> None:
     if a.mode == "sync":
         return
     check("async_training.partial_rollout", lambda v: isinstance(v, bool), "must be a bool")
-    if "background_producer" in a:
-        check("async_training.background_producer", lambda v: isinstance(v, bool), "must be a bool")
+    check("async_training.background_producer", lambda v: isinstance(v, bool), "must be a bool")
     if a.mode == "fully_async":
         ok = check("async_training.staleness_threshold", lambda v: is_int(v) and v >= 0, "must be an int >= 0")
         ok &= check("async_training.trigger_parameter_sync_step", lambda v: is_int(v) and v >= 1, "must be an int >= 1")
