@@ -236,11 +236,8 @@ class RLTrainer:
 
     def compile_counts(self) -> dict[str, int]:
         """Compiled executables per jitted function (1 each after any number of same-shaped steps)."""
-        fns = {
-            "update_actor": self.policy.trained.update,
-            "old_log_prob": self.policy.old_log_prob_fn,
-            "adv": self.advantage,
-        }
+        fns = {"update_actor": self.policy.trained.update, "old_log_prob": self.policy.old_log_prob_fn}
+        fns["adv"] = self.advantage
         if self.reference is not None:
             fns["ref"] = self.reference.log_prob_fn
         if self.teacher is not None:
