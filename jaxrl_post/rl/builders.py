@@ -23,10 +23,10 @@ from jaxrl_post.models import get_preset, init_model, load_pretrained, lora
 from jaxrl_post.models import load_tokenizer as _load
 from jaxrl_post.models.attention import resolve_attention_impl
 from jaxrl_post.models.char_tokenizer import build_char_tokenizer
+from jaxrl_post.models.config_checks import lora_enabled
 from jaxrl_post.models.tokenizer import eos_token_ids
 from jaxrl_post.rl import ppo_update
 from jaxrl_post.rl.async_training.placement import split_meshes
-from jaxrl_post.rl.config_features import lora_enabled
 from jaxrl_post.runtime.platform_defaults import resolve
 from jaxrl_post.runtime.sharding import make_mesh, relayout_mesh
 
@@ -86,7 +86,8 @@ def colocated_rollout_mesh(cfg: Any, train_mesh: jax.sharding.Mesh) -> jax.shard
 
 def check_rollout_heads(cfg: Any, model_config) -> None:
     """Raises ConfigError when `rollout.tensor_model_parallel_size` does not divide the built model's query or KV
-    heads (a loaded model's are known only now; `config_features.check_rollout_tp` checks a preset's first)."""
+    heads (a loaded model's are known only now; `rollout.config_checks.check_rollout_tp` checks a
+    preset's first)."""
     tp = cfg.rollout.get("tensor_model_parallel_size")
     for name in ("num_heads", "num_kv_heads"):
         if tp is not None and getattr(model_config, name) % int(tp):
@@ -188,7 +189,7 @@ def apply_attention_impl(cfg: Any, model, platform: str | None = None) -> str:
 
 
 def attach_lora(cfg: Any, model) -> None:
-    """Attach the actor's LoRA adapters when LoRA is on (`config_features.lora_enabled`): the PEFT adapter at
+    """Attach the actor's LoRA adapters when LoRA is on (`models.config_checks.lora_enabled`): the PEFT adapter at
     `model.lora_adapter_path` (its r, alpha, targets), else fresh ones (`model.lora_rank`, `lora_alpha`,
     `target_modules`; A seeded by `trainer.seed`, B = 0). Raises what `models.lora.load_peft_adapter` raises."""
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxrl_post.errors import FilterGroupsError
+from jaxrl_post.errors import Checker, FilterGroupsError, is_int
 from jaxrl_post.rewards.manager import RewardFunctionError
 from jaxrl_post.runtime.distributed import gather_rows
 
@@ -40,10 +40,43 @@ __all__ = [
     "FilterGroupsError",
     "GroupCollector",
     "FilteredRollout",
+    "check_filter_groups",
     "filter_metric_values",
     "kept_groups",
     "merge_reward_metrics",
 ]
+
+
+# filter_groups metrics every reward function has (the rest are extra keys of a reward function's dict results)
+FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
+
+
+def check_filter_groups(c: Checker) -> None:
+    """Config check of `algorithm.filter_groups.*` (a section of `rl/config_check.py`'s table): `enable` a bool,
+    `max_num_gen_batches` an int; when enabled, `rollout.n >= 2` and a `metric` the rewards produce (the
+    built-in ones: `FILTER_METRICS`, plus the overlong buffer's when it logs), not `seq_final_reward` with KL in
+    the reward."""
+    cfg = c.cfg
+    fg, ob = cfg.algorithm.filter_groups, cfg.reward_model.overlong_buffer
+    c.check("algorithm.filter_groups.enable", lambda v: isinstance(v, bool), "must be a bool")
+    c.check("algorithm.filter_groups.max_num_gen_batches", is_int, "must be an int (<= 0 = no limit)")
+    if fg.enable is not True:
+        return
+    if is_int(cfg.rollout.n) and cfg.rollout.n < 2:
+        c.err("rollout.n", "algorithm.filter_groups compares the responses of a group: needs rollout.n >= 2")
+    metric = fg.metric
+    known = FILTER_METRICS + (("overlong_reward", "overlong") if ob.enable is True and ob.log is True else ())
+    if not isinstance(metric, str) or not metric:
+        c.err("algorithm.filter_groups.metric", f"must name a per-response value, e.g. one of {list(known)}")
+    elif not cfg.custom_reward_function.path and metric not in known:
+        # the built-in reward functions return plain scores: no other names exist
+        c.err("algorithm.filter_groups.metric", f"unknown metric; valid with the built-in rewards: {list(known)}")
+    elif metric == "seq_final_reward" and cfg.algorithm.use_kl_in_reward:
+        c.err(
+            "algorithm.filter_groups.metric",
+            "seq_final_reward with algorithm.use_kl_in_reward is not supported (the KL penalty is computed after "
+            "filtering); use seq_reward",
+        )
 
 
 @contextlib.contextmanager

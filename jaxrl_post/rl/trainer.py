@@ -32,6 +32,7 @@ from typing import Any
 import jax
 
 from jaxrl_post.algos import core_algos
+from jaxrl_post.algos.config_checks import critic_enabled
 from jaxrl_post.batch.protocol import DataProto
 from jaxrl_post.engine import loop
 from jaxrl_post.engine.nonfinite import NonFiniteGuard
@@ -55,7 +56,6 @@ from jaxrl_post.rl import metrics as metrics_lib
 from jaxrl_post.rl.async_training import AsyncSettings, async_mode
 from jaxrl_post.rl.async_training.producer import AsyncRollout
 from jaxrl_post.rl.config_check import kl_in_use, validate_config
-from jaxrl_post.rl.config_features import critic_enabled
 from jaxrl_post.rl.dynamic_sampling import FilteredRollout
 from jaxrl_post.rl.geometry import StepGeometry
 from jaxrl_post.rl.roles import CriticRole, PolicyRole, ReferencePolicy, RolloutRole, TeacherRole

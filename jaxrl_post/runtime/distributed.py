@@ -86,7 +86,7 @@ def check_keys(coordinator_address, num_processes, process_id) -> None:
 
 def config_errors(cfg) -> list[str]:
     """Problems of the job config's `trainer.distributed.*` keys and of the per-process prompt share, as
-    `config.<key>...: <problem>` lines (`rl/config_check.py` reports them with the others)."""
+    `config.<key>...: <problem>` lines (`runtime/config_checks.check_distributed` reports them with the others)."""
     import jax
 
     d, out = cfg.trainer.get("distributed"), []

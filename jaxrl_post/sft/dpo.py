@@ -19,7 +19,7 @@ reference from `model.path` (it is not checkpointed).
 Everything else is `SupervisedTrainer`'s (sft/trainer.py): model / LoRA / mesh / optimizer building, the
 shared loop (`engine/loop.py`), checkpoints and exact resume, the non-finite guard, `metrics.jsonl`, the HF
 export after the last step (`<run dir>/huggingface/`, a `model.path` for RL or another DPO round). The
-preference-pair reader and checks here (`load_pairs`, `head_pairs`, `pair_config_errors`, `pair_tokens`) are the
+preference-pair reader and checks here (`load_pairs`, `head_pairs`, `check_pair_config`, `pair_tokens`) are the
 reward-model task's too.
 """
 
@@ -38,11 +38,11 @@ from jaxrl_post.engine.row_packer import pack_rows
 from jaxrl_post.engine.run.tracking import Tracking
 from jaxrl_post.engine.train_state import OptimizedParams
 from jaxrl_post.engine.trained_model import TrainedModel
-from jaxrl_post.errors import ConfigError
+from jaxrl_post.errors import Checker, ConfigError
 from jaxrl_post.rl import builders
 from jaxrl_post.sft import dpo_step, sft_step
 from jaxrl_post.sft.batches import SupervisedData, on_mesh
-from jaxrl_post.sft.sft_task import SFTTask, batch_errors, is_positive_int, run_length_errors
+from jaxrl_post.sft.sft_task import SFTTask, check_batch, check_run_length, is_positive_int
 from jaxrl_post.sft.trainer import SupervisedTrainer
 
 log = logging.getLogger(__name__)
@@ -55,40 +55,41 @@ def pair_tokens(pairs) -> int:
     return int(sum(2 * len(x.prompt_ids) + len(x.chosen_ids) + len(x.rejected_ids) for x in pairs))
 
 
-def pair_config_errors(cfg) -> list[str]:
+def check_pair_config(c: Checker) -> None:
     """The checks DPO and reward-model training share (they read the same preference pairs): batch geometry,
-    lengths, truncation, training files, epochs, resume mode. Returns one `key=value: what is wrong` per bad key."""
-    d = cfg.data
-    bad = batch_errors(d)
+    lengths, truncation, training files, epochs, resume mode."""
+    cfg, d = c.cfg, c.cfg.data
+    check_batch(c)
     if d.max_prompt_length is not None and not (
         is_positive_int(d.max_prompt_length) and d.max_prompt_length < d.max_length
     ):
-        bad.append(f"data.max_prompt_length={d.max_prompt_length!r}: must be None or an int in [1, data.max_length)")
+        c.err("data.max_prompt_length", "must be None or an int in [1, data.max_length)")
     if d.get("packing_strategy", "per_step") not in sft_step.PACKING_STRATEGIES:
-        bad.append(f"data.packing_strategy={d.packing_strategy!r}: must be one of {list(sft_step.PACKING_STRATEGIES)}")
+        c.err("data.packing_strategy", f"must be one of {list(sft_step.PACKING_STRATEGIES)}")
     elif d.get("packing_strategy") == "bfd" and not cfg.model.use_remove_padding:
-        bad.append("data.packing_strategy='bfd' packs pairs into rows: it needs model.use_remove_padding=True")
-    if d.truncation not in TRUNCATIONS:
-        bad.append(f"data.truncation={d.truncation!r}: must be one of {list(TRUNCATIONS)} for preference data")
+        c.add("data.packing_strategy='bfd' packs pairs into rows: it needs model.use_remove_padding=True")
+    c.check("data.truncation", lambda v: v in TRUNCATIONS, f"must be one of {list(TRUNCATIONS)} for preference data")
     if not d.train_files:
-        bad.append("data.train_files: no training data given (a .jsonl of prompt / chosen / rejected rows)")
-    bad += run_length_errors(cfg)
-    return bad
+        c.add("data.train_files: no training data given (a .jsonl of prompt / chosen / rejected rows)")
+    check_run_length(c)
 
 
 def validate_dpo_config(cfg) -> None:
-    """Raise one `ConfigError` naming every bad DPO key (`pair_config_errors`, then the loss options)."""
-    p, bad = cfg.dpo, pair_config_errors(cfg)
-    if p.loss_type not in dpo_step.LOSS_TYPES:
-        bad.append(f"dpo.loss_type={p.loss_type!r}: must be one of {list(dpo_step.LOSS_TYPES)}")
+    """Raise one `ConfigError` naming every bad DPO key (`check_pair_config`, then the loss options).
+
+    Raises:
+      ConfigError: `invalid DPO config:` and one `config.<key>...` line per problem.
+    """
+    c, p = Checker(cfg), cfg.dpo
+    check_pair_config(c)
+    c.check("dpo.loss_type", lambda v: v in dpo_step.LOSS_TYPES, f"must be one of {list(dpo_step.LOSS_TYPES)}")
     if not (isinstance(p.beta, (int, float)) and p.beta > 0):
-        bad.append(f"dpo.beta={p.beta!r}: must be > 0")
+        c.err("dpo.beta", "must be > 0")
     if not 0.0 <= float(p.label_smoothing) < 0.5:
-        bad.append(f"dpo.label_smoothing={p.label_smoothing!r}: must be in [0, 0.5)")
+        c.err("dpo.label_smoothing", "must be in [0, 0.5)")
     elif p.loss_type == "ipo" and p.label_smoothing:
-        bad.append("dpo.label_smoothing: not used by loss_type='ipo'; set it to 0 (or use 'sigmoid' / 'robust')")
-    if bad:
-        raise ConfigError("invalid DPO config:\n  " + "\n  ".join(f"config.{b}" for b in bad))
+        c.add("dpo.label_smoothing: not used by loss_type='ipo'; set it to 0 (or use 'sigmoid' / 'robust')")
+    c.raise_if_any("invalid DPO config")
 
 
 def load_pairs(cfg, tokenizer, spec: str, key: str):

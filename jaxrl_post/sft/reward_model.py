@@ -40,28 +40,34 @@ from jaxrl_post.engine.placement import Placement
 from jaxrl_post.engine.run.tracking import Tracking
 from jaxrl_post.engine.train_state import OptimizedParams
 from jaxrl_post.engine.trained_model import TrainedModel
-from jaxrl_post.errors import ConfigError
+from jaxrl_post.errors import Checker, ConfigError
 from jaxrl_post.models.hf_io import load_reward_model, save_reward_model
 from jaxrl_post.models.reward_model import RewardModel
 from jaxrl_post.rl import builders
 from jaxrl_post.sft import rm_step
 from jaxrl_post.sft.batches import SupervisedData, on_mesh
-from jaxrl_post.sft.dpo import head_pairs, load_pairs, pair_config_errors, pair_tokens
+from jaxrl_post.sft.dpo import check_pair_config, head_pairs, load_pairs, pair_tokens
 from jaxrl_post.sft.trainer import SupervisedTrainer
 
 log = logging.getLogger(__name__)
 
 
 def validate_rm_config(cfg) -> None:
-    """Raise one `ConfigError` naming every bad key (`dpo.pair_config_errors`, then the loss options)."""
-    r, bad = cfg.rm, pair_config_errors(cfg)
-    c = r.center_rewards_coefficient
-    if c is not None and not (isinstance(c, (int, float)) and not isinstance(c, bool) and c >= 0):
-        bad.append(f"rm.center_rewards_coefficient={c!r}: must be None or a number >= 0")
+    """Raise one `ConfigError` naming every bad key (`dpo.check_pair_config`, then the loss options).
+
+    Raises:
+      ConfigError: `invalid reward-model config:` and one `config.<key>...` line per problem.
+    """
+    c = Checker(cfg)
+    check_pair_config(c)
+    c.check(
+        "rm.center_rewards_coefficient",
+        lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0),
+        "must be None or a number >= 0",
+    )
     if cfg.data.get("packing_strategy", "per_step") == "bfd":
-        bad.append("data.packing_strategy='bfd': not built for reward-model training; use 'per_step'")
-    if bad:
-        raise ConfigError("invalid reward-model config:\n  " + "\n  ".join(f"config.{b}" for b in bad))
+        c.err("data.packing_strategy", "not built for reward-model training; use 'per_step'")
+    c.raise_if_any("invalid reward-model config")
 
 
 def _is_seq_cls_dir(path) -> bool:

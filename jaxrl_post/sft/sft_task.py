@@ -22,7 +22,7 @@ from jaxrl_post.engine.row_packer import pack_rows
 from jaxrl_post.engine.run import checkpoint as ckpt
 from jaxrl_post.engine.train_state import OptimizedParams
 from jaxrl_post.engine.trained_model import TrainedModel
-from jaxrl_post.errors import ConfigError
+from jaxrl_post.errors import Checker, ConfigError, pos_int
 from jaxrl_post.models import save_pretrained
 from jaxrl_post.rl import builders
 from jaxrl_post.sft import sft_step
@@ -34,46 +34,46 @@ def is_positive_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v > 0
 
 
-def batch_errors(d) -> list[str]:
+def check_batch(c: Checker) -> None:
     """`data.{train_batch_size, micro_batch_size, max_length}` positive ints, the batch a multiple of the
-    micro-batch (SFT, DPO and the reward model share these). One `key=value: what is wrong` per bad key."""
+    micro-batch (SFT, DPO and the reward model share these)."""
+    d = c.cfg.data
     keys = ("train_batch_size", "micro_batch_size", "max_length")
-    bad = [f"data.{key}={d[key]!r}: must be an int > 0" for key in keys if not is_positive_int(d[key])]
-    if not bad and d.train_batch_size % d.micro_batch_size:
-        bad.append(
+    ok = [c.check(f"data.{key}", pos_int, "must be an int > 0") for key in keys]
+    if all(ok) and d.train_batch_size % d.micro_batch_size:
+        c.add(
             f"data.train_batch_size={d.train_batch_size} must be a multiple of data.micro_batch_size="
             f"{d.micro_batch_size}"
         )
-    return bad
 
 
-def run_length_errors(cfg) -> list[str]:
+def check_run_length(c: Checker) -> None:
     """`trainer.total_epochs` (when no step count is set) and `trainer.resume_mode`."""
-    bad = []
+    cfg = c.cfg
     if cfg.trainer.total_training_steps is None and not is_positive_int(cfg.trainer.total_epochs):
-        bad.append(f"trainer.total_epochs={cfg.trainer.total_epochs!r}: must be an int > 0")
+        c.err("trainer.total_epochs", "must be an int > 0")
     if cfg.trainer.resume_mode not in ckpt.RESUME_MODES:
-        bad.append(f"trainer.resume_mode={cfg.trainer.resume_mode!r}: must be one of {list(ckpt.RESUME_MODES)}")
-    return bad
+        c.err("trainer.resume_mode", f"must be one of {list(ckpt.RESUME_MODES)}")
 
 
 def validate_sft_config(cfg) -> None:
-    """Raise one `ConfigError` naming every bad SFT key (batch geometry, lengths, formats)."""
-    d = cfg.data
-    bad = batch_errors(d)
-    if d.format not in FORMATS:
-        bad.append(f"data.format={d.format!r}: must be one of {list(FORMATS)}")
+    """Raise one `ConfigError` naming every bad SFT key (batch geometry, lengths, formats).
+
+    Raises:
+      ConfigError: `invalid SFT config:` and one `config.<key>...` line per problem.
+    """
+    c, d = Checker(cfg), cfg.data
+    check_batch(c)
+    c.check("data.format", lambda v: v in FORMATS, f"must be one of {list(FORMATS)}")
     if d.packing_strategy not in sft_step.PACKING_STRATEGIES:
-        bad.append(f"data.packing_strategy={d.packing_strategy!r}: must be one of {list(sft_step.PACKING_STRATEGIES)}")
+        c.err("data.packing_strategy", f"must be one of {list(sft_step.PACKING_STRATEGIES)}")
     elif d.packing_strategy == "bfd" and not cfg.model.use_remove_padding:
-        bad.append("data.packing_strategy='bfd' packs examples into rows: it needs model.use_remove_padding=True")
-    if d.truncation not in TRUNCATIONS:
-        bad.append(f"data.truncation={d.truncation!r}: must be one of {list(TRUNCATIONS)} for SFT")
+        c.add("data.packing_strategy='bfd' packs examples into rows: it needs model.use_remove_padding=True")
+    c.check("data.truncation", lambda v: v in TRUNCATIONS, f"must be one of {list(TRUNCATIONS)} for SFT")
     if not d.train_files:
-        bad.append("data.train_files: no training data given")
-    bad += run_length_errors(cfg)
-    if bad:
-        raise ConfigError("invalid SFT config:\n  " + "\n  ".join(f"config.{b}" for b in bad))
+        c.add("data.train_files: no training data given")
+    check_run_length(c)
+    c.raise_if_any("invalid SFT config")
 
 
 class SFTTask:

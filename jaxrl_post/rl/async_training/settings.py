@@ -1,4 +1,4 @@
-"""`AsyncSettings`: the asynchronous-training keys of a job config, typed once (config_features.check_async
+"""`AsyncSettings`: the asynchronous-training keys of a job config, typed once (async_training.config_checks.check_async
 validates them first).
 
 Keys (verl's fully-async recipe names, plus `async_training.mode`, ours: verl ships one-step-off and fully async as
