@@ -90,6 +90,12 @@ BAD = {
         "config.async_training.partial_rollout_dispatches=0: must be an int >= 1",
     ),
     "placement": (grpo, "tiny", {"rollout.nnodes": 0}, "config.rollout.nnodes=0: must be an int >= 1"),
+    "rollout.tensor_model_parallel_size": (
+        grpo,
+        "tiny",
+        {"rollout.tensor_model_parallel_size": 0},
+        "config.rollout.tensor_model_parallel_size=0: must be None or an int >= 1",
+    ),
     "distillation": (
         opd,
         "tiny",
