@@ -15,6 +15,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from jaxrl_post.runtime.xla_flags import set_default_xla_flags  # (imports no JAX)
 
 set_default_xla_flags()
+# Then the cheap XLA:CPU code generation (tests/cheap_compile.py: LLVM -O0; the HLO programs are unchanged) for the
+# whole session: most of the suite's time is XLA:CPU compiling tiny models. Added after the defaults, each flag
+# only if XLA_FLAGS does not name it yet, so both sets apply and a value given in the environment wins.
+from tests.cheap_compile import add_cheap_compile_flags  # (imports no JAX)
+
+add_cheap_compile_flags()
 # One persistent XLA compilation cache for the whole session: the pytest-xdist workers and every subprocess the
 # tests start (main jobs, multi-host processes, notebook kernels) inherit these variables, so a program compiled
 # once (the same tiny trainer is built in many files) is loaded from disk afterwards. The controller process

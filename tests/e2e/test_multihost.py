@@ -32,6 +32,8 @@ import time
 import numpy as np
 import pytest
 
+from tests.cheap_compile import CHEAP_COMPILE_FLAGS
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOL = 1e-5  # metrics
 # Parameters after two AdamW steps at the tiny configs' lr 1e-3: Adam scales each entry's step to about lr,
@@ -151,8 +153,7 @@ def _free_port() -> int:
 
 def _env(n_devices: int, cache: str | None = None) -> dict:
     # the cheapest compiles (the suite runs on 2 cores); every run uses the same flags
-    flags = f"--xla_force_host_platform_device_count={n_devices} --xla_backend_optimization_level=0"
-    flags += " --xla_llvm_disable_expensive_passes=true"
+    flags = f"--xla_force_host_platform_device_count={n_devices} {CHEAP_COMPILE_FLAGS}"
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     if cache:  # one process running several trainers: programs equal to an earlier trainer's are not recompiled
         env.update(

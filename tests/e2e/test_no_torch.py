@@ -20,8 +20,6 @@ import sys
 
 import pytest
 
-from tests.cheap_compile import CHEAP_COMPILE_FLAGS
-
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
 _SITECUSTOMIZE = """\
@@ -82,8 +80,6 @@ def no_torch_env(tmp_path_factory):
     (site / "sitecustomize.py").write_text(_SITECUSTOMIZE)
     pythonpath = os.pathsep.join([str(site), str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
     env = dict(os.environ, PYTHONPATH=pythonpath, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    # tiny models: compile time dominates (appended: conftest has set XLA_FLAGS already)
-    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " " + CHEAP_COMPILE_FLAGS
     return env
 
 

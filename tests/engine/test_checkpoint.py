@@ -18,6 +18,7 @@ from flax import nnx
 
 from jaxrl_post.engine.run import checkpoint as ckpt
 from jaxrl_post.engine.run.checkpoint import Checkpointer, CheckpointError
+from tests.cheap_compile import CHEAP_COMPILE_FLAGS
 from tests.script_loader import load_script
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -315,7 +316,7 @@ def test_sharded_restore_8_devices(tmp_path):
       'b_ok': bool((np.asarray(got['b'], np.float32) == np.arange(8)).all())}}))
   c.close()
   """
-    r = _run_py(code, env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+    r = _run_py(code, env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8 " + CHEAP_COMPILE_FLAGS})
     line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")]
     assert line, r.stdout + r.stderr[-3000:]
     out = json.loads(line[0][len("RESULT") :])

@@ -454,7 +454,7 @@ def test_config_selects_backend_and_splash_turns_shared_prompts_off(caplog):
 
 _MESH_SCRIPT = """
 import os
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
 import jax, jax.numpy as jnp, numpy as np
 from jaxrl_post.models import attention as A
 from jaxrl_post.runtime.sharding import make_mesh

@@ -13,6 +13,8 @@ import sys
 
 import pytest
 
+from tests.cheap_compile import CHEAP_COMPILE_FLAGS
+
 pytestmark = pytest.mark.slow  # one subprocess compiling 4 programs: ~40 s on 2 loaded cores
 
 _SCRIPT = r"""
@@ -109,7 +111,9 @@ print("RESULT" + json.dumps(out))
 @pytest.fixture(scope="module")
 def ep_run():
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env = dict(
+        os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8 " + CHEAP_COMPILE_FLAGS
+    )
     env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=repo, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]

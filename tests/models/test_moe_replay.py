@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 from jaxrl_post.models.moe import MoE, load_balancing_loss, router_metrics
+from tests.cheap_compile import CHEAP_COMPILE_FLAGS
 from tests.models.test_moe import _batch, _random_model, _tiny_cfg
 
 # ------------------------------------------------------------------------ rollout routing replay (R3)
@@ -234,7 +235,9 @@ def test_moe_forward_and_gradients_on_a_2x2x2_mesh_equal_one_device():
     import sys
 
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env = dict(
+        os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8 " + CHEAP_COMPILE_FLAGS
+    )
     env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run(
         [sys.executable, "-c", _MESH_SCRIPT], cwd=repo, env=env, capture_output=True, text=True, timeout=900

@@ -226,7 +226,7 @@ def test_reward_model_config_errors_name_the_key(tmp_path):
 
 _SHARDED = """
 import os
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 import sys
 sys.path.insert(0, {repo!r})
 import numpy as np

@@ -482,8 +482,6 @@ def test_main_job_command_reduced(tmp_path):
     """README: `python -m jaxrl_post.main --config=configs/grpo.py ...`, reduced to the tiny config."""
     workdir = tmp_path / "main_run"
     env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    # tiny model: compile time dominates (appended: conftest has set XLA_FLAGS already)
-    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " " + CHEAP_COMPILE_FLAGS
     cmd = [
         sys.executable,
         "-m",

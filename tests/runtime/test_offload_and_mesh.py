@@ -23,6 +23,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from jaxrl_post.runtime.sharding import HOST_MEMORY, init_opt_state, make_mesh
+from tests.cheap_compile import CHEAP_COMPILE_FLAGS
 
 _TIME_KEYS = ("timing_s/", "timing_per_token_ms/", "perf/time_per_step", "perf/throughput", "perf/mfu/")
 
@@ -175,7 +176,7 @@ def test_offload_on_a_sharded_mesh_keeps_specs_and_numbers():
 
     env = dict(
         os.environ,
-        XLA_FLAGS="--xla_force_host_platform_device_count=4",
+        XLA_FLAGS="--xla_force_host_platform_device_count=4 " + CHEAP_COMPILE_FLAGS,
         JAX_PLATFORMS="cpu",
         PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
     )
