@@ -14,6 +14,8 @@ import os
 from collections.abc import MutableMapping
 
 CHEAP_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+# Set to "1": conftest leaves the cheap flags out of this process (a `production_xla_flags` test's own run).
+PRODUCTION_XLA_ENV = "JAXRL_POST_TEST_PRODUCTION_XLA"
 
 
 def add_cheap_compile_flags(environ: MutableMapping[str, str] | None = None) -> list[str]:
@@ -27,3 +29,9 @@ def add_cheap_compile_flags(environ: MutableMapping[str, str] | None = None) -> 
     if added:
         env["XLA_FLAGS"] = " ".join(([current] if current else []) + added)
     return added
+
+
+def without_cheap_compile_flags(xla_flags: str) -> str:
+    """`xla_flags` (an `XLA_FLAGS` value) without any flag that `CHEAP_COMPILE_FLAGS` names."""
+    names = {f.split("=", 1)[0] for f in CHEAP_COMPILE_FLAGS.split()}
+    return " ".join(tok for tok in xla_flags.split() if tok.split("=", 1)[0] not in names)

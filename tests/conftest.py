@@ -15,12 +15,19 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from jaxrl_post.runtime.xla_flags import set_default_xla_flags  # (imports no JAX)
 
 set_default_xla_flags()
-# Then the cheap XLA:CPU code generation (tests/cheap_compile.py: LLVM -O0; the HLO programs are unchanged) for the
-# whole session: most of the suite's time is XLA:CPU compiling tiny models. Added after the defaults, each flag
-# only if XLA_FLAGS does not name it yet, so both sets apply and a value given in the environment wins.
-from tests.cheap_compile import add_cheap_compile_flags  # (imports no JAX)
+# Then the cheap XLA:CPU code generation (tests/cheap_compile.py: LLVM -O0) for the whole session: most of the
+# suite's time is XLA:CPU compiling tiny models. Added after the defaults, each flag only if XLA_FLAGS does not name
+# it yet, so both sets apply and a value given in the environment wins. The HLO programs are the same, the float
+# rounding is not (LLVM -O0 emits other instructions: gradients of a tiny model differ in the last bits); a test
+# that compares against numbers recorded under the production flags is marked `production_xla_flags` (below).
+from tests.cheap_compile import (  # (imports no JAX)
+    PRODUCTION_XLA_ENV,
+    add_cheap_compile_flags,
+    without_cheap_compile_flags,
+)
 
-add_cheap_compile_flags()
+if os.environ.get(PRODUCTION_XLA_ENV) != "1":
+    add_cheap_compile_flags()
 # One persistent XLA compilation cache for the whole session: the pytest-xdist workers and every subprocess the
 # tests start (main jobs, multi-host processes, notebook kernels) inherit these variables, so a program compiled
 # once (the same tiny trainer is built in many files) is loaded from disk afterwards. The controller process
@@ -31,6 +38,9 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _SESSION_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxrl_post_test_xla_cache_")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+import subprocess
+import sys
 
 import pytest
 
@@ -48,6 +58,23 @@ def gsm8k_dir() -> pathlib.Path:
     if not (GSM8K_DIR / "train.jsonl").exists():
         pytest.skip(f"GSM8K not found at {GSM8K_DIR}")
     return GSM8K_DIR
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    """A test marked `production_xla_flags` compares exactly against numbers recorded under the production XLA:CPU
+    code generation (what `python -m jaxrl_post.main` compiles with). XLA reads XLA_FLAGS once per process, so in a
+    process with the cheap flags the test runs in a pytest subprocess without them (the job's defaults kept) and
+    fails with that run's output if it fails there."""
+    if pyfuncitem.get_closest_marker("production_xla_flags") is None or os.environ.get(PRODUCTION_XLA_ENV) == "1":
+        return None
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
+    env.update({PRODUCTION_XLA_ENV: "1", "XLA_FLAGS": without_cheap_compile_flags(env.get("XLA_FLAGS", ""))})
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", pyfuncitem.nodeid]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.fail(f"under the production XLA flags ({' '.join(cmd[1:])}):\n{proc.stdout[-6000:]}", pytrace=False)
+    return True
 
 
 def pytest_sessionfinish(session, exitstatus):
