@@ -44,6 +44,7 @@ def _host(root, step):
 
 
 @pytest.mark.slow  # three runs of the tiny asynchronous config in subprocesses (~60 s on 2 cores)
+@pytest.mark.production_xla_flags  # compared bit for bit with the fixture's metrics, recorded under those flags
 def test_sigint_and_sigkill_mid_queue_resume_to_the_straight_run(tmp_path):
     want = json.loads((ASYNC_FIXTURE / "expected_straight.json").read_text())["async_tiny_straight_8_steps"]
     env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1")  # conftest's compilation cache, if any
