@@ -1,12 +1,14 @@
 """XLA:CPU flags for the tests, where compiling tiny models dominates the run time: LLVM at -O0 and without its
-expensive passes. They change LLVM's code generation only, not the HLO program XLA optimizes and runs (the
-optimized HLO text of a program is the same with and without them), and both sides of an equality a test checks
-run under the same flags.
+expensive passes. They change LLVM's code generation, not the HLO program XLA optimizes (its optimized HLO text is
+the same with and without them), but the float rounding does change: -O0 emits other instructions, and a tiny
+model's gradients differ in the last bits (float32, relative ~1e-6; `--xla_llvm_disable_expensive_passes` alone
+changes nothing). Both sides of an equality a test checks therefore run under the same flags, and a test that
+compares exactly against numbers recorded under the production flags is marked `production_xla_flags`.
 
 tests/conftest.py adds them to `XLA_FLAGS` for the whole session (`add_cheap_compile_flags`): the pytest workers
 and every subprocess that inherits the environment compile with them. A test that starts a subprocess with its
-own `XLA_FLAGS` (e.g. fake devices) appends `CHEAP_COMPILE_FLAGS` itself. Measured (docs/testing.md): the
-slowest test files take about a third less CPU time."""
+own `XLA_FLAGS` (e.g. fake devices) appends `CHEAP_COMPILE_FLAGS` itself. Measured: docs/performance.md, "Test
+suite: cheap XLA:CPU compiles"."""
 
 from __future__ import annotations
 
