@@ -142,7 +142,7 @@ class RLTrainer:
         args = (cfg, self.policy, self.placement, self.tokenizer, eos_token_ids, pad_token_id, process_local)
         rollout = RolloutRole(*args, is_async, rollout_mesh=rollout_mesh)
         self.rollout = FilteredRollout(cfg, rollout) if cfg.algorithm.filter_groups.enable else rollout
-        if is_async:  # the producer and its queue, around the rollout (config_check: no filter_groups then)
+        if is_async:  # the producer and its queue, around the rollout (it filters groups itself: filtering.py)
             self.rollout = AsyncRollout(AsyncSettings.from_config(cfg), rollout)
         self.reference = ReferencePolicy(cfg, self.policy, actor.params) if kl_in_use(cfg) else None
         self.teacher = TeacherRole.build(cfg, self.policy, self.placement, self.tokenizer)  # None: no distillation

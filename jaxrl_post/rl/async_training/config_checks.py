@@ -41,8 +41,6 @@ def check_async(c: Checker) -> None:
             )
         if a.partial_rollout is True and cfg.rollout.name != "paged":
             c.err("async_training.partial_rollout", "needs rollout.name='paged' (stop and resume at a dispatch)")
-    if cfg.algorithm.filter_groups.enable is True:
-        c.err("async_training.mode", "asynchronous training with algorithm.filter_groups is not built yet; use 'sync'")
 
 
 def check_placement(c: Checker) -> None:

@@ -26,6 +26,7 @@ import numpy as np
 from jaxrl_post.algos.rollout_corr import compute_rollout_probs_diff_metrics
 from jaxrl_post.engine.train_state import place_like
 from jaxrl_post.rl.async_training.background import BackgroundProducer
+from jaxrl_post.rl.async_training.filtering import FILTERED, AsyncGroupFilter
 from jaxrl_post.rl.async_training.host_arrays import ArrayPacker
 from jaxrl_post.rl.async_training.partial import PartialGeneration
 from jaxrl_post.rl.async_training.queue import GroupQueue, merge_groups, split_groups
@@ -66,6 +67,7 @@ class AsyncRollout:
         self._pulled = 0
         split = getattr(rollout, "rollout_mesh", None) is not None  # colocated: nothing to overlap, no thread
         self.background = BackgroundProducer() if split and s.background_producer else None
+        self.filter = None if s.filter_metric is None else AsyncGroupFilter(s.filter_metric, s.max_num_gen_batches, s.n)
 
     def __getattr__(self, name):  # the rest of the rollout's interface (sync, sampling_params, engine, close, ...)
         return getattr(self.__dict__["rollout"], name)
@@ -81,15 +83,19 @@ class AsyncRollout:
         chunks = prompts.chunk(r) if r > 1 else [prompts]
         self.pending.extend((c, _seed(seed, i)) for i, c in enumerate(chunks))
 
-    def _push(self, b, nt, versions, metrics) -> None:
-        groups = split_groups(b, nt, self.settings.n, versions, self._next_group_id, metrics)
+    def _push(self, b, nt, versions, res) -> None:
+        groups = split_groups(b, nt, self.settings.n, versions, self._next_group_id, res.metrics)
         self._next_group_id += len(groups)
-        for g in groups:
-            self.queue.put(g)
+        keep = [True] * len(groups) if self.filter is None else self.filter.keep(b, nt, res)
+        for g, k in zip(groups, keep, strict=True):
+            if k:
+                self.queue.put(g)
+            else:
+                self.queue.drop(g, FILTERED)
 
     def _score_partial(self, gen: PartialGeneration, timing, reward_fn) -> None:
         b, nt, res = self.rollout.score_generated(gen.prompts, gen.out, timing, reward_fn)
-        self._push(b, nt, gen.versions, res.metrics)
+        self._push(b, nt, gen.versions, res)
 
     def _run_partial(self, gen: PartialGeneration, timing, max_dispatches: int | None) -> None:
         params = self.rollout.sampling_params(validate=False, seed=gen.seed)
@@ -118,7 +124,7 @@ class AsyncRollout:
             return
         b, nt, res = self.rollout.generate_and_score(prompts, s, timing, reward_fn)
         versions = np.full(np.shape(b["responses"]), self.rollout_version, np.int32)
-        self._push(b, nt, versions, res.metrics)
+        self._push(b, nt, versions, res)
 
     def _start_in_flight(self, timing, reward_fn, more, seed: int) -> None:
         """Partial rollout: start the next batch; stopped after `partial_rollout_dispatches` (the weight update)."""
@@ -153,10 +159,13 @@ class AsyncRollout:
                 f"async_training.staleness_threshold={s.staleness_threshold} allows: no group could ever train "
                 f"(publish every trigger_parameter_sync_step <= staleness_threshold + 1 steps)"
             )
-        taken, consumed = [], 0
+        taken, consumed, made = [], 0, 0
         while len(taken) < need:
             if not len(self.queue):
+                if self.filter is not None and not self.filter.may_generate(made):
+                    raise self.filter.give_up(step, made, len(taken), need)
                 self.produce(timing, reward_fn, next_prompts, seed)
+                made += 1
                 continue
             g = self.queue.get()
             consumed += 1
@@ -179,8 +188,10 @@ class AsyncRollout:
         """The generation the schedule runs "while earlier steps trained": batches until `target` groups wait, then
         (partial rollout) the next batch started and stopped after `partial_rollout_dispatches` dispatches. Returns
         `timing`."""
-        while len(self.queue) < target:
+        made = 0
+        while len(self.queue) < target and (self.filter is None or self.filter.may_generate(made)):
             self.produce(timing, reward_fn, more, seed)
+            made += 1
         if self.settings.partial_rollout and self.in_flight is None:
             self._start_in_flight(timing, reward_fn, more, seed)
         return timing
@@ -198,6 +209,9 @@ class AsyncRollout:
         metrics = self.queue.counts()
         metrics["async/rollout_version"] = float(self.rollout_version)
         metrics["async/in_flight"] = float(self.in_flight is not None)
+        if self.filter is not None:
+            metrics.update(self.filter.metrics())
+            self.filter.reset()
         return metrics
 
     def settle(self) -> None:
@@ -284,6 +298,8 @@ class AsyncRollout:
         self.queue.restore(queue)
         self.in_flight, self.pending = None if fly is None else fly.copy(), list(pending)
         self.rollout_version, self._next_group_id = version, next_id
+        if self.filter is not None:  # its counters start at 0 with every step
+            self.filter.reset()
 
 
 def rollout_probs_diff(b: dict[str, np.ndarray], mask_BR: np.ndarray) -> dict[str, float]:

@@ -41,7 +41,8 @@ class AsyncSettings:
 
     Fields: mode; staleness_threshold (version gap allowed); trigger_parameter_sync_step (k); require_batches (r);
     partial_rollout; partial_rollout_dispatches; train_batch_size (prompts = groups per step); n (group size);
-    background_producer (split placement: the ahead generation on a thread, background.py).
+    background_producer (split placement: the ahead generation on a thread, background.py); filter_metric
+    (`algorithm.filter_groups.metric` when DAPO's filter is on, else None) and max_num_gen_batches (filtering.py).
     """
 
     mode: str
@@ -53,11 +54,14 @@ class AsyncSettings:
     train_batch_size: int
     n: int
     background_producer: bool = True
+    filter_metric: str | None = None
+    max_num_gen_batches: int = 0
 
     @classmethod
     def from_config(cls, cfg: Any) -> AsyncSettings:
         a = cfg.async_training
         mode = async_mode(cfg)
+        fg = cfg.get("algorithm", {}).get("filter_groups")
         one_step = mode == "one_step_off"  # its own recipe: staleness 1, weights after every step, no partial
         return cls(
             mode=mode,
@@ -69,6 +73,8 @@ class AsyncSettings:
             train_batch_size=int(cfg.data.train_batch_size),
             n=int(cfg.rollout.n),
             background_producer=bool(a.get("background_producer", True)),
+            filter_metric=str(fg.metric) if fg is not None and fg.get("enable") is True else None,
+            max_num_gen_batches=0 if fg is None else int(fg.get("max_num_gen_batches", 0)),
         )
 
     @property

@@ -59,12 +59,16 @@ def test_bad_async_keys_are_one_line_each(kw, line):
     assert msg.count("\n  ") == 1, msg  # exactly that key
 
 
-def test_filter_groups_with_async_is_refused():
+def test_filter_groups_with_async_validates_and_reaches_the_settings():
     c = _cfg()
     c.algorithm.filter_groups.enable = True
     c.algorithm.filter_groups.metric = "acc"
-    with pytest.raises(ConfigError, match="with algorithm.filter_groups is not built yet"):
-        validate_config(c, n_devices=1)
+    c.algorithm.filter_groups.max_num_gen_batches = 3
+    validate_config(c, n_devices=1)
+    s = AsyncSettings.from_config(c)
+    assert (s.filter_metric, s.max_num_gen_batches) == ("acc", 3)
+    c.algorithm.filter_groups.enable = False
+    assert AsyncSettings.from_config(c).filter_metric is None
 
 
 def test_settings_of_each_mode():
