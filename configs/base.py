@@ -77,6 +77,10 @@ def get_base_config() -> mlc.ConfigDict:
     # else 'xla'. 'splash' turns model.pack_shared_prompts off; 'chunked' is exact attention in query blocks on
     # any platform, for rows whose dense scores do not fit (docs/performance.md "Attention backends").
     c.model.attention_impl = "auto"  # 'auto' | 'xla' (dense) | 'cudnn' (GPU) | 'splash' (TPU) | 'chunked' (ours)
+    # Grouped matmul of the MoE layers (training and rollout): 'ragged_dot' = jax.lax.ragged_dot (any platform),
+    # 'megablox' = the Pallas TPU kernel gmm (MaxText's megablox; TPU only), 'auto' = 'ragged_dot' until a TPU
+    # measurement shows megablox faster (docs/moe.md "Grouped matmul implementations").
+    c.model.moe_impl = "auto"  # 'auto' | 'ragged_dot' | 'megablox' (TPU)
     # Packing (verl: actor_rollout_ref.model.use_remove_padding, default False there; the critic follows it):
     # the actor update, old/ref log-probs and the critic run on rows of real tokens (prompt + response, no
     # padding) with per-sequence attention, static shapes, empty micro-batches skipped. False = padded rows.

@@ -8,8 +8,9 @@ Per token: router logits `x @ router` in float32 (HIGHEST precision, also under 
 the E experts, top-k, optionally renormalized (`norm_topk_prob`); each chosen expert j computes
 `down_j(act(x @ gate_j) * (x @ up_j))` and the outputs are summed weighted by the chosen probabilities.
 Dispatch is dropless: the N * k (token, expert) assignments are sorted by expert and every expert's
-contiguous group goes through one grouped matmul (`jax.lax.ragged_dot`, group sizes = tokens per expert),
-so the FLOPs are those of the k chosen experts only (no dense all-experts einsum).
+contiguous group goes through one grouped matmul (`grouped_matmul.grouped_matmul`: `jax.lax.ragged_dot`, or the
+Pallas megablox `gmm` on TPU with `model.moe_impl='megablox'`; group sizes = tokens per expert), so the FLOPs are
+those of the k chosen experts only (no dense all-experts einsum).
 
 Qwen2-MoE's shared expert (`shared_expert_intermediate_size` > 0): every token also goes through one dense MLP,
 scaled by `sigmoid(x @ shared_expert_gate)`, added to the routed experts' sum. A capacity factor
@@ -35,6 +36,7 @@ import numpy as np
 from flax import nnx
 
 from jaxrl_post.models import moe_ep
+from jaxrl_post.models.grouped_matmul import grouped_matmul
 from jaxrl_post.models.layers import MLP, ParamInit, activation
 
 F32 = jnp.float32
@@ -71,7 +73,8 @@ class MoEOutput(NamedTuple):
 class MoE(nnx.Module):
     """Top-k routed experts. Params: `router` `[D, E]`, `gate_proj` / `up_proj` `[E, D, F]`, `down_proj`
     `[E, F, D]` (logical axes 'expert', 'embed', 'mlp'); HF's `mlp.gate.weight` and `mlp.experts.<j>.*`. With
-    `cfg.shared_expert_intermediate_size` > 0 also `shared_expert` (an `MLP`) and `shared_expert_gate` `[D, 1]`."""
+    `cfg.shared_expert_intermediate_size` > 0 also `shared_expert` (an `MLP`) and `shared_expert_gate` `[D, 1]`.
+    impl / interpret: the grouped matmul's implementation ('ragged_dot' until `set_moe_impl`)."""
 
     def __init__(self, cfg, *, dtype, init: ParamInit):
         d, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
@@ -82,6 +85,7 @@ class MoE(nnx.Module):
         self.up_proj = init.normal((e, d, f), (EXPERT_AXIS, "embed", "mlp"))
         self.down_proj = init.normal((e, f, d), (EXPERT_AXIS, "mlp", "embed"))
         self.capacity_factor = cfg.moe_capacity_factor
+        self.impl, self.interpret = "ragged_dot", False  # `set_moe_impl`
         s = cfg.shared_expert_intermediate_size
         self.shared_expert = MLP(cfg, dtype=dtype, init=init, intermediate_size=s) if s else None
         self.shared_expert_gate = init.normal((d, 1), ("embed", None)) if s else None
@@ -117,8 +121,7 @@ class MoE(nnx.Module):
         xs = jnp.take(x, order // k, axis=0).astype(self.dtype)  # [N*k, D]
 
         def gmm(lhs, w):  # grouped matmul in the compute dtype, float32 accumulation (as `linear._dot`)
-            out = jax.lax.ragged_dot(lhs, w.astype(self.dtype), sizes, preferred_element_type=jnp.float32)
-            return out.astype(self.dtype)
+            return grouped_matmul(lhs, w.astype(self.dtype), sizes, impl=self.impl, interpret=self.interpret)
 
         h = activation(self.act, gmm(xs, self.gate_proj[...])) * gmm(xs, self.up_proj[...])
         ys = gmm(h, self.down_proj[...])  # [N*k, D], sorted order
@@ -153,6 +156,8 @@ class MoE(nnx.Module):
                 num_experts=self.num_experts,
                 act=self.act,
                 dtype=self.dtype,
+                impl=self.impl,
+                interpret=self.interpret,
             ).astype(self.dtype)
         else:
             y = self.experts(xf, weights, experts).astype(self.dtype).reshape(b, t, d)
@@ -163,6 +168,18 @@ class MoE(nnx.Module):
         entropy = -jnp.sum(probs * jnp.log(jnp.maximum(probs, jnp.finfo(jnp.float32).tiny)), axis=-1)
         stats = (experts.reshape(b, t, self.top_k), load, m @ probs, m @ entropy, dropped)
         return y, stats
+
+
+def set_moe_impl(model, impl: str, *, interpret: bool = False) -> None:
+    """Grouped matmul of every MoE layer of `model` (a `Transformer`): 'ragged_dot' (the default) or 'megablox' (the
+    Pallas TPU kernel; pick one with `grouped_matmul.resolve_moe_impl`). interpret: run megablox in Pallas interpret
+    mode (CPU tests). Set before splitting the model (the choice is static, part of the graphdef); a dense model is
+    left as it is. Raises ValueError for another name."""
+    if impl not in ("ragged_dot", "megablox"):
+        raise ValueError(f"moe impl must be 'ragged_dot' or 'megablox', got {impl!r}")
+    for block in model.layers:
+        if isinstance(block.mlp, MoE):
+            block.mlp.impl, block.mlp.interpret = impl, bool(interpret)
 
 
 def capacity_keep(experts: jax.Array, token_mask: jax.Array, num_experts: int, capacity_factor: float) -> jax.Array:

@@ -8,7 +8,8 @@ holds E/ep experts, their F dim over 'tensor' when it divides) and never gathere
 1. its N*k (token, expert) assignments are sorted by expert; their counts per expert are all-gathered over
    'expert' (`[ep, E]` int32, the only metadata exchanged) and give every device the offsets and sizes below;
 2. `jax.lax.ragged_all_to_all` sends each device the rows of its experts, sender after sender;
-3. the received rows are sorted by local expert and go through the grouped matmuls (`jax.lax.ragged_dot`);
+3. the received rows are sorted by local expert and go through the grouped matmuls (`grouped_matmul`: ragged_dot
+   or megablox, `MoE.impl`);
 4. a second `ragged_all_to_all` with the roles swapped sends the outputs back to their tokens' devices, where
    they are unsorted and summed weighted by the routing weights (psum over 'tensor' for a split F).
 
@@ -30,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxrl_post.models.grouped_matmul import grouped_matmul
 from jaxrl_post.models.layers import activation
 from jaxrl_post.runtime.sharding import LOGICAL_AXIS_RULES
 
@@ -71,15 +73,15 @@ def _exclusive_cumsum(x, axis):
     return jnp.cumsum(x, axis=axis) - x
 
 
-def _local_experts(buf, local_id, e_local: int, gate, up, down, act: str, dtype):
+def _local_experts(buf, local_id, e_local: int, gate, up, down, act: str, dtype, impl: str, interpret: bool):
     """Rows `buf` `[R, D]` of local experts `local_id` `[R]` (e_local = padding, computes zeros) -> `[R, D]`
-    expert outputs in the compute dtype (grouped matmuls over the rows sorted by local expert)."""
+    expert outputs in the compute dtype (grouped matmuls `impl` over the rows sorted by local expert)."""
     order = jnp.argsort(local_id, stable=True)
     sizes = jnp.bincount(local_id, length=e_local).astype(jnp.int32)  # padding ids (== e_local) not counted
     xs = jnp.take(buf, order, axis=0)
 
     def gmm(lhs, w):
-        return jax.lax.ragged_dot(lhs, w.astype(dtype), sizes, preferred_element_type=jnp.float32).astype(dtype)
+        return grouped_matmul(lhs, w.astype(dtype), sizes, impl=impl, interpret=interpret)
 
     ys = gmm(activation(act, gmm(xs, gate)) * gmm(xs, up), down)
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
@@ -87,7 +89,7 @@ def _local_experts(buf, local_id, e_local: int, gate, up, down, act: str, dtype)
 
 
 def _dispatch_local(
-    x, weights, experts, gate, up, down, *, num_experts, act, dtype, exchange, tokens_sharded, sum_axes
+    x, weights, experts, gate, up, down, *, num_experts, act, dtype, impl, interpret, exchange, tokens_sharded, sum_axes
 ):
     """shard_map body: this device's tokens x `[b, T, D]`, weights/experts `[b, T, k]`, its experts' weights
     `[E/ep, D, F/tp]` / `[E/ep, F/tp, D]` -> `[b, T, D]` float32, summed over `sum_axes` ('tensor' when F is
@@ -115,7 +117,7 @@ def _dispatch_local(
         pos = jnp.arange(buf.shape[0], dtype=jnp.int32)
         slot = jnp.searchsorted(ends, pos, side="right").astype(jnp.int32)
         local_id = jnp.where(slot < ep * e_local, slot % e_local, e_local)
-        out = _local_experts(buf, local_id, e_local, gate, up, down, act, dtype)
+        out = _local_experts(buf, local_id, e_local, gate, up, down, act, dtype, impl, interpret)
         back_at = _exclusive_cumsum(pair, 1)[:, me]  # where each sender's slice came from in its xs
         ys = exchange(
             out, jnp.zeros_like(xs), land[:, me], recv_sizes, back_at, send_sizes, axis_name=AXIS
@@ -123,17 +125,20 @@ def _dispatch_local(
     else:  # replicated tokens: my experts' assignments only, summed over 'expert' below
         local = jnp.take(flat, order) - me * e_local
         local_id = jnp.where((local >= 0) & (local < e_local), local, e_local)
-        ys = _local_experts(xs, local_id, e_local, gate, up, down, act, dtype)
+        ys = _local_experts(xs, local_id, e_local, gate, up, down, act, dtype, impl, interpret)
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     ys = jnp.take(ys, inverse, axis=0).astype(jnp.float32).reshape(b * t, k, d)
     y = jnp.einsum("NKD,NK->ND", ys, weights.reshape(b * t, k)).reshape(b, t, d)
     return jax.lax.psum(y, sum_axes) if sum_axes else y
 
 
-def dispatch(x, weights, experts, gate, up, down, *, num_experts: int, act: str, dtype):
+def dispatch(
+    x, weights, experts, gate, up, down, *, num_experts: int, act: str, dtype, impl="ragged_dot", interpret=False
+):
     """Expert-parallel MoE experts on the ambient mesh: x `[B, T, D]`, weights `[B, T, k]` float32, experts
     `[B, T, k]` int32, gate/up `[E, D, F]`, down `[E, F, D]` -> `[B, T, D]` float32 (what the single-device
-    `MoE.experts` computes). Raises ValueError when E does not divide over the 'expert' axis."""
+    `MoE.experts` computes). impl / interpret: the grouped matmul's (`grouped_matmul.grouped_matmul`). Raises
+    ValueError when E does not divide over the 'expert' axis."""
 
     mesh = jax.sharding.get_abstract_mesh()
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
@@ -153,7 +158,8 @@ def dispatch(x, weights, experts, gate, up, down, *, num_experts: int, act: str,
     def body(x, weights, experts, gate, up, down):
         return _dispatch_local(
             x, weights, experts, gate, up, down,
-            num_experts=num_experts, act=act, dtype=dtype, exchange=exchange, tokens_sharded=sharded,
+            num_experts=num_experts, act=act, dtype=dtype, impl=impl, interpret=interpret, exchange=exchange,
+            tokens_sharded=sharded,
             sum_axes=(() if sharded else (AXIS,)) + (("tensor",) if f else ()),
         )  # fmt: skip
 

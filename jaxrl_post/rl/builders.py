@@ -24,6 +24,8 @@ from jaxrl_post.models import load_tokenizer as _load
 from jaxrl_post.models.attention import resolve_attention_impl
 from jaxrl_post.models.char_tokenizer import build_char_tokenizer
 from jaxrl_post.models.config_checks import lora_enabled
+from jaxrl_post.models.grouped_matmul import resolve_moe_impl
+from jaxrl_post.models.moe import set_moe_impl
 from jaxrl_post.models.tokenizer import eos_token_ids
 from jaxrl_post.rl import ppo_update
 from jaxrl_post.rl.async_training.placement import split_meshes
@@ -147,6 +149,7 @@ def build_actor_and_tokenizer(cfg: Any, mesh: jax.sharding.Mesh | None):
             tokenizer = load_tokenizer(tok_path or cfg.model.path)
     model.scan_layers = bool(scan)
     apply_attention_impl(cfg, model)
+    apply_moe_impl(cfg, model)
     if len(tokenizer) > model.config.vocab_size:
         raise ValueError(
             f"config.model: tokenizer has {len(tokenizer)} tokens but the model vocabulary is {model.config.vocab_size}"
@@ -185,6 +188,22 @@ def apply_attention_impl(cfg: Any, model, platform: str | None = None) -> str:
             "attention: model.pack_shared_prompts is off under splash attention: its segment ids say 'same "
             "sequence' only, not 'a response sees its chunk's prompt'; every sequence packs its own prompt"
         )
+    return impl
+
+
+def apply_moe_impl(cfg: Any, model, platform: str | None = None) -> str:
+    """Resolve `model.moe_impl` for `platform` (default `jax.default_backend()`) and set it on `model`'s MoE layers
+    (`moe.set_moe_impl`; the critic, cloned from the actor, inherits it); logged for an MoE model. Returns the
+    implementation. Raises ConfigError naming `model.moe_impl` (`grouped_matmul.resolve_moe_impl`)."""
+
+    platform = platform or jax.default_backend()
+    try:
+        impl = resolve_moe_impl(cfg.model.get("moe_impl", "auto"), platform)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    set_moe_impl(model, impl)
+    if model.config.num_experts:
+        log.info("moe: model.moe_impl=%r -> %r on %s", cfg.model.get("moe_impl", "auto"), impl, platform)
     return impl
 
 

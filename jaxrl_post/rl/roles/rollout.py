@@ -34,7 +34,7 @@ from jaxrl_post.models.hf_io import empty_model
 from jaxrl_post.models.lora import merged_state
 from jaxrl_post.rl import reward_builders
 from jaxrl_post.rl.async_training.placement import publish_weights
-from jaxrl_post.rl.builders import check_rollout_heads, colocated_rollout_mesh
+from jaxrl_post.rl.builders import apply_moe_impl, check_rollout_heads, colocated_rollout_mesh
 from jaxrl_post.rl.dynamic_sampling import score_everywhere, timer
 from jaxrl_post.rollout import Generator, SamplingParams
 from jaxrl_post.rollout.agent_loop import rollout_metrics
@@ -97,6 +97,7 @@ class RolloutRole:
         self.copy = separate_copy or relayout or rollout_mesh is not None or not (rdt == m.dtype == m.param_dtype)
         if self.copy:
             self.model = empty_model(m.config, dtype=rdt, param_dtype=rdt)
+            apply_moe_impl(cfg, self.model)  # the actor's MoE grouped matmul (model.moe_impl)
             if self.tp is not None:  # one line per bad key (heads, then any dim the rollout layout splits)
                 check_rollout_heads(cfg, m.config)
                 try:

@@ -154,6 +154,7 @@ def build_teacher(cfg: Any, mesh, student_tokenizer, student_vocab: int):
     except ValueError as e:
         raise ConfigError(str(e)) from None
     model.set_attention_impl(impl)
+    builders.apply_moe_impl(cfg, model)
     return model
 
 
