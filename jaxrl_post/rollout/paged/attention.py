@@ -11,16 +11,25 @@ N kv heads (head h reads kv head h // (H / N), the decoder's GQA layout), K head
   decoder's dense math (`decoder.Attention`): float32 scores, the scale, the soft-cap, a causal (and sliding-window)
   mask with the same fill value, probabilities rounded to the compute dtype before the value product. Memory
   `[T, pages_per_seq * page_size]` per head: meant for decode and small prefills.
-- "pallas_tpu": the TPU kernel (flash-style online softmax in float32).
+- "pallas_tpu": the TPU kernel (flash-style online softmax in float32). Under an ambient mesh (`jax.set_mesh`) with
+  a 'tensor' axis of size tp > 1 (the engine's rollout tensor parallelism) it runs in a `jax.shard_map` over the
+  mesh: each device calls the kernel on its H / tp query heads and its slice of the pool's combined-head dim (the
+  2N / tp interleaved keys and values of kv heads d * N / tp ... (d + 1) * N / tp - 1, exactly the heads its query
+  heads read under the GQA layout), with the page tables, lengths and `num_seqs` replicated; the output stays split
+  over heads (the output projection's all-reduce follows, as for the XLA path). No communication inside.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 PAGED_ATTENTION_IMPLS = ("xla", "pallas_tpu")
+TENSOR_AXIS = "tensor"  # the rollout mesh's tensor-parallel axis (the pool's combined heads are split over it)
 _NEG = float(np.finfo(np.float32).min)  # the decoder's mask fill
 MIN_SEGMENT_SLOTS = 128  # the XLA path's page-table segments hold at least this many slots (`_segment_pages`)
 
@@ -156,6 +165,24 @@ def paged_attention_pallas_tpu(
     )
 
 
+def tensor_parallel_size() -> int:
+    """Size of the ambient mesh's 'tensor' axis (`jax.set_mesh`; 1 without a mesh or without that axis)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty or TENSOR_AXIS not in mesh.axis_names:
+        return 1
+    return dict(zip(mesh.axis_names, mesh.axis_sizes))[TENSOR_AXIS]
+
+
+def _pallas_tpu_over_pool(q, pool, kv_lens, page_indices, cu_q_lens, num_seqs, layer, *, dtype, **kw):
+    """The kernel on layer `layer` of a whole pool `[L, P, page_size, 2N, K]`: the layers' pages as one pool (a free
+    reshape), the tables offset to this layer's pages."""
+    num_layers, num_pages = pool.shape[:2]
+    pool = pool.reshape(num_layers * num_pages, *pool.shape[2:])
+    return paged_attention_pallas_tpu(
+        q.astype(dtype), pool, kv_lens, page_indices + layer * num_pages, cu_q_lens, num_seqs, **kw
+    )
+
+
 def paged_attention(
     q,
     kv_pages,
@@ -176,22 +203,27 @@ def paged_attention(
     the module docstring (kv_pages one layer's, or the whole pool with `layer`); segment_pages: the XLA path's
     (`paged_attention_xla`). Returns `[T, H, K]` in dtype (default q.dtype)."""
     if impl == "pallas_tpu":
-        if layer is not None:  # the layers' pages as one pool (a free reshape), the tables offset to this layer's
-            num_layers, num_pages = kv_pages.shape[:2]
-            kv_pages = kv_pages.reshape(num_layers * num_pages, *kv_pages.shape[2:])
-            page_indices = page_indices + layer * num_pages
-        out = paged_attention_pallas_tpu(
-            q.astype(dtype or q.dtype),
-            kv_pages,
-            kv_lens,
-            page_indices,
-            cu_q_lens,
-            num_seqs,
-            sm_scale=sm_scale,
-            sliding_window=sliding_window,
-            soft_cap=soft_cap,
+        dt = dtype or q.dtype
+        kernel = functools.partial(
+            _pallas_tpu_over_pool, dtype=dt, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap
         )
-        return out.astype(dtype or q.dtype)
+        if layer is None:  # one layer's pages: a pool of one layer
+            kv_pages, layer = kv_pages[None], jnp.int32(0)
+        tp = tensor_parallel_size()
+        if tp > 1:  # each device: its query heads over its kv heads' slice of the pool (module docstring)
+            n = kv_pages.shape[-2] // 2
+            if q.shape[1] % tp or n % tp:
+                raise ValueError(
+                    f"paged attention: the 'tensor' size {tp} must divide {q.shape[1]} query and {n} kv heads"
+                )
+            heads, rep = P(None, TENSOR_AXIS, None), P()
+            kernel = jax.shard_map(
+                kernel,
+                in_specs=(heads, P(None, None, None, TENSOR_AXIS, None), rep, rep, rep, rep, rep),
+                out_specs=heads,
+                check_vma=False,
+            )
+        return kernel(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, layer).astype(dt)
     return paged_attention_xla(
         q,
         kv_pages,

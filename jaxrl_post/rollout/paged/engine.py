@@ -9,8 +9,8 @@ the same tokens, and log-probs equal to float rounding (prefill and decode batch
 With a `mesh` whose only axis > 1 is 'tensor' (`rollout.tensor_model_parallel_size`), the engine runs sharded over
 it: the model's params as they are placed (`sharding.param_shardings` on that mesh), the page pool split over kv
 heads (`kv_pool.POOL_AXES`), page tables, slots, logits and sampled tokens replicated, the programs traced under the
-mesh (GSPMD partitions the per-head XLA attention); the host scheduler is the same. The Pallas TPU kernel stays
-single-device: on a mesh with tensor > 1 'auto' picks the XLA path.
+mesh (GSPMD partitions the per-head XLA attention; the Pallas TPU kernel runs per device in a `shard_map` over
+'tensor' on its heads' slice of the pool, `attention.paged_attention`); the host scheduler is the same.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class PagedGenerator:
         model without MoE layers.
       mesh: a mesh ('data', 'fsdp', 'expert', 'tensor') whose only axis > 1 is 'tensor', the model's params placed
         on it; None: one device. Raises ValueError for another axis > 1 (data-parallel engine replicas are not
-        built), a 'tensor' size that does not divide the kv heads, or 'pallas_tpu' with tensor > 1.
+        built) or a 'tensor' size that does not divide the kv heads.
     """
 
     model: nnx.Module
@@ -109,11 +109,6 @@ class PagedGenerator:
         tp, n_kv = shape.get("tensor", 1), self.model.config.num_kv_heads
         if n_kv % tp:
             raise ValueError(f"the paged engine's tensor size {tp} does not divide the model's {n_kv} kv heads")
-        if tp > 1 and self.impl == "pallas_tpu":
-            if self.attention_impl != "auto":
-                raise ValueError("paged attention 'pallas_tpu' runs on one device; on a tensor mesh use 'xla'")
-            self.impl = "xla"
-            log.info("paged rollout: the Pallas TPU kernel is single-device; tensor=%d uses the XLA attention", tp)
 
     def update_weights(self, model: nnx.Module | None = None) -> None:
         """Take `model`'s (or the current model's) params for the next dispatch: the layers are restacked once
