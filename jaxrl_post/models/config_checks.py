@@ -9,15 +9,17 @@ from typing import Any
 
 from jaxrl_post.errors import Checker, is_int, is_num
 from jaxrl_post.models.attention import ATTENTION_IMPLS
+from jaxrl_post.models.grouped_matmul import MOE_IMPLS
 from jaxrl_post.models.lora import parse_target_modules, read_adapter_config
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
 def check_model(c: Checker) -> None:
-    """`model.attention_impl` a known backend, `model.dtype` ('auto' or a float dtype), `model.param_dtype`, and
-    `model.path` naming a model unless `model.random_init`."""
+    """`model.attention_impl` and `model.moe_impl` known backends (their platform: `builders`), `model.dtype` ('auto'
+    or a float dtype), `model.param_dtype`, and `model.path` naming a model unless `model.random_init`."""
     c.check("model.attention_impl", lambda v: v in ATTENTION_IMPLS, f"valid: {', '.join(map(repr, ATTENTION_IMPLS))}")
+    c.check("model.moe_impl", lambda v: v in MOE_IMPLS, f"valid: {', '.join(map(repr, MOE_IMPLS))}")
     c.check("model.dtype", lambda v: v in _DTYPES + ("auto",), "valid: auto, float32, bfloat16, float16")
     c.check("model.param_dtype", lambda v: v in _DTYPES, "valid: float32, bfloat16, float16")
     if not c.cfg.model.random_init:

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxrl_post.errors import ConfigError
+from jaxrl_post.errors import Checker, ConfigError
 from jaxrl_post.models import ModelConfig
+from jaxrl_post.models.config_checks import check_model
 from jaxrl_post.models.grouped_matmul import gmm_tiling, grouped_matmul, resolve_moe_impl
 from jaxrl_post.models.layers import ParamInit
 from jaxrl_post.models.moe import MoE, set_moe_impl
@@ -176,3 +177,9 @@ def test_moe_impl_resolves_by_platform_and_refuses_megablox_off_tpu():
     assert builders.apply_moe_impl(c, model, platform="tpu") == "megablox"
     c.model.moe_impl = "auto"
     assert builders.apply_moe_impl(c, model, platform="tpu") == "ragged_dot"
+    c.model.moe_impl = "gmm"  # an unknown name: the config check's one line
+    checker = Checker(c)
+    check_model(checker)
+    assert [e for e in checker.errors if "moe_impl" in e] == [
+        "config.model.moe_impl='gmm': valid: 'auto', 'ragged_dot', 'megablox'"
+    ]
