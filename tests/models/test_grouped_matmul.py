@@ -38,7 +38,8 @@ def test_megablox_equals_ragged_dot_and_numpy_forward_and_gradients():
     lhs = rng.standard_normal((m, k)).astype(np.float32)
     rhs = rng.standard_normal((len(sizes), k, n)).astype(np.float32)
     cot = rng.standard_normal((m, n)).astype(np.float32)  # the loss is sum(out * cot)
-    assert gmm_tiling(m, k, n, (16, 16, 16)) == (16, 16, 16) and gmm_tiling(5, 40, 24) == (16, 40, 24)
+    assert gmm_tiling(m, k, n, (16, 16, 16)) == (16, 16, 40, 24)  # remainders: masked by the kernel
+    assert gmm_tiling(5, 40, 200) == (16, 128, 128, 200)  # K padded up to the tile (a Mosaic block's 128 lanes)
 
     def loss_and_grads(impl):
         def loss(a, b):
@@ -125,18 +126,20 @@ def _set_impl(moe, impl, interpret=True):
     assert (moe.impl, moe.interpret) == (impl, interpret)
 
 
-def test_moe_forward_and_backward_lower_for_tpu_with_the_megablox_kernels(monkeypatch):
-    """One MoE layer at Qwen3-30B-A3B's expert shapes (D 2048, 128 experts of F 768, top-8), bf16, 512 tokens:
-    the jitted forward + backward (x and every weight) lowers for TPU; the program holds megablox's gmm (forward and
-    lhs gradient) and tgmm (weight gradient) Mosaic kernels, and no ragged dot. The Mosaic lowering asks the device
-    for its TPU generation: stubbed as a v5p (as tests/rollout/test_paged_attention.py)."""
+@pytest.mark.parametrize("d,e,f,k", [(2048, 128, 768, 8), (32, 6, 24, 2)], ids=["qwen3_30b_a3b", "tiny"])
+def test_moe_forward_and_backward_lower_for_tpu_with_the_megablox_kernels(d, e, f, k, monkeypatch):
+    """One MoE layer at Qwen3-30B-A3B's expert shapes (D 2048, 128 experts of F 768, top-8), and at tiny dims below
+    a Mosaic block's 128 lanes (padded up to it), bf16, 512 tokens: the jitted forward + backward (x and every
+    weight) lowers for TPU; the program holds megablox's gmm (forward and lhs gradient) and tgmm (weight gradient)
+    Mosaic kernels, and no ragged dot. The Mosaic lowering asks the device for its TPU generation: stubbed as a v5p
+    (as tests/rollout/test_paged_attention.py)."""
     from jax._src.pallas.mosaic import tpu_info
 
     monkeypatch.setattr(tpu_info, "get_device_kind", lambda: "TPU v5p")
     monkeypatch.setattr(tpu_info, "get_num_device_cores", lambda: 1)
     cfg = ModelConfig(
-        family="qwen3_moe", hidden_size=2048, num_heads=32, num_kv_heads=4, head_dim=128, num_experts=128,
-        num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+        family="qwen3_moe", hidden_size=d, num_heads=4, num_kv_heads=4, head_dim=8, num_experts=e,
+        num_experts_per_tok=k, moe_intermediate_size=f, norm_topk_prob=True,
     )  # fmt: skip
     moe = nnx.eval_shape(lambda: MoE(cfg, dtype=jnp.bfloat16, init=ParamInit(jax.random.key(0), jnp.bfloat16)))
     _set_impl(moe, "megablox", interpret=False)
@@ -146,7 +149,7 @@ def test_moe_forward_and_backward_lower_for_tpu_with_the_megablox_kernels(monkey
         y, _ = nnx.merge(graphdef, state)(x, jnp.ones(x.shape[:2], bool))
         return jnp.sum(y.astype(jnp.float32))
 
-    x = jax.ShapeDtypeStruct((4, 128, 2048), jnp.bfloat16)
+    x = jax.ShapeDtypeStruct((4, 128, d), jnp.bfloat16)
     text = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(state, x).lower(lowering_platforms=("tpu",)).as_text()
     assert "tpu_custom_call" in text and "ragged_dot" not in text
     # forward: gate, up, down; backward: lhs gradient (gmm, transposed weights) and weight gradient (tgmm) of each
