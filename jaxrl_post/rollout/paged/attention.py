@@ -201,7 +201,8 @@ def paged_attention(
 ):
     """Ragged paged attention through `impl` ("xla" or "pallas_tpu"; `resolve_paged_attention_impl`). Shapes as
     the module docstring (kv_pages one layer's, or the whole pool with `layer`); segment_pages: the XLA path's
-    (`paged_attention_xla`). Returns `[T, H, K]` in dtype (default q.dtype)."""
+    (`paged_attention_xla`). Returns `[T, H, K]` in dtype (default q.dtype). Raises ValueError for 'pallas_tpu'
+    under a 'tensor' mesh axis that does not divide the query and kv heads."""
     if impl == "pallas_tpu":
         dt = dtype or q.dtype
         kernel = functools.partial(
