@@ -111,22 +111,38 @@ class MoE(nnx.Module):
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
         return probs, weights, experts
 
-    def experts(self, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
-        """Dropless grouped-matmul dispatch on one program: x `[N, D]`, weights/experts `[N, k]` -> `[N, D]`
-        float32 (with an expert mesh axis `__call__` uses `moe_ep.dispatch` instead)."""
+    def experts(
+        self, x: jax.Array, weights: jax.Array, experts: jax.Array, keep: jax.Array | None = None, rows: int = 0
+    ) -> jax.Array:
+        """Grouped-matmul dispatch on one program: x `[N, D]`, weights/experts `[N, k]` -> `[N, D]` float32 (with an
+        expert mesh axis `__call__` uses `moe_ep.dispatch` instead).
+
+        keep: optional `[N, k]` bool, the assignments a capacity factor keeps (`capacity_keep`): dropped ones are
+        sorted after every kept one and belong to no group, so the grouped matmuls never compute them; rows: the
+        static row count of the grouped matmuls (0 = N * k, dropless), with a capacity factor `capacity_rows`, the
+        most assignments the experts can take (fewer than N * k when the factor is below 1: that much less compute)."""
         n, k = experts.shape
+        rows = rows or n * k
         flat = experts.reshape(-1)  # [N*k] assignment a = token a // k, slot a % k
-        order = jnp.argsort(flat, stable=True)  # assignments grouped by expert
-        sizes = jnp.bincount(flat, length=self.num_experts).astype(jnp.int32)
-        xs = jnp.take(x, order // k, axis=0).astype(self.dtype)  # [N*k, D]
+        if keep is None:
+            key, sizes = flat, jnp.bincount(flat, length=self.num_experts)
+        else:  # dropped assignments: one trailing block, in no group (ragged_dot / gmm leave those rows at 0)
+            kf = keep.reshape(-1)
+            key = jnp.where(kf, flat, self.num_experts)
+            sizes = jnp.bincount(flat, weights=kf.astype(jnp.int32), length=self.num_experts)
+        order = jnp.argsort(key, stable=True)[:rows]  # assignments grouped by expert, the first `rows`
+        xs = jnp.take(x, order // k, axis=0).astype(self.dtype)  # [rows, D]
 
         def gmm(lhs, w):  # grouped matmul in the compute dtype, float32 accumulation (as `linear._dot`)
-            return grouped_matmul(lhs, w.astype(self.dtype), sizes, impl=self.impl, interpret=self.interpret)
+            return grouped_matmul(
+                lhs, w.astype(self.dtype), sizes.astype(jnp.int32), impl=self.impl, interpret=self.interpret
+            )
 
         h = activation(self.act, gmm(xs, self.gate_proj[...])) * gmm(xs, self.up_proj[...])
-        ys = gmm(h, self.down_proj[...])  # [N*k, D], sorted order
-        inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=order.dtype))
-        ys = jnp.take(ys, inverse, axis=0).astype(jnp.float32).reshape(n, k, -1)
+        ys = gmm(h, self.down_proj[...])  # [rows, D], sorted order
+        # where each assignment sits in `ys`; `rows` (out of range -> 0) for an assignment past the buffer (dropped)
+        inverse = jnp.full((n * k,), rows, order.dtype).at[order].set(jnp.arange(rows, dtype=order.dtype))
+        ys = jnp.take(ys, inverse, axis=0, mode="fill", fill_value=0).astype(jnp.float32).reshape(n, k, -1)
         return jnp.einsum("NKD,NK->ND", ys, weights)
 
     def __call__(self, x: jax.Array, token_mask: jax.Array, routes: jax.Array | None = None):
@@ -139,7 +155,7 @@ class MoE(nnx.Module):
         xf = x.reshape(b * t, d)
         probs, weights, experts = self.route(xf, None if routes is None else routes.reshape(b * t, self.top_k))
         m = token_mask.reshape(-1).astype(jnp.float32)
-        dropped = None
+        dropped = keep = None
         if self.capacity_factor is not None:
             keep = capacity_keep(experts.reshape(b, t, -1), token_mask, self.num_experts, self.capacity_factor)
             keep = keep.reshape(b * t, self.top_k)
@@ -160,7 +176,8 @@ class MoE(nnx.Module):
                 interpret=self.interpret,
             ).astype(self.dtype)
         else:
-            y = self.experts(xf, weights, experts).astype(self.dtype).reshape(b, t, d)
+            rows = 0 if keep is None else capacity_rows(b, t, self.top_k, self.num_experts, self.capacity_factor)
+            y = self.experts(xf, weights, experts, keep, rows).astype(self.dtype).reshape(b, t, d)
         if self.shared_expert is not None:  # Qwen2-MoE: + sigmoid(x @ w_gate) * shared_mlp(x)
             g = jnp.einsum("BTD,DO->BTO", x, self.shared_expert_gate[...].astype(x.dtype), preferred_element_type=F32)
             y = (y.astype(F32) + jax.nn.sigmoid(g) * self.shared_expert(x).astype(F32)).astype(self.dtype)
@@ -182,6 +199,17 @@ def set_moe_impl(model, impl: str, *, interpret: bool = False) -> None:
             block.mlp.impl, block.mlp.interpret = impl, bool(interpret)
 
 
+def expert_capacity(t: int, k: int, num_experts: int, capacity_factor: float) -> int:
+    """Assignments of one row (sequence) an expert takes: `ceil(capacity_factor * T * k / E)` (MaxText's rule)."""
+    return math.ceil(capacity_factor * t * k / num_experts)
+
+
+def capacity_rows(b: int, t: int, k: int, num_experts: int, capacity_factor: float) -> int:
+    """The most assignments `[B, T, k]` routes can keep under a capacity factor: `min(B * T * k, B * E * C)` (each of
+    the B rows gives each of the E experts at most C, `expert_capacity`), the grouped matmuls' static rows."""
+    return min(b * t * k, b * num_experts * expert_capacity(t, k, num_experts, capacity_factor))
+
+
 def capacity_keep(experts: jax.Array, token_mask: jax.Array, num_experts: int, capacity_factor: float) -> jax.Array:
     """Which assignments an expert takes under a capacity factor (MaxText's `capacity_factor`, per sequence as
     its dropping path): experts `[B, T, k]` int, token_mask `[B, T]` bool -> keep `[B, T, k]` bool.
@@ -191,7 +219,7 @@ def capacity_keep(experts: jax.Array, token_mask: jax.Array, num_experts: int, c
     the valid (masked-in) tokens first, then by position, then by slot (the top-1 choice of a token before its
     top-2); the rest are dropped. A decode step (T = 1) never drops when C >= 1."""
     t, k = experts.shape[1:]
-    cap = math.ceil(capacity_factor * t * k / num_experts)
+    cap = expert_capacity(t, k, num_experts, capacity_factor)
 
     def row(e, valid):
         flat = e.reshape(-1)  # [T*k], token-major

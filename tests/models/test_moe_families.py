@@ -4,11 +4,13 @@ transformers), their config mapping; and the capacity factor (items 2/3) against
 are test_moe.py's (the Qwen3-MoE parity tests)."""
 
 import json
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxrl_post.models import ModelConfig, save_pretrained
 from jaxrl_post.models.hf_io import load_hf_dir, param_map
@@ -220,8 +222,9 @@ def _keep_reference(experts, mask, num_experts, cf):
 
 def test_capacity_factor_drops_against_numpy_reference():
     """`capacity_keep` equals a numpy loop; the MoE layer's output under a capacity factor equals the dropless
-    layer's computed with the dropped assignments' weights zeroed (numpy), the dropped count and the
-    `dropped_token_fraction` metric count the valid tokens' dropped assignments; a large factor drops nothing."""
+    layer's computed with the dropped assignments' weights zeroed (numpy) at factors 1 and 0.5, whose grouped matmuls
+    run on only the rows the experts can take; the dropped count and the `dropped_token_fraction` metric count the
+    valid tokens' dropped assignments; a large factor drops nothing."""
     rng = np.random.RandomState(3)
     experts = rng.randint(0, 4, (3, 9, 2))
     experts[0, :, 0] = 2  # a hot expert: row 0 sends every token to expert 2
@@ -234,10 +237,29 @@ def test_capacity_factor_drops_against_numpy_reference():
         np.testing.assert_array_equal(np.asarray(got), _keep_reference(experts, mask, 4, cf))
     assert np.asarray(kept[-1]).all()  # C = T * k / 2 >= any expert's load (at most one per token)
 
-    cfg = _tiny("qwen2_moe", moe_capacity_factor=1.0, mlp_only_layers=())
-    layer = _random_model(cfg, seed=2).layers[0].mlp
-    x = rng.randn(3, 9, cfg.hidden_size).astype(np.float32)
+    x = rng.randn(3, 9, 32).astype(np.float32)
     run = jax.jit(lambda lay, x, m: lay(x, m))
+    for cf in (1.0, 0.5):
+        cfg = _tiny("qwen2_moe", moe_capacity_factor=cf, mlp_only_layers=())
+        _check_capacity_layer(cfg, x, mask, run)
+    cfg = _tiny("qwen2_moe", moe_capacity_factor=1.0, mlp_only_layers=())
+    _, stats0 = run(_random_model(cfg.replace(moe_capacity_factor=None), seed=2).layers[0].mlp, x, mask)
+    assert stats0[4] is None and not any("dropped" in k for k in router_metrics(collect([stats0], mask, 4)))
+
+
+def _check_capacity_layer(cfg, x, mask, run):
+    """The MoE layer of `cfg` (a capacity factor) against numpy, and its grouped matmuls' static rows:
+    `min(B * T * k, B * E * C)` (fewer than B * T * k below a factor of 1: the compute a capacity factor saves)."""
+    layer = _random_model(cfg, seed=2).layers[0].mlp
+    assert x.shape[-1] == cfg.hidden_size
+    rows = {
+        tuple(e.invars[0].aval.shape)
+        for e in jax.make_jaxpr(lambda lay, x, m: lay(x, m))(layer, jnp.asarray(x), jnp.asarray(mask)).eqns
+        for e in _walk(e)
+        if "ragged_dot" in e.primitive.name
+    }
+    cap = math.ceil(cfg.moe_capacity_factor * 9 * 2 / 4)  # per row and expert
+    assert {r[0] for r in rows} == {min(3 * 9 * 2, 3 * 4 * cap)}, rows
     y, stats = run(layer, jnp.asarray(x), jnp.asarray(mask))
     # numpy: softmax router, top-2 (not renormalized: qwen2_moe default), capacity, SwiGLU experts, shared expert
     r, g, u, dn = (
@@ -249,7 +271,7 @@ def test_capacity_factor_drops_against_numpy_reference():
     p /= p.sum(-1, keepdims=True)
     top = np.argsort(-p, axis=-1, kind="stable")[:, :2]
     np.testing.assert_array_equal(np.asarray(stats[0]).reshape(27, 2), top)
-    keep = _keep_reference(top.reshape(3, 9, 2), mask, 4, 1.0).reshape(27, 2)
+    keep = _keep_reference(top.reshape(3, 9, 2), mask, 4, cfg.moe_capacity_factor).reshape(27, 2)
     silu = lambda h: h / (1 + np.exp(-h))
     ref = np.zeros_like(xf)
     for n in range(27):
@@ -265,5 +287,40 @@ def test_capacity_factor_drops_against_numpy_reference():
     assert 0 < n_dropped < mask.sum() * 2 and float(stats[4]) == n_dropped
     m = router_metrics(collect([stats, stats], jnp.asarray(mask), 4))
     assert float(m["actor/moe/layer_1/dropped_token_fraction"]) == pytest.approx(n_dropped / (2 * mask.sum()))
-    _, stats0 = run(_random_model(cfg.replace(moe_capacity_factor=None), seed=2).layers[0].mlp, x, mask)
-    assert stats0[4] is None and not any("dropped" in k for k in router_metrics(collect([stats0], mask, 4)))
+    # gradients: the grouped matmuls on the kept rows == a dense per-expert jnp layer with the same kept routes
+    cot = jnp.asarray(np.random.RandomState(5).randn(3, 9, 32).astype(np.float32))
+
+    def dense(w, xj):
+        probs = jax.nn.softmax(xj.reshape(27, -1) @ w["router"], axis=-1)
+        pk = jnp.take_along_axis(probs, jnp.asarray(top), axis=-1) * jnp.asarray(keep)
+        out = jnp.zeros((27, 32))
+        for e in range(4):
+            h = jax.nn.silu(xj.reshape(27, -1) @ w["gate_proj"][e]) * (xj.reshape(27, -1) @ w["up_proj"][e])
+            out = out + jnp.sum(jnp.where(jnp.asarray(top) == e, pk, 0.0), -1, keepdims=True) * (h @ w["down_proj"][e])
+        return jnp.sum(out * cot.reshape(27, -1))
+
+    names = ("router", "gate_proj", "up_proj", "down_proj")
+    w0 = {n: getattr(layer, n)[...] for n in names}
+    gdef, state = nnx.split(layer)
+
+    def ours(st, xj):
+        lay = nnx.merge(gdef, st)
+        y, _ = lay(xj, jnp.asarray(mask))
+        g = jax.nn.sigmoid(jnp.einsum("BTD,DO->BTO", xj, lay.shared_expert_gate[...]))
+        return jnp.sum((y.astype(jnp.float32) - g * lay.shared_expert(xj).astype(jnp.float32)) * cot)
+
+    g_state, g_x = jax.grad(ours, argnums=(0, 1))(state, jnp.asarray(x))
+    got = ({n: g_state[n][...] for n in names}, g_x)
+    want = jax.grad(dense, argnums=(0, 1))(w0, jnp.asarray(x))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
+def _walk(eqn):
+    """`eqn` and every equation of the jaxprs nested in it (pjit, custom_vjp, ...)."""
+    yield eqn
+    for v in eqn.params.values():
+        for sub in v if isinstance(v, (list, tuple)) else [v]:
+            jaxpr = getattr(sub, "jaxpr", sub)
+            for e in getattr(jaxpr, "eqns", []):
+                yield from _walk(e)
