@@ -106,6 +106,23 @@ out["megablox_logit_diff"] = float(np.abs(np.asarray(ref[0]) - np.asarray(got[0]
 out["megablox_grad_diff"] = max(float(np.abs(np.asarray(a[...]) - np.asarray(b[...])).max())
                                 for (_, a), (_, b) in zip(nnx.to_flat_state(ref[2]), nnx.to_flat_state(got[2])))
 
+# -- Qwen2-MoE (a shared expert with its sigmoid gate) under a capacity factor of 0.5: drops before the exchange
+from tests.models.test_moe_families import _tiny
+cfg2 = _tiny("qwen2_moe", num_layers=1, mlp_only_layers=(), num_experts=8, vocab_size=64, moe_capacity_factor=0.5,
+             eos_token_id=None, pad_token_id=0)
+tensors2 = [(n, to_hf(0.3 * rng.randn(*_get_variable(empty_model(cfg2), p).shape).astype(np.float32)))
+            for n, (p, _, to_hf) in param_map(cfg2).items()]
+single2 = load_state_dict_into(empty_model(cfg2), tensors2)
+ref2 = jax.jit(update)(single2, ids, mask)
+got2 = step(load_state_dict_into(empty_model(cfg2), tensors2, mesh), ids, mask)
+out["shared_cf"] = dict(
+    routes_equal=bool((np.asarray(ref2[1]) == np.asarray(got2[1])).all()),
+    logit_diff=float(np.abs(np.asarray(ref2[0]) - np.asarray(got2[0])).max()),
+    grad_diff={"/".join(map(str, p)): float(np.abs(np.asarray(a[...]) - np.asarray(b[...])).max())
+               for (p, a), (_, b) in zip(nnx.to_flat_state(ref2[2]), nnx.to_flat_state(got2[2]))},
+    dropped=float(jax.jit(lambda m: m(ids, mask, with_moe=True)[1].dropped.sum())(single2)),
+)
+
 # -- the ragged collective, lowered for TPU and GPU (XLA:CPU cannot compile it); on TPU also with megablox
 moe_ep.ragged_all_to_all_supported = lambda platform=None: True
 jax.clear_caches()  # the exchange is chosen at trace time: no cached trace of the padded one
@@ -171,6 +188,17 @@ def test_greedy_decode_on_expert_mesh_equals_one_device(ep_run):
     assert ep_run["greedy_equal"]
     assert ep_run["rollout_logp_diff"] < 1e-5
     assert ep_run["few_rows_diff"] < 1e-5
+
+
+def test_shared_expert_and_capacity_factor_on_expert_mesh_equal_one_device(ep_run):
+    """Qwen2-MoE (shared expert + sigmoid gate) with `moe_capacity_factor` 0.5, which drops assignments: on the expert
+    mesh (drops zero-weighted before the exchange) the logits and every gradient, the shared expert's included,
+    equal one device's (dropped assignments in no group of the grouped matmuls) within 1e-5 / 1e-4."""
+    r = ep_run["shared_cf"]
+    assert r["dropped"] > 0 and r["routes_equal"]
+    assert r["logit_diff"] < 1e-5, r["logit_diff"]
+    assert {"layers/0/mlp/shared_expert/gate_proj/kernel", "layers/0/mlp/shared_expert_gate"} <= set(r["grad_diff"])
+    assert max(r["grad_diff"].values()) < 1e-4, r["grad_diff"]
 
 
 def test_ragged_all_to_all_lowers_for_tpu_and_gpu(ep_run):
