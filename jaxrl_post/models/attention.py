@@ -22,6 +22,9 @@
   and dtypes as "xla". Never chosen by "auto" (the platform defaults stay as they are); for long rows whose
   dense scores do not fit, and as the stand-in for a flash kernel's memory in `scripts/memory_plan.py`.
 
+Also the packed rows' segment mask (`segment_mask`, `SEGMENT_SUB_BITS`; re-exported by decoder.py) and the softmax
+with attention sinks (`softmax_with_sinks`) that the dense path shares.
+
 Shape letters as decoder.py: B batch, T queries, S keys (= T here), H query heads, N kv heads, K head dim.
 """
 
@@ -42,23 +45,42 @@ ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash", "chunked")
 CHUNK = 512  # queries per block of "chunked"
 _NEG = float(np.finfo(np.float32).min)
 _KERNEL_PLATFORM = {"cudnn": "gpu", "splash": "tpu"}
+# Packed segment ids `chunk << SEGMENT_SUB_BITS | sub` (`segment_mask`; written by `engine/packing.py`)
+SEGMENT_SUB_BITS = 16
 
 
-def resolve_attention_impl(impl: str, platform: str, *, dtype, softcap: float | None = None) -> str:
+def segment_mask(segment_ids: jax.Array) -> jax.Array:
+    """Packed rows' attention mask `[B, T, T] bool` (query, key) from segment ids `[B, T] int32`: a key is
+    visible from its own segment, and a shared prompt from its responses. Ids are `chunk << SEGMENT_SUB_BITS
+    | sub` (`engine/packing.py`): sub 0 = a chunk's prompt, visible from the whole chunk; sub j >= 1 = a
+    response, visible from itself. Plain ids 1, 2, ... (< 2^SEGMENT_SUB_BITS) are chunk 0 with distinct
+    subs: each segment sees only itself (MaxText-style; 0 = padding, hidden by the attention mask)."""
+    q, k = segment_ids[:, :, None], segment_ids[:, None, :]
+    prompt_key = (k & ((1 << SEGMENT_SUB_BITS) - 1)) == 0
+    return (q == k) | (prompt_key & ((q >> SEGMENT_SUB_BITS) == (k >> SEGMENT_SUB_BITS)))
+
+
+def resolve_attention_impl(
+    impl: str, platform: str, *, dtype, softcap: float | None = None, sinks: bool = False
+) -> str:
     """`model.attention_impl` -> the backend to run: "xla", "cudnn", "splash" or "chunked" (any platform).
 
-    "auto": "splash" on TPU; "cudnn" on GPU when the compute `dtype` is bfloat16/float16 and the model has no
+    "auto": "xla" for a model with attention sinks (`ModelConfig.attention_sinks`: neither kernel has them);
+    else "splash" on TPU; "cudnn" on GPU when the compute `dtype` is bfloat16/float16 and the model has no
     attention logit soft-cap (cuDNN's flash attention supports neither float32 nor a soft-cap); else "xla".
     platform: `jax.default_backend()` ('cpu', 'gpu'/'cuda'/'rocm', 'tpu').
 
     Raises ValueError: an unknown name; "cudnn" off GPU or with float32 compute or a soft-cap; "splash" off
-    TPU (both kernels run on CPU only in their test modes, `Transformer.set_attention_impl(interpret=True)`).
+    TPU (both kernels run on CPU only in their test modes, `Transformer.set_attention_impl(interpret=True)`);
+    "cudnn" or "splash" with sinks.
     """
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"config.model.attention_impl={impl!r}: expected one of {ATTENTION_IMPLS}")
     platform = "gpu" if platform in ("gpu", "cuda", "rocm") else platform
     half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
     if impl == "auto":
+        if sinks:
+            return "xla"
         if platform == "tpu":
             return "splash"
         return "cudnn" if platform == "gpu" and half and softcap is None else "xla"
@@ -73,18 +95,36 @@ def resolve_attention_impl(impl: str, platform: str, *, dtype, softcap: float | 
             f"config.model.attention_impl='cudnn': cuDNN flash attention does not support {why}; "
             "use model.dtype='bfloat16' (and a model without a soft-cap) or attention_impl='xla'"
         )
+    check_kernel_supported(impl, softcap=None, sinks=sinks)
     return impl
 
 
-def check_kernel_supported(impl: str, *, softcap: float | None) -> None:
-    """Raises ValueError when backend `impl` cannot express the model's attention (cudnn: a logit soft-cap)."""
+def check_kernel_supported(impl: str, *, softcap: float | None, sinks: bool = False) -> None:
+    """Raises ValueError when backend `impl` cannot express the model's attention (cudnn: a logit soft-cap;
+    cudnn and splash: attention sinks)."""
     if impl not in ATTENTION_IMPLS[1:]:
         raise ValueError(f"attention_impl must be 'xla', 'cudnn', 'splash' or 'chunked', got {impl!r}")
     if impl == "cudnn" and softcap is not None:
         raise ValueError(f"attention_impl='cudnn' has no logit soft-cap (the model's attn_logit_softcap={softcap})")
+    if impl in ("cudnn", "splash") and sinks:
+        raise ValueError(
+            f"config.model.attention_impl={impl!r} has no attention sinks (GPT-OSS); use 'xla' or 'chunked'"
+        )
 
 
-def chunked_attention(q, k, v, allowed, *, scale: float, softcap: float | None, dtype, chunk: int = CHUNK) -> jax.Array:
+def softmax_with_sinks(scores: jax.Array, sinks: jax.Array | None) -> jax.Array:
+    """Softmax over the last axis with one extra logit per row in the denominator (attention sinks, HF GPT-OSS's
+    `eager_attention_forward`): scores `[..., S]` float32, sinks broadcastable to `[..., 1]` float32 (None: a
+    plain softmax). Returns `[..., S]` float32 (the sink's own probability is dropped)."""
+    if sinks is None:
+        return jax.nn.softmax(scores, axis=-1)
+    full = jnp.concatenate([scores, jnp.broadcast_to(sinks, scores.shape[:-1] + (1,)).astype(scores.dtype)], axis=-1)
+    return jax.nn.softmax(full, axis=-1)[..., :-1]
+
+
+def chunked_attention(
+    q, k, v, allowed, *, scale: float, softcap: float | None, dtype, chunk: int = CHUNK, sinks=None
+) -> jax.Array:
     """Exact attention with the queries in blocks of `chunk` (the "chunked" backend; Rabe & Staats 2021).
 
     q `[B, T, H, K]`, k and v `[B, S, N, K]` (N divides H; head h = n * G + g reads kv head n, the decoder's
@@ -92,7 +132,8 @@ def chunked_attention(q, k, v, allowed, *, scale: float, softcap: float | None, 
     logit soft-cap (tanh) or None. Scores and softmax in float32, probabilities rounded to `dtype` before the
     value product, as the dense path. Each block is a `jax.checkpoint`ed `lax.map` step: the backward pass
     recomputes its scores, so at most one block's `[B, N, G*chunk, S] float32` scores are live. T not a multiple
-    of `chunk`: the last block is padded with masked queries (their outputs dropped). Returns `[B, T, H, K]` dtype.
+    of `chunk`: the last block is padded with masked queries (their outputs dropped). sinks: `[H]` float32 attention
+    sinks (`softmax_with_sinks`) or None. Returns `[B, T, H, K]` dtype.
     """
     b, t, h, kd = q.shape
     n = k.shape[2]
@@ -111,7 +152,7 @@ def chunked_attention(q, k, v, allowed, *, scale: float, softcap: float | None, 
         if softcap is not None:
             s = jnp.tanh(s / softcap) * softcap
         s = jnp.where(ac[:, None, None], s, _NEG)
-        p = jax.nn.softmax(s, axis=-1).astype(dtype)
+        p = softmax_with_sinks(s, None if sinks is None else sinks.reshape(n, g)[None, :, :, None, None]).astype(dtype)
         return jnp.einsum("BNGCS,BSNK->BCNGK", p, v, preferred_element_type=jnp.float32).astype(dtype)
 
     out = jax.lax.map(block, (qb, ab))  # [nb, B, C, N, G, K]

@@ -1,5 +1,5 @@
 """Decoder architecture as data: one frozen dataclass covers Llama, Qwen2/2.5, Qwen3, Gemma 2, Gemma 3 and the
-mixture-of-experts families Qwen3-MoE, Qwen2-MoE and Mixtral (their HF fields: `models/moe_families.py`).
+mixture-of-experts families Qwen3-MoE, Qwen2-MoE, Mixtral and GPT-OSS (their HF fields: `models/moe_families.py`).
 
 The families differ only in fields (qkv bias, q/k norm, norm offset, embedding scale, post norms,
 soft-capping, sliding-window layers, rope bases). `ModelConfig.from_hf_config` reads a transformers
@@ -26,12 +26,13 @@ HF_ARCH = {
     "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "qwen2_moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "mixtral": ("mixtral", "MixtralForCausalLM"),
+    "gpt_oss": ("gpt_oss", "GptOssForCausalLM"),
 }
 _MODEL_TYPE_TO_FAMILY = {mt: fam for fam, (mt, _) in HF_ARCH.items()}
 _MODEL_TYPE_TO_FAMILY.update({"mistral": "llama", "gemma3": "gemma3"})
 
 FULL, SLIDING = "full_attention", "sliding_attention"
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
 def _freeze(x: Any) -> Any:
@@ -53,6 +54,9 @@ class ModelConfig:
     'sliding_attention'; `None` means every layer is full. `norm_offset` is 1.0 for Gemma's `x * (1 + w)`
     RMSNorm, 0.0 for Llama's `x * w`. `embed_scale` multiplies embeddings by sqrt(hidden_size) (Gemma), in
     the compute dtype. `query_pre_attn_scalar`: scores are scaled by its -1/2 power (default head_dim).
+    `o_proj_bias`: the output projection has a bias (HF GPT-OSS's `attention_bias` biases q/k/v/o: `qkv_bias`
+    and this). `attention_sinks`: one learned logit per query head joins every softmax denominator and is dropped
+    after it (GPT-OSS's `self_attn.sinks`; no HF config field, the model type implies it).
 
     Mixture of experts (HF Qwen3-MoE names; `num_experts = 0`: dense): layer i is an MoE block (`models/moe.py`)
     iff `is_moe_layer(i)`: `num_experts > 0`, i not in `mlp_only_layers` and `(i + 1) % decoder_sparse_step == 0`;
@@ -61,7 +65,8 @@ class ModelConfig:
     probabilities to sum 1. `router_aux_loss_coef` weights the load-balancing loss when `output_router_logits`.
     `shared_expert_intermediate_size` > 0 adds Qwen2-MoE's sigmoid-gated shared expert to every MoE layer.
     `moe_capacity_factor` (not an HF field; None: dropless) caps the tokens an expert takes per sequence
-    (`moe.capacity_keep`).
+    (`moe.capacity_keep`). GPT-OSS: `moe_bias` (router and expert biases, the fused `gate_up_proj` layout;
+    `family='gpt_oss'` only) and the clamped SwiGLU of the experts when `swiglu_limit` is set (`swiglu_alpha`).
     """
 
     family: str = "llama"
@@ -102,6 +107,11 @@ class ModelConfig:
     output_router_logits: bool = False
     shared_expert_intermediate_size: int = 0
     moe_capacity_factor: float | None = None
+    o_proj_bias: bool = False
+    attention_sinks: bool = False
+    moe_bias: bool = False
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float | None = None
     dtype: str = "float32"  # default compute dtype
     param_dtype: str = "float32"  # default parameter dtype
 
@@ -142,6 +152,8 @@ class ModelConfig:
         cf = self.moe_capacity_factor
         if cf is not None and (not self.num_experts or not cf > 0):
             raise ValueError(f"moe_capacity_factor={cf}: needs an MoE model and a value > 0 (None: dropless)")
+        if self.moe_bias and self.family != "gpt_oss":
+            raise ValueError(f"moe_bias: router/expert biases are GPT-OSS's layout; family={self.family!r}")
 
     # ----------------------------------------------------------------- derived
     @property
@@ -180,7 +192,8 @@ class ModelConfig:
     def num_params(self, active: bool = False) -> int:
         """Parameter count (embedding counted once when tied); active: per token (the routed experts only)."""
         d, f, k = self.hidden_size, self.intermediate_size, self.head_dim
-        attn = d * k * (2 * self.num_heads + 2 * self.num_kv_heads)
+        attn = d * k * (2 * self.num_heads + 2 * self.num_kv_heads) + self.o_proj_bias * d
+        attn += self.attention_sinks * self.num_heads
         if self.qkv_bias:
             attn += k * (self.num_heads + 2 * self.num_kv_heads)
         if self.qk_norm:
@@ -191,6 +204,8 @@ class ModelConfig:
         moe = d * self.num_experts + 3 * d * self.moe_intermediate_size * experts
         if self.shared_expert_intermediate_size:
             moe += 3 * d * self.shared_expert_intermediate_size + d
+        if self.moe_bias:  # router [E], gate_up [E, 2F], down [E, D]
+            moe += self.num_experts + (2 * self.moe_intermediate_size + d) * experts
         emb = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * (attn + norms) + (self.num_layers - n_moe) * 3 * d * f + n_moe * moe + emb + d
 
@@ -221,6 +236,9 @@ class ModelConfig:
             raise NotImplementedError(
                 f"model_type {model_type!r} not supported; supported: {sorted(_MODEL_TYPE_TO_FAMILY)}"
             )
+        if cfg.get("quantization_config"):  # e.g. gpt-oss's mxfp4 experts: dequantizing on load is not implemented
+            quant = (cfg["quantization_config"] or {}).get("quant_method", "?")
+            raise NotImplementedError(f"quantization_config (quant_method {quant!r}): load a bf16/float32 checkpoint")
         if family == "llama" and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
             raise NotImplementedError("Llama attention_bias/mlp_bias checkpoints are not supported")
         gemma = family.startswith("gemma")
@@ -238,7 +256,8 @@ class ModelConfig:
         legacy = dict(cfg.get("rope_scaling") or {})
         if legacy and not full.get("rope_type", full.get("type")):
             full.update(legacy)
-        rope_theta = full.pop("rope_theta", cfg.get("rope_theta", 1e6 if family == "gemma3" else 10000.0))
+        default_theta = {"gemma3": 1e6, "gpt_oss": 150000.0}.get(family, 10000.0)
+        rope_theta = full.pop("rope_theta", cfg.get("rope_theta", default_theta))
         rope_type = full.pop("rope_type", full.pop("type", "default"))
         full.pop("type", None)
         if float(full.pop("partial_rotary_factor", cfg.get("partial_rotary_factor") or 1.0)) != 1.0:

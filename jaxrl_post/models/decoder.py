@@ -1,4 +1,4 @@
-"""One decoder-only transformer (Flax NNX) for Llama, Qwen2/2.5, Qwen3, Gemma 2, Gemma 3 and Qwen3-MoE.
+"""One decoder-only transformer (Flax NNX) for Llama, Qwen2/2.5, Qwen3, Gemma 2, Gemma 3 and the MoE families.
 
 Families differ only by `ModelConfig` fields. Layout follows HF transformers (rotate-half RoPE, GQA where
 query head h uses kv head h // (H / Hkv)), so HF checkpoints map 1:1 (see hf_io.py).
@@ -22,10 +22,19 @@ import numpy as np
 from flax import nnx
 
 from jaxrl_post.models import attention as fused
+from jaxrl_post.models.attention import SEGMENT_SUB_BITS, segment_mask
 from jaxrl_post.models.block import Block, layer_period, run_block, scan_blocks
 from jaxrl_post.models.config import ModelConfig
 from jaxrl_post.models.kv_cache import KVCache, per_row_index, write_slots, write_slots_per_row
-from jaxrl_post.models.layers import ParamInit, RMSNorm, _constrain, _rope_angles, apply_rope, positions_from_mask
+from jaxrl_post.models.layers import (
+    ParamInit,
+    RMSNorm,
+    _constrain,
+    _rope_angles,
+    apply_rope,
+    positions_from_mask,
+    rope_attention_factor,
+)
 from jaxrl_post.models.linear import Linear
 from jaxrl_post.models.lm_head import model_logits, model_token_stats
 from jaxrl_post.models.moe import collect, layer_routes
@@ -35,23 +44,10 @@ _NEG = float(np.finfo(np.float32).min)
 # in at most MAX_CAUSAL_BLOCKS causal query blocks of >= CAUSAL_BLOCK tokens (`Attention.__call__`).
 CAUSAL_BLOCK = 256
 MAX_CAUSAL_BLOCKS = 8
-# Packed segment ids `chunk << SEGMENT_SUB_BITS | sub` (`segment_mask`; written by `engine/packing.py`)
-SEGMENT_SUB_BITS = 16
-
-
-def segment_mask(segment_ids: jax.Array) -> jax.Array:
-    """Packed rows' attention mask `[B, T, T] bool` (query, key) from segment ids `[B, T] int32`: a key is
-    visible from its own segment, and a shared prompt from its responses. Ids are `chunk << SEGMENT_SUB_BITS
-    | sub` (`engine/packing.py`): sub 0 = a chunk's prompt, visible from the whole chunk; sub j >= 1 = a
-    response, visible from itself. Plain ids 1, 2, ... (< 2^SEGMENT_SUB_BITS) are chunk 0 with distinct
-    subs: each segment sees only itself (MaxText-style; 0 = padding, hidden by the attention mask)."""
-    q, k = segment_ids[:, :, None], segment_ids[:, None, :]
-    prompt_key = (k & ((1 << SEGMENT_SUB_BITS) - 1)) == 0
-    return (q == k) | (prompt_key & ((q >> SEGMENT_SUB_BITS) == (k >> SEGMENT_SUB_BITS)))
 
 
 class Attention(nnx.Module):
-    """GQA self-attention with RoPE, optional qkv bias, q/k RMSNorm, logit soft-cap and sliding window."""
+    """GQA self-attention: RoPE, q/k/v/o biases, q/k RMSNorm, soft-cap, sliding window, sinks `[H]` (GPT-OSS)."""
 
     def __init__(self, cfg: ModelConfig, layer: int, *, dtype, init: ParamInit):
         d, h, n, k = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -60,7 +56,7 @@ class Attention(nnx.Module):
         self.rope_base, rope_scaling = cfg.layer_rope(layer)
         self.rope_scaling = tuple(sorted(rope_scaling.items()))
         self.max_pos = cfg.max_position_embeddings
-        self.scale = (cfg.query_pre_attn_scalar or k) ** -0.5
+        self.scale = (cfg.query_pre_attn_scalar or k) ** -0.5 * rope_attention_factor(rope_scaling, self.max_pos) ** 2
         self.softcap = cfg.attn_logit_softcap
         self.window = cfg.sliding_window if cfg.is_sliding(layer) else None
         qkv = {"q": (h, "heads"), "k": (n, "kv_heads"), "v": (n, "kv_heads")}  # creation order fixes init
@@ -70,10 +66,11 @@ class Attention(nnx.Module):
         self.q_proj = Linear("BTD,DNK->BTNK", w["q"], bias["q"], dtype=dtype)
         self.k_proj = Linear("BTD,DNK->BTNK", w["k"], bias["k"], dtype=dtype)
         self.v_proj = Linear("BTD,DNK->BTNK", w["v"], bias["v"], dtype=dtype)
-        self.o_proj = Linear("BTHK,HKD->BTD", o, dtype=dtype)
+        self.o_proj = Linear("BTHK,HKD->BTD", o, init.const((d,), ("embed",)) if cfg.o_proj_bias else None, dtype=dtype)
         norm = partial(RMSNorm, k, eps=cfg.rms_norm_eps, offset=cfg.norm_offset, names=("head_dim",), init=init)
         self.q_norm = norm() if cfg.qk_norm else None
         self.k_norm = norm() if cfg.qk_norm else None
+        self.sinks = init.normal((h,), ("heads",)) if cfg.attention_sinks else None
         self.attention_impl, self.attention_interpret = "xla", False  # `Transformer.set_attention_impl`
 
     def __call__(self, x, positions, kv_mask, index, kv=None, segment_ids=None):
@@ -119,8 +116,9 @@ class Attention(nnx.Module):
         if kv is None and self.attention_impl != "xla":  # fused kernels (models/attention.py); no cache
             if self.attention_impl == "chunked":
                 out = fused.chunked_attention(
-                    q, k, v, allowed, scale=self.scale, softcap=self.softcap, dtype=self.dtype, chunk=fused.CHUNK
-                )
+                    q, k, v, allowed, scale=self.scale, softcap=self.softcap, dtype=self.dtype, chunk=fused.CHUNK,
+                    sinks=self._sinks(),
+                )  # fmt: skip
             elif self.attention_impl == "cudnn":
                 out = fused.dot_product_attention(
                     q, k, v, allowed, scale=self.scale, interpret=self.attention_interpret
@@ -178,7 +176,9 @@ class Attention(nnx.Module):
                 scores = jnp.tanh(scores / self.softcap) * self.softcap
             scores = scores.reshape(b, n, g, t, s)
             scores = jnp.where(allowed[:, None, None], scores, _NEG).reshape(b, n, g * t, s)
-            probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype).astype(att_dtype)
+            sinks = self._sinks()  # [H] -> [1, N, G*T, 1], rows ordered (g, t) as qg's
+            sinks = None if sinks is None else jnp.repeat(sinks.reshape(n, g), t, axis=1)[None, :, :, None]
+            probs = fused.softmax_with_sinks(scores, sinks).astype(self.dtype).astype(att_dtype)
             out = None  # [B, N, G*T, K]
             for i, (vj, lo, hi) in enumerate(zip(v_segs, offsets[:-1], offsets[1:])):
                 part = skip_if_hidden(
@@ -217,6 +217,9 @@ class Attention(nnx.Module):
             out = attend(q, k_segs, v_segs, allowed)
         y = self.o_proj(out.reshape(b, t, self.num_heads, self.head_dim))
         return y, kv
+
+    def _sinks(self) -> jax.Array | None:
+        return None if self.sinks is None else self.sinks[...].astype(jnp.float32)
 
 
 class Transformer(nnx.Module):
@@ -263,7 +266,7 @@ class Transformer(nnx.Module):
         CPU-testable form ('cudnn': `jax.nn.dot_product_attention(implementation="xla")`, 'splash': Pallas
         interpret mode). Set before splitting the model (the choice is static, part of the graphdef).
         Raises ValueError: an unknown name, or 'cudnn' on a model with an attention logit soft-cap."""
-        fused.check_kernel_supported(impl, softcap=self.config.attn_logit_softcap)
+        fused.check_kernel_supported(impl, softcap=self.config.attn_logit_softcap, sinks=self.config.attention_sinks)
         self.attention_impl = impl
         for block in self.layers:
             block.attn.attention_impl, block.attn.attention_interpret = impl, bool(interpret)

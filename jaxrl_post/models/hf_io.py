@@ -10,7 +10,7 @@ Projection weights and biases live in `Linear` modules (`layers.<i>.attn.q_proj.
 Llama/Qwen's `post_attention_layernorm` is the pre-MLP norm; Gemma's is the post-attention norm.
 MoE layers (Qwen3-MoE): router `mlp.gate.weight` [E, D] -> `mlp.router` [D, E]; the per-expert
 `mlp.experts.<j>.<proj>.weight` are stacked into `mlp.<proj>` [E, in, out] (`moe.stack_experts` / `split_experts`);
-Mixtral's and Qwen2-MoE's tensors: `moe_families`.
+Mixtral's, Qwen2-MoE's and GPT-OSS's tensors: `moe_families`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from flax import nnx
 from jaxrl_post.models.config import ModelConfig
 from jaxrl_post.models.decoder import Transformer
 from jaxrl_post.models.moe import experts_key, split_experts, stack_experts
-from jaxrl_post.models.moe_families import hf_to_ours_name, ours_to_hf_name, shared_expert_params
+from jaxrl_post.models.moe_families import FUSED_EXPERTS, hf_to_ours_name, moe_layer_params, ours_to_hf_name
 from jaxrl_post.models.resolve import check_model_files
 from jaxrl_post.models.reward_model import HF_SEQ_CLS_ARCH, RewardModel
 from jaxrl_post.runtime.sharding import _check_divisible, logical_to_mesh_spec
@@ -62,6 +62,10 @@ def param_map(config: ModelConfig) -> dict[str, tuple[tuple, Callable, Callable]
         out[p + "self_attn.k_proj.weight"] = (a + ("attn", "k_proj", "kernel"), *qkv(n))
         out[p + "self_attn.v_proj.weight"] = (a + ("attn", "v_proj", "kernel"), *qkv(n))
         out[p + "self_attn.o_proj.weight"] = (a + ("attn", "o_proj", "kernel"), *o)
+        if config.o_proj_bias:
+            out[p + "self_attn.o_proj.bias"] = (a + ("attn", "o_proj", "bias"), *ident)
+        if config.attention_sinks:
+            out[p + "self_attn.sinks"] = (a + ("attn", "sinks"), *ident)
         if config.qkv_bias:
             out[p + "self_attn.q_proj.bias"] = (a + ("attn", "q_proj", "bias"), *bias(h))
             out[p + "self_attn.k_proj.bias"] = (a + ("attn", "k_proj", "bias"), *bias(n))
@@ -71,10 +75,8 @@ def param_map(config: ModelConfig) -> dict[str, tuple[tuple, Callable, Callable]
             out[p + "self_attn.k_norm.weight"] = (a + ("attn", "k_norm", "scale"), *ident)
         moe = config.is_moe_layer(i)
         if moe:  # router [E, D] -> [D, E]; experts: the [E, out, in] stack of HF's per-expert weights (`experts_key`)
-            out[p + "mlp.gate.weight"] = (a + ("mlp", "router"), *t)
-            if config.shared_expert_intermediate_size:
-                out.update(shared_expert_params(p, a, t))
-        for name in ("gate_proj", "up_proj", "down_proj"):
+            out.update(moe_layer_params(config, p, a, t))
+        for name in () if moe and config.family in FUSED_EXPERTS else ("gate_proj", "up_proj", "down_proj"):
             if moe:
                 out[experts_key(i, name)] = (a + ("mlp", name), *stacked_t)
             else:
@@ -152,7 +154,8 @@ def load_state_dict_into(
     seen, unexpected, bad_shape, incomplete = set(), [], [], []
     family = model.config.family
     named = ((hf_to_ours_name(family, n), a) for n, a in ((_normalize_name(r), a) for r, a in hf_named_tensors) if n)
-    for name, array in stack_experts(named, model.config.num_experts, incomplete):
+    n_stack = 0 if family in FUSED_EXPERTS else model.config.num_experts  # fused experts load as they are
+    for name, array in stack_experts(named, n_stack, incomplete):
         if name not in mapping:
             if not (name == "lm_head.weight" and model.config.tie_word_embeddings):
                 unexpected.append(name)
@@ -301,7 +304,8 @@ def save_pretrained(
         tensors = {}
         for name in names:
             path, _, to_hf = mapping[name]
-            for hf_name, array in split_experts(name, to_hf(_to_host(_export_value(model, path)))):
+            value = to_hf(_to_host(_export_value(model, path)))
+            for hf_name, array in [(name, value)] if config.family in FUSED_EXPERTS else split_experts(name, value):
                 hf_name = ours_to_hf_name(config.family, hf_name)
                 tensors[hf_name] = np.ascontiguousarray(array)
                 weight_map[hf_name] = fname

@@ -85,8 +85,10 @@ def _constrain(x: jax.Array, names: tuple) -> jax.Array:
 
 
 # ------------------------------------------------------------------------------------------ rope
-def rope_inv_freq(head_dim: int, base: float, scaling: dict) -> np.ndarray:
-    """Static inverse frequencies [K/2] float32 (HF `ROPE_INIT_FUNCTIONS`: default, linear, llama3).
+def rope_inv_freq(head_dim: int, base: float, scaling: dict, max_pos: int | None = None) -> np.ndarray:
+    """Static inverse frequencies [K/2] float32 (HF `ROPE_INIT_FUNCTIONS`: default, linear, llama3, yarn).
+
+    max_pos: `max_position_embeddings`, YaRN's implied factor when `factor` is None.
 
     'dynamic' is handled in `_rope_angles` because it depends on the current positions.
     """
@@ -103,7 +105,46 @@ def rope_inv_freq(head_dim: int, base: float, scaling: dict) -> np.ndarray:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_ctx / hi) & (wavelen <= old_ctx / lo)
         inv = np.where(medium, smoothed, scaled)
+    elif rope_type == "yarn":  # YaRN (arXiv 2309.00071; HF `_compute_yarn_parameters`): per-dim ramp
+        factor, old_ctx = _yarn_factor(scaling, max_pos), scaling["original_max_position_embeddings"]
+
+        def dim_of(rotations):  # the dim whose wavelength makes `rotations` turns over the original context
+            return head_dim * math.log(old_ctx / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        lo, hi = dim_of(scaling.get("beta_fast") or 32), dim_of(scaling.get("beta_slow") or 1)
+        if scaling.get("truncate", True):
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, head_dim - 1)
+        ramp = np.clip(
+            (np.arange(head_dim // 2, dtype=np.float32) - lo) / ((hi + 0.001 if lo == hi else hi) - lo), 0, 1
+        )
+        # HF computes the two frequency sets in float32; so do we (the parity tests compare at 1e-5)
+        pos_freqs = np.float32(base) ** (np.arange(0, head_dim, 2).astype(np.float32) / np.float32(head_dim))
+        extrapolate = (1 - ramp).astype(np.float32)
+        inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
     return inv.astype(np.float32)
+
+
+def _yarn_factor(scaling: dict, max_pos: int | None) -> float:
+    factor = scaling.get("factor")
+    return float(factor) if factor is not None else max_pos / scaling["original_max_position_embeddings"]
+
+
+def rope_attention_factor(scaling: dict, max_pos: int | None = None) -> float:
+    """The factor YaRN multiplies cos and sin by (HF's `attention_factor`; 1.0 for the other rope types): given, or
+    `0.1 * ln(factor) + 1` (with `mscale` / `mscale_all_dim`: their ratio, as DeepSeek's). The decoder folds its
+    square into the softmax scale (q and k both carry it), which is the same math."""
+    if scaling.get("rope_type") != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = _yarn_factor(scaling, max_pos)
+
+    def mscale(m=1.0):
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    return float(mscale(m) / mscale(m_all)) if m and m_all else mscale()
 
 
 def _rope_angles(positions: jax.Array, head_dim: int, base: float, scaling: dict, max_pos: int) -> jax.Array:
@@ -115,7 +156,7 @@ def _rope_angles(positions: jax.Array, head_dim: int, base: float, scaling: dict
         new_base = base * ((factor * seq_len / max_pos) - (factor - 1)) ** (head_dim / (head_dim - 2))
         inv = 1.0 / new_base ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
     else:
-        inv = jnp.asarray(rope_inv_freq(head_dim, base, scaling))
+        inv = jnp.asarray(rope_inv_freq(head_dim, base, scaling, max_pos))
     return pos[..., None] * inv
 
 
@@ -162,6 +203,14 @@ def activation(name: str, x: jax.Array) -> jax.Array:
     if name == "silu":
         return jax.nn.silu(x)
     return jax.nn.gelu(x, approximate=name != "gelu")
+
+
+def clamped_swiglu(gate: jax.Array, up: jax.Array, alpha: float, limit: float) -> jax.Array:
+    """GPT-OSS's expert activation (HF `GptOssExperts._apply_gate`): gate clamped above at `limit`, up clamped to
+    `[-limit, limit]`, `(up + 1) * gate * sigmoid(alpha * gate)`. Same shapes and dtype in and out."""
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
 
 
 class MLP(nnx.Module):

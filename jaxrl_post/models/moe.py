@@ -37,7 +37,7 @@ from flax import nnx
 
 from jaxrl_post.models import moe_ep
 from jaxrl_post.models.grouped_matmul import grouped_matmul
-from jaxrl_post.models.layers import MLP, ParamInit, activation
+from jaxrl_post.models.layers import MLP, ParamInit, activation, clamped_swiglu
 
 F32 = jnp.float32
 EXPERT_AXIS = "expert"  # logical name of the experts dim (sharding.LOGICAL_AXIS_RULES)
@@ -74,16 +74,25 @@ class MoE(nnx.Module):
     """Top-k routed experts. Params: `router` `[D, E]`, `gate_proj` / `up_proj` `[E, D, F]`, `down_proj`
     `[E, F, D]` (logical axes 'expert', 'embed', 'mlp'); HF's `mlp.gate.weight` and `mlp.experts.<j>.*`. With
     `cfg.shared_expert_intermediate_size` > 0 also `shared_expert` (an `MLP`) and `shared_expert_gate` `[D, 1]`.
+    GPT-OSS (`cfg.moe_bias`): `router_bias` `[E]`, the fused `gate_up_proj` `[E, D, 2F]` (gate and up interleaved,
+    HF's layout) instead of `gate_proj` / `up_proj`, `gate_up_proj_bias` `[E, 2F]`, `down_proj_bias` `[E, D]`;
+    `cfg.swiglu_limit` set: the experts' activation is `layers.clamped_swiglu`.
     impl / interpret: the grouped matmul's implementation ('ragged_dot' until `set_moe_impl`)."""
 
     def __init__(self, cfg, *, dtype, init: ParamInit):
         d, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
         self.num_experts, self.top_k, self.norm_topk_prob = e, cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.act, self.dtype = cfg.hidden_act, dtype
+        self.swiglu = None if cfg.swiglu_limit is None else (cfg.swiglu_alpha, cfg.swiglu_limit)
         self.router = init.normal((d, e), ("embed", None))  # every token needs all E logits: not split
-        self.gate_proj = init.normal((e, d, f), (EXPERT_AXIS, "embed", "mlp"))
-        self.up_proj = init.normal((e, d, f), (EXPERT_AXIS, "embed", "mlp"))
+        bias = cfg.moe_bias
+        self.router_bias = init.normal((e,), (None,)) if bias else None
+        self.gate_up_proj = init.normal((e, d, 2 * f), (EXPERT_AXIS, "embed", "mlp")) if bias else None
+        self.gate_up_proj_bias = init.const((e, 2 * f), (EXPERT_AXIS, "mlp")) if bias else None
+        self.gate_proj = None if bias else init.normal((e, d, f), (EXPERT_AXIS, "embed", "mlp"))
+        self.up_proj = None if bias else init.normal((e, d, f), (EXPERT_AXIS, "embed", "mlp"))
         self.down_proj = init.normal((e, f, d), (EXPERT_AXIS, "mlp", "embed"))
+        self.down_proj_bias = init.const((e, d), (EXPERT_AXIS, "embed")) if bias else None
         self.capacity_factor = cfg.moe_capacity_factor
         self.impl, self.interpret = "ragged_dot", False  # `set_moe_impl`
         s = cfg.shared_expert_intermediate_size
@@ -101,6 +110,8 @@ class MoE(nnx.Module):
             self.router[...].astype(jnp.float32),
             precision=jax.lax.Precision.HIGHEST,
         )
+        if self.router_bias is not None:
+            logits = logits + self.router_bias[...].astype(jnp.float32)
         probs = jax.nn.softmax(logits, axis=-1)
         if routes is None:
             weights, experts = jax.lax.top_k(probs, self.top_k)
@@ -138,12 +149,24 @@ class MoE(nnx.Module):
                 lhs, w.astype(self.dtype), sizes.astype(jnp.int32), impl=self.impl, interpret=self.interpret
             )
 
-        h = activation(self.act, gmm(xs, self.gate_proj[...])) * gmm(xs, self.up_proj[...])
-        ys = gmm(h, self.down_proj[...])  # [rows, D], sorted order
+        if self.gate_up_proj is None:
+            h = self._act(gmm(xs, self.gate_proj[...]), gmm(xs, self.up_proj[...]))
+            ys = gmm(h, self.down_proj[...])  # [rows, D], sorted order
+        else:  # GPT-OSS: fused interleaved gate/up, biases per expert gathered per sorted row (0 for dropped ones)
+            expert_of = jnp.take(key, order)  # [rows]
+            bias = lambda b: jnp.take(b[...], expert_of, axis=0, mode="fill", fill_value=0).astype(self.dtype)
+            gu = gmm(xs, self.gate_up_proj[...]) + bias(self.gate_up_proj_bias)
+            h = self._act(gu[:, ::2], gu[:, 1::2])
+            ys = gmm(h, self.down_proj[...]) + bias(self.down_proj_bias)
         # where each assignment sits in `ys`; `rows` (out of range -> 0) for an assignment past the buffer (dropped)
         inverse = jnp.full((n * k,), rows, order.dtype).at[order].set(jnp.arange(rows, dtype=order.dtype))
         ys = jnp.take(ys, inverse, axis=0, mode="fill", fill_value=0).astype(jnp.float32).reshape(n, k, -1)
         return jnp.einsum("NKD,NK->ND", ys, weights)
+
+    def _act(self, gate: jax.Array, up: jax.Array) -> jax.Array:
+        if self.swiglu is None:
+            return activation(self.act, gate) * up
+        return clamped_swiglu(gate, up, *self.swiglu)
 
     def __call__(self, x: jax.Array, token_mask: jax.Array, routes: jax.Array | None = None):
         """x `[B, T, D]`; token_mask `[B, T]` bool (tokens counted in the statistics); routes: optional
@@ -162,6 +185,11 @@ class MoE(nnx.Module):
             weights = jnp.where(keep, weights, 0.0)
             dropped = jnp.sum(jnp.where(keep, 0.0, m[:, None]))
         if moe_ep.expert_parallel_size() > 1:  # experts split over the mesh's 'expert' axis: all-to-all dispatch
+            if self.gate_up_proj is not None or self.swiglu is not None:
+                raise NotImplementedError(
+                    "expert parallelism (an 'expert' mesh axis > 1) is not implemented for GPT-OSS's biased fused "
+                    "experts / clamped SwiGLU; use an expert axis of size 1"
+                )
             y = moe_ep.dispatch(
                 x,
                 weights.reshape(b, t, self.top_k),

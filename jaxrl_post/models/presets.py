@@ -190,6 +190,44 @@ qwen1_5_moe_a2_7b = ModelConfig(
     shared_expert_intermediate_size=5632,
 )
 
+# gpt-oss-20b (GptOssForCausalLM, its config.json): 24 layers alternating sliding (128) / full attention, 32 experts
+# top-4 with biases and the clamped SwiGLU, attention sinks, YaRN x32 over a 4096-token original context.
+gpt_oss_20b = ModelConfig(
+    family="gpt_oss",
+    vocab_size=201088,
+    hidden_size=2880,
+    intermediate_size=2880,
+    num_layers=24,
+    num_heads=64,
+    num_kv_heads=8,
+    head_dim=64,
+    rope_theta=150000.0,
+    rope_scaling=dict(
+        rope_type="yarn",
+        factor=32.0,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        truncate=False,
+        original_max_position_embeddings=4096,
+    ),
+    rms_norm_eps=1e-5,
+    qkv_bias=True,
+    o_proj_bias=True,
+    attention_sinks=True,
+    sliding_window=128,
+    layer_types=tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(24)),
+    max_position_embeddings=131072,
+    eos_token_id=200002,
+    pad_token_id=199999,
+    num_experts=32,
+    num_experts_per_tok=4,
+    moe_intermediate_size=2880,
+    norm_topk_prob=True,
+    router_aux_loss_coef=0.9,
+    moe_bias=True,
+    swiglu_limit=7.0,
+)
+
 _GEMMA = dict(
     norm_offset=1.0,
     embed_scale=True,
@@ -254,6 +292,7 @@ PRESETS: dict[str, ModelConfig] = {
     "qwen3_235b_a22b": qwen3_235b_a22b,
     "mixtral_8x7b": mixtral_8x7b,
     "qwen1_5_moe_a2_7b": qwen1_5_moe_a2_7b,
+    "gpt_oss_20b": gpt_oss_20b,
 }
 
 

@@ -172,6 +172,7 @@ def apply_attention_impl(cfg: Any, model, platform: str | None = None) -> str:
             platform,
             dtype=resolve("model.dtype", cfg.model.dtype),
             softcap=model.config.attn_logit_softcap,
+            sinks=model.config.attention_sinks,
         )
     except ValueError as e:
         raise ConfigError(str(e)) from None

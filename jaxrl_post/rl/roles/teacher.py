@@ -149,7 +149,11 @@ def build_teacher(cfg: Any, mesh, student_tokenizer, student_vocab: int):
     model.scan_layers = bool(cfg.model.scan_layers)
     try:
         impl = resolve_attention_impl(
-            cfg.model.attention_impl, jax.default_backend(), dtype=dtype, softcap=model.config.attn_logit_softcap
+            cfg.model.attention_impl,
+            jax.default_backend(),
+            dtype=dtype,
+            softcap=model.config.attn_logit_softcap,
+            sinks=model.config.attention_sinks,
         )
     except ValueError as e:
         raise ConfigError(str(e)) from None

@@ -66,6 +66,7 @@ class PagedGenerator:
         forward that fed it (prefill for the prompt, shared by its `n` samples; the decode step for a response
         token), kept when a preempted or resumed sequence's context is prefilled again. Raises ValueError on a
         model without MoE layers.
+        A model with attention sinks (GPT-OSS) raises ValueError: the paged attention does not implement them.
       mesh: a mesh ('data', 'fsdp', 'expert', 'tensor') whose only axis > 1 is 'tensor', the model's params placed
         on it; None: one device. Raises ValueError for another axis > 1 (data-parallel engine replicas are not
         built) or a 'tensor' size that does not divide the kv heads.
@@ -89,6 +90,10 @@ class PagedGenerator:
     def __post_init__(self):
         if self.return_routed_experts and not getattr(getattr(self.model, "config", None), "moe_layers", ()):
             raise ValueError("return_routed_experts needs a model with MoE layers (routing replay)")
+        if getattr(getattr(self.model, "config", None), "attention_sinks", False):
+            raise ValueError(
+                "the paged rollout engine has no attention sinks (GPT-OSS); use the dense engine (rollout.name='dense')"
+            )
         self.impl = resolve_paged_attention_impl(self.attention_impl, jax.default_backend())
         if self.mesh is not None:
             self._check_mesh()
