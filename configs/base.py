@@ -120,6 +120,10 @@ def get_base_config() -> mlc.ConfigDict:
     c.model.arch.num_experts = _opt_int()  # MoE experts E per MoE layer (HF name; docs/moe.md)
     c.model.arch.num_experts_per_tok = _opt_int()  # MoE experts k each token is routed to (HF name)
     c.model.arch.moe_intermediate_size = _opt_int()  # MoE expert MLP width (HF name)
+    c.model.arch.shared_expert_intermediate_size = _opt_int()  # Qwen2-MoE's shared expert width (HF name)
+    c.model.arch.sliding_window = _opt_int()  # keys a sliding layer sees (HF name; with layer_types)
+    # per layer 'sliding_attention' / 'full_attention' (HF name; as many as num_layers), e.g. for a tiny GPT-OSS
+    c.model.arch.layer_types = mlc.FieldReference(None, field_type=tuple)
     # MoE: add the load-balancing loss to the actor loss (HF's switch)
     c.model.arch.output_router_logits = mlc.FieldReference(None, field_type=bool)
     c.model.arch.router_aux_loss_coef = mlc.FieldReference(None, field_type=float)  # MoE: its weight (HF: 0.001)

@@ -7,6 +7,8 @@ Variants (`--config=configs/grpo.py:VARIANT`):
              and their AdamW moments are trained and checkpointed, the reference is the base model.
   tiny       random 2-layer llama, a deterministic toy reward; a few steps in well under a minute (tests).
   moe_tiny   `tiny` with a random 2-layer Qwen3-MoE (4 experts, top-2; docs/moe.md).
+  mixtral_tiny / qwen2_moe_tiny / gpt_oss_tiny   the same on the other MoE families: Mixtral, Qwen2-MoE (a shared
+             expert, qkv bias), GPT-OSS (biased experts, clamped SwiGLU, sinks, sliding / full layers, YaRN).
   async      `tiny`, fully asynchronous: paged rollout, partial rollout, staleness <= 2, token IS (docs/async.md).
 """
 
@@ -140,6 +142,35 @@ def moe_tiny(c):
     return c
 
 
+def _family_tiny(c, name: str, preset: str, **arch):
+    """`moe_tiny`'s sizes on another MoE family's preset (4 experts of width 32, top-2, 2 layers)."""
+    moe_tiny(c)
+    c.trainer.experiment_name = f"grpo_{name}"
+    c.trainer.default_local_dir = f"runs/grpo_{name}"
+    c.model.preset = preset
+    for key, value in arch.items():
+        c.model.arch[key] = value
+    return c
+
+
+def mixtral_tiny(c):
+    """`moe_tiny` on a random Mixtral (every layer MoE, top-k renormalized, no q/k norm)."""
+    return _family_tiny(c, "mixtral_tiny", "mixtral_8x7b")
+
+
+def qwen2_moe_tiny(c):
+    """`moe_tiny` on a random Qwen2-MoE (qkv bias, a sigmoid-gated shared expert of width 64)."""
+    return _family_tiny(c, "qwen2_moe_tiny", "qwen1_5_moe_a2_7b", shared_expert_intermediate_size=64)
+
+
+def gpt_oss_tiny(c):
+    """`moe_tiny` on a random GPT-OSS: router and expert biases, the clamped SwiGLU, attention sinks, a sliding
+    (window 8) then a full layer, YaRN rope; the dense rollout (the paged engine has no sinks)."""
+    return _family_tiny(
+        c, "gpt_oss_tiny", "gpt_oss_20b", sliding_window=8, layer_types=("sliding_attention", "full_attention")
+    )
+
+
 def async_tiny(c):
     """`tiny` trained fully asynchronously (docs/async.md): two generation batches of 2 prompts per step, a batch in
     flight across each weight update (partial rollout on the paged engine), groups at most 2 versions old, the
@@ -174,6 +205,9 @@ def get_config(arg=None):
         "lora": _lora,
         "tiny": tiny,
         "moe_tiny": moe_tiny,
+        "mixtral_tiny": mixtral_tiny,
+        "qwen2_moe_tiny": qwen2_moe_tiny,
+        "gpt_oss_tiny": gpt_oss_tiny,
         "async": async_tiny,
     }
     if variant not in fns:

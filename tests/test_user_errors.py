@@ -202,7 +202,8 @@ def test_unknown_config_variant_lists_the_valid_ones(tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines() == [
         "error: --config=configs/grpo.py:lroa: configs/grpo.py: unknown variant 'lroa'; "
-        "valid: ['async', 'default', 'gsm8k', 'lora', 'moe_tiny', 'tiny']"
+        "valid: ['async', 'default', 'gpt_oss_tiny', 'gsm8k', 'lora', 'mixtral_tiny', 'moe_tiny', 'qwen2_moe_tiny', "
+        "'tiny']"
     ]
     assert secs < 60
 
