@@ -146,7 +146,6 @@ def _tiny(**kw):
     return ModelConfig(**{**base, **kw})
 
 
-@pytest.mark.slow
 def test_gpt_oss_export_loads_in_transformers_with_equal_logits(tmp_path):
     """save_pretrained writes GPT-OSS's names (fused `gate_up_proj` `[E, D, 2F]`, biases, sinks) and config.json;
     transformers loads it into GptOssForCausalLM with equal logits; our loader reads it back to the same config and
