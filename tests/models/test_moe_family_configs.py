@@ -56,8 +56,8 @@ def test_moe_family_variant_validates_and_builds(variant):
 @pytest.mark.slow
 def test_gpt_oss_tiny_grpo_step_runs_on_cpu(tmp_path):
     """One GRPO step of `configs/grpo.py:gpt_oss_tiny` with the load-balancing loss on (rollout with a KV cache
-    through the sliding window, old log-probs, reference, packed update): finite metrics, and the update moves the
-    router (weight and bias), the fused experts and the sinks."""
+    through the sliding window, old log-probs, reference, packed update): finite metrics, and the update (no weight
+    decay) moves the router (weight and bias), the fused experts and the sinks: each has a gradient."""
     from jaxrl_post.rl.trainer import RLTrainer
 
     c = _grpo().get_config("gpt_oss_tiny")
@@ -67,6 +67,7 @@ def test_gpt_oss_tiny_grpo_step_runs_on_cpu(tmp_path):
     c.trainer.val_before_train = c.trainer.val_at_end = False
     c.model.arch.output_router_logits = True
     c.model.arch.router_aux_loss_coef = 0.01
+    c.actor.optim.weight_decay = 0.0  # a param moves only through its gradient (decay alone would move them all)
     trainer = RLTrainer(c, console_write=lambda s: None)
     try:
         before = jax.tree.map(np.asarray, trainer.state.actor.params)
