@@ -165,7 +165,7 @@ def qwen2_moe_tiny(c):
 
 def gpt_oss_tiny(c):
     """`moe_tiny` on a random GPT-OSS: router and expert biases, the clamped SwiGLU, attention sinks, a sliding
-    (window 8) then a full layer, YaRN rope; the dense rollout (the paged engine has no sinks)."""
+    (window 8) then a full layer, YaRN rope."""
     return _family_tiny(
         c, "gpt_oss_tiny", "gpt_oss_20b", sliding_window=8, layer_types=("sliding_attention", "full_attention")
     )

@@ -6,6 +6,7 @@ and the fields / backends that are refused."""
 
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -219,6 +220,19 @@ def test_sinks_in_the_chunked_backend_equal_the_dense_path():
     np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-6)
 
 
+def test_gpt_oss_scanned_layers_equal_unrolled():
+    """4 layers alternating sliding / full (period 2): `scan_layers` (2 groups of 2 layers, `block.scan_blocks`) gives
+    the unrolled forward's logits and routes."""
+    model = _random_model(_tiny(num_layers=4, layer_types=("sliding_attention", "full_attention") * 2), seed=4)
+    ids, mask = _batch(61, b=2, t=7)
+    run = jax.jit(lambda m, i, k: m(i, k, with_moe=True))
+    (unrolled, moe) = run(model, ids, mask)
+    model.scan_layers = True
+    (scanned, moe_scanned) = run(model, ids, mask)
+    np.testing.assert_allclose(np.asarray(scanned), np.asarray(unrolled), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(moe_scanned.routed_experts), np.asarray(moe.routed_experts))
+
+
 def test_gpt_oss_preset_and_refused_fields():
     """gpt-oss-20b's preset: 20.91B total, 3.61B active as OpenAI's model card counts them (Table 1: the embedding
     table not active, the unembedding active) within 1%, and it round-trips through config.json; an mxfp4
@@ -247,10 +261,39 @@ def test_gpt_oss_preset_and_refused_fields():
     assert ModelConfig.from_hf_config(raw) == cfg
 
 
-def test_paged_engine_refuses_sinks():
-    """The paged rollout engine has no attention sinks: it refuses GPT-OSS with one error naming the way out."""
+@pytest.mark.slow  # a dense Generator and a paged engine compiled
+def test_paged_engine_gpt_oss_greedy_equals_the_dense_generator():
+    """The paged engine's XLA attention with sinks, the sliding window over pages and YaRN: 4 prompts (2-9 tokens)
+    x n 2 through 3 slots with a 9-page pool (sequences preempted and recomputed), layers scanned: the dense
+    `Generator`'s tokens, masks and `routed_experts`, log-probs within 1e-5. The Pallas TPU kernel refuses sinks."""
+    from jaxrl_post.batch.protocol import DataProto
+    from jaxrl_post.rollout import Generator, SamplingParams
+    from jaxrl_post.rollout.paged.attention import paged_attention
     from jaxrl_post.rollout.paged.engine import PagedGenerator
 
-    model = _random_model(_tiny(), seed=1)
-    with pytest.raises(ValueError, match="attention sinks.*rollout.name='dense'"):
-        PagedGenerator(model, num_pages=8, page_size=4)
+    model = _random_model(
+        _tiny(num_layers=3, layer_types=("sliding_attention", "full_attention", "sliding_attention")), seed=1
+    )
+    greedy = SamplingParams(max_new_tokens=12, do_sample=False, eos_token_ids=(7, 8), seed=2)
+    rng = np.random.default_rng(0)
+    ids, mask = np.zeros((4, 9), np.int32), np.zeros((4, 9), np.int32)
+    for i, n in enumerate([5, 9, 2, 7]):
+        ids[i, 9 - n :], mask[i, 9 - n :] = rng.integers(3, 61, n), 1
+    dp = DataProto.from_dict({"input_ids": ids, "attention_mask": mask})
+    dense = Generator(model, decode_chunk=4, compact_min_rows=None, return_routed_experts=True).generate(
+        dp, greedy, n=2
+    )
+    eng = PagedGenerator(
+        model, max_num_seqs=3, max_num_batched_tokens=16, page_size=4, steps_per_dispatch=4, num_pages=9,
+        scan_layers=True, return_routed_experts=True,
+    )  # fmt: skip
+    out = eng.generate(dp, greedy, n=2)
+    assert eng.last_stats["preemptions"] > 0
+    for k in ("responses", "attention_mask", "routed_experts"):
+        np.testing.assert_array_equal(out.batch[k], dense.batch[k], err_msg=k)
+    np.testing.assert_allclose(out.batch["rollout_log_probs"], dense.batch["rollout_log_probs"], atol=1e-5, rtol=0)
+    q, pages = jnp.zeros((1, 4, 8)), jnp.zeros((2, 4, 4, 8))
+    one = jnp.ones((1,), jnp.int32)
+    with pytest.raises(ValueError, match="no attention sinks"):
+        paged_attention(q, pages, one, jnp.zeros((1, 1), jnp.int32), jnp.array([0, 1]), one, sm_scale=1.0,
+                        impl="pallas_tpu", sinks=jnp.zeros(4))  # fmt: skip

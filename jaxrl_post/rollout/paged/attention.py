@@ -9,14 +9,15 @@ N kv heads (head h reads kv head h // (H / N), the decoder's GQA layout), K head
 
 - "xla": exact, any platform (the CPU rollout and the tests): each query gathers its sequence's pages and runs the
   decoder's dense math (`decoder.Attention`): float32 scores, the scale, the soft-cap, a causal (and sliding-window)
-  mask with the same fill value, probabilities rounded to the compute dtype before the value product. Memory
-  `[T, pages_per_seq * page_size]` per head: meant for decode and small prefills.
+  mask with the same fill value, attention sinks (GPT-OSS), probabilities rounded to the compute dtype before the
+  value product. Memory `[T, pages_per_seq * page_size]` per head: meant for decode and small prefills.
 - "pallas_tpu": the TPU kernel (flash-style online softmax in float32). Under an ambient mesh (`jax.set_mesh`) with
   a 'tensor' axis of size tp > 1 (the engine's rollout tensor parallelism) it runs in a `jax.shard_map` over the
   mesh: each device calls the kernel on its H / tp query heads and its slice of the pool's combined-head dim (the
   2N / tp interleaved keys and values of kv heads d * N / tp ... (d + 1) * N / tp - 1, exactly the heads its query
   heads read under the GQA layout), with the page tables, lengths and `num_seqs` replicated; the output stays split
   over heads (the output projection's all-reduce follows, as for the XLA path). No communication inside.
+  No attention sinks (GPT-OSS models take the XLA path).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
+
+from jaxrl_post.models.attention import softmax_with_sinks
 
 PAGED_ATTENTION_IMPLS = ("xla", "pallas_tpu")
 TENSOR_AXIS = "tensor"  # the rollout mesh's tensor-parallel axis (the pool's combined heads are split over it)
@@ -76,12 +79,14 @@ def paged_attention_xla(
     dtype=None,
     layer=None,
     segment_pages=None,
+    sinks=None,
 ):
     """Exact XLA ragged paged attention (module docstring). kv_pages `[P, page_size, 2N, K]`, or the whole pool
     `[L, P, page_size, 2N, K]` with `layer` (int32 scalar): the pages are gathered from it directly (no copy of
     the layer); dtype: the compute dtype the probabilities are rounded to (default q.dtype). The page tables are
     split into segments of `segment_pages` pages (default `_segment_pages`); a segment no query sees is neither
     gathered nor multiplied (`lax.cond`, as the dense cache's segments), so a step costs about the pages written.
+    sinks: `[H]` float32 attention sinks (`models.attention.softmax_with_sinks`) or None.
     Returns `[T, H, K]` in dtype; padding queries give 0."""
     dtype = jnp.dtype(dtype or q.dtype)
     t, h, kd = q.shape
@@ -126,7 +131,8 @@ def paged_attention_xla(
     if soft_cap is not None:
         scores = jnp.tanh(scores / soft_cap) * soft_cap
     scores = jnp.where(allowed[:, None, None], scores, _NEG)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dtype).astype(att)
+    sink = None if sinks is None else sinks.astype(jnp.float32).reshape(n, g)[None, :, :, None]
+    probs = softmax_with_sinks(scores, sink).astype(dtype).astype(att)
     out = None
     for i, (lo, hi) in enumerate(bounds):
         part = segment(
@@ -198,12 +204,15 @@ def paged_attention(
     impl: str = "xla",
     layer=None,
     segment_pages=None,
+    sinks=None,
 ):
     """Ragged paged attention through `impl` ("xla" or "pallas_tpu"; `resolve_paged_attention_impl`). Shapes as
-    the module docstring (kv_pages one layer's, or the whole pool with `layer`); segment_pages: the XLA path's
-    (`paged_attention_xla`). Returns `[T, H, K]` in dtype (default q.dtype). Raises ValueError for 'pallas_tpu'
-    under a 'tensor' mesh axis that does not divide the query and kv heads."""
+    the module docstring (kv_pages one layer's, or the whole pool with `layer`); segment_pages, sinks: the XLA
+    path's (`paged_attention_xla`). Returns `[T, H, K]` in dtype (default q.dtype). Raises ValueError for 'pallas_tpu'
+    under a 'tensor' mesh axis that does not divide the query and kv heads, or with sinks."""
     if impl == "pallas_tpu":
+        if sinks is not None:
+            raise ValueError("the Pallas TPU paged attention has no attention sinks (GPT-OSS); use the 'xla' impl")
         dt = dtype or q.dtype
         kernel = functools.partial(
             _pallas_tpu_over_pool, dtype=dt, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap
@@ -238,4 +247,5 @@ def paged_attention(
         dtype=dtype,
         layer=layer,
         segment_pages=segment_pages,
+        sinks=sinks,
     )

@@ -53,7 +53,8 @@ class PagedGenerator:
         every slot to hold a sequence of the longest prompt bucket plus `max_new_tokens` (no preemption).
       steps_per_dispatch: decode steps per dispatch (`K`, one `lax.scan`); the host retires and admits between.
       cache_dtype: pool dtype; None as `Generator` (`kv_cache_dtype`).
-      attention_impl: "auto" (TPU: the Pallas kernel, else XLA), "xla" or "pallas_tpu".
+      attention_impl: "auto" (TPU: the Pallas kernel, else XLA; XLA for a model with attention sinks, GPT-OSS),
+        "xla" or "pallas_tpu" (no sinks: raises ValueError for such a model).
       min_prompt_bucket: prompts are padded to a power of two >= this for the page-table width (compile once).
       max_model_len: longest prompt + response a page table holds (vLLM / verl `max_model_len`): the tables are
         `ceil(max_model_len / page_size)` pages wide, so the programs (and their memory) are the same for every
@@ -66,7 +67,6 @@ class PagedGenerator:
         forward that fed it (prefill for the prompt, shared by its `n` samples; the decode step for a response
         token), kept when a preempted or resumed sequence's context is prefilled again. Raises ValueError on a
         model without MoE layers.
-        A model with attention sinks (GPT-OSS) raises ValueError: the paged attention does not implement them.
       mesh: a mesh ('data', 'fsdp', 'expert', 'tensor') whose only axis > 1 is 'tensor', the model's params placed
         on it; None: one device. Raises ValueError for another axis > 1 (data-parallel engine replicas are not
         built) or a 'tensor' size that does not divide the kv heads.
@@ -90,11 +90,12 @@ class PagedGenerator:
     def __post_init__(self):
         if self.return_routed_experts and not getattr(getattr(self.model, "config", None), "moe_layers", ()):
             raise ValueError("return_routed_experts needs a model with MoE layers (routing replay)")
-        if getattr(getattr(self.model, "config", None), "attention_sinks", False):
-            raise ValueError(
-                "the paged rollout engine has no attention sinks (GPT-OSS); use the dense engine (rollout.name='dense')"
-            )
         self.impl = resolve_paged_attention_impl(self.attention_impl, jax.default_backend())
+        if self.impl == "pallas_tpu" and getattr(getattr(self.model, "config", None), "attention_sinks", False):
+            if self.attention_impl != "auto":
+                raise ValueError("paged attention 'pallas_tpu' has no attention sinks (GPT-OSS); use 'xla'")
+            self.impl = "xla"
+            log.info("paged rollout: the Pallas TPU kernel has no attention sinks; this model uses the XLA attention")
         if self.mesh is not None:
             self._check_mesh()
         if self.scan_layers is None:

@@ -92,6 +92,7 @@ def _attention(attn, x, positions, kv, layer, rag: Ragged, impl: str):
         sm_scale=attn.scale,
         sliding_window=attn.window,
         soft_cap=attn.softcap,
+        sinks=None if attn.sinks is None else attn.sinks[...],
         dtype=attn.dtype,
         impl=impl,
         layer=layer,
