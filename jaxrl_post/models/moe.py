@@ -156,7 +156,7 @@ class MoE(nnx.Module):
             expert_of = jnp.take(key, order)  # [rows]
             bias = lambda b: jnp.take(b[...], expert_of, axis=0, mode="fill", fill_value=0).astype(self.dtype)
             gu = gmm(xs, self.gate_up_proj[...]) + bias(self.gate_up_proj_bias)
-            gu = gu.reshape(gu.shape[0], -1, 2)  # [N*k, F, 2]: (gate, up) pairs; a split 2F stays split over F
+            gu = gu.reshape(gu.shape[0], -1, 2)  # [rows, F, 2]: (gate, up) pairs; a split 2F stays split over F
             h = self._act(gu[..., 0], gu[..., 1])
             ys = gmm(h, self.down_proj[...]) + bias(self.down_proj_bias)
         # where each assignment sits in `ys`; `rows` (out of range -> 0) for an assignment past the buffer (dropped)
