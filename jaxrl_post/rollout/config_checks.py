@@ -17,7 +17,8 @@ _DTYPES = ("float32", "bfloat16", "float16")
 
 def check_rollout(c: Checker) -> None:
     """`rollout.n`, `log_prob_micro_batch_size`, `val_kwargs.n` positive; `rollout.name` and, for 'paged', its
-    sizes (one device unless `rollout.tensor_model_parallel_size` shards it, single-turn, `max_num_seqs >= n`);
+    sizes (one device unless `rollout.tensor_model_parallel_size` lays it out as data-parallel replicas of a
+    tensor-parallel engine, single-turn, `max_num_seqs >= n`: per replica);
     `temperature` (when sampling), `top_p`, `top_k`, `min_p`; `rollout.dtype`. Reads `c.devices` (the training
     devices) for the paged engine's one device."""
     cfg = c.cfg
@@ -42,8 +43,9 @@ def check_rollout(c: Checker) -> None:
         if d is not None and (d.train or 1) > 1 and not d.rollout and tp is None:  # split: check_placement
             c.err(
                 "rollout.name",
-                f"'paged' runs on one device unless rollout.tensor_model_parallel_size shards it, the run has "
-                f"{d.train}; set that key to {d.train} or use 'dense'",
+                f"'paged' runs on one device unless rollout.tensor_model_parallel_size lays it out, the run has "
+                f"{d.train}; set that key to a tp dividing them ({d.train} / tp data-parallel engine replicas of tp "
+                "devices each) or use 'dense'",
             )
     if cfg.rollout.do_sample:
         c.check("rollout.temperature", lambda v: is_num(v) and v > 0, "must be > 0 when rollout.do_sample")
@@ -94,7 +96,8 @@ def check_multi_turn(c: Checker) -> None:
 def check_rollout_tp(c: Checker) -> None:
     """`rollout.tensor_model_parallel_size` (verl's name): None, or an int tp >= 1 dividing the rollout's devices
     (split: `rollout.n_gpus_per_node`; `c.devices`) and a `model.random_init` preset's query / KV heads (a loaded
-    model's: `builders.check_rollout_heads`); 'paged' needs a tensor-only rollout mesh (tp = its devices)."""
+    model's: `builders.check_rollout_heads`). 'paged' takes any such tp: devices / tp data-parallel engine replicas
+    (`rollout/paged/replicas.py`)."""
     cfg = c.cfg
     key = "rollout.tensor_model_parallel_size"
     tp = cfg.rollout.get("tensor_model_parallel_size")
@@ -114,6 +117,3 @@ def check_rollout_tp(c: Checker) -> None:
         for name in ("num_heads", "num_kv_heads"):
             if getattr(mc, name) % tp:
                 c.err(key, f"must divide the model's {name}={getattr(mc, name)} (heads are split over 'tensor')")
-    if cfg.rollout.name == "paged" and n != tp:
-        replicas = "data-parallel engine replicas are not built yet"
-        c.err(key, f"rollout.name='paged' shards one engine over 'tensor' only: needs {n} ({where}); {replicas}")

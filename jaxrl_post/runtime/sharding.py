@@ -35,6 +35,7 @@ LOGICAL_AXIS_RULES: dict[str, Any] = {
     "lora": None,  # rank dim of LoRA A/B (tiny: replicated)
     "expert": "expert",  # experts dim of MoE expert weights (models/moe.py): expert parallelism
     "cache_seq": None,
+    "replica": "data",  # leading dim of the paged rollout engine's per-replica arrays (rollout/paged/replicas.py)
 }
 
 
@@ -262,15 +263,27 @@ def cache_shardings(cache, mesh: Mesh):
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     """with_sharding_constraint by logical names when an ambient mesh with our axes is set
-    (`jax.set_mesh`); a no-op otherwise or when a dim does not divide its axes."""
+    (`jax.set_mesh`); a no-op otherwise or when a dim does not divide its axes. Inside a `shard_map` the spec keeps
+    only the automatic axes (a no-op when all are manual)."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh is None or mesh.empty or not set(MESH_AXES) <= set(mesh.axis_names):
+    if mesh is None or mesh.empty or not set(MESH_AXES) <= set(mesh.axis_names) or mesh.are_all_axes_manual:
         return x
-    spec = logical_to_mesh_spec(names)
+    spec = _drop_axes(logical_to_mesh_spec(names), set(mesh.manual_axes))  # inside a shard_map: its auto axes
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
     if any(x.shape[d] % _axis_size(sizes, a) for d, a in enumerate(spec)):
         return x
     return jax.lax.with_sharding_constraint(x, spec)
+
+
+def _drop_axes(spec: P, axes: set) -> P:
+    """`spec` without the mesh axes `axes` (a dim left with none: None)."""
+    if not axes:
+        return spec
+    out = []
+    for a in spec:
+        kept = tuple(x for x in ((a,) if isinstance(a, str) else (a or ())) if x not in axes)
+        out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    return P(*out)
 
 
 class InMesh:

@@ -70,5 +70,6 @@ def check_placement(c: Checker) -> None:
         c.err(
             "rollout.name",
             f"'paged' runs on one device unless rollout.tensor_model_parallel_size shards it: with the split "
-            f"placement it needs rollout.n_gpus_per_node=1, not {n}, or that key = {n}; or use 'dense'",
+            f"placement it needs rollout.n_gpus_per_node=1, not {n}, or that key = a tp dividing {n} ({n} / tp "
+            "data-parallel engine replicas); or use 'dense'",
         )

@@ -125,7 +125,7 @@ class RolloutRole:
                 )
         else:
             self.model = m
-        if cfg.rollout.name == "paged":  # docs/paged_rollout.md; validate_config: single-turn, a tensor-only mesh
+        if cfg.rollout.name == "paged":  # docs/paged_rollout.md; on layout_mesh: data replicas x tensor
             r3 = policy.router_replay == "R3"  # `routed_experts`, replayed by the actor
             mesh = self.layout_mesh if self.tp is not None else None
             self.generator = paged_generator_from_config(self.model, cfg.rollout, return_routed_experts=r3, mesh=mesh)

@@ -6,11 +6,18 @@ width, prefill budget), so each program compiles once. Samples use the dense `Ge
 (`fold_in(fold_in(key, step), row)`, row `i * n + j` = sample j of prompt i), so on CPU float32 both engines give
 the same tokens, and log-probs equal to float rounding (prefill and decode batch differently).
 
-With a `mesh` whose only axis > 1 is 'tensor' (`rollout.tensor_model_parallel_size`), the engine runs sharded over
-it: the model's params as they are placed (`sharding.param_shardings` on that mesh), the page pool split over kv
-heads (`kv_pool.POOL_AXES`), page tables, slots, logits and sampled tokens replicated, the programs traced under the
-mesh (GSPMD partitions the per-head XLA attention; the Pallas TPU kernel runs per device in a `shard_map` over
-'tensor' on its heads' slice of the pool, `attention.paged_attention`); the host scheduler is the same.
+With a `mesh` ('data', 'fsdp', 'expert', 'tensor') = (D, 1, 1, tp) -- the rollout layout of
+`rollout.tensor_model_parallel_size` -- the engine runs D data-parallel replicas of tp chips each (vLLM's data
+parallelism): each replica has its own `max_num_seqs` slots, page pool (`num_pages` pages), page tables and host
+`Scheduler`; prompts (with their `n` samples, which share prompt pages) are assigned to replicas before the first
+dispatch (`replicas.assign_groups`: balanced by count, then prompt tokens), and every dispatch runs all replicas in
+one SPMD program (`replicas.replica_map`; per-replica arrays `[D, ...]` on 'data'). A dispatch is a prefill when any
+replica has prompt work (the others run an empty chunk), else a decode of every replica's slots. Within a replica
+the weights are split over 'tensor' as placed (`sharding.param_shardings`), the pool over kv heads
+(`kv_pool.POOL_AXES`), page tables, slots, logits and sampled tokens replicated; GSPMD partitions the per-head XLA
+attention; the Pallas TPU kernel runs per device in a `shard_map` over 'tensor' on its heads' slice of the pool,
+`attention.paged_attention`; with tensor = 1 each replica's body is a single-device program, all mesh axes manual.
+Sampling keys depend on the row only, so a sequence's tokens do not depend on its replica.
 """
 
 from __future__ import annotations
@@ -24,7 +31,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
 from jaxrl_post.batch.protocol import DataProto
 from jaxrl_post.models.moe import routes_dtype
@@ -32,16 +38,21 @@ from jaxrl_post.rollout.generate import _assemble, check_prompts, kv_cache_dtype
 from jaxrl_post.rollout.paged import forward, programs
 from jaxrl_post.rollout.paged.allocator import PageAllocator
 from jaxrl_post.rollout.paged.attention import resolve_paged_attention_impl
-from jaxrl_post.rollout.paged.kv_pool import init_pool, pool_bytes, token_slots, zeros_on
+from jaxrl_post.rollout.paged.dispatch import decode_inputs, first_logits, page_copies, prefill_inputs
+from jaxrl_post.rollout.paged.kv_pool import init_replica_pools, pool_bytes, zeros_on
+from jaxrl_post.rollout.paged.replicas import assign_groups, num_replicas
 from jaxrl_post.rollout.paged.scheduler import Piece, Scheduler, Seq
 from jaxrl_post.rollout.sampling import SamplingParams
+from jaxrl_post.runtime.sharding import logical_to_mesh_spec
 
 log = logging.getLogger(__name__)
+_REP = ("replica", None, None)  # logits [D, S, V]: a replica's on its 'data' index, replicated within it
 
 
 @dataclasses.dataclass
 class PagedGenerator:
-    """Paged rollout engine for one model, on one device or on a tensor-parallel mesh (module docstring).
+    """Paged rollout engine for one model, on one device or as data-parallel replicas of a tensor-parallel engine
+    on a mesh (module docstring).
 
     Args:
       model: a `jaxrl_post.models.Transformer`; its params are read (and layers stacked) at each `generate` call
@@ -67,9 +78,10 @@ class PagedGenerator:
         forward that fed it (prefill for the prompt, shared by its `n` samples; the decode step for a response
         token), kept when a preempted or resumed sequence's context is prefilled again. Raises ValueError on a
         model without MoE layers.
-      mesh: a mesh ('data', 'fsdp', 'expert', 'tensor') whose only axis > 1 is 'tensor', the model's params placed
-        on it; None: one device. Raises ValueError for another axis > 1 (data-parallel engine replicas are not
-        built) or a 'tensor' size that does not divide the kv heads.
+      mesh: a mesh ('data', 'fsdp', 'expert', 'tensor') with 'fsdp' = 'expert' = 1, the model's params placed on
+        it: 'data' replicas of a 'tensor'-parallel engine (module docstring; `max_num_seqs` and `num_pages` are per
+        replica, as vLLM's engine arguments are per data-parallel rank); None: one device. Raises ValueError for
+        'fsdp' or 'expert' > 1 or a 'tensor' size that does not divide the kv heads.
     """
 
     model: nnx.Module
@@ -108,13 +120,16 @@ class PagedGenerator:
 
     def _check_mesh(self) -> None:
         shape = dict(self.mesh.shape)
-        if any(v > 1 for k, v in shape.items() if k != "tensor"):
-            raise ValueError(
-                f"the paged engine shards over 'tensor' only (no data-parallel replicas yet): mesh {shape}"
-            )
+        if any(v > 1 for k, v in shape.items() if k not in ("data", "tensor")):
+            raise ValueError(f"the paged engine runs 'data' replicas of a 'tensor'-parallel engine only: mesh {shape}")
         tp, n_kv = shape.get("tensor", 1), self.model.config.num_kv_heads
         if n_kv % tp:
             raise ValueError(f"the paged engine's tensor size {tp} does not divide the model's {n_kv} kv heads")
+
+    @property
+    def replicas(self) -> int:
+        """Data-parallel replicas: the mesh's 'data' size (1 without a mesh)."""
+        return num_replicas(self.mesh)
 
     def update_weights(self, model: nnx.Module | None = None) -> None:
         """Take `model`'s (or the current model's) params for the next dispatch: the layers are restacked once
@@ -175,131 +190,96 @@ class PagedGenerator:
             self.update_weights()  # the model's current params, as `Generator` reads them at every call
         pps = self.table_pages(p, r)
         num_pages = self.num_pages or self.max_num_seqs * pps + 1
-        cfg = self.model.config
+        cfg, d = self.model.config, self.replicas
         dtype = jnp.dtype(kv_cache_dtype(self.model, self.cache_dtype))
-        alloc = PageAllocator(num_pages, self.page_size)
-        sched = Scheduler(
-            alloc,
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            steps_per_dispatch=self.steps_per_dispatch,
-        )
+        scheds = [
+            Scheduler(
+                PageAllocator(num_pages, self.page_size),
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                steps_per_dispatch=self.steps_per_dispatch,
+            )
+            for _ in range(d)
+        ]
         if resume is None:
             seqs = [Seq(row=i * n + j, prompt=ids[i][mask[i] > 0], limit=r) for i in range(b) for j in range(n)]
-            for i in range(b):
-                sched.add(seqs[i * n : (i + 1) * n])
+            groups = [seqs[i * n : (i + 1) * n] for i in range(b)]
         else:
             seqs = list(resume)
-            for s in seqs:
-                sched.add([s])
-        kv = init_pool(cfg.num_layers, num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim, dtype, self.mesh).kv
-        logits = jnp.zeros((self.max_num_seqs, cfg.vocab_size), jnp.float32)
-        if self.mesh is not None:  # replicated, as the programs return them
-            logits = zeros_on(logits.shape, logits.dtype, jax.sharding.NamedSharding(self.mesh, P()))
+            groups = [[s] for s in seqs]
+        where = assign_groups([len(g[0].prompt) * len(g) for g in groups], d)
+        for g, rep in zip(groups, where):
+            scheds[rep].add(g)
+        args = (d, cfg.num_layers, num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim, dtype, self.mesh)
+        kv = init_replica_pools(*args)
+        shape = (d, self.max_num_seqs, cfg.vocab_size)
+        if self.mesh is None:
+            logits = jnp.zeros(shape, jnp.float32)
+        else:  # per replica on 'data', replicated within it, as the programs return them
+            logits = zeros_on(shape, jnp.float32, jax.sharding.NamedSharding(self.mesh, logical_to_mesh_spec(_REP)))
         key = jax.random.key(params.seed if seed is None else seed)
         static = dataclasses.replace(params, seed=0, max_new_tokens=1)  # slots carry their limits: one program
         stats = {"prefill_dispatches": 0, "decode_dispatches": 0, "decode_slot_steps": 0, "emitted": 0}
         dispatches = 0
-        while not sched.idle:
-            pieces = sched.schedule_prefill()
-            if pieces:
-                kv, logits = self._prefill(kv, logits, sched, pieces, pps)
+        while not all(sc.idle for sc in scheds):
+            pieces = [sc.schedule_prefill() for sc in scheds]
+            if any(pieces):  # replicas without prompt work run an empty chunk (one program for all replicas)
+                kv, logits = self._prefill(kv, logits, scheds, pieces, pps)
                 stats["prefill_dispatches"] += 1
             else:
-                kv, logits = self._decode(kv, logits, sched, pps, key, static, stats)
+                kv, logits = self._decode(kv, logits, scheds, pps, key, static, stats)
                 stats["decode_dispatches"] += 1
             dispatches += 1
-            if should_stop is not None and should_stop(dispatches) and not sched.idle:
+            if should_stop is not None and should_stop(dispatches) and not all(sc.idle for sc in scheds):
                 break
-        self.unfinished = sched.stop()
+        self.unfinished = [s for sc in scheds for s in sc.stop()]
         stats.update(
             num_pages=num_pages,
             pool_bytes=pool_bytes(cfg.num_layers, num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim, dtype),
-            preemptions=sched.num_preemptions,
-            pool_shard_shape=tuple(kv.addressable_shards[0].data.shape),  # one device's share of the pool
+            preemptions=sum(sc.num_preemptions for sc in scheds),
+            pool_shard_shape=tuple(kv.addressable_shards[0].data.shape),  # one device's share of the pools
             pool_devices=len(kv.sharding.device_set),
+            replicas=d,
+            replica_sequences=[int(sum(len(g) for g, w in zip(groups, where) if w == i)) for i in range(d)],
         )
         self.last_stats = stats
         return self._result(prompts, ids, mask, seqs, b * n if resume is None else None, n, params)
 
     # ------------------------------------------------------------------ dispatches
-    def _prefill(self, kv, logits, sched: Scheduler, pieces: list[Piece], pps: int):
-        t_budget, s_max, ps = self.max_num_batched_tokens, self.max_num_seqs, self.page_size
-        tok = np.zeros(t_budget, np.int32)
-        pos = np.zeros(t_budget, np.int32)
-        seq_of = np.zeros(t_budget, np.int32)
-        kv_lens = np.zeros(s_max, np.int32)
-        cu = np.zeros(s_max + 1, np.int32)
-        last = np.zeros(s_max, np.int32)
-        tables = np.zeros((s_max, pps), np.int32)
-        off = 0
-        for i, pc in enumerate(pieces):
-            ctx = pc.seq.context
-            tok[off : off + pc.count] = ctx[pc.start : pc.start + pc.count]
-            pos[off : off + pc.count] = np.arange(pc.start, pc.start + pc.count)
-            seq_of[off : off + pc.count] = i
-            kv_lens[i] = pc.start + pc.count
-            tables[i] = sched.alloc.page_table([pc.seq.row], pps)[0]
-            off += pc.count
-            cu[i + 1 :] = off
-            last[i] = off - 1
-        real = np.arange(t_budget) < off
-        slots = np.where(real, np.asarray(token_slots(jnp.asarray(pos), jnp.asarray(tables[seq_of]), ps)), 0)
-        rag = forward.Ragged(
-            tokens=jnp.asarray(tok[None]),
-            positions=jnp.asarray(pos[None]),
-            slots=jnp.asarray(slots, jnp.int32),
-            kv_lens=jnp.asarray(kv_lens),
-            page_indices=jnp.asarray(tables),
-            cu_q_lens=jnp.asarray(cu),
-            num_seqs=jnp.asarray([len(pieces)], jnp.int32),
-            token_mask=jnp.asarray(real[None]),
-        )
+    def _prefill(self, kv, logits, scheds: list[Scheduler], pieces: list[list[Piece]], pps: int):
+        s_max = self.max_num_seqs
+        ins = [prefill_inputs(sc, pc, self.max_num_batched_tokens, pps) for sc, pc in zip(scheds, pieces)]
+        stacked = {k: jnp.asarray(np.stack([x[k] for x in ins])) for k in ins[0]}
+        last = stacked.pop("last")
         kv, new, *routes = programs.prefill(
             self._graphdef,
             self._state,
             self._graphdefs,
             self._stacked,
             kv,
-            rag,
-            jnp.asarray(last),
+            forward.Ragged(**stacked),
+            last,
             impl=self.impl,
             routes=self.return_routed_experts,
         )
         if routes:
             routes = np.asarray(jax.device_get(routes[0]))
-            for pc, lo in zip(pieces, np.concatenate([[0], np.cumsum([pc.count for pc in pieces])])):
-                _record_routes(pc.seq, pc.start, routes[lo : lo + pc.count])
-        complete, copies = sched.prefill_done(pieces)
-        src, dst = np.full(s_max, 0, np.int32), np.full(s_max, s_max, np.int32)
-        k = 0
-        index = {id(pc.seq): i for i, pc in enumerate(pieces)}
-        for first, group in complete:
-            for s in group:
-                src[k], dst[k] = index[id(first)], s.slot
-                k += 1
-                if s is not first and not s.routes:  # a fork: the prompt's experts are its first sample's
-                    s.routes = list(first.routes)
-        if k:
-            logits = programs.place_logits(logits, new, jnp.asarray(src), jnp.asarray(dst))
-        if copies:
-            c = -(-len(copies) // s_max) * s_max  # fixed sizes: multiples of the slot count
-            pairs = np.zeros((c, 2), np.int32)
-            pairs[: len(copies)] = copies
-            kv = programs.copy_pages(kv, jnp.asarray(pairs[:, 0]), jnp.asarray(pairs[:, 1]))
+            for rep, pcs in enumerate(pieces):
+                for pc, lo in zip(pcs, np.concatenate([[0], np.cumsum([pc.count for pc in pcs])])):
+                    _record_routes(pc.seq, pc.start, routes[rep, lo : lo + pc.count])
+        done = [sc.prefill_done(pc) for sc, pc in zip(scheds, pieces)]
+        if any(complete for complete, _ in done):
+            moves = [first_logits(pc, complete, s_max) for pc, (complete, _) in zip(pieces, done)]
+            src, dst = (jnp.asarray(np.stack(m)) for m in zip(*moves))
+            logits = programs.place_logits(logits, new, src, dst)
+        pairs = page_copies([copies for _, copies in done], s_max)
+        if pairs is not None:
+            kv = programs.copy_pages(kv, jnp.asarray(pairs[..., 0]), jnp.asarray(pairs[..., 1]))
         return kv, logits
 
-    def _decode(self, kv, logits, sched: Scheduler, pps: int, key, params, stats):
-        s_max = self.max_num_seqs
-        seqs = sched.schedule_decode()
-        pos, t, rows = (np.zeros(s_max, np.int32) for _ in range(3))
-        limit = np.ones(s_max, np.int32)
-        done = np.ones(s_max, bool)
-        tables = np.zeros((s_max, pps), np.int32)
-        for s in seqs:
-            pos[s.slot], t[s.slot], rows[s.slot], limit[s.slot] = s.length, len(s.tokens), s.row, s.limit
-            done[s.slot] = False
-            tables[s.slot] = sched.alloc.page_table([s.row], pps)[0]
+    def _decode(self, kv, logits, scheds: list[Scheduler], pps: int, key, params, stats):
+        seqs = [sc.schedule_decode() for sc in scheds]
+        ins = [decode_inputs(sc, ss, pps) for sc, ss in zip(scheds, seqs)]
         kv, logits, tokens, lps, ths, emitted, done_out, *routes = programs.decode(
             self._graphdef,
             self._state,
@@ -307,7 +287,7 @@ class PagedGenerator:
             self._stacked,
             kv,
             logits,
-            *(jnp.asarray(a) for a in (pos, t, rows, limit, done, tables)),
+            *(jnp.asarray(np.stack(a)) for a in zip(*ins)),
             key,
             impl=self.impl,
             params=params,
@@ -315,12 +295,13 @@ class PagedGenerator:
             routes=self.return_routed_experts,
         )
         host = [np.asarray(a) for a in jax.device_get((tokens, lps, ths, emitted, done_out, *routes))]
-        if routes:  # before `decode_done` retires sequences (their slots are read here)
-            for s in seqs:
-                _record_routes(s, s.length, host[5][s.slot][host[3][s.slot]])
-        stats["decode_slot_steps"] += len(seqs) * self.steps_per_dispatch
+        for rep, (sc, ss) in enumerate(zip(scheds, seqs)):
+            if routes:  # before `decode_done` retires sequences (their slots are read here)
+                for s in ss:
+                    _record_routes(s, s.length, host[5][rep, s.slot][host[3][rep, s.slot]])
+            stats["decode_slot_steps"] += len(ss) * self.steps_per_dispatch
+            sc.decode_done(ss, *(h[rep] for h in host[:5]))
         stats["emitted"] += int(host[3].sum())
-        sched.decode_done(seqs, *host[:5])
         return kv, logits
 
     # ------------------------------------------------------------------ output

@@ -26,12 +26,16 @@ def paged_generator_from_config(model, rollout, return_routed_experts: bool = Fa
     """The engine of `rollout.name='paged'` from the `rollout.*` keys (configs/base.py): `max_num_seqs`,
     `max_num_batched_tokens`, `block_size`, `num_scheduler_steps`, `max_model_len`, and the pool from
     `num_gpu_blocks_override`, else `gpu_memory_utilization` x the device's memory limit minus the bytes in use
-    (weights), else None (enough pages for every slot); return_routed_experts, mesh: as `PagedGenerator`'s. Raises
+    (weights), else None (enough pages for every slot); return_routed_experts, mesh: as `PagedGenerator`'s. The
+    sizes are per data-parallel replica (vLLM's engine arguments are per DP rank): each of the mesh's devices holds
+    its replica's pool split `tensor` ways, so the page count from the memory budget of one device is right for
+    every replica. Raises
     ValueError when `gpu_memory_utilization` is set on a device without memory stats or leaves no room for two
     pages, or `return_routed_experts` on a model without MoE layers."""
     pages = rollout.num_gpu_blocks_override
     if pages is None and rollout.gpu_memory_utilization is not None:
-        stats = jax.devices()[0].memory_stats() or {}
+        device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]  # each device holds the same share
+        stats = device.memory_stats() or {}
         if "bytes_limit" not in stats:
             raise ValueError(
                 f"rollout.gpu_memory_utilization={rollout.gpu_memory_utilization}: the device reports no memory "

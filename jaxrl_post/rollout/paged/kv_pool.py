@@ -7,7 +7,8 @@ pool as it is. Keys are stored after RoPE. Token `i` of a sequence with page tab
 (`allocator.NULL_PAGE`): idle slots write there and nothing unmasked reads it.
 
 On a tensor-parallel mesh the pool is split over its combined-head dim on 'tensor' (`POOL_AXES`): with tp dividing
-N, each device holds the keys and values of its N / tp kv heads, the heads its query heads read.
+N, each device holds the keys and values of its N / tp kv heads, the heads its query heads read. The engine holds
+one pool per data-parallel replica, stacked `[D, L, ...]` with D over 'data' (`init_replica_pools`, `replicas.py`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import numpy as np
 from jaxrl_post.runtime.sharding import constrain, logical_to_mesh_spec
 
 POOL_AXES = ("layers", None, None, "kv_heads", "head_dim")  # logical names of the pool's dims
+REPLICA_POOL_AXES = ("replica", *POOL_AXES)  # the engine's pools of its data-parallel replicas (`replicas.py`)
 
 
 @flax.struct.dataclass
@@ -53,9 +55,21 @@ def init_pool(
     return PagedKVPool(zeros_on(shape, jnp.dtype(dtype), pool_sharding(mesh)))
 
 
-def pool_sharding(mesh) -> jax.sharding.NamedSharding:
-    """The pool's sharding on `mesh`: combined heads over 'tensor' (`POOL_AXES`)."""
-    return jax.sharding.NamedSharding(mesh, logical_to_mesh_spec(POOL_AXES))
+def pool_sharding(mesh, replicas: bool = False) -> jax.sharding.NamedSharding:
+    """The pool's sharding on `mesh`: combined heads over 'tensor' (`POOL_AXES`); `replicas`: a leading replica
+    dim over 'data' too (`REPLICA_POOL_AXES`)."""
+    return jax.sharding.NamedSharding(mesh, logical_to_mesh_spec(REPLICA_POOL_AXES if replicas else POOL_AXES))
+
+
+def init_replica_pools(
+    replicas: int, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype, mesh=None
+) -> jax.Array:
+    """Zeros `[D, L, P, page_size, 2N, K]` of `dtype`: one pool per data-parallel replica (`replicas` = D); with
+    `mesh`, written in place on it, split by `REPLICA_POOL_AXES` (replica over 'data', heads over 'tensor')."""
+    shape = (replicas, num_layers, num_pages, page_size, 2 * num_kv_heads, head_dim)
+    if mesh is None:
+        return jnp.zeros(shape, dtype)
+    return zeros_on(shape, jnp.dtype(dtype), pool_sharding(mesh, replicas=True))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))

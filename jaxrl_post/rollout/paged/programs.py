@@ -1,9 +1,14 @@
 """The paged engine's jitted programs: a ragged prefill chunk, `K` decode steps over the slot batch (`lax.scan`),
 and the small moves between them (first logits into slots, forked pages). Module-level with static graphdefs and
 shapes, so every call with the same model structure and engine shapes reuses one compiled program each.
-`TRACE_COUNTS` counts traces (tests assert compile-once on it). Called under a tensor-parallel mesh (`jax.set_mesh`),
-the pool keeps its split over kv heads (`kv_pool.constrain_pool`) and the logits stay replicated, so a program's
-outputs have the layout of its inputs (compile once); without a mesh the constraints are no-ops."""
+`TRACE_COUNTS` counts traces (tests assert compile-once on it).
+
+Every program runs all data-parallel replicas of the engine at once: its per-replica arguments and outputs have a
+leading replica dim `[D, ...]` (D = 1 on one device or a tensor-only mesh), and a one-replica body runs per replica
+(`replicas.replica_map`: a `shard_map` over 'data' on a mesh with D > 1). Called under a tensor-parallel mesh
+(`jax.set_mesh`), the pool keeps its split over kv heads (`kv_pool.constrain_pool`) and the logits stay replicated
+within a replica, so a program's outputs have the layout of its inputs (compile once); without a mesh the
+constraints are no-ops."""
 
 from __future__ import annotations
 
@@ -14,7 +19,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl_post.rollout.paged import forward
-from jaxrl_post.rollout.paged.kv_pool import constrain_pool, token_slots
+from jaxrl_post.rollout.paged.kv_pool import POOL_AXES, constrain_pool, token_slots
+from jaxrl_post.rollout.paged.replicas import replica_map
 from jaxrl_post.rollout.sampling import is_eos, sample_tokens
 from jaxrl_post.runtime.sharding import constrain
 
@@ -23,15 +29,20 @@ TRACE_COUNTS = {"prefill": 0, "decode": 0}
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "graphdefs", "impl", "routes"), donate_argnames=("kv",))
 def prefill(graphdef, state, graphdefs, layers, kv, rag: forward.Ragged, last, *, impl, routes=False):
-    """One ragged prefill chunk `rag` (tokens `[1, T]`). Returns (pool with its keys/values written, logits
-    `[S, V] float32` at flat token indices `last [S] int32`); with `routes` (an MoE model, routing replay) also
-    the chunk's experts `[T, M, k]` uint8/int16 (`forward.hidden_states`)."""
+    """One ragged prefill chunk per replica: `rag` (tokens `[D, 1, T]`, every field with a leading replica dim),
+    pools `kv [D, L, ...]`. Returns (pools with the chunks' keys/values written, logits `[D, S, V] float32` at flat
+    token indices `last [D, S] int32`); with `routes` (an MoE model, routing replay) also the chunks' experts
+    `[D, T, M, k]` uint8/int16 (`forward.hidden_states`)."""
     TRACE_COUNTS["prefill"] += 1
-    model = nnx.merge(graphdef, state)
-    h, kv, *experts = forward.hidden_states(model, graphdefs, layers, kv, rag, impl, with_routes=routes)
-    h_last = jnp.take(h[0], last, axis=0)[:, None]  # [S, 1, D]
-    logits = _replicated(model.logits_from_hidden(h_last)[:, 0])
-    return (constrain_pool(kv), logits, *(e[0] for e in experts))
+
+    def body(state, layers, kv, rag, last):
+        model = nnx.merge(graphdef, state)
+        h, kv, *experts = forward.hidden_states(model, graphdefs, layers, kv, rag, impl, with_routes=routes)
+        h_last = jnp.take(h[0], last, axis=0)[:, None]  # [S, 1, D]
+        logits = _replicated(model.logits_from_hidden(h_last)[:, 0])
+        return (constrain_pool(kv), logits, *(e[0] for e in experts))
+
+    return replica_map(body, (state, layers), (kv, rag, last), out_names=(POOL_AXES,))
 
 
 def _replicated(logits):
@@ -41,14 +52,17 @@ def _replicated(logits):
 
 @functools.partial(jax.jit, donate_argnames=("logits",))
 def place_logits(logits, new, src, dst):
-    """`logits [S, V]` with rows `dst [S] int32` set to `new[src]` (`dst` = S: dropped)."""
-    return _replicated(logits.at[dst].set(new[src], mode="drop"))
+    """Per replica: `logits [D, S, V]` with rows `dst [D, S] int32` set to `new[src]` (`dst` = S: dropped)."""
+    body = lambda lg, nw, s, d: (_replicated(lg.at[d].set(nw[s], mode="drop")),)
+    return replica_map(body, (), (logits, new, src, dst))[0]
 
 
 @functools.partial(jax.jit, donate_argnames=("kv",))
 def copy_pages(kv, src, dst):
-    """Pool `[L, P, ...]` with pages `dst [C]` set to pages `src [C]` in every layer ((0, 0) pads: a no-op)."""
-    return constrain_pool(kv.at[:, dst].set(kv[:, src]))
+    """Per replica: pools `[D, L, P, ...]` with pages `dst [D, C]` set to pages `src [D, C]` in every layer ((0, 0)
+    pads: a no-op)."""
+    body = lambda kv, s, d: (constrain_pool(kv.at[:, d].set(kv[:, s])),)
+    return replica_map(body, (), (kv, src, dst), out_names=(POOL_AXES,))[0]
 
 
 @functools.partial(
@@ -76,41 +90,48 @@ def decode(
     steps,
     routes=False,
 ):
-    """`steps` decode steps of the slot batch. Per slot: logits `[S, V] float32` of its next token, pos `[S] int32`
-    (its next token's position), t `[S] int32` (tokens it has generated), rows `[S] int32` (sampling ids), limit
-    `[S] int32`, done `[S] bool` (idle or finished), tables `[S, pages_per_seq] int32`. Each step samples with
-    `fold_in(fold_in(key, t), row)` per slot (the dense `Generator`'s key of that row and step), records the token,
-    then runs it through the model. Returns (pool, logits, tokens `[S, steps] int32`, log_probs, thresholds
-    `[S, steps] float32`, emitted `[S, steps] bool`, done `[S] bool`); with `routes` (an MoE model, routing
-    replay) also the experts each token was routed to when it was fed, `[S, steps, M, k]` uint8/int16."""
+    """`steps` decode steps of each replica's slot batch: every argument but the weights and `key` has a leading
+    replica dim `[D]` (pools `kv [D, L, ...]`). Per slot: logits `[D, S, V] float32` of its next token, pos
+    `[D, S] int32` (its next token's position), t `[D, S] int32` (tokens it has generated), rows `[D, S] int32`
+    (sampling ids), limit `[D, S] int32`, done `[D, S] bool` (idle or finished), tables `[D, S, pages_per_seq]
+    int32`. Each step samples with `fold_in(fold_in(key, t), row)` per slot (the dense `Generator`'s key of that row
+    and step, whatever replica runs it), records the token, then runs it through the model. Returns (pools,
+    logits, tokens `[D, S, steps] int32`, log_probs, thresholds `[D, S, steps] float32`, emitted `[D, S, steps]
+    bool`, done `[D, S] bool`); with `routes` (an MoE model, routing replay) also the experts each token was routed
+    to when it was fed, `[D, S, steps, M, k]` uint8/int16."""
     TRACE_COUNTS["decode"] += 1
-    model = nnx.merge(graphdef, state)
-    s, ps = logits.shape[0], kv.shape[2]
     pad = jnp.int32(params.pad_token_id)
 
-    def step(carry, _):
-        kv, logits, pos, t, done = carry
-        keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(t)
-        tok, lp, th = sample_tokens(logits, keys, params, row_ids=rows)
-        emitted = ~done
-        tok, lp = jnp.where(done, pad, tok), jnp.where(done, 0.0, lp)
-        rag = forward.Ragged(
-            tokens=tok[:, None],
-            positions=pos[:, None],
-            slots=jnp.where(emitted, token_slots(pos, tables, ps), 0),
-            kv_lens=pos + 1,
-            page_indices=tables,
-            cu_q_lens=jnp.arange(s + 1, dtype=jnp.int32),
-            num_seqs=jnp.array([s], jnp.int32),
-            token_mask=emitted[:, None],
-        )
-        h, kv, *experts = forward.hidden_states(model, graphdefs, layers, kv, rag, impl, with_routes=routes)
-        new_done = done | is_eos(tok, params.eos_token_ids) | (t + 1 >= limit)
-        step_ = emitted.astype(jnp.int32)
-        out = (tok, lp, th, emitted, *(e[:, 0] for e in experts))
-        kv, logits = constrain_pool(kv), _replicated(model.logits_from_hidden(h)[:, 0])
-        return (kv, logits, pos + step_, t + step_, new_done), out
+    def body(state, layers, key, kv, logits, pos, t, rows, limit, done, tables):
+        model = nnx.merge(graphdef, state)
+        s, ps = logits.shape[0], kv.shape[2]
 
-    (kv, logits, _, _, done), outs = jax.lax.scan(step, (kv, logits, pos, t, done), None, length=steps)
-    tokens, lps, ths, emitted = (o.T for o in outs[:4])
-    return (kv, logits, tokens, lps, ths, emitted, done, *(jnp.swapaxes(e, 0, 1) for e in outs[4:]))
+        def step(carry, _):
+            kv, logits, pos, t, done = carry
+            keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(t)
+            tok, lp, th = sample_tokens(logits, keys, params, row_ids=rows)
+            emitted = ~done
+            tok, lp = jnp.where(done, pad, tok), jnp.where(done, 0.0, lp)
+            rag = forward.Ragged(
+                tokens=tok[:, None],
+                positions=pos[:, None],
+                slots=jnp.where(emitted, token_slots(pos, tables, ps), 0),
+                kv_lens=pos + 1,
+                page_indices=tables,
+                cu_q_lens=jnp.arange(s + 1, dtype=jnp.int32),
+                num_seqs=jnp.array([s], jnp.int32),
+                token_mask=emitted[:, None],
+            )
+            h, kv, *experts = forward.hidden_states(model, graphdefs, layers, kv, rag, impl, with_routes=routes)
+            new_done = done | is_eos(tok, params.eos_token_ids) | (t + 1 >= limit)
+            step_ = emitted.astype(jnp.int32)
+            out = (tok, lp, th, emitted, *(e[:, 0] for e in experts))
+            kv, logits = constrain_pool(kv), _replicated(model.logits_from_hidden(h)[:, 0])
+            return (kv, logits, pos + step_, t + step_, new_done), out
+
+        (kv, logits, _, _, done), outs = jax.lax.scan(step, (kv, logits, pos, t, done), None, length=steps)
+        tokens, lps, ths, emitted = (o.T for o in outs[:4])
+        return (kv, logits, tokens, lps, ths, emitted, done, *(jnp.swapaxes(e, 0, 1) for e in outs[4:]))
+
+    mapped = (kv, logits, pos, t, rows, limit, done, tables)
+    return replica_map(body, (state, layers, key), mapped, out_names=(POOL_AXES,))
