@@ -40,8 +40,11 @@ def test_paged_keys_are_validated():
     for keys, msg in cases:
         with pytest.raises(ConfigError, match=msg):
             validate_config(_paged(**keys), n_devices=1)
-    with pytest.raises(ConfigError, match=r"config\.rollout\.name='paged': 'paged' runs on one device"):
+    with pytest.raises(ConfigError, match=r"config\.rollout\.name='paged': 'paged' runs on one device .*replicas"):
         validate_config(_paged(), n_devices=8)
+    c = _paged()
+    c.rollout.tensor_model_parallel_size = 1  # 4 one-device replicas, an engine each
+    validate_config(c, n_devices=4)
     c = _paged()
     c.rollout.multi_turn.enable = True
     with pytest.raises(ConfigError, match=r"'paged' is single-turn for now"):

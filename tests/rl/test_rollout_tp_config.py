@@ -1,7 +1,7 @@
 """Config checks of `rollout.tensor_model_parallel_size` (one `error:` line each, naming the key): a bad value, a tp
 that does not divide the rollout's devices (colocated: all of them; split: `rollout.n_gpus_per_node`) or the model's
-query / kv heads (saying which), the paged engine on a rollout mesh that is not tensor-only; and the configs it
-accepts, among them the paged engine colocated on several devices once tp shards it."""
+query / kv heads (saying which); and the configs it accepts, among them the paged engine colocated or split on
+several devices as devices / tp data-parallel replicas of tp devices each."""
 
 import pytest
 
@@ -27,6 +27,9 @@ def test_accepted():
     validate_config(_cfg(1), n_devices=1)
     validate_config(_cfg(2, name="paged"), n_devices=2)  # one engine over 'tensor' = all devices
     validate_config(_cfg(2, n_gpus_per_node=2, name="paged"), n_devices=4)  # split: tensor = the rollout devices
+    validate_config(_cfg(2, name="paged"), n_devices=4)  # 2 data-parallel engine replicas of 2 devices
+    validate_config(_cfg(1, name="paged"), n_devices=4)  # 4 one-device replicas
+    validate_config(_cfg(1, n_gpus_per_node=2, name="paged"), n_devices=4)  # split: 2 one-device replicas
 
 
 @pytest.mark.parametrize(
@@ -37,8 +40,6 @@ def test_accepted():
         (2, 3, {}, KEY + r"=2: must divide the rollout's 3 devices$"),
         (4, 8, {}, KEY + r"=4: must divide the model's num_kv_heads=2 \(heads are split over 'tensor'\)"),
         (2, 6, dict(n_gpus_per_node=3), KEY + r"=2: must divide the rollout's 3 devices \(rollout\.n_gpus_per_node\)"),
-        (2, 4, dict(name="paged"), KEY + r"=2: rollout\.name='paged' shards one engine over 'tensor' only: needs 4"),
-        (1, 4, dict(name="paged", n_gpus_per_node=2), KEY + r"=1: .*needs 2 \(the rollout's 2 devices"),
     ],
 )
 def test_refused(tp, n_devices, rollout, msg):

@@ -1,8 +1,8 @@
 """The paged engine sharded over a 4-device tensor mesh (issue 56 item 4; a subprocess with 4 fake CPU devices) returns
 the tokens, masks and log-probs (1e-5, float32) of the same engine on one device, with n = 3 samples per prompt and
 15 sequences through 4 slots; its page pool is split over kv heads (each device holds 2N / 4 combined heads of every
-page) and a second call compiles nothing. A mesh with a data-parallel axis, or a tensor size that does not divide
-the kv heads, is refused."""
+page) and a second call compiles nothing. A mesh with an 'fsdp' axis, or a tensor size that does not divide the kv
+heads, is refused (data-parallel replicas: test_paged_dp.py)."""
 
 import json
 import os
@@ -82,6 +82,7 @@ def test_paged_engine_on_a_tensor_mesh_equals_one_device():
     assert "tensor" in r["q_kernel_spec"]  # the weights are split over the mesh, not replicated
     st = r["stats"]
     assert st["pool_devices"] == 4 and st["prefill_dispatches"] >= 5
-    assert st["pool_shard_shape"] == [2, st["num_pages"], 4, 2 * 4 // 4, 8]  # [L, pages, page, 2N / tp, K]
+    assert st["pool_shard_shape"] == [1, 2, st["num_pages"], 4, 2 * 4 // 4, 8]  # [1 replica, L, pages, page, 2N/tp, K]
     assert r["traces_after"] == r["traces"]  # the second call compiled nothing
-    assert "'tensor' only" in r["refused"][0] and "does not divide the model's 2 kv heads" in r["refused"][1]
+    assert "'data' replicas of a 'tensor'-parallel engine only" in r["refused"][0]
+    assert "does not divide the model's 2 kv heads" in r["refused"][1]
