@@ -75,6 +75,28 @@ def test_engine_from_the_rollout_keys():
         paged_generator_from_config(model, r)  # XLA:CPU devices report no memory stats
 
 
+def test_page_budget_per_device_of_a_replicated_mesh():
+    """`gpu_memory_utilization` on a data 2 x tensor 2 rollout mesh: the pages that fit one device of the mesh
+    (each device holds its replica's pool split over 2 kv-head shards), counted by hand."""
+    import types
+
+    model = init_model(
+        ModelConfig(
+            vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=2, head_dim=8
+        ),
+        seed=0,
+    )
+    device = types.SimpleNamespace(memory_stats=lambda: {"bytes_limit": 1_000_000, "bytes_in_use": 100_000})
+    mesh = types.SimpleNamespace(
+        shape={"data": 2, "fsdp": 1, "expert": 1, "tensor": 2}, devices=np.array([[[[device]]]], dtype=object)
+    )
+    r = _paged(block_size=8, gpu_memory_utilization=0.5).rollout
+    eng = paged_generator_from_config(model, r, mesh=mesh)
+    # a page: 1 layer x 8 tokens x (2 kv heads x key, value) x 8 dims x 4 bytes = 1024 B, 512 B per tensor shard
+    assert eng.num_pages == (500_000 - 100_000) // 512 == 781
+    assert eng.replicas == 2 and eng.max_num_seqs == r.max_num_seqs  # the sizes are per replica
+
+
 @pytest.mark.slow  # a tiny GRPO run, two steps (~60 s on 2 loaded cores)
 def test_grpo_tiny_trains_with_the_paged_engine(tmp_path):
     from jaxrl_post.rl.trainer import RLTrainer
