@@ -10,7 +10,8 @@ of the page pool. A subprocess with 4 fake CPU devices checks:
 - the sharded attention lowers for TPU at Qwen2.5-7B's head layout (28 query heads, 4 kv heads, K 128, bf16) with
   tp 4: the kernel's custom call inside a manual computation on 7 query heads and 2 combined kv heads per device;
 - the engine's whole K-step decode program, its params and pool split over the mesh, lowers for TPU with the
-  kernel per device (the engine no longer falls back to the XLA path or raises under tp > 1).
+  kernel per device (the engine no longer falls back to the XLA path or raises under tp > 1), also with
+  data-parallel replicas (data 2 x tensor 2, data 4 x tensor 1).
 The TPU device kind is stubbed for the Mosaic lowering as in tests/rollout/test_paged_attention.py."""
 
 import json
@@ -89,19 +90,26 @@ SCRIPT = textwrap.dedent(
 
     cfg = ModelConfig(vocab_size=96, hidden_size=256, intermediate_size=128, num_layers=2, num_heads=8,
                       num_kv_heads=4, head_dim=128, max_position_embeddings=256)
-    model = init_model(cfg, seed=0, dtype="bfloat16")
-    nnx.update(model, shard_params(nnx.state(model), mesh))
-    graphdef, state = nnx.split(model)
-    graphdefs, layers = forward.stack_layers(model)
-    s, pps = 8, 4
-    pool = jax.ShapeDtypeStruct((2, 33, ps, 8, 128), jnp.bfloat16, sharding=pool_sharding(mesh))
-    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-    args = (graphdef, state, graphdefs, layers, pool, jax.ShapeDtypeStruct((s, 96), jnp.float32))
-    args += (i32(s), i32(s), i32(s), i32(s), jax.ShapeDtypeStruct((s,), jnp.bool_), i32(s, pps), jax.random.key(0))
     params = SamplingParams(max_new_tokens=8, top_p=0.9, eos_token_ids=(4,))
-    with jax.set_mesh(mesh):
-        prog = programs.decode.trace(*args, impl="pallas_tpu", params=params, steps=4)
-        prog = prog.lower(lowering_platforms=("tpu",)).as_text()
+
+    def decode_hlo(data, tp):  # the engine's decode program of `data` replicas on a data x tensor mesh, for TPU
+        m = make_mesh(data, 1, tp, jax.devices())
+        model = init_model(cfg, seed=0, dtype="bfloat16")
+        nnx.update(model, shard_params(nnx.state(model), m))
+        graphdef, state = nnx.split(model)
+        graphdefs, layers = forward.stack_layers(model)
+        s, pps = 8, 4
+        rep = lambda *shape: NamedSharding(m, P("data", *(None,) * (len(shape) - 1)))
+        sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=rep(*shape))
+        pool = jax.ShapeDtypeStruct((data, 2, 33, ps, 8, 128), jnp.bfloat16, sharding=pool_sharding(m, replicas=True))
+        args = (graphdef, state, graphdefs, layers, pool, sds((data, s, 96), jnp.float32))
+        args += tuple(sds((data, s), jnp.int32) for _ in range(4)) + (sds((data, s), jnp.bool_),)
+        args += (sds((data, s, pps), jnp.int32), jax.random.key(0))
+        with jax.set_mesh(m):
+            prog = programs.decode.trace(*args, impl="pallas_tpu", params=params, steps=4)
+            return prog.lower(lowering_platforms=("tpu",)).as_text()
+
+    prog, prog_d2t2, prog_d4t1 = decode_hlo(1, 4), decode_hlo(2, 2), decode_hlo(4, 1)
 
     print("RESULT" + json.dumps({
         "errors": errors, "seen": seen,
@@ -109,6 +117,10 @@ SCRIPT = textwrap.dedent(
                  "local_q": "tensor<64x7x128xbf16>" in attn, "local_pool": "tensor<14336x16x2x128xbf16>" in attn},
         "prog": {"kernel": "ragged_paged_attention" in prog, "manual": "manual_computation" in prog,
                  "local_pool": "tensor<66x16x2x128xbf16>" in prog},
+        "prog_d2t2": {"kernel": "ragged_paged_attention" in prog_d2t2, "local_pool": "tensor<66x16x4x128xbf16>" in
+                      prog_d2t2},
+        "prog_d4t1": {"kernel": "ragged_paged_attention" in prog_d4t1, "local_pool": "tensor<66x16x8x128xbf16>" in
+                      prog_d4t1},
     }))
     """
 )
@@ -138,3 +150,8 @@ def test_sharded_kernel_lowers_for_tpu_at_qwen2_7b_heads_with_tp_4(tp_run):
 @pytest.mark.slow
 def test_whole_sharded_decode_program_lowers_for_tpu_with_the_kernel(tp_run):
     assert tp_run["prog"] == {"kernel": True, "manual": True, "local_pool": True}
+    # data-parallel replicas (rollout/paged/replicas.py): 2 x tensor 2 (the kernel's shard_map over 'tensor' nested
+    # in the replicas' over 'data': each device's kernel sees its replica's 2 layers x 33 pages, 4 combined heads),
+    # and 4 x tensor 1 (each replica a one-device body: the whole pool of its replica, 8 combined heads)
+    assert tp_run["prog_d2t2"] == {"kernel": True, "local_pool": True}
+    assert tp_run["prog_d4t1"] == {"kernel": True, "local_pool": True}
