@@ -505,6 +505,8 @@ def get_base_config() -> mlc.ConfigDict:
     c.trainer.distributed.coordinator_address = _opt_str()  # 'host:port' of process 0 (None = auto-detect)
     c.trainer.distributed.num_processes = _opt_int()  # JAX processes in the run (None = auto-detect)
     c.trainer.distributed.process_id = _opt_int()  # this process's index, 0..num_processes-1 (None = auto-detect)
+    # keep each process's rows of the scored batch on it and exchange only statistics (docs/multihost.md)
+    c.trainer.distributed.process_local_rows = False
     return c
 
 

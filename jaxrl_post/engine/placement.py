@@ -9,6 +9,7 @@ Every jitted fn counts its traces in `Placement.trace_counts` (tests assert zero
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import jax
@@ -18,8 +19,8 @@ import numpy as np
 from jaxrl_post.batch.keys import FORWARD_KEYS, OPTIONAL_PACK_KEYS, PACK_KEYS, REPLAY_KEYS, TOKEN_KEYS
 from jaxrl_post.engine import packing
 from jaxrl_post.engine.token_fields import pack_tokens, unpack_tokens
-from jaxrl_post.runtime.distributed import to_host
-from jaxrl_post.runtime.sharding import LOGICAL_AXIS_RULES, InMesh, on_host, shard_batch
+from jaxrl_post.runtime.distributed import global_from_local, local_part, local_rows, to_host
+from jaxrl_post.runtime.sharding import LOGICAL_AXIS_RULES, InMesh, batch_shards, on_host, shard_batch
 
 
 def to_numpy(x) -> np.ndarray:
@@ -54,6 +55,10 @@ class Placement:
       n_devices: devices of the run (default `jax.device_count()`); 1 = no shardings, no mesh context.
       sharded: arrays placed on `mesh` by explicit shardings (default: `n_devices > 1`); True for a one-device
         mesh that is not the default device (the split placement's training mesh, `builders.build_meshes`).
+
+    Attribute `process_local_rows` (set by the trainer, `trainer.distributed.process_local_rows` on several
+    processes): host batches given to `put` / `forward` are this process's rows only (built into global arrays by
+    `distributed.global_from_local`) and `forward` returns this process's rows; False: the global batch.
     """
 
     def __init__(self, mesh, n_devices: int | None = None, *, sharded: bool | None = None):
@@ -61,6 +66,7 @@ class Placement:
         self.n_devices = jax.device_count() if n_devices is None else int(n_devices)
         self.sharded = self.n_devices > 1 if sharded is None else bool(sharded)
         self.trace_counts: dict[str, int] = {}
+        self.process_local_rows = False
 
     @property
     def active_mesh(self):
@@ -108,7 +114,10 @@ class Placement:
         return InMesh(jitted, self.active_mesh)  # activation constraints take effect
 
     def put(self, tree: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        """Host `[M, ...]` arrays on the mesh, rows split over the batch axes (one device: plain arrays)."""
+        """Host `[M, ...]` arrays on the mesh, rows split over the batch axes (one device: plain arrays); with
+        `process_local_rows`, this process's `[M / processes, ...]` rows of the global `[M, ...]` arrays."""
+        if self.process_local_rows:
+            return {k: global_from_local(v, self.mesh) for k, v in tree.items()}
         if self.sharded:
             return shard_batch(tree, self.mesh)
         return {k: jnp.asarray(v) for k, v in tree.items()}
@@ -162,8 +171,11 @@ class Placement:
         params (the fn's trailing argument). `keys`: the batch keys the fn gets (the actor's forward adds
         `REPLAY_KEYS`). `token_output`: the fn's last output is a per-token field in the layout's token layout
         (packed rows `[n, rows, L, ...]` or `[B, T, ...]`), returned as `[B, T, ...]` (`token_fields`).
-        Returns the fn's outputs as host numpy arrays, `[B, ...]`."""
+        Returns the fn's outputs as host numpy arrays, `[B, ...]`. With `process_local_rows` (padded layout only):
+        `batch` and the outputs are this process's rows, padded per process."""
         fn = InMesh(fn, self.active_mesh)
+        if self.process_local_rows:
+            return self._forward_local(fn, params, batch, micro, spec, frozen, keys)
         extra = () if frozen is None else (frozen,)
         if spec is not None:
             mb = {k: batch[k] for k in keys if k in batch}
@@ -176,3 +188,28 @@ class Placement:
         out = fn(params, self.put(arrays), *extra)
         out = jax.tree.map(lambda x: to_numpy(x)[: arrays["input_ids"].shape[0] - pad], out)
         return out
+
+    def _forward_local(self, fn, params, batch, micro, spec, frozen, keys):
+        """`forward` on this process's rows: padded to a multiple of its share of `micro` (and of its devices on
+        the batch axes), placed by `global_from_local`; the outputs' rows of this process returned."""
+        if spec is not None:
+            raise ValueError("process-local rows run the padded layout only (model.use_remove_padding=False)")
+        nproc = jax.process_count()
+        mine = max(micro // nproc, 1) if micro % nproc == 0 else micro
+        arrays, pad = pad_rows({k: batch[k] for k in keys if k in batch}, math.lcm(mine, self._local_batch_devices()))
+        n = arrays["input_ids"].shape[0]
+        out = fn(params, self.put(arrays), *(() if frozen is None else (frozen,)))
+        return jax.tree.map(lambda x: self._own_rows(x, n * nproc)[: n - pad], out)
+
+    def _local_batch_devices(self) -> int:
+        """This process's share of the mesh's batch-axes devices (rows of a batch-sharded array it holds per row
+        of each of its devices)."""
+        sl = local_rows(self.mesh, batch_shards(self.mesh))
+        return sl.stop - sl.start
+
+    def _own_rows(self, x, n_global: int) -> np.ndarray:
+        """This process's rows of a `[n_global, ...]` output (batch-sharded or replicated)."""
+        if getattr(x, "is_fully_replicated", False) or getattr(x, "is_fully_addressable", True):
+            sl = local_rows(self.mesh, n_global)
+            return np.asarray(x.addressable_data(0) if hasattr(x, "addressable_data") else x)[sl]
+        return local_part(x)

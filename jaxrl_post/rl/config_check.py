@@ -27,6 +27,7 @@ from jaxrl_post.engine.run.config_checks import check_trainer_run
 from jaxrl_post.errors import Checker, DeviceCounts, config_value, is_int
 from jaxrl_post.models.config_checks import check_lora, check_model
 from jaxrl_post.rewards.config_checks import check_rewards
+from jaxrl_post.rl import local_rows
 from jaxrl_post.rl.async_training.config_checks import check_async, check_placement
 from jaxrl_post.rl.config_features import _DYNAMIC_BSZ_KEYS, dynamic_bsz, rollout_device_count
 from jaxrl_post.rl.dynamic_sampling import check_filter_groups
@@ -215,6 +216,7 @@ SECTIONS: tuple[tuple[str, Callable[[Checker], None]], ...] = (
     ("distillation", check_distillation),  # rl/roles/config_checks.py
     ("actor.router_replay", check_router_replay),  # rl/roles/config_checks.py
     ("trainer.distributed", check_distributed),  # runtime/config_checks.py
+    ("trainer.distributed.process_local_rows", local_rows.check),  # rl/local_rows.py
 )
 
 

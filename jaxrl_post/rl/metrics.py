@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from jaxrl_post.runtime import row_stats
+
 # Dense peak FLOP/s per device (bf16 where the chip has it) used for `perf/mfu/*`, keyed by a lower-cased
 # substring of `jax.Device.device_kind`. `trainer.device_peak_flops` overrides it.
 _PEAK_FLOPS = (
@@ -134,6 +136,57 @@ def compute_data_metrics(
     max_p = max_prompt_length or prompt_mask.shape[-1]
     _stats("prompt_length", prompt_len, out)
     out["prompt_length/clip_ratio"] = float(np.mean(prompt_len >= max_p))
+    return out
+
+
+def data_metric_moments(
+    batch: Mapping[str, Any],
+    *,
+    use_critic: bool,
+    max_prompt_length: int | None = None,
+    max_response_length: int | None = None,
+) -> dict[str, np.ndarray]:
+    """The per-process half of `compute_data_metrics` (process-local rows): `row_stats.moments` (`[5] float64`)
+    of every quantity it averages, over this process's rows of `batch` (same arrays and arguments). Combine
+    every process's with `row_stats.allreduce_moments`, then `data_metrics_from_moments`."""
+    g = lambda k: np.asarray(batch[k])
+    loss_mask = g("loss_mask").astype(np.float64)
+    exists = g("response_attention_mask" if "response_attention_mask" in batch else "loss_mask")
+    r = loss_mask.shape[-1]
+    prompt_mask = g("attention_mask")[:, : g("attention_mask").shape[-1] - r]
+    resp_len = exists.astype(np.float64).sum(-1)
+    prompt_len = prompt_mask.astype(np.float64).sum(-1)
+    out = {
+        "critic/score": row_stats.moments(g("token_level_scores").astype(np.float64).sum(-1)),
+        "critic/rewards": row_stats.moments(g("token_level_rewards").astype(np.float64).sum(-1)),
+        "critic/advantages": row_stats.moments(_masked(g("advantages"), loss_mask)),
+        "critic/returns": row_stats.moments(_masked(g("returns"), loss_mask)),
+        "response_length": row_stats.moments(resp_len),
+        "response_length/clip_ratio": row_stats.moments(resp_len >= (max_response_length or r)),
+        "prompt_length": row_stats.moments(prompt_len),
+        "prompt_length/clip_ratio": row_stats.moments(prompt_len >= (max_prompt_length or prompt_mask.shape[-1])),
+    }
+    if use_critic:
+        values, returns = _masked(g("values"), loss_mask), _masked(g("returns"), loss_mask)
+        out["critic/values"] = row_stats.moments(values)
+        out["critic/returns-values"] = row_stats.moments(returns - values)
+    return out
+
+
+def data_metrics_from_moments(m: Mapping[str, np.ndarray], use_critic: bool) -> dict[str, float]:
+    """`compute_data_metrics`'s metrics from the moments of all rows (`data_metric_moments`, combined): the same
+    keys and values up to float64 summation order (variances from sums of squares)."""
+    out: dict[str, float] = {}
+    names = ["critic/score", "critic/rewards", "critic/advantages", "critic/returns"]
+    names += ["critic/values"] if use_critic else []
+    for name in [*names, "response_length", "prompt_length"]:
+        out[f"{name}/mean"], out[f"{name}/max"], out[f"{name}/min"] = row_stats.stats_of(m[name])
+        if name == "critic/values":
+            var_r = row_stats.var(m["critic/returns"])
+            ev = 1.0 - row_stats.var(m["critic/returns-values"]) / (var_r + 1e-5) if var_r > 0 else np.nan
+            out["critic/vf_explained_var"] = float(ev)
+    for name in ("response_length/clip_ratio", "prompt_length/clip_ratio"):
+        out[name] = row_stats.mean(m[name])
     return out
 
 

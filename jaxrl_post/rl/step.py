@@ -17,12 +17,13 @@ from jaxrl_post.batch.contracts import StagedBatch
 from jaxrl_post.batch.protocol import DataProto
 from jaxrl_post.engine import steps
 from jaxrl_post.engine.placement import to_numpy as _np
-from jaxrl_post.rl import updates
+from jaxrl_post.rl import local_rows, updates
 from jaxrl_post.rl.async_training.producer import rollout_probs_diff
 from jaxrl_post.rl.dynamic_sampling import timer as _timer
 from jaxrl_post.rl.roles.teacher import kl_to_teacher_metrics
 from jaxrl_post.rl.stages import stage
 from jaxrl_post.rl.validation_loop import write_rollout_generations
+from jaxrl_post.runtime import distributed, row_stats
 
 
 def train_step(trainer, prompts: DataProto, next_prompts: Callable[[], DataProto] | None = None) -> dict[str, float]:
@@ -37,6 +38,8 @@ def train_step(trainer, prompts: DataProto, next_prompts: Callable[[], DataProto
     timing: dict[str, float] = {}
     gen_seed, shuffle_seed = next_seeds(trainer)
     metrics: dict[str, float] = {}
+    local = trainer.placement.process_local_rows  # this process's rows only (rl/local_rows.py)
+    distributed.reset_received_bytes()  # `perf/host_gather_bytes` of a multi-process step
     with _timer("step", timing):
         # -- rollout + reward (+ dynamic sampling: more generation batches until enough groups vary)
         more = next_prompts or (lambda: next(trainer.data.train_loader))
@@ -60,7 +63,8 @@ def train_step(trainer, prompts: DataProto, next_prompts: Callable[[], DataProto
         # dropped truncated responses and rejected tokens; advantages keep the rollout's loss_mask)
         train_mask = _np(steps.compute_loss_mask(b["loss_mask"], b["truncated"], bool(cfg.actor.drop_truncated)))
         if cfg.actor.drop_truncated:
-            metrics["actor/num_dropped_truncated"] = float(np.sum(b["truncated"]))
+            dropped = {"actor/num_dropped_truncated": float(np.sum(b["truncated"]))}
+            metrics.update(row_stats.allreduce_sums(dropped) if local else dropped)
 
         # -- old / reference / teacher log-probs, values
         actor_params = trainer.state.actor.params
@@ -95,17 +99,20 @@ def train_step(trainer, prompts: DataProto, next_prompts: Callable[[], DataProto
         # -- KL in reward, advantages
         kl_ctrl = trainer.host.kl_ctrl
         with stage(data, "adv", timing) as b:
-            _, index = np.unique(np.asarray(nt["uid"]), return_inverse=True)
-            rewards, current_kl, adv, ret = trainer.advantage(
-                b["token_level_scores"],
-                b["loss_mask"],
-                index.astype(np.int32).reshape(-1),
-                np.float32(kl_ctrl.value),
-                b.get("old_log_probs"),
-                b.get("ref_log_prob"),
-                b.get("values"),
-                None if baselines is None else np.asarray(baselines, np.float32),
-            )
+            if local:  # this process's rows; batch statistics reduced across processes (local_rows.py)
+                rewards, current_kl, adv, ret = local_rows.advantages(trainer, b, nt["uid"], baselines)
+            else:
+                _, index = np.unique(np.asarray(nt["uid"]), return_inverse=True)
+                rewards, current_kl, adv, ret = trainer.advantage(
+                    b["token_level_scores"],
+                    b["loss_mask"],
+                    index.astype(np.int32).reshape(-1),
+                    np.float32(kl_ctrl.value),
+                    b.get("old_log_probs"),
+                    b.get("ref_log_prob"),
+                    b.get("values"),
+                    None if baselines is None else np.asarray(baselines, np.float32),
+                )
             b["token_level_rewards"], b["advantages"], b["returns"] = _np(rewards), _np(adv), _np(ret)
             if cfg.algorithm.use_kl_in_reward:
                 metrics["actor/reward_kl_penalty"] = float(current_kl)
@@ -143,7 +150,10 @@ def train_step(trainer, prompts: DataProto, next_prompts: Callable[[], DataProto
         trainer.critic is not None,
     )
     step = trainer.host.global_steps
-    metrics.update(updates.step_metrics(cfg, g, model_config, n_devices, step, b, timing, prompts, use_critic))
+    step_metrics = local_rows.step_metrics if local else updates.step_metrics
+    metrics.update(step_metrics(cfg, g, model_config, n_devices, step, b, timing, prompts, use_critic))
+    if jax.process_count() > 1:  # bytes this host received through host-side gathers in the step (docs/multihost.md)
+        metrics["perf/host_gather_bytes"] = float(distributed.received_bytes())
     return metrics
 
 

@@ -33,6 +33,15 @@ def minibatches(n_rows: int, mini: int, epochs: int, shuffle: bool, rng: np.rand
             yield perm[i : i + mini]
 
 
+def own_rows(placement, n_rows: int, mini: int) -> tuple[int, int]:
+    """`(rows, mini-batch rows)` this process splits into mini-batches: the step's with the global batch, this
+    process's share of each with process-local rows (`Placement.process_local_rows`, rl/local_rows.py)."""
+    if not placement.process_local_rows:
+        return n_rows, mini
+    p = jax.process_count()
+    return n_rows // p, mini // p
+
+
 def update_actor(
     cfg, policy, geometry: StepGeometry, state: TrainState, host: HostState, b: dict[str, np.ndarray], train_mask, rng
 ) -> tuple[TrainState, list]:
@@ -44,7 +53,8 @@ def update_actor(
     skip |= set() if a.use_kl_loss else {"ref_log_prob"}  # KL in reward only: the update does not need it
     keys = [k for k in ACTOR_UPDATE_KEYS if k in b and k not in skip]
     actor, out = state.actor, []
-    for idx in minibatches(geometry.batch_size, geometry.actor_mini, int(a.ppo_epochs), bool(a.shuffle), rng):
+    rows, mini = own_rows(policy.placement, geometry.batch_size, geometry.actor_mini)
+    for idx in minibatches(rows, mini, int(a.ppo_epochs), bool(a.shuffle), rng):
         mb = {k: b[k][idx] for k in keys}
         mb["loss_mask"] = train_mask[idx]
         actor, m = policy.update(actor, mb)
@@ -116,7 +126,8 @@ def update_critic(
     c = cfg.critic
     keys = [k for k in CRITIC_UPDATE_KEYS if k != "loss_mask"]
     params, out = state.critic, []
-    for idx in minibatches(geometry.batch_size, critic.mini, int(c.ppo_epochs), bool(c.shuffle), rng):
+    rows, mini = own_rows(critic.placement, geometry.batch_size, critic.mini)
+    for idx in minibatches(rows, mini, int(c.ppo_epochs), bool(c.shuffle), rng):
         mb = {k: b[k][idx] for k in keys}
         mb["loss_mask"] = train_mask[idx]
         params, m = critic.update(params, mb)

@@ -215,7 +215,38 @@ def to_host(x) -> np.ndarray:
         return np.asarray(jax.device_get(x))
     from jax.experimental import multihost_utils
 
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    out = np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    _count(out.nbytes - sum(s.data.nbytes for s in _unique_shards(x)))
+    return out
+
+
+def _unique_shards(x):
+    seen, out = set(), []
+    for s in x.addressable_shards:
+        key = tuple((i.start, i.stop) for i in s.index)
+        if key not in seen:
+            seen.add(key)
+            out.append(s)
+    return out
+
+
+# bytes this process received through the host-side gathers below (`gather_rows`, `gather_objects`, `to_host`):
+# each all-gather's result less this process's own part. Collectives inside jitted programs are not counted.
+_RECEIVED = [0]
+
+
+def _count(n: int) -> None:
+    _RECEIVED[0] += max(int(n), 0)
+
+
+def received_bytes() -> int:
+    """Bytes this process has received through host-side gathers since the last `reset_received_bytes` (the
+    `perf/host_gather_bytes` metric of a multi-process step)."""
+    return _RECEIVED[0]
+
+
+def reset_received_bytes() -> None:
+    _RECEIVED[0] = 0
 
 
 def gather_rows(tree: Any) -> Any:
@@ -231,7 +262,9 @@ def gather_rows(tree: Any) -> Any:
     def one(x):
         x = np.asarray(x)
         if x.dtype.kind in "biuf":
-            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+            out = np.asarray(multihost_utils.process_allgather(x, tiled=True))
+            _count(out.nbytes - x.nbytes)
+            return out
         return _gather_objects(x)
 
     return jax.tree.map(one, tree)
@@ -245,6 +278,7 @@ def _gather_objects(x: np.ndarray) -> np.ndarray:
     padded = np.zeros((int(sizes.max()),), np.uint8)
     padded[: blob.size] = blob
     allb = np.asarray(multihost_utils.process_allgather(padded[None], tiled=True))
+    _count(sizes.nbytes - 8 + allb.nbytes - padded.nbytes)
     parts = [pickle.loads(allb[i, : int(sizes[i])].tobytes()) for i in range(len(sizes))]
     return np.concatenate(parts, axis=0)
 

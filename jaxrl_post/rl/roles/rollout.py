@@ -32,7 +32,7 @@ from jaxrl_post.engine.placement import Placement, to_numpy
 from jaxrl_post.errors import ConfigError
 from jaxrl_post.models.hf_io import empty_model
 from jaxrl_post.models.lora import merged_state
-from jaxrl_post.rl import reward_builders
+from jaxrl_post.rl import local_rows, reward_builders
 from jaxrl_post.rl.async_training.placement import publish_weights
 from jaxrl_post.rl.builders import apply_moe_impl, check_rollout_heads, colocated_rollout_mesh
 from jaxrl_post.rl.dynamic_sampling import score_everywhere, timer
@@ -41,6 +41,7 @@ from jaxrl_post.rollout.agent_loop import rollout_metrics
 from jaxrl_post.rollout.paged.from_config import paged_generator_from_config
 from jaxrl_post.runtime import platform_defaults
 from jaxrl_post.runtime.distributed import gather_reward, gather_rows
+from jaxrl_post.runtime.row_stats import reduce_reward
 from jaxrl_post.runtime.sharding import bytes_per_device, param_shardings
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,9 @@ class RolloutRole:
       policy: the `PolicyRole` whose params the rollout samples with.
       placement: the run's `Placement`.
       tokenizer, eos_token_ids, pad_token_id: the actor's tokenizer and its stop / pad ids.
-      process_local: multi-process runs where each process holds only its share of every prompt batch.
+      process_local: multi-process runs where each process holds only its share of every prompt batch; with
+        `trainer.distributed.process_local_rows` (`keep_rows`) the scored rows stay there too and the placement's
+        forwards and updates take this process's rows (`Placement.process_local_rows`, rl/local_rows.py).
       separate_copy: the rollout samples with its own copy of the weights even when dtypes agree (asynchronous
         training: the rollout's weights are published every `trigger_parameter_sync_step` steps, `sync(publish=)`).
       rollout_mesh: the split placement's rollout mesh (`builders.build_meshes`): the rollout samples there with its
@@ -86,6 +89,8 @@ class RolloutRole:
         self.config, self.policy = cfg, policy
         self.eos_token_ids, self.pad_token_id = eos_token_ids, pad_token_id
         self.process_local = bool(process_local)
+        self.keep_rows = self.process_local and local_rows.enabled(cfg)  # no gather of the scored rows
+        placement.process_local_rows = self.keep_rows  # the rows handed out are what every forward / update gets
         rdt = jnp.dtype(cfg.rollout.dtype or platform_defaults.resolve("model.dtype", cfg.model.dtype))
         m = policy.model
         self.rollout_mesh, self.published_bytes = rollout_mesh, 0
@@ -276,7 +281,9 @@ class RolloutRole:
                 base = reward_fn.compute(greedy).token_level_scores.sum(-1)
                 b["reward_baselines"] = np.repeat(np.asarray(base, np.float32), n)
         nt = dict(out.non_tensor_batch)
-        if local:  # every process continues with the same global batch
+        if self.keep_rows:  # this process's rows; the reward metrics of all rows
+            res = reduce_reward(res)
+        elif local:  # every process continues with the same global batch
             b, nt, res = gather_rows(b), gather_rows(nt), gather_reward(res)
         return b, nt, res
 
