@@ -60,6 +60,14 @@ _VAL = {
 _GRPO = dict(_VAL, **{"actor.use_kl_loss": False, "actor.ppo_mini_batch_size": 4, "actor.ppo_micro_batch_size": 8})
 # tiny PPO: critic, GAE, KL in reward, old/ref log-probs, 2 shuffled actor and critic mini-batches
 _PPO = dict(_VAL)
+# process-local rows (rl/local_rows.py): the padded layout, no validation (its gather is unchanged); GRPO with 2
+# epochs of one mini-batch and the KL loss (the old and reference log-prob forwards on process-local rows) and
+# REINFORCE++ (whitened over the whole batch: a batch statistic across processes)
+_PADDED = dict(_GRPO, **{"model.use_remove_padding": False, "trainer.val_at_end": False})
+_FWD = {"actor.ppo_epochs": 2, "actor.use_kl_loss": True}
+_PADDED_FWD = dict(_PADDED, **_FWD)
+_LOCAL = dict(_PADDED, **{"trainer.distributed.process_local_rows": True})
+_RPP = {"algorithm.adv_estimator": "reinforce_plus_plus"}
 
 # the tiny configs' toy reward, logging `seed index score` of every call to <$MH_REWARD_LOG>.<process index>
 _REWARD = r"""
@@ -254,7 +262,13 @@ def runs(tmp_path_factory):
     pipe = dict(cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     cli = [subprocess.Popen(cmd, **pipe) for cmd in _cli_command(tmp, port)]
     dist = lambda i: dict(coordinator_address=f"localhost:{ppo_port}", num_processes=2, process_id=i)
-    ppo2 = [_start_script(tmp, 4, [_job(tmp, "ppo2", "ppo", [1, 4, 2], _PPO)], dist(i)) for i in range(2)]
+    jobs2 = [
+        _job(tmp, "ppo2", "ppo", [1, 4, 2], _PPO),
+        _job(tmp, "local2", "grpo", [1, 8, 1], dict(_LOCAL, **_FWD)),
+        _job(tmp, "gathered2", "grpo", [1, 8, 1], _PADDED_FWD),
+        _job(tmp, "rpp_local2", "grpo", [1, 8, 1], dict(_LOCAL, **_RPP)),
+    ]
+    ppo2 = [_start_script(tmp, 4, jobs2, dist(i)) for i in range(2)]
     resume = dict(resume=str(tmp / "cli2" / "checkpoints" / "global_step_1"), wait_for=str(tmp / "cli2.done"))
     one8 = _start_script(
         tmp,
@@ -266,11 +280,17 @@ def runs(tmp_path_factory):
         ],
     )
     one1 = [_job(tmp, "grpo1", "grpo", [1, 1, 1], _GRPO), _job(tmp, "ppo1", "ppo", [1, 1, 1], _PPO)]
+    one1 += [
+        _job(tmp, "padded1", "grpo", [1, 1, 1], _PADDED_FWD),
+        _job(tmp, "rpp1", "grpo", [1, 1, 1], dict(_PADDED, **_RPP)),
+    ]
     one1 = _start_script(tmp, 1, one1)
     out = {"cli2": _load_cli(tmp, _wait(cli))}
     (tmp / "cli2.done").write_text("")
     _wait(ppo2 + [one8, one1])
-    for name in ("ppo2", "grpo8", "ppo8", "resumed", "grpo1", "ppo1"):
+    for name in ("ppo2", "grpo8", "ppo8", "resumed", "grpo1", "ppo1", "local2", "gathered2", "rpp_local2"):
+        out[name] = _load(tmp, name)
+    for name in ("padded1", "rpp1"):
         out[name] = _load(tmp, name)
     return out
 
@@ -370,3 +390,23 @@ def test_fsdp_shards_params_and_optimizer_state_and_constraints_apply(runs):
     # the decoder's activation constraints were traced under the mesh (not silently skipped)
     assert one8["constrain_calls"] > 0 and one8["constrain_with_mesh"] == one8["constrain_calls"]
     assert one1["constrain_with_mesh"] == 0  # one device: no mesh, nothing to constrain
+
+
+@pytest.mark.slow  # the `runs` fixture (multi-process tiny runs)
+@pytest.mark.parametrize("local, ref", [("local2", "gathered2"), ("local2", "padded1"), ("rpp_local2", "rpp1")])
+def test_process_local_rows_equal_the_gathered_run(runs, local, ref):
+    """`trainer.distributed.process_local_rows` on 2 processes: every metric of both steps equals the gathered
+    2-process run and the 1-process run (GRPO: group statistics; REINFORCE++: whitened over the whole batch, a
+    statistic across processes), params too; each host received far fewer bytes per step."""
+    two, other = runs[local], runs[ref]
+    assert two["processes"] == 2 and len(two["history"]) == 2
+    assert _metric_diff(two["history"], other["history"]) <= TOL
+    assert _param_diff(two["params"], other["params"]) <= PARAM_TOL
+    got = [m["perf/host_gather_bytes"] for m in two["history"]]
+    if ref == "gathered2":
+        full = [m["perf/host_gather_bytes"] for m in other["history"]]
+        print(f"perf/host_gather_bytes per step: process-local {got}, gathered {full}")  # shown with -s
+        # gathered: the other process's 16 responses of T = 56 + 48 tokens (several int32 / float32 fields)
+        assert min(full) > 16 * 104 * 4 * 3 and max(got) * 20 < min(full)
+    else:
+        assert "perf/host_gather_bytes" not in other["history"][0]  # one process: the metric is not logged

@@ -114,6 +114,13 @@ BAD = {
         {"trainer.distributed.num_processes": 0},
         "config.trainer.distributed.num_processes must be >= 1, got 0",
     ),
+    "trainer.distributed.process_local_rows": (
+        grpo,
+        "tiny",
+        {"trainer.distributed.process_local_rows": True},
+        "config.trainer.distributed.process_local_rows=True: not supported with config.model.use_remove_padding set "
+        "as it is (turn one of them off; docs/multihost.md)",
+    ),
 }
 
 GOOD = [(grpo, "tiny"), (grpo, "default"), (grpo, "async"), (ppo, "tiny"), (dapo, "tiny"), (opd, "tiny")]
