@@ -11,10 +11,17 @@ Conventions of the host loop (trainer/):
 - **Rewards are scored on local rows**, then the rollout is gathered with the ONE helper, `gather_rows`
   (`multihost_utils.process_allgather`), so that every process holds the same global host batch (the
   advantages, mini-batch shuffles and metrics are then computed identically everywhere).
+- **Or the rows stay local** (`trainer.distributed.process_local_rows`, rl/local_rows.py): each process keeps its
+  scored rows; forwards and updates get global arrays from them (`global_from_local`, `Placement.process_local_rows`)
+  and return its rows; each process splits its own rows into its share of every mini-batch; metrics and reward
+  counts are combined from per-process moments (`row_stats`). Only statistics cross processes.
+- **Bytes received** through the host-side gathers here are counted (`received_bytes`: the step's
+  `perf/host_gather_bytes`).
 - **Validation is process-local too** (`rl/validation_loop.py`): each process generates and scores its
   block of rows of every held-out batch; the per-row results are gathered once (`gather_objects`).
 - **Host numpy given to `sharding.shard_batch` is the global batch** (the same on every process); each
-  process places its own slice (`jax.device_put` of a host value onto a global sharding).
+  process places its own slice (`jax.device_put` of a host value onto a global sharding); process-local rows go
+  through `global_from_local`.
 - **Device outputs come back with `to_host`**, which gathers a global array onto every process.
 - Process 0 alone writes logs, metrics files, plots and HF exports (`is_main`); orbax checkpoints are
   written by all processes together.
