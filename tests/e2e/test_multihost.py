@@ -6,10 +6,12 @@ Launches (all subprocesses: fake device counts must be set before jax starts), s
 process waiting on its collectives leaves the cores to the others:
 - GRPO through the CLI, `python -m jaxrl_post.main` x 2 with the `trainer.distributed.*` keys on the default mesh
   (fsdp = -1: pure data parallel over the processes, as docs/multihost.md runs it; checkpoint every step);
-- PPO through a script, 2 processes, mesh fsdp 4 x tensor 2;
+- PPO through a script, 2 processes, mesh fsdp 4 x tensor 2; the same 2 processes then run the process-local rows
+  jobs (`trainer.distributed.process_local_rows`, padded layout): GRPO (and the same GRPO gathered, for the bytes),
+  REINFORCE++ and PPO with one mini-batch (their 1-process references run in the 1-device process);
 - one 8-device process: GRPO 1x8 on mesh (1, 8, 1) (the default mesh; FSDP shard checks), PPO 1x8 on (1, 4, 2), the
   resume of the CLI run's step-1 checkpoint (saved on 2 processes with mesh (1, 8, 1)) on (1, 4, 2);
-- one 1-device process: GRPO 1x1, PPO 1x1.
+- one 1-device process: GRPO 1x1, PPO 1x1, and the process-local jobs' references (padded GRPO, REINFORCE++, PPO).
 The single-process launches use a persistent compilation cache (a later trainer's programs equal to an
 earlier one's are loaded, not recompiled; the numbers do not depend on it); the 2-process launches do not
 (tried with `jax_share_binary_between_hosts`: process 1 waited forever for a binary, jax 0.10.2 on CPU).
@@ -355,7 +357,7 @@ def test_two_processes_equal_one_process(runs, algo):
     assert _param_diff(one8["params"], one1["params"]) > 0  # really different programs, not one cached result
 
 
-@pytest.mark.slow  # the module fixture `runs`: multi-process/8-device tiny runs (490 s on 2 shared, loaded cores)
+@pytest.mark.slow  # the module fixture `runs`: multi-process/8-device tiny runs (560 s on 2 shared, loaded cores)
 def test_cli_process_0_alone_prints(runs):
     stdout = runs["cli2"]["stdout"]  # process 0 alone prints the step lines (and writes metrics.jsonl)
     assert "step 2 | score=" in stdout[0] and "step 2 | score=" not in stdout[1]
