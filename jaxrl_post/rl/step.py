@@ -138,7 +138,8 @@ def train_step(trainer, prompts: DataProto, next_prompts: Callable[[], DataProto
                 metrics.update(updates.actor_metrics(cfg, trainer.policy, trainer.host, out))
         if trainer.async_rollout is not None:  # the ahead generation done (split: its thread joined) before publish
             metrics.update(trainer.async_rollout.finish_step(timing))
-            metrics.update(trainer.rollout.multi_turn_metrics(*turn_rows))
+            if trainer.async_rollout.owed is None:  # else its job failed: counts of the re-run job come later
+                metrics.update(trainer.rollout.multi_turn_metrics(*turn_rows))
         if trainer.host.global_steps >= int(cfg.trainer.critic_warmup):
             metrics.update(trainer.sync_weights(step=trainer.host.global_steps + 1, timing=timing))  # split: bytes
         b = data.finish()

@@ -23,7 +23,6 @@ metrics.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 from collections.abc import Callable
@@ -144,6 +143,7 @@ class RLTrainer:
         self.rollout = FilteredRollout(cfg, rollout) if cfg.algorithm.filter_groups.enable else rollout
         if is_async:  # the producer and its queue, around the rollout (it filters groups itself: filtering.py)
             self.rollout = AsyncRollout(AsyncSettings.from_config(cfg), rollout)
+            self.rollout.data_position = (train_loader.get_state, train_loader.set_state)
         self.reference = ReferencePolicy(cfg, self.policy, actor.params) if kl_in_use(cfg) else None
         self.teacher = TeacherRole.build(cfg, self.policy, self.placement, self.tokenizer)  # None: no distillation
         self.critic, critic = (None, None)
@@ -221,8 +221,8 @@ class RLTrainer:
         them to the rollout only every `async_training.trigger_parameter_sync_step` steps (None: publish).
 
         Returns `RolloutRole.publish_metrics` ({} colocated); split placement: `timing['sync_rollout_weights']`."""
-        ar = self.async_rollout
-        publish = ar is None or step is None or ar.settings.publishes_after(step)
+        ar = self.async_rollout  # a failed background job owes its generation first (trainer_checkpoint.py)
+        publish = ar is None or ((step is None or ar.settings.publishes_after(step)) and ar.owed is None)
         new = self.rollout.sync(self.state.actor.params, self.state.rollout, publish=publish, timing=timing)
         self.state = self.state.replace(rollout=new)
         if ar is not None and publish:
@@ -340,14 +340,13 @@ class RLTrainer:
     def run_step(self) -> dict[str, float]:
         """One step on the next prompt batch; a reward failure before its updates: the RNG, the data position and
         the asynchronous queue put back (`trainer_checkpoint.step_snapshot`), step N saved, the error re-raised
-        (`RunDir.save_on_error_in_step`)."""
-        snapshot = trainer_checkpoint.step_snapshot(self)
-        restore = functools.partial(trainer_checkpoint.restore_step_snapshot, self)
-        guard = self.run.save_on_error_in_step(
-            self.global_steps, self.host.marks, snapshot, restore, self.save_checkpoint
-        )
-        with guard:
-            return self.train_step(next(self.data.train_loader))
+        (`RunDir.save_on_error_in_step`); in the background job after them: step N + 1 saved with the job owed
+        (`trainer_checkpoint.stop_after_job_failure`), paid first by the resumed run (`pay_owed_job`)."""
+        trainer_checkpoint.pay_owed_job(self)
+        with trainer_checkpoint.step_guard(self):
+            metrics = self.train_step(next(self.data.train_loader))
+        trainer_checkpoint.stop_after_job_failure(self, metrics)
+        return metrics
 
     def validation_guard(self, metrics):
         """The step is logged and saved, then a reward failure re-raised (`RunDir.save_on_error_in_validation`)."""

@@ -1,9 +1,11 @@
 """An `RLTrainer`'s checkpoint state: what `state_dict` saves (`train_state.state_dict` plus the model and
 reference metadata, and with asynchronous training the queue and the rollout's weights) and how a checkpoint is
-restored into a built trainer. The trainer's methods of the same names call these."""
+restored into a built trainer; the guards around a step that fails (`step_guard`, `stop_after_job_failure`,
+`pay_owed_job`). The trainer's methods of the same names call these."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from jaxrl_post.engine import train_state
@@ -77,6 +79,40 @@ def restore_step_snapshot(trainer, snapshot: tuple) -> None:
     trainer.data.train_loader.set_state(data_iter)
     if producer is not None:
         trainer.async_rollout.restore(producer)
+
+
+def step_guard(trainer):
+    """`RunDir.save_on_error_in_step` around the trainer's next step, with `step_snapshot` / `restore_step_snapshot`."""
+    restore = functools.partial(restore_step_snapshot, trainer)
+    args = (trainer.global_steps, trainer.host.marks, step_snapshot(trainer), restore, trainer.save_checkpoint)
+    return trainer.run.save_on_error_in_step(*args)
+
+
+def stop_after_job_failure(trainer, metrics: dict[str, float]) -> None:
+    """After a step whose background generation job failed with a reward, tool or filter error
+    (`AsyncRollout.finish_step`: the updates ran, the job is owed, the weights not published): log the step's
+    metrics (without the failed job's queue counts), checkpoint the step with the job owed and re-raise its error.
+    Nothing else happens."""
+    ar = trainer.async_rollout
+    if ar is None or ar.job_error is None:
+        return
+    err, ar.job_error = ar.job_error, None
+    trainer.tracker.log(metrics, step=trainer.global_steps)
+    where = f"in the generation ahead (background thread) of step {trainer.global_steps}"
+    trainer.run.save_after_error(where, trainer.global_steps, trainer.save_checkpoint)
+    raise err
+
+
+def pay_owed_job(trainer) -> None:
+    """A run resumed from a step whose background job failed (`stop_after_job_failure`): that job's generation
+    runs now, from the saved producer, data position and rollout weights (`AsyncRollout.pay_owed`), then the weights
+    are published as the step would have done (`RLTrainer.sync_weights`)."""
+    ar = trainer.async_rollout
+    if ar is None or ar.owed is None:
+        return
+    ar.pay_owed(trainer.reward_fn, lambda: next(trainer.data.train_loader))
+    if trainer.global_steps >= int(trainer.config.trainer.critic_warmup):
+        trainer.sync_weights(step=trainer.global_steps)
 
 
 def load_checkpoint(trainer, root: str, step: int) -> None:

@@ -42,6 +42,9 @@ from jaxrl_post.errors import FilterGroupsError
 from jaxrl_post.rewards.manager import RewardFunctionError
 from jaxrl_post.rollout.tools import ToolError
 
+# the errors a run stops on with a checkpoint (the user fixes the cause and resumes); others pass untouched
+SAVED_ON_ERROR = (RewardFunctionError, ToolError, FilterGroupsError)
+
 # ModelConfig fields that decide the shapes / structure of the params: a checkpoint whose values differ
 # cannot be restored into this model (the others, e.g. rope_theta or dtype, load fine)
 SHAPE_KEYS = (
@@ -254,7 +257,7 @@ class RunDir:
         before = marks()
         try:
             yield
-        except (RewardFunctionError, ToolError, FilterGroupsError):
+        except SAVED_ON_ERROR:
             where = f"in step {step + 1}"
             if marks() != before:  # a split async run's background producer: joined after the updates
                 self.say(f"stopped by an error {where} after its updates began; nothing new was saved")

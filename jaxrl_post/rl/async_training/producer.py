@@ -24,6 +24,7 @@ import jax
 import numpy as np
 
 from jaxrl_post.algos.rollout_corr import compute_rollout_probs_diff_metrics
+from jaxrl_post.engine.run.run_dir import SAVED_ON_ERROR
 from jaxrl_post.engine.train_state import place_like
 from jaxrl_post.rl.async_training.background import BackgroundProducer
 from jaxrl_post.rl.async_training.filtering import FILTERED, AsyncGroupFilter
@@ -52,7 +53,10 @@ class AsyncRollout:
 
     Attributes: `queue` (`GroupQueue`), `rollout_version` (training steps of the weights the rollout samples with),
     `in_flight` (a `PartialGeneration` stopped at the last weight update, or None), `pending` (prompt batches and
-    their seeds not generated yet).
+    their seeds not generated yet), `data_position` (`(get, set)` of the prompt loader's position, set by the trainer:
+    a failed background job puts it back), `owed` (the generation ahead of a step whose background job failed, to run
+    before the next step: `{"seed", "target", "pulled"}`, or None), `job_error` (that job's error, until the trainer
+    has saved the step and re-raised it).
     """
 
     def __init__(self, settings: AsyncSettings, rollout):
@@ -65,6 +69,10 @@ class AsyncRollout:
         self.pending: list[tuple[Any, int]] = []
         self._next_group_id = 0
         self._pulled = 0
+        self.data_position: tuple[Any, Any] | None = None
+        self.owed: dict[str, int] | None = None
+        self.job_error: BaseException | None = None
+        self._job_start: tuple | None = None
         split = getattr(rollout, "rollout_mesh", None) is not None  # colocated: nothing to overlap, no thread
         self.background = BackgroundProducer() if split and s.background_producer else None
         self.filter = None if s.filter_metric is None else AsyncGroupFilter(s.filter_metric, s.max_num_gen_batches, s.n)
@@ -178,7 +186,9 @@ class AsyncRollout:
         ahead = (reward_fn, next_prompts, seed, target)
         if self.background is None:
             self._produce_ahead(timing, *ahead)
-        else:
+        else:  # what the job starts from, put back if it fails (`finish_step`)
+            position = None if self.data_position is None else self.data_position[0]()
+            self._job_start = (self.snapshot(), position, {"seed": seed, "target": target, "pulled": self._pulled})
             self.background.start(lambda: self._produce_ahead({}, *ahead), step)
         b, nt, metrics = merge_groups(taken)
         metrics.update(staleness_metrics(b["rollout_versions"], b["response_attention_mask"], step))
@@ -200,9 +210,21 @@ class AsyncRollout:
         """After the step's updates, before its weights are published: the background job joined (its `gen` /
         `reward` seconds added to `timing`, the wait as `timing['wait_producer']`; its error re-raised, see
         `BackgroundProducer.join`), then the queue's metrics (`GroupQueue.counts`, `async/rollout_version`,
-        `async/in_flight`)."""
+        `async/in_flight`).
+
+        A job that failed with a reward, tool or filter error (`run_dir.SAVED_ON_ERROR`) is not raised here: the
+        producer and the data position go back to where the job started, the job becomes `owed` (the trainer skips
+        the weight publication, saves the step and raises `job_error`; a resumed run pays it with `pay_owed`, so
+        nothing the step trained is lost and the resumed run equals the straight one)."""
         if self.background is not None and self.background.busy:
-            done, waited = self.background.join()
+            try:
+                done, waited = self.background.join()
+            except SAVED_ON_ERROR as e:
+                snap, position, self.owed = self._job_start
+                self.restore(snap)
+                if position is not None:
+                    self.data_position[1](position)
+                self.job_error, done, waited = e, {}, 0.0
             for k, v in done.items():
                 timing[k] = timing.get(k, 0.0) + v
             timing["wait_producer"] = waited
@@ -213,6 +235,26 @@ class AsyncRollout:
             metrics.update(self.filter.metrics())
             self.filter.reset()
         return metrics
+
+    def pay_owed(self, reward_fn, more) -> None:
+        """Run the generation ahead that a failed background job owed (`finish_step`), on this thread, from the state
+        the job started from (a resumed run: the checkpoint's producer, data position and rollout weights). On a
+        reward, tool or filter error the producer is put back and the job stays owed."""
+        if self.owed is None:
+            return
+        snap, owed = self.snapshot(), self.owed
+        position = None if self.data_position is None else self.data_position[0]()
+        self._pulled = owed["pulled"]
+        try:
+            self._produce_ahead({}, reward_fn, more, owed["seed"], owed["target"])
+        except SAVED_ON_ERROR:
+            self.restore(snap)
+            if position is not None:
+                self.data_position[1](position)
+            raise
+        self.owed = None
+        if self.filter is not None:
+            self.filter.reset()
 
     def settle(self) -> None:
         """A failed step: wait for the background job (if any) so nothing runs behind the error (its own error
@@ -239,6 +281,7 @@ class AsyncRollout:
             "pending": pending,
             "rollout_version": self.rollout_version,
             "next_group_id": self._next_group_id,
+            "owed": self.owed,
         }
 
     def add_to_checkpoint(self, tree: dict[str, Any], rollout_params) -> None:
@@ -282,6 +325,7 @@ class AsyncRollout:
             self.pending.append((gen.prompts, gen.seed))
         self.rollout_version = int(d["rollout_version"])
         self._next_group_id = int(d["next_group_id"])
+        self.owed = d.get("owed")  # absent in checkpoints written before it
 
     # ---------------------------------------------------------------- a failed step
     def snapshot(self) -> tuple:
