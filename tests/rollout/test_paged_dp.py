@@ -70,8 +70,11 @@ SCRIPT = textwrap.dedent(
         traces_again = dict(programs.TRACE_COUNTS)
         small = PagedGenerator(model, **eng, mesh=mesh, num_pages=12)  # 11 pages: ~1.4 longest sequences a replica
         tight = small.generate(dp, sp, n=3)
-        res[name] = {"out": b(out), "again": b(again), "tight": b(tight), "stats": stats, "traces": traces,
-                     "traces_again": traces_again, "small_stats": dict(small.last_stats), "hlo": hlo[0]}
+        fixed = PagedGenerator(model, **eng, mesh=mesh, replica_queue="static")  # prompts placed up front
+        static = fixed.generate(dp, sp, n=3)
+        res[name] = {"out": b(out), "again": b(again), "tight": b(tight), "static": b(static), "stats": stats,
+                     "traces": traces, "traces_again": traces_again, "small_stats": dict(small.last_stats),
+                     "static_stats": dict(fixed.last_stats), "hlo": hlo[0]}
     print("RESULT" + json.dumps(res))
     """
 )
@@ -101,14 +104,21 @@ def test_paged_engine_replicas_equal_one_device():
     assert len(lens) == 24 and len(set(lens.tolist())) >= 4  # rows end at different steps
     for name, data, tp in (("d2t2", 2, 2), ("d4t1", 4, 1)):
         run = r[name]
-        for got in (run["out"], run["again"], run["tight"]):
+        for got in (run["out"], run["again"], run["tight"], run["static"]):
             for k in ("responses", "input_ids", "attention_mask", "response_attention_mask", "truncated"):
                 assert got[k] == one[k], (name, k)
             np.testing.assert_allclose(got["rollout_log_probs"], one["rollout_log_probs"], atol=1e-5, rtol=0)
         st = run["stats"]
         assert st["replicas"] == data and st["pool_devices"] == 4
         assert st["pool_shard_shape"] == [1, 2, st["num_pages"], 4, 2 * 4 // tp, 8]  # [1, L, pages, page, 2N/tp, K]
-        assert st["replica_sequences"] == [24 // data] * data  # 8 prompts x 3 spread by count
+        fixed = run["static_stats"]
+        assert fixed["replica_sequences"] == [24 // data] * data  # static: 8 prompts x 3 spread by count
+        for s in (st, fixed, run["small_stats"]):  # every sequence finished somewhere; slot-steps add up
+            assert sum(s["replica_sequences"]) == 24 and min(s["replica_sequences"]) > 0
+            assert sum(s["replica_busy_slot_steps"]) == s["decode_slot_steps"]
+            busy_idle = np.add(s["replica_busy_slot_steps"], s["replica_idle_slot_steps"])
+            assert busy_idle.tolist() == [s["decode_dispatches"] * 4 * 3] * data  # K 4 x 3 slots per dispatch
+        assert st["decode_dispatches"] <= fixed["decode_dispatches"]  # strictly fewer: test_paged_admission.py
         assert run["small_stats"]["preemptions"] > 0  # a replica ran short of pages and recomputed
         assert run["traces"] == run["traces_again"]  # the second call compiled nothing
         groups = _collective_groups(run["hlo"])

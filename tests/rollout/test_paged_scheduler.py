@@ -89,6 +89,21 @@ def test_stop_hands_back_unfinished_sequences_and_frees_everything():
     a.check()
 
 
+def test_admission_keeps_the_forks_of_groups_still_prefilling():
+    # 6 usable pages of 4 tokens; prompts of 5 tokens take 2 pages and each fork copies the partly filled last one.
+    # Group A (n 3) needs 2 + 3 headroom of 6: admitted, 4 left. Group B (n 2) alone would need 2 + 2 of 4, but A's
+    # two forks still need 2 of them: B waits until A is forked (counting only B, both forks ran out of pages).
+    a = PageAllocator(num_pages=7, page_size=4)
+    sched = Scheduler(a, max_num_seqs=8, max_num_batched_tokens=64, steps_per_dispatch=4)
+    sched.add(_group(0, 3, prompt_len=5))
+    sched.add(_group(3, 2, prompt_len=5))
+    pieces = sched.schedule_prefill()
+    assert [p.seq.row for p in pieces] == [0] and len(sched.waiting) == 1
+    _, copies = sched.prefill_done(pieces)
+    assert len(copies) == 2 and a.num_free == 2
+    a.check()
+
+
 def test_a_pool_too_small_for_one_sequence_is_an_error():
     sched = Scheduler(PageAllocator(4, 4), max_num_seqs=2, max_num_batched_tokens=8, steps_per_dispatch=2)
     with pytest.raises(ValueError, match="needs 4 pages"):

@@ -9,8 +9,8 @@ the same tokens, and log-probs equal to float rounding (prefill and decode batch
 With a `mesh` ('data', 'fsdp', 'expert', 'tensor') = (D, 1, 1, tp) -- the rollout layout of
 `rollout.tensor_model_parallel_size` -- the engine runs D data-parallel replicas of tp chips each (vLLM's data
 parallelism): each replica has its own `max_num_seqs` slots, page pool (`num_pages` pages), page tables and host
-`Scheduler`; prompts (with their `n` samples, which share prompt pages) are assigned to replicas before the first
-dispatch (`replicas.assign_groups`: balanced by count, then prompt tokens), and every dispatch runs all replicas in
+`Scheduler`; prompts (with their `n` samples, which share prompt pages) wait in one queue that the replicas admit
+from at every dispatch boundary (`admission.ReplicaSchedulers`), and every dispatch runs all replicas in
 one SPMD program (`replicas.replica_map`; per-replica arrays `[D, ...]` on 'data'). A dispatch is a prefill when any
 replica has prompt work (the others run an empty chunk), else a decode of every replica's slots. Within a replica
 the weights are split over 'tensor' as placed (`sharding.param_shardings`), the pool over kv heads
@@ -36,11 +36,11 @@ from jaxrl_post.batch.protocol import DataProto
 from jaxrl_post.models.moe import routes_dtype
 from jaxrl_post.rollout.generate import _assemble, check_prompts, kv_cache_dtype
 from jaxrl_post.rollout.paged import forward, programs
-from jaxrl_post.rollout.paged.allocator import PageAllocator
+from jaxrl_post.rollout.paged.admission import QUEUES, ReplicaSchedulers
 from jaxrl_post.rollout.paged.attention import resolve_paged_attention_impl
 from jaxrl_post.rollout.paged.dispatch import decode_inputs, first_logits, page_copies, prefill_inputs
 from jaxrl_post.rollout.paged.kv_pool import init_replica_pools, pool_bytes, zeros_on
-from jaxrl_post.rollout.paged.replicas import assign_groups, num_replicas
+from jaxrl_post.rollout.paged.replicas import num_replicas
 from jaxrl_post.rollout.paged.scheduler import Piece, Scheduler, Seq
 from jaxrl_post.rollout.sampling import SamplingParams
 from jaxrl_post.runtime.sharding import logical_to_mesh_spec
@@ -81,7 +81,9 @@ class PagedGenerator:
       mesh: a mesh ('data', 'fsdp', 'expert', 'tensor') with 'fsdp' = 'expert' = 1, the model's params placed on
         it: 'data' replicas of a 'tensor'-parallel engine (module docstring; `max_num_seqs` and `num_pages` are per
         replica, as vLLM's engine arguments are per data-parallel rank); None: one device. Raises ValueError for
-        'fsdp' or 'expert' > 1 or a 'tensor' size that does not divide the kv heads.
+        'fsdp' or 'expert' > 1 or a 'tensor' size that does not divide the kv heads, or another `replica_queue`.
+      replica_queue: "shared": replicas admit waiting prompt groups from one queue at every dispatch boundary;
+        "static": prompts are assigned to replicas before the first dispatch (`rollout/paged/admission.py`).
     """
 
     model: nnx.Module
@@ -97,6 +99,7 @@ class PagedGenerator:
     max_model_len: int | None = None
     return_routed_experts: bool = False
     mesh: jax.sharding.Mesh | None = None
+    replica_queue: str = "shared"
     last_stats: dict | None = dataclasses.field(default=None, init=False, repr=False)
 
     def __post_init__(self):
@@ -110,6 +113,8 @@ class PagedGenerator:
             log.info("paged rollout: the Pallas TPU kernel has no attention sinks; this model uses the XLA attention")
         if self.mesh is not None:
             self._check_mesh()
+        if self.replica_queue not in QUEUES:
+            raise ValueError(f"PagedGenerator.replica_queue must be one of {QUEUES}, got {self.replica_queue!r}")
         if self.scan_layers is None:
             self.scan_layers = jax.default_backend() != "cpu"
         for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "steps_per_dispatch"):
@@ -192,24 +197,22 @@ class PagedGenerator:
         num_pages = self.num_pages or self.max_num_seqs * pps + 1
         cfg, d = self.model.config, self.replicas
         dtype = jnp.dtype(kv_cache_dtype(self.model, self.cache_dtype))
-        scheds = [
-            Scheduler(
-                PageAllocator(num_pages, self.page_size),
-                max_num_seqs=self.max_num_seqs,
-                max_num_batched_tokens=self.max_num_batched_tokens,
-                steps_per_dispatch=self.steps_per_dispatch,
-            )
-            for _ in range(d)
-        ]
+        rs = ReplicaSchedulers(
+            d,
+            num_pages,
+            self.page_size,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            steps_per_dispatch=self.steps_per_dispatch,
+            queue=self.replica_queue,
+        )
         if resume is None:
             seqs = [Seq(row=i * n + j, prompt=ids[i][mask[i] > 0], limit=r) for i in range(b) for j in range(n)]
             groups = [seqs[i * n : (i + 1) * n] for i in range(b)]
         else:
             seqs = list(resume)
             groups = [[s] for s in seqs]
-        where = assign_groups([len(g[0].prompt) * len(g) for g in groups], d)
-        for g, rep in zip(groups, where):
-            scheds[rep].add(g)
+        rs.add(groups)
         args = (d, cfg.num_layers, num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim, dtype, self.mesh)
         kv = init_replica_pools(*args)
         shape = (d, self.max_num_seqs, cfg.vocab_size)
@@ -221,26 +224,25 @@ class PagedGenerator:
         static = dataclasses.replace(params, seed=0, max_new_tokens=1)  # slots carry their limits: one program
         stats = {"prefill_dispatches": 0, "decode_dispatches": 0, "decode_slot_steps": 0, "emitted": 0}
         dispatches = 0
-        while not all(sc.idle for sc in scheds):
-            pieces = [sc.schedule_prefill() for sc in scheds]
+        while not rs.idle:
+            pieces = rs.schedule_prefill()
             if any(pieces):  # replicas without prompt work run an empty chunk (one program for all replicas)
-                kv, logits = self._prefill(kv, logits, scheds, pieces, pps)
+                kv, logits = self._prefill(kv, logits, rs.scheds, pieces, pps)
                 stats["prefill_dispatches"] += 1
             else:
-                kv, logits = self._decode(kv, logits, scheds, pps, key, static, stats)
+                kv, logits = self._decode(kv, logits, rs, pps, key, static, stats)
                 stats["decode_dispatches"] += 1
             dispatches += 1
-            if should_stop is not None and should_stop(dispatches) and not all(sc.idle for sc in scheds):
+            if should_stop is not None and should_stop(dispatches) and not rs.idle:
                 break
-        self.unfinished = [s for sc in scheds for s in sc.stop()]
+        stats.update(rs.stats())  # per replica: sequences finished, busy / idle slot-steps (before `stop`)
+        self.unfinished = rs.stop()
         stats.update(
             num_pages=num_pages,
             pool_bytes=pool_bytes(cfg.num_layers, num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim, dtype),
-            preemptions=sum(sc.num_preemptions for sc in scheds),
             pool_shard_shape=tuple(kv.addressable_shards[0].data.shape),  # one device's share of the pools
             pool_devices=len(kv.sharding.device_set),
             replicas=d,
-            replica_sequences=[int(sum(len(g) for g, w in zip(groups, where) if w == i)) for i in range(d)],
         )
         self.last_stats = stats
         return self._result(prompts, ids, mask, seqs, b * n if resume is None else None, n, params)
@@ -277,8 +279,8 @@ class PagedGenerator:
             kv = programs.copy_pages(kv, jnp.asarray(pairs[..., 0]), jnp.asarray(pairs[..., 1]))
         return kv, logits
 
-    def _decode(self, kv, logits, scheds: list[Scheduler], pps: int, key, params, stats):
-        seqs = [sc.schedule_decode() for sc in scheds]
+    def _decode(self, kv, logits, rs: ReplicaSchedulers, pps: int, key, params, stats):
+        scheds, seqs = rs.scheds, rs.schedule_decode()
         ins = [decode_inputs(sc, ss, pps) for sc, ss in zip(scheds, seqs)]
         kv, logits, tokens, lps, ths, emitted, done_out, *routes = programs.decode(
             self._graphdef,

@@ -62,11 +62,22 @@ class Scheduler:
     """Host-side continuous-batching state. Raises ValueError when the pool cannot hold one longest sequence."""
 
     def __init__(
-        self, alloc: PageAllocator, *, max_num_seqs: int, max_num_batched_tokens: int, steps_per_dispatch: int
+        self,
+        alloc: PageAllocator,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        steps_per_dispatch: int,
+        waiting: collections.deque | None = None,
     ):
+        """waiting: a queue of groups shared with other replicas' schedulers (`admission.ReplicaSchedulers` admits
+        from it; this scheduler then admits nothing itself, and its preempted sequences go to its front); None:
+        a queue of its own."""
         self.alloc, self.k = alloc, int(steps_per_dispatch)
         self.max_num_seqs, self.budget = int(max_num_seqs), int(max_num_batched_tokens)
-        self.waiting: collections.deque[list[Seq]] = collections.deque()  # groups; group[0] is prefilled
+        self.shared = waiting is not None
+        # groups; group[0] is prefilled
+        self.waiting: collections.deque[list[Seq]] = collections.deque() if waiting is None else waiting
         self.prefilling: list[list[Seq]] = []
         self.running: list[Seq] = []  # admission order (preemption takes the last)
         self.free_slots = list(range(self.max_num_seqs - 1, -1, -1))
@@ -89,23 +100,29 @@ class Scheduler:
         return not (self.waiting or self.prefilling or self.running)
 
     # ------------------------------------------------------------------ prefill
+    def fits(self, group: list[Seq]) -> bool:
+        """Whether `group` can be admitted now: a free slot per sequence and its context's pages plus one page of
+        headroom per sequence, beyond the headroom of the groups still prefilling (their forks copy a page each)."""
+        pages = self.alloc.pages_for(group[0].length) + len(group) + sum(len(g) for g in self.prefilling)
+        return len(group) <= len(self.free_slots) and self.alloc.can_allocate(pages)
+
+    def admit(self, group: list[Seq]) -> None:
+        """Take `group` (taken off a waiting queue by the caller): its context's pages, a slot per sequence."""
+        self.alloc.allocate(group[0].row, group[0].length)
+        for s in group:
+            s.slot, s.prefilled = self.free_slots.pop(), 0
+        self.prefilling.append(group)
+
     def _admit(self) -> None:
-        while self.waiting:
-            group = self.waiting[0]
-            first = group[0]
-            pages = self.alloc.pages_for(first.length) + len(group)  # + one page of headroom per sample
-            if len(group) > len(self.free_slots) or not self.alloc.can_allocate(pages):
-                return
-            self.waiting.popleft()
-            self.alloc.allocate(first.row, first.length)
-            for s in group:
-                s.slot, s.prefilled = self.free_slots.pop(), 0
-            self.prefilling.append(group)
+        while self.waiting and self.fits(self.waiting[0]):
+            self.admit(self.waiting.popleft())
 
     def schedule_prefill(self) -> list[Piece]:
-        """Admit waiting groups, then pack the prefilling sequences' remaining context tokens into one budget of
-        `max_num_batched_tokens` (at most `max_num_seqs` pieces), first admitted first."""
-        self._admit()
+        """Admit waiting groups (from its own queue; a shared queue's are admitted by `ReplicaSchedulers`), then
+        pack the prefilling sequences' remaining context tokens into one budget of `max_num_batched_tokens` (at
+        most `max_num_seqs` pieces), first admitted first."""
+        if not self.shared:
+            self._admit()
         pieces, left = [], self.budget
         for group in self.prefilling:
             s = group[0]
@@ -189,9 +206,10 @@ class Scheduler:
         for group in self.prefilling:
             self.alloc.free(group[0].row)
             out += group
-        for group in self.waiting:
+        for group in self.waiting:  # a shared queue: the first replica's `stop` hands its groups back
             out += group
-        self.prefilling, self.waiting = [], collections.deque()
+        self.prefilling = []
+        self.waiting.clear()
         self.free_slots = list(range(self.max_num_seqs - 1, -1, -1))
         for s in out:
             s.slot, s.prefilled = None, 0
