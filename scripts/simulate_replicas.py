@@ -7,7 +7,9 @@ Every dispatch is one SPMD program over all replicas, so a decode dispatch costs
 slots hold: decode dispatches measure decode time, and a replica with idle slots (or none running) wastes them.
 Reported per system: decode and prefill dispatches, slot utilization (tokens emitted / (decode steps x replicas x
 `max_num_seqs`)), decode dispatches after the last admission (tail), busy fraction of the least and most busy
-replica, preemptions.
+replica (its decode slot-steps with a sequence), preemptions, and stalled decodes: prefill dispatches x replicas
+that had running sequences but no prompt work (they wait for the others' prefill; mixed prefill + decode dispatches
+would run them).
 
 Workloads (seeded): `iid`, response lengths a lognormal (mean `--mean`, log-sd `--sigma`) capped at `--max-response`;
 `grouped`, the same with a per-prompt factor (hard prompts are long for all their `n` samples: log-sd `--sigma`
@@ -70,13 +72,14 @@ def simulate(
             for i, p in enumerate(prompt_lens)
         ]
     )
-    prefill = decode = emitted = tail = 0
+    prefill = decode = emitted = tail = stalled = 0
     while not rs.idle:
         pieces = rs.schedule_prefill()
         if any(pieces):
             for sc, pc in zip(rs.scheds, pieces):
                 sc.prefill_done(pc)
             prefill += 1
+            stalled += sum(1 for sc, pc in zip(rs.scheds, pieces) if not pc and sc.running)
             continue
         in_tail = not rs.waiting and all(not sc.waiting and not sc.prefilling for sc in rs.scheds)
         for sc, seqs in zip(rs.scheds, rs.schedule_decode()):
@@ -102,6 +105,7 @@ def simulate(
         replica_busy_min=float(busy.min()),
         replica_busy_max=float(busy.max()),
         preemptions=st["preemptions"],
+        stalled_decodes=stalled,
         replica_sequences=st["replica_sequences"],
     )
 
@@ -142,15 +146,15 @@ def main(argv=None) -> list[dict]:
                     rows.append(dict(workload=wl, pool=pool, pages=pages, **r))
     print(
         "| workload | pool | replicas | queue | decode dispatches | prefill dispatches | slot utilization | "
-        "tail decode dispatches | replica busy (min, max) | preemptions |"
+        "tail decode dispatches | replica busy (min, max) | preemptions | stalled decodes |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['workload']} | {r['pool']} ({r['pages']}) | {r['replicas']} | {r['queue']} | "
             f"{r['decode_dispatches']} | {r['prefill_dispatches']} | {r['slot_utilization']:.2f} | "
             f"{r['tail_decode_dispatches']} | {r['replica_busy_min']:.2f}, {r['replica_busy_max']:.2f} | "
-            f"{r['preemptions']} |"
+            f"{r['preemptions']} | {r['stalled_decodes']} |"
         )
     if a.json:
         with open(a.json, "w") as f:
