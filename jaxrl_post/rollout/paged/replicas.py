@@ -1,5 +1,5 @@
-"""Data-parallel replicas of the paged engine: one SPMD program runs every replica's dispatch, the host assigns
-prompts to replicas.
+"""Data-parallel replicas of the paged engine: one SPMD program runs every replica's dispatch; the host admits
+prompts to replicas from a shared queue (`admission.py`).
 
 On a rollout mesh ('data', 'fsdp', 'expert', 'tensor') = (D, 1, 1, tp) the engine holds D replicas (vLLM's data
 parallelism: D engine instances of tp chips each). Every per-replica array has a leading replica dim `[D, ...]`
@@ -11,9 +11,9 @@ body over heads as on a tensor-only mesh), or, with tp = 1, every axis is manual
 program, so a single-device kernel runs in it). Without a mesh, or with one replica, the body runs on the one
 replica directly (no `shard_map`).
 
-`assign_groups` places prompts (a prompt's `n` samples share its prompt pages, so they stay on one replica):
-balanced by count, then by prompt tokens (vLLM's DP load balancer and verl's server manager balance by request
-counts).
+`assign_groups` places prompts before the first dispatch, the static baseline (`admission.ReplicaSchedulers(
+queue="static")`; a prompt's `n` samples share its prompt pages, so they stay on one replica): balanced by count,
+then by prompt tokens (vLLM's DP load balancer and verl's server manager balance by request counts).
 """
 
 from __future__ import annotations
