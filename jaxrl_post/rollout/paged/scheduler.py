@@ -3,14 +3,13 @@
 
 A prompt enters as a group of its `n` samples (one `Seq` each, row ids `i * n + j`). It is admitted when `n` slots
 are free and the pool holds its prompt's pages (plus one page per sample of headroom, beyond the headroom of the
-groups still prefilling); its first sample's prompt is
-prefilled (in chunks of the budget), then the other samples fork it (`PageAllocator.fork`: full prompt pages shared,
-the partly filled last page copied). Running sequences decode `K` steps per dispatch; before a dispatch each gets the
-pages its next `K` tokens need; when the pool runs short the most recently admitted sequences are preempted (pages
-freed, re-queued at the front with their tokens so far -- of the replicas' shared queue when there is one,
-`admission.py` -- recomputed by a prefill when readmitted, vLLM's recompute preemption). A sequence retires at its
-first EOS or after `limit` tokens; its slot and pages go back at once.
-The same re-queueing resumes sequences that a caller stopped at a dispatch boundary (`Seq.resumable`).
+groups still prefilling); its first sample's prompt is prefilled (in chunks of the budget), then the other samples
+fork it (`PageAllocator.fork`: full prompt pages shared, the partly filled last page copied). Running sequences
+decode `K` steps per dispatch; before a dispatch each gets the pages its next `K` tokens need; when the pool runs
+short the most recently admitted sequences are preempted (pages freed, re-queued at the front with their tokens so
+far -- of the replicas' shared queue when there is one, `admission.py` -- recomputed by a prefill when readmitted,
+vLLM's recompute preemption). A sequence retires at its first EOS or after `limit` tokens; its slot and pages go
+back at once. The same re-queueing resumes sequences that a caller stopped at a dispatch boundary (`Seq.resumable`).
 """
 
 from __future__ import annotations
