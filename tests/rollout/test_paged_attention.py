@@ -188,9 +188,13 @@ def test_paged_forward_equals_the_dense_cached_forward(fam):
 
 def test_resolve_paged_attention_impl():
     assert resolve_paged_attention_impl("auto", "tpu") == "pallas_tpu"
-    assert resolve_paged_attention_impl("auto", "gpu") == resolve_paged_attention_impl("auto", "cpu") == "xla"
+    assert resolve_paged_attention_impl("auto", "gpu") == resolve_paged_attention_impl("auto", "cuda") == "pallas_gpu"
+    assert resolve_paged_attention_impl("auto", "cpu") == "xla"
     with pytest.raises(ValueError, match="TPU kernel"):
         resolve_paged_attention_impl("pallas_tpu", "cpu")
+    with pytest.raises(ValueError, match="GPU kernel"):
+        resolve_paged_attention_impl("pallas_gpu", "tpu")
+    assert resolve_paged_attention_impl("pallas_gpu", "cpu", interpret=True) == "pallas_gpu_interpret"
     with pytest.raises(ValueError, match="expected"):
         resolve_paged_attention_impl("flash", "cpu")
 

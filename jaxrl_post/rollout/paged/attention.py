@@ -18,11 +18,18 @@ N kv heads (head h reads kv head h // (H / N), the decoder's GQA layout), K head
   heads read under the GQA layout), with the page tables, lengths and `num_seqs` replicated; the output stays split
   over heads (the output projection's all-reduce follows, as for the XLA path). No communication inside.
   No attention sinks (GPT-OSS models take the XLA path).
+- "pallas_gpu": decode steps (`decode=True`: one query per sequence, query i sequence i's last token) run the
+  Pallas GPU (Triton) kernel over the pool as it is (`attention_gpu.py`: the pool passed as keys and values with
+  per-head block specs, no copy); prefill chunks (several queries per sequence) take the XLA path. Under a 'tensor'
+  mesh axis it runs in the same `jax.shard_map` as "pallas_tpu". No sliding window, no sinks (such models take the
+  XLA path, `resolve_for_model`). "pallas_gpu_interpret": the same in Pallas interpret mode (any platform; CPU
+  tests), what `resolve_paged_attention_impl("pallas_gpu", ..., interpret=True)` returns.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -30,22 +37,56 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_post.models.attention import softmax_with_sinks
+from jaxrl_post.rollout.paged.attention_gpu import gpu_kernel_unsupported, paged_decode_attention_gpu
 
-PAGED_ATTENTION_IMPLS = ("xla", "pallas_tpu")
+log = logging.getLogger(__name__)
+PAGED_ATTENTION_IMPLS = ("xla", "pallas_tpu", "pallas_gpu")
+GPU_PLATFORMS = ("gpu", "cuda")  # `jax.default_backend()` names CUDA devices 'gpu'
+GPU_INTERPRET = "pallas_gpu_interpret"  # the GPU kernel in Pallas interpret mode (CPU tests; not a user choice)
 TENSOR_AXIS = "tensor"  # the rollout mesh's tensor-parallel axis (the pool's combined heads are split over it)
 _NEG = float(np.finfo(np.float32).min)  # the decoder's mask fill
 MIN_SEGMENT_SLOTS = 128  # the XLA path's page-table segments hold at least this many slots (`_segment_pages`)
 
 
-def resolve_paged_attention_impl(impl: str, platform: str) -> str:
-    """ "auto" -> "pallas_tpu" on TPU, else "xla". Raises ValueError for an unknown name or "pallas_tpu" off TPU."""
+def resolve_paged_attention_impl(impl: str, platform: str, *, interpret: bool = False) -> str:
+    """ "auto" -> "pallas_tpu" on TPU, "pallas_gpu" on 'gpu' / 'cuda', else "xla". interpret: a GPU kernel runs
+    in Pallas interpret mode ("pallas_gpu" -> "pallas_gpu_interpret", any platform). Raises ValueError for an
+    unknown name or a kernel named off its platform ("pallas_gpu" off GPU without interpret)."""
     if impl == "auto":
-        return "pallas_tpu" if platform == "tpu" else "xla"
+        impl = "pallas_tpu" if platform == "tpu" else "pallas_gpu" if platform in GPU_PLATFORMS else "xla"
     if impl not in PAGED_ATTENTION_IMPLS:
         raise ValueError(f"paged attention impl {impl!r}: expected 'auto' or one of {PAGED_ATTENTION_IMPLS}")
     if impl == "pallas_tpu" and platform != "tpu":
         raise ValueError(f"paged attention impl 'pallas_tpu' is a TPU kernel but the platform is {platform!r}")
+    if impl == "pallas_gpu" and interpret:
+        return GPU_INTERPRET
+    if impl == "pallas_gpu" and platform not in GPU_PLATFORMS:
+        raise ValueError(f"paged attention impl 'pallas_gpu' is a GPU kernel but the platform is {platform!r}")
     return impl
+
+
+def resolve_for_model(impl: str, platform: str, config, page_size: int, *, interpret: bool = False) -> str:
+    """The paged engine's impl for a model (`models.ModelConfig`, or None: no model checks):
+    `resolve_paged_attention_impl`, then a kernel that cannot run the model (the TPU kernel: attention sinks; the
+    GPU kernel: sinks, a sliding window in any layer, a head_dim or `page_size` Triton cannot tile,
+    `attention_gpu.gpu_kernel_unsupported`) gives "xla" under "auto" (logged once) and raises ValueError when
+    named."""
+    got = resolve_paged_attention_impl(impl, platform, interpret=interpret)
+    if config is None or got == "xla":
+        return got
+    sinks = bool(getattr(config, "attention_sinks", False))
+    if got == "pallas_tpu":
+        why = "it has no attention sinks (GPT-OSS)" if sinks else None
+    else:
+        window = any(config.is_sliding(i) for i in range(config.num_layers))
+        why = gpu_kernel_unsupported(config.head_dim, page_size, window, sinks)
+    if why is None:
+        return got
+    name = "pallas_tpu" if got == "pallas_tpu" else "pallas_gpu"
+    if impl != "auto":
+        raise ValueError(f"paged attention '{name}' cannot run this model: {why}; use 'xla'")
+    log.info("paged rollout: the %s kernel cannot run this model (%s); it uses the XLA attention", name, why)
+    return "xla"
 
 
 def query_positions(cu_q_lens: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array, t: int):
@@ -179,13 +220,24 @@ def tensor_parallel_size() -> int:
     return dict(zip(mesh.axis_names, mesh.axis_sizes))[TENSOR_AXIS]
 
 
-def _pallas_tpu_over_pool(q, pool, kv_lens, page_indices, cu_q_lens, num_seqs, layer, *, dtype, **kw):
-    """The kernel on layer `layer` of a whole pool `[L, P, page_size, 2N, K]`: the layers' pages as one pool (a free
-    reshape), the tables offset to this layer's pages."""
+def _kernel_over_pool(q, pool, kv_lens, page_indices, cu_q_lens, num_seqs, layer, *, impl, dtype, **kw):
+    """The kernel `impl` on layer `layer` of a whole pool `[L, P, page_size, 2N, K]`: the layers' pages as one pool
+    (a free reshape), the tables offset to this layer's pages. The GPU kernel: a decode step (query i sequence i's
+    last token; sequences past `num_seqs` get length 0, so 0 out, as the XLA path's padding)."""
     num_layers, num_pages = pool.shape[:2]
     pool = pool.reshape(num_layers * num_pages, *pool.shape[2:])
-    return paged_attention_pallas_tpu(
-        q.astype(dtype), pool, kv_lens, page_indices + layer * num_pages, cu_q_lens, num_seqs, **kw
+    tables = page_indices + layer * num_pages
+    if impl == "pallas_tpu":
+        return paged_attention_pallas_tpu(q.astype(dtype), pool, kv_lens, tables, cu_q_lens, num_seqs, **kw)
+    lengths = jnp.where(jnp.arange(kv_lens.shape[0]) < num_seqs[0], kv_lens, 0)
+    return paged_decode_attention_gpu(
+        q.astype(dtype),
+        pool,
+        lengths,
+        tables,
+        sm_scale=kw["sm_scale"],
+        soft_cap=kw["soft_cap"],
+        interpret=impl == GPU_INTERPRET,
     )
 
 
@@ -205,17 +257,25 @@ def paged_attention(
     layer=None,
     segment_pages=None,
     sinks=None,
+    decode: bool = False,
 ):
-    """Ragged paged attention through `impl` ("xla" or "pallas_tpu"; `resolve_paged_attention_impl`). Shapes as
-    the module docstring (kv_pages one layer's, or the whole pool with `layer`); segment_pages, sinks: the XLA
-    path's (`paged_attention_xla`). Returns `[T, H, K]` in dtype (default q.dtype). Raises ValueError for 'pallas_tpu'
-    under a 'tensor' mesh axis that does not divide the query and kv heads, or with sinks."""
-    if impl == "pallas_tpu":
+    """Ragged paged attention through `impl` ("xla", "pallas_tpu", "pallas_gpu" or "pallas_gpu_interpret";
+    `resolve_paged_attention_impl`). Shapes as the module docstring (kv_pages one layer's, or the whole pool with
+    `layer`); segment_pages, sinks: the XLA path's (`paged_attention_xla`). decode: one query per sequence (T = S,
+    query i is sequence i's last token, `cu_q_lens` = 0 ... S); the GPU kernel runs only then, other calls take
+    the XLA path. Returns `[T, H, K]` in dtype (default q.dtype). Raises ValueError for a kernel under a 'tensor'
+    mesh axis that does not divide the query and kv heads, with sinks, or (GPU) with a sliding window or T != S."""
+    gpu = impl in ("pallas_gpu", GPU_INTERPRET)
+    if impl == "pallas_tpu" or (gpu and decode):
         if sinks is not None:
-            raise ValueError("the Pallas TPU paged attention has no attention sinks (GPT-OSS); use the 'xla' impl")
+            raise ValueError(f"the {impl} paged attention has no attention sinks (GPT-OSS); use the 'xla' impl")
+        if gpu and sliding_window is not None:
+            raise ValueError("the Pallas GPU paged attention has no sliding window; use the 'xla' impl")
+        if gpu and q.shape[0] != page_indices.shape[0]:
+            raise ValueError(f"paged decode attention: {q.shape[0]} queries for {page_indices.shape[0]} sequences")
         dt = dtype or q.dtype
         kernel = functools.partial(
-            _pallas_tpu_over_pool, dtype=dt, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap
+            _kernel_over_pool, impl=impl, dtype=dt, sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window
         )
         if layer is None:  # one layer's pages: a pool of one layer
             kv_pages, layer = kv_pages[None], jnp.int32(0)

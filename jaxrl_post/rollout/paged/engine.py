@@ -37,7 +37,7 @@ from jaxrl_post.models.moe import routes_dtype
 from jaxrl_post.rollout.generate import _assemble, check_prompts, kv_cache_dtype
 from jaxrl_post.rollout.paged import forward, programs
 from jaxrl_post.rollout.paged.admission import QUEUES, ReplicaSchedulers
-from jaxrl_post.rollout.paged.attention import resolve_paged_attention_impl
+from jaxrl_post.rollout.paged.attention import resolve_for_model
 from jaxrl_post.rollout.paged.dispatch import decode_inputs, first_logits, page_copies, prefill_inputs
 from jaxrl_post.rollout.paged.kv_pool import init_replica_pools, pool_bytes, zeros_on
 from jaxrl_post.rollout.paged.replicas import num_replicas
@@ -64,8 +64,10 @@ class PagedGenerator:
         every slot to hold a sequence of the longest prompt bucket plus `max_new_tokens` (no preemption).
       steps_per_dispatch: decode steps per dispatch (`K`, one `lax.scan`); the host retires and admits between.
       cache_dtype: pool dtype; None as `Generator` (`kv_cache_dtype`).
-      attention_impl: "auto" (TPU: the Pallas kernel, else XLA; XLA for a model with attention sinks, GPT-OSS),
-        "xla" or "pallas_tpu" (no sinks: raises ValueError for such a model).
+      attention_impl: "auto" (TPU: the Pallas TPU kernel, GPU: the Pallas GPU kernel for decode steps, else XLA;
+        XLA for a model a kernel cannot run: `attention.resolve_for_model`), "xla", "pallas_tpu" or "pallas_gpu"
+        (raises ValueError off its platform or for a model it cannot run).
+      attention_interpret: run "pallas_gpu" in Pallas interpret mode (any platform; CPU tests).
       min_prompt_bucket: prompts are padded to a power of two >= this for the page-table width (compile once).
       max_model_len: longest prompt + response a page table holds (vLLM / verl `max_model_len`): the tables are
         `ceil(max_model_len / page_size)` pages wide, so the programs (and their memory) are the same for every
@@ -94,6 +96,7 @@ class PagedGenerator:
     steps_per_dispatch: int = 16
     cache_dtype: str | None = None
     attention_impl: str = "auto"
+    attention_interpret: bool = False
     min_prompt_bucket: int = 16
     scan_layers: bool | None = None
     max_model_len: int | None = None
@@ -105,12 +108,13 @@ class PagedGenerator:
     def __post_init__(self):
         if self.return_routed_experts and not getattr(getattr(self.model, "config", None), "moe_layers", ()):
             raise ValueError("return_routed_experts needs a model with MoE layers (routing replay)")
-        self.impl = resolve_paged_attention_impl(self.attention_impl, jax.default_backend())
-        if self.impl == "pallas_tpu" and getattr(getattr(self.model, "config", None), "attention_sinks", False):
-            if self.attention_impl != "auto":
-                raise ValueError("paged attention 'pallas_tpu' has no attention sinks (GPT-OSS); use 'xla'")
-            self.impl = "xla"
-            log.info("paged rollout: the Pallas TPU kernel has no attention sinks; this model uses the XLA attention")
+        self.impl = resolve_for_model(
+            self.attention_impl,
+            jax.default_backend(),
+            getattr(self.model, "config", None),
+            self.page_size,
+            interpret=self.attention_interpret,
+        )
         if self.mesh is not None:
             self._check_mesh()
         if self.replica_queue not in QUEUES:

@@ -34,7 +34,8 @@ class Ragged:
     """tokens `[B', T'] int32`; positions `[B', T'] int32` (index in the sequence); slots `[B' * T'] int32` (flat
     pool slots, the null page's for padding); kv_lens `[S] int32`, page_indices `[S, pages_per_seq] int32`,
     cu_q_lens `[S + 1] int32`, num_seqs `[1] int32` over the B' * T' tokens flattened (row-major); token_mask
-    `[B', T'] bool` (real tokens, counted in MoE routing statistics) or None (all)."""
+    `[B', T'] bool` (real tokens, counted in MoE routing statistics) or None (all); decode (static): a decode step,
+    one token per sequence (`[S, 1]`, the GPU kernel's case; `attention.paged_attention`)."""
 
     tokens: jax.Array
     positions: jax.Array
@@ -44,6 +45,7 @@ class Ragged:
     cu_q_lens: jax.Array
     num_seqs: jax.Array
     token_mask: jax.Array | None = None
+    decode: bool = flax.struct.field(pytree_node=False, default=False)
 
 
 @flax.struct.dataclass
@@ -96,6 +98,7 @@ def _attention(attn, x, positions, kv, layer, rag: Ragged, impl: str):
         dtype=attn.dtype,
         impl=impl,
         layer=layer,
+        decode=rag.decode,
     )
     return attn.o_proj(out.reshape(b, t, attn.num_heads, attn.head_dim)), kv
 

@@ -121,6 +121,7 @@ def decode(
                 cu_q_lens=jnp.arange(s + 1, dtype=jnp.int32),
                 num_seqs=jnp.array([s], jnp.int32),
                 token_mask=emitted[:, None],
+                decode=True,
             )
             h, kv, *experts = forward.hidden_states(model, graphdefs, layers, kv, rag, impl, with_routes=routes)
             new_done = done | is_eos(tok, params.eos_token_ids) | (t + 1 >= limit)
