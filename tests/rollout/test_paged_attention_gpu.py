@@ -103,7 +103,7 @@ def test_block_choice_splits_the_table_and_pads_it():
     assert attention_gpu.decode_blocks(1, 1, 16, 3, 16) == (4, 1, 4)  # short table: one block, padded
 
 
-@pytest.mark.parametrize("soft_cap", [None, 5.0])
+@pytest.mark.parametrize("soft_cap", [pytest.param(None, marks=pytest.mark.slow), 5.0])  # 4-11 s each: one fast
 def test_gpu_kernel_equals_the_xla_path_float32(case, soft_cap):
     got, want = (_run(case, impl, jnp.float32, soft_cap) for impl in ("pallas_gpu_interpret", "xla"))
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)

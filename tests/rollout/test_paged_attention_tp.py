@@ -11,7 +11,9 @@ of the page pool. A subprocess with 4 fake CPU devices checks:
   tp 4: the kernel's custom call inside a manual computation on 7 query heads and 2 combined kv heads per device;
 - the engine's whole K-step decode program, its params and pool split over the mesh, lowers for TPU with the
   kernel per device (the engine no longer falls back to the XLA path or raises under tp > 1), also with
-  data-parallel replicas (data 2 x tensor 2, data 4 x tensor 1).
+  data-parallel replicas (data 2 x tensor 2, data 4 x tensor 1);
+- the Pallas GPU kernel ('pallas_gpu', Pallas interpret mode here) in the same `shard_map`: a decode step equals the
+  one-device XLA path, and the decode program with it lowers for CUDA at tp 4, each device's kernel on its slice.
 The TPU device kind is stubbed for the Mosaic lowering as in tests/rollout/test_paged_attention.py."""
 
 import json
@@ -73,6 +75,15 @@ SCRIPT = textwrap.dedent(
         rpa.ragged_paged_attention = real
         errors.append(float(np.abs(got[:6] - want[:6]).max()))
 
+    # the GPU kernel in interpret mode, one decode query per sequence, its heads and pool slice per device
+    def decode_run(impl, q, kv):
+        return paged_attention(q, kv, lens, tables, jnp.arange(5, dtype=jnp.int32), num, sm_scale=0.35,
+                               soft_cap=30.0, impl=impl, layer=jnp.int32(2), decode=True)
+    want = np.asarray(jax.jit(decode_run, static_argnums=0)("xla", q[:4], kv))
+    with jax.set_mesh(mesh):
+        got = np.asarray(jax.jit(decode_run, static_argnums=0)("pallas_gpu_interpret", q[:4], kv_split))
+    gpu_error = float(np.abs(got - want).max())
+
     tpu_info.get_device_kind = lambda: "TPU v5p"
     tpu_info.get_num_device_cores = lambda: 1
     s, pps, ps = 64, 64, 16
@@ -92,7 +103,7 @@ SCRIPT = textwrap.dedent(
                       num_kv_heads=4, head_dim=128, max_position_embeddings=256)
     params = SamplingParams(max_new_tokens=8, top_p=0.9, eos_token_ids=(4,))
 
-    def decode_hlo(data, tp):  # the engine's decode program of `data` replicas on a data x tensor mesh, for TPU
+    def decode_hlo(data, tp, impl="pallas_tpu", platform="tpu"):  # the engine's decode program of `data` replicas
         m = make_mesh(data, 1, tp, jax.devices())
         model = init_model(cfg, seed=0, dtype="bfloat16")
         nnx.update(model, shard_params(nnx.state(model), m))
@@ -106,13 +117,15 @@ SCRIPT = textwrap.dedent(
         args += tuple(sds((data, s), jnp.int32) for _ in range(4)) + (sds((data, s), jnp.bool_),)
         args += (sds((data, s, pps), jnp.int32), jax.random.key(0))
         with jax.set_mesh(m):
-            prog = programs.decode.trace(*args, impl="pallas_tpu", params=params, steps=4)
-            return prog.lower(lowering_platforms=("tpu",)).as_text()
+            prog = programs.decode.trace(*args, impl=impl, params=params, steps=4)
+            return prog.lower(lowering_platforms=(platform,)).as_text()
 
     prog, prog_d2t2, prog_d4t1 = decode_hlo(1, 4), decode_hlo(2, 2), decode_hlo(4, 1)
+    gpu = [ln for ln in decode_hlo(1, 4, "pallas_gpu", "cuda").splitlines() if "@__gpu$xla.gpu.triton" in ln]
 
     print("RESULT" + json.dumps({
-        "errors": errors, "seen": seen,
+        "errors": errors, "seen": seen, "gpu_error": gpu_error,
+        "gpu_prog": {"calls": len(gpu), "local_pool": bool(gpu) and "tensor<66x16x2x128xbf16>" in gpu[0]},
         "attn": {"kernel": "ragged_paged_attention" in attn, "manual": "manual_computation" in attn,
                  "local_q": "tensor<64x7x128xbf16>" in attn, "local_pool": "tensor<14336x16x2x128xbf16>" in attn},
         "prog": {"kernel": "ragged_paged_attention" in prog, "manual": "manual_computation" in prog,
@@ -140,6 +153,15 @@ def test_sharded_kernel_equals_the_xla_path_under_the_kernels_reference(tp_run):
     assert max(tp_run["errors"]) < 1e-5, tp_run["errors"]
     # per device: 8 queries of 8 / 4 heads; the 3 layers' 12 pages as one pool, 2 * 4 / 4 combined heads
     assert tp_run["seen"] and all(s == [[8, 2, 8], [36, 4, 2, 8]] for s in tp_run["seen"]), tp_run["seen"]
+
+
+@pytest.mark.slow
+def test_sharded_gpu_kernel_equals_the_xla_path_and_lowers_for_cuda(tp_run):
+    """The Pallas GPU kernel (interpret mode) in the same shard_map: one decode query per sequence, float32, a
+    soft-cap, a layer offset: equals the one-device XLA path; the engine's decode program with it lowers for CUDA
+    on tp 4 with one Triton call per layer-scan body on each device's 2 combined kv heads of the merged pool."""
+    assert tp_run["gpu_error"] < 1e-5, tp_run["gpu_error"]
+    assert tp_run["gpu_prog"]["calls"] == 1 and tp_run["gpu_prog"]["local_pool"], tp_run["gpu_prog"]
 
 
 @pytest.mark.slow
