@@ -69,7 +69,7 @@ def resolve_for_model(impl: str, platform: str, config, page_size: int, *, inter
     """The paged engine's impl for a model (`models.ModelConfig`, or None: no model checks):
     `resolve_paged_attention_impl`, then a kernel that cannot run the model (the TPU kernel: attention sinks; the
     GPU kernel: sinks, a sliding window in any layer, a head_dim or `page_size` Triton cannot tile,
-    `attention_gpu.gpu_kernel_unsupported`) gives "xla" under "auto" (logged once) and raises ValueError when
+    `attention_gpu.gpu_kernel_unsupported`) gives "xla" under "auto" (logged) and raises ValueError when
     named."""
     got = resolve_paged_attention_impl(impl, platform, interpret=interpret)
     if config is None or got == "xla":
