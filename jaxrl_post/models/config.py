@@ -15,6 +15,7 @@ import os
 from typing import Any
 
 from jaxrl_post.models.moe_families import moe_fields_from_hf, moe_fields_to_hf
+from jaxrl_post.models.mxfp4 import check_quantization_config
 
 # family -> (HF model_type, HF architecture class)
 HF_ARCH = {
@@ -236,9 +237,7 @@ class ModelConfig:
             raise NotImplementedError(
                 f"model_type {model_type!r} not supported; supported: {sorted(_MODEL_TYPE_TO_FAMILY)}"
             )
-        if cfg.get("quantization_config"):  # e.g. gpt-oss's mxfp4 experts: dequantizing on load is not implemented
-            quant = (cfg["quantization_config"] or {}).get("quant_method", "?")
-            raise NotImplementedError(f"quantization_config (quant_method {quant!r}): load a bf16/float32 checkpoint")
+        check_quantization_config(family, cfg.get("quantization_config"))  # gpt-oss's mxfp4: dequantized on load
         if family == "llama" and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
             raise NotImplementedError("Llama attention_bias/mlp_bias checkpoints are not supported")
         gemma = family.startswith("gemma")

@@ -10,14 +10,15 @@ Projection weights and biases live in `Linear` modules (`layers.<i>.attn.q_proj.
 Llama/Qwen's `post_attention_layernorm` is the pre-MLP norm; Gemma's is the post-attention norm.
 MoE layers (Qwen3-MoE): router `mlp.gate.weight` [E, D] -> `mlp.router` [D, E]; the per-expert
 `mlp.experts.<j>.<proj>.weight` are stacked into `mlp.<proj>` [E, in, out] (`moe.stack_experts` / `split_experts`);
-Mixtral's, Qwen2-MoE's and GPT-OSS's tensors: `moe_families`.
+Mixtral's, Qwen2-MoE's and GPT-OSS's tensors: `moe_families`; GPT-OSS's MXFP4 experts are dequantized on load
+(`mxfp4`, reading: `hf_tensors`) and export writes the model's own dtype.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 
 import jax
 import jax.numpy as jnp
@@ -26,13 +27,13 @@ from flax import nnx
 
 from jaxrl_post.models.config import ModelConfig
 from jaxrl_post.models.decoder import Transformer
-from jaxrl_post.models.moe import experts_key, split_experts, stack_experts
-from jaxrl_post.models.moe_families import FUSED_EXPERTS, hf_to_ours_name, moe_layer_params, ours_to_hf_name
+from jaxrl_post.models.hf_tensors import checkpoint_tensors, iter_safetensors
+from jaxrl_post.models.moe import experts_key, split_experts
+from jaxrl_post.models.moe_families import FUSED_EXPERTS, moe_layer_params, ours_to_hf_name
 from jaxrl_post.models.resolve import check_model_files
 from jaxrl_post.models.reward_model import HF_SEQ_CLS_ARCH, RewardModel
 from jaxrl_post.runtime.sharding import _check_divisible, logical_to_mesh_spec
 
-_SKIP_PREFIXES = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.", "multi_modal_projector.")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 
 
@@ -91,20 +92,6 @@ def param_map(config: ModelConfig) -> dict[str, tuple[tuple, Callable, Callable]
     return out
 
 
-def _normalize_name(name: str) -> str | None:
-    """Map Gemma 3 multimodal / legacy names onto text-model names; None for tensors we ignore."""
-    if name.startswith(_SKIP_PREFIXES) or name.endswith("rotary_emb.inv_freq"):
-        return None
-    for old, new in (
-        ("model.language_model.", "model."),
-        ("language_model.model.", "model."),
-        ("language_model.lm_head.", "lm_head."),
-    ):
-        if name.startswith(old):
-            return new + name[len(old) :]
-    return name
-
-
 def _get_variable(model, path: tuple) -> nnx.Variable:
     obj = model
     for p in path:
@@ -147,15 +134,17 @@ def load_state_dict_into(
 
     Each array is reshaped/transposed to our layout, cast to the param's dtype on the host and placed onto
     its sharding (from the logical names when `mesh` is given, else the param's current sharding, else the
-    default device). A tied `lm_head.weight` is ignored. Raises ValueError listing missing tensors,
-    unexpected tensors and shape mismatches (after the iterator is exhausted).
+    default device). MXFP4 `*_blocks` / `*_scales` pairs (GPT-OSS) are dequantized into the param's dtype
+    (`mxfp4.dequantize_experts`). A tied `lm_head.weight` is ignored. Raises ValueError listing missing tensors,
+    unexpected tensors and shape mismatches (after the iterator is exhausted), or naming a malformed MXFP4 tensor.
     """
     mapping = param_map(model.config) if mapping is None else mapping
     seen, unexpected, bad_shape, incomplete = set(), [], [], []
-    family = model.config.family
-    named = ((hf_to_ours_name(family, n), a) for n, a in ((_normalize_name(r), a) for r, a in hf_named_tensors) if n)
-    n_stack = 0 if family in FUSED_EXPERTS else model.config.num_experts  # fused experts load as they are
-    for name, array in stack_experts(named, n_stack, incomplete):
+
+    def dtype_of(name):  # MXFP4 experts dequantize straight into their param's dtype
+        return _get_variable(model, mapping[name][0]).dtype if name in mapping else np.float32
+
+    for name, array in checkpoint_tensors(model.config, hf_named_tensors, dtype_of, incomplete):
         if name not in mapping:
             if not (name == "lm_head.weight" and model.config.tie_word_embeddings):
                 unexpected.append(name)
@@ -166,7 +155,7 @@ def load_state_dict_into(
         if tuple(arr.shape) != tuple(var.shape):
             bad_shape.append(f"{name}: got {tuple(np.shape(array))} -> {arr.shape}, expected {var.shape}")
             continue
-        arr = np.ascontiguousarray(arr.astype(var.dtype))
+        arr = np.ascontiguousarray(arr.astype(var.dtype, copy=False))
         sharding = _target_sharding(var, mesh, path)
         if sharding is None:
             value = jnp.asarray(arr)
@@ -191,24 +180,6 @@ def load_state_dict_into(
             msg.append(f"shape mismatches: {show(bad_shape)}")
         raise ValueError(f"checkpoint does not match {model.config.family} config: " + "; ".join(msg))
     return model
-
-
-def iter_safetensors(path: str) -> Iterator[tuple[str, np.ndarray]]:
-    """Yield (name, numpy array) from `model.safetensors` or the shards of `model.safetensors.index.json`."""
-    from safetensors import safe_open
-
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    elif os.path.exists(os.path.join(path, "model.safetensors")):
-        files = ["model.safetensors"]
-    else:
-        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
-    for fname in files:
-        with safe_open(os.path.join(path, fname), framework="numpy") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield name, f.get_tensor(name)
 
 
 def check_causal_lm_dir(path) -> None:

@@ -12,7 +12,8 @@ and hf_io.py; the block itself is `models/moe.py`).
   (`swiglu_alpha`, `swiglu_limit`), stored as transformers does: `mlp.experts.gate_up_proj` `[E, D, 2F]` with gate
   and up interleaved (columns 0, 2, ... gate; 1, 3, ... up), `down_proj` `[E, F, D]` (ours as they are); q/k/v/o
   biases, attention sinks, alternating sliding / full layers, YaRN rope. The released mxfp4 checkpoints
-  (`quantization_config`) are refused (`ModelConfig.from_hf_config`); bf16/float32 ones load.
+  (`quantization_config`, `*_blocks` / `*_scales` experts) are dequantized on load (`mxfp4`); bf16/float32 load as
+  they are.
 """
 
 from __future__ import annotations
