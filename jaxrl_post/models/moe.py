@@ -143,26 +143,35 @@ class MoE(nnx.Module):
             sizes = jnp.bincount(flat, weights=kf.astype(jnp.int32), length=self.num_experts)
         order = jnp.argsort(key, stable=True)[:rows]  # assignments grouped by expert, the first `rows`
         xs = jnp.take(x, order // k, axis=0).astype(self.dtype)  # [rows, D]
-
-        def gmm(lhs, w):  # grouped matmul in the compute dtype, float32 accumulation (as `linear._dot`)
-            return grouped_matmul(
-                lhs, w.astype(self.dtype), sizes.astype(jnp.int32), impl=self.impl, interpret=self.interpret
-            )
-
-        if self.gate_up_proj is None:
-            h = self._act(gmm(xs, self.gate_proj[...]), gmm(xs, self.up_proj[...]))
-            ys = gmm(h, self.down_proj[...])  # [rows, D], sorted order
-        else:  # GPT-OSS: fused interleaved gate/up, biases per expert gathered per sorted row (0 for dropped ones)
-            expert_of = jnp.take(key, order)  # [rows]
-            bias = lambda b: jnp.take(b[...], expert_of, axis=0, mode="fill", fill_value=0).astype(self.dtype)
-            gu = gmm(xs, self.gate_up_proj[...]) + bias(self.gate_up_proj_bias)
-            gu = gu.reshape(gu.shape[0], -1, 2)  # [rows, F, 2]: (gate, up) pairs; a split 2F stays split over F
-            h = self._act(gu[..., 0], gu[..., 1])
-            ys = gmm(h, self.down_proj[...]) + bias(self.down_proj_bias)
+        ys = self.ffn(xs, sizes.astype(jnp.int32), jnp.take(key, order), self.expert_params())  # [rows, D] sorted
         # where each assignment sits in `ys`; `rows` (out of range -> 0) for an assignment past the buffer (dropped)
         inverse = jnp.full((n * k,), rows, order.dtype).at[order].set(jnp.arange(rows, dtype=order.dtype))
         ys = jnp.take(ys, inverse, axis=0, mode="fill", fill_value=0).astype(jnp.float32).reshape(n, k, -1)
         return jnp.einsum("NKD,NK->ND", ys, weights)
+
+    def expert_params(self) -> dict[str, jax.Array]:
+        """The experts' arrays by param name (`[E, ...]`: gate/up/down, or GPT-OSS's fused gate_up and biases)."""
+        names = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+        names = names if self.gate_up_proj is not None else ("gate_proj", "up_proj", "down_proj")
+        return {n: getattr(self, n)[...] for n in names}
+
+    def ffn(self, xs: jax.Array, sizes: jax.Array, expert_of: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
+        """The experts' MLP on rows grouped by expert: xs `[R, D]` sorted by expert, sizes `[E']` int32 rows per
+        expert, expert_of `[R]` int32 each row's expert (>= E' for rows in no group: padding, dropped), p the
+        `expert_params` of these E' experts (all of them, or one device's under expert parallelism) -> `[R, D]` in
+        the compute dtype: grouped matmuls (`impl`, float32 accumulation as `linear._dot`); GPT-OSS's biases are
+        gathered per row (0 for rows in no group) and its fused gate/up split into (gate, up) pairs (a 2F split
+        over 'tensor' stays split over F)."""
+
+        def gmm(lhs, w):
+            return grouped_matmul(lhs, w.astype(self.dtype), sizes, impl=self.impl, interpret=self.interpret)
+
+        if "gate_up_proj" not in p:
+            return gmm(self._act(gmm(xs, p["gate_proj"]), gmm(xs, p["up_proj"])), p["down_proj"])
+        bias = lambda b: jnp.take(b, expert_of, axis=0, mode="fill", fill_value=0).astype(self.dtype)
+        gu = gmm(xs, p["gate_up_proj"]) + bias(p["gate_up_proj_bias"])
+        gu = gu.reshape(gu.shape[0], -1, 2)  # [R, F, 2]: (gate, up) pairs
+        return gmm(self._act(gu[..., 0], gu[..., 1]), p["down_proj"]) + bias(p["down_proj_bias"])
 
     def _act(self, gate: jax.Array, up: jax.Array) -> jax.Array:
         if self.swiglu is None:
@@ -186,23 +195,15 @@ class MoE(nnx.Module):
             weights = jnp.where(keep, weights, 0.0)
             dropped = jnp.sum(jnp.where(keep, 0.0, m[:, None]))
         if moe_ep.expert_parallel_size() > 1:  # experts split over the mesh's 'expert' axis: all-to-all dispatch
-            if self.gate_up_proj is not None or self.swiglu is not None:
-                raise NotImplementedError(
-                    "expert parallelism (an 'expert' mesh axis > 1) is not implemented for GPT-OSS's biased fused "
-                    "experts / clamped SwiGLU; use an expert axis of size 1"
-                )
             y = moe_ep.dispatch(
                 x,
                 weights.reshape(b, t, self.top_k),
                 experts.reshape(b, t, self.top_k),
-                self.gate_proj[...],
-                self.up_proj[...],
-                self.down_proj[...],
+                self.expert_params(),
+                self.ffn,
                 num_experts=self.num_experts,
-                act=self.act,
                 dtype=self.dtype,
-                impl=self.impl,
-                interpret=self.interpret,
+                check_vma=self.impl != "megablox",  # a Pallas call's output carries no varying-axes type
             ).astype(self.dtype)
         else:
             rows = 0 if keep is None else capacity_rows(b, t, self.top_k, self.num_experts, self.capacity_factor)

@@ -1,15 +1,17 @@
 """Expert-parallel dispatch of the MoE block (`moe.MoE.experts`) over the mesh's 'expert' axis.
 
 Used when the ambient mesh (`jax.set_mesh`, `sharding.InMesh`) has an 'expert' axis of size ep > 1. The stacked
-expert weights `[E, D, F]` / `[E, F, D]` are split over 'expert' (`sharding.LOGICAL_AXIS_RULES`: each device
-holds E/ep experts, their F dim over 'tensor' when it divides) and never gathered along E. Inside one
+expert weights `[E, D, F]` / `[E, F, D]` (GPT-OSS: the fused gate/up `[E, D, 2F]` and the biases `[E, 2F]`, `[E, D]`)
+are split over 'expert' (`sharding.LOGICAL_AXIS_RULES`: each device holds E/ep experts, their F dim over 'tensor'
+when it divides) and never gathered along E. Inside one
 `jax.shard_map` over the mesh (the MaxText / Megablox pattern), per device with its own token shard:
 
 1. its N*k (token, expert) assignments are sorted by expert; their counts per expert are all-gathered over
    'expert' (`[ep, E]` int32, the only metadata exchanged) and give every device the offsets and sizes below;
 2. `jax.lax.ragged_all_to_all` sends each device the rows of its experts, sender after sender;
-3. the received rows are sorted by local expert and go through the grouped matmuls (`grouped_matmul`: ragged_dot
-   or megablox, `MoE.impl`);
+3. the received rows are sorted by local expert and go through the experts' MLP (`MoE.ffn`: grouped matmuls,
+   ragged_dot or megablox, `MoE.impl`; GPT-OSS's biases and clamped SwiGLU, its down bias added on one 'tensor'
+   shard only, as the outputs are summed over 'tensor');
 4. a second `ragged_all_to_all` with the roles swapped sends the outputs back to their tokens' devices, where
    they are unsorted and summed weighted by the routing weights (psum over 'tensor' for a split F).
 
@@ -27,15 +29,24 @@ is shared, so the CPU tests run it. TPU / GPU use the ragged collective.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxrl_post.models.grouped_matmul import grouped_matmul
-from jaxrl_post.models.layers import activation
 from jaxrl_post.runtime.sharding import LOGICAL_AXIS_RULES
 
 AXIS = "expert"  # mesh axis of expert parallelism (sharding.MESH_AXES)
+# the dim of each expert param (`MoE.expert_params`) that holds F (split over 'tensor' when F divides), or None
+_F_DIM = {
+    "gate_proj": 2,
+    "up_proj": 2,
+    "down_proj": 1,
+    "gate_up_proj": 2,
+    "gate_up_proj_bias": 1,
+    "down_proj_bias": None,
+}
 
 
 def expert_parallel_size() -> int:
@@ -73,26 +84,19 @@ def _exclusive_cumsum(x, axis):
     return jnp.cumsum(x, axis=axis) - x
 
 
-def _local_experts(buf, local_id, e_local: int, gate, up, down, act: str, dtype, impl: str, interpret: bool):
+def _local_experts(buf, local_id, e_local: int, params: dict, ffn: Callable):
     """Rows `buf` `[R, D]` of local experts `local_id` `[R]` (e_local = padding, computes zeros) -> `[R, D]`
-    expert outputs in the compute dtype (grouped matmuls `impl` over the rows sorted by local expert)."""
+    expert outputs in the compute dtype (`ffn` over the rows sorted by local expert)."""
     order = jnp.argsort(local_id, stable=True)
     sizes = jnp.bincount(local_id, length=e_local).astype(jnp.int32)  # padding ids (== e_local) not counted
-    xs = jnp.take(buf, order, axis=0)
-
-    def gmm(lhs, w):
-        return grouped_matmul(lhs, w.astype(dtype), sizes, impl=impl, interpret=interpret)
-
-    ys = gmm(activation(act, gmm(xs, gate)) * gmm(xs, up), down)
+    ys = ffn(jnp.take(buf, order, axis=0), sizes, jnp.take(local_id, order), params)
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     return jnp.take(ys, inverse, axis=0)
 
 
-def _dispatch_local(
-    x, weights, experts, gate, up, down, *, num_experts, act, dtype, impl, interpret, exchange, tokens_sharded, sum_axes
-):
-    """shard_map body: this device's tokens x `[b, T, D]`, weights/experts `[b, T, k]`, its experts' weights
-    `[E/ep, D, F/tp]` / `[E/ep, F/tp, D]` -> `[b, T, D]` float32, summed over `sum_axes` ('tensor' when F is
+def _dispatch_local(x, weights, experts, params, *, ffn, num_experts, dtype, exchange, tokens_sharded, sum_axes):
+    """shard_map body: this device's tokens x `[b, T, D]`, weights/experts `[b, T, k]`, its experts' params
+    (`[E/ep, D, F/tp]`, `[E/ep, F/tp, D]`, ...) -> `[b, T, D]` float32, summed over `sum_axes` ('tensor' when F is
     split over it, 'expert' when the tokens are replicated)."""
     b, t, d = x.shape
     k = experts.shape[-1]
@@ -117,7 +121,7 @@ def _dispatch_local(
         pos = jnp.arange(buf.shape[0], dtype=jnp.int32)
         slot = jnp.searchsorted(ends, pos, side="right").astype(jnp.int32)
         local_id = jnp.where(slot < ep * e_local, slot % e_local, e_local)
-        out = _local_experts(buf, local_id, e_local, gate, up, down, act, dtype, impl, interpret)
+        out = _local_experts(buf, local_id, e_local, params, ffn)
         back_at = _exclusive_cumsum(pair, 1)[:, me]  # where each sender's slice came from in its xs
         ys = exchange(
             out, jnp.zeros_like(xs), land[:, me], recv_sizes, back_at, send_sizes, axis_name=AXIS
@@ -125,20 +129,21 @@ def _dispatch_local(
     else:  # replicated tokens: my experts' assignments only, summed over 'expert' below
         local = jnp.take(flat, order) - me * e_local
         local_id = jnp.where((local >= 0) & (local < e_local), local, e_local)
-        ys = _local_experts(xs, local_id, e_local, gate, up, down, act, dtype, impl, interpret)
+        ys = _local_experts(xs, local_id, e_local, params, ffn)
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     ys = jnp.take(ys, inverse, axis=0).astype(jnp.float32).reshape(b * t, k, d)
     y = jnp.einsum("NKD,NK->ND", ys, weights.reshape(b * t, k)).reshape(b, t, d)
     return jax.lax.psum(y, sum_axes) if sum_axes else y
 
 
-def dispatch(
-    x, weights, experts, gate, up, down, *, num_experts: int, act: str, dtype, impl="ragged_dot", interpret=False
-):
+def dispatch(x, weights, experts, params: dict, ffn: Callable, *, num_experts: int, dtype=None, check_vma: bool = True):
     """Expert-parallel MoE experts on the ambient mesh: x `[B, T, D]`, weights `[B, T, k]` float32, experts
-    `[B, T, k]` int32, gate/up `[E, D, F]`, down `[E, F, D]` -> `[B, T, D]` float32 (what the single-device
-    `MoE.experts` computes). impl / interpret: the grouped matmul's (`grouped_matmul.grouped_matmul`). Raises
-    ValueError when E does not divide over the 'expert' axis."""
+    `[B, T, k]` int32, params the experts' arrays by name (`MoE.expert_params`: gate/up `[E, D, F]`, down
+    `[E, F, D]`; or GPT-OSS's gate_up `[E, D, 2F]`, gate_up bias `[E, 2F]`, down, down bias `[E, D]`) -> `[B, T, D]`
+    float32 (what the single-device `MoE.experts` computes). ffn: the experts' MLP on one device's rows
+    (`MoE.ffn(xs, sizes, expert_of, params)`); dtype: the rows' compute dtype (default x's); check_vma: False for a
+    Pallas grouped matmul (its output carries no varying-axes type). Raises ValueError when E does not divide over
+    the 'expert' axis."""
 
     mesh = jax.sharding.get_abstract_mesh()
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
@@ -151,21 +156,30 @@ def dispatch(
         n_rows *= sizes.get(a, 1)
     sharded = x.shape[0] % n_rows == 0
     rows = batch_axes if sharded else None
-    f = "tensor" if gate.shape[-1] % tp == 0 else None
+    f = "tensor" if params["down_proj"].shape[1] % tp == 0 else None  # F (and a fused 2F as F pairs) over 'tensor'
     tok, route = P(rows, None, None), P(rows, None, None)
     exchange = jax.lax.ragged_all_to_all if ragged_all_to_all_supported() else padded_ragged_all_to_all
+    names = sorted(params)
 
-    def body(x, weights, experts, gate, up, down):
+    def spec(name):
+        dims = [AXIS] + [None] * (params[name].ndim - 1)
+        if _F_DIM[name] is not None:
+            dims[_F_DIM[name]] = f
+        return P(*dims)
+
+    def body(x, weights, experts, *arrays):
+        local = dict(zip(names, arrays))
+        if f and "down_proj_bias" in local:  # outputs are summed over 'tensor': add the down bias on one shard
+            local["down_proj_bias"] = jnp.where(jax.lax.axis_index("tensor") == 0, local["down_proj_bias"], 0)
         return _dispatch_local(
-            x, weights, experts, gate, up, down,
-            num_experts=num_experts, act=act, dtype=dtype, impl=impl, interpret=interpret, exchange=exchange,
-            tokens_sharded=sharded,
+            x, weights, experts, local,
+            ffn=ffn, num_experts=num_experts, dtype=dtype or x.dtype, exchange=exchange, tokens_sharded=sharded,
             sum_axes=(() if sharded else (AXIS,)) + (("tensor",) if f else ()),
         )  # fmt: skip
 
     return jax.shard_map(
         body,
-        in_specs=(tok, route, route, P(AXIS, None, f), P(AXIS, None, f), P(AXIS, f, None)),
+        in_specs=(tok, route, route, *(spec(n) for n in names)),
         out_specs=tok,
-        check_vma=impl != "megablox",  # a Pallas call's output carries no varying-axes type
-    )(x, weights, experts, gate, up, down)
+        check_vma=check_vma,
+    )(x, weights, experts, *(params[n] for n in names))

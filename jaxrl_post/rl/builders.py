@@ -150,7 +150,6 @@ def build_actor_and_tokenizer(cfg: Any, mesh: jax.sharding.Mesh | None):
     model.scan_layers = bool(scan)
     apply_attention_impl(cfg, model)
     apply_moe_impl(cfg, model)
-    check_expert_parallel(cfg, model.config)
     if len(tokenizer) > model.config.vocab_size:
         raise ValueError(
             f"config.model: tokenizer has {len(tokenizer)} tokens but the model vocabulary is {model.config.vocab_size}"
@@ -191,17 +190,6 @@ def apply_attention_impl(cfg: Any, model, platform: str | None = None) -> str:
             "sequence' only, not 'a response sees its chunk's prompt'; every sequence packs its own prompt"
         )
     return impl
-
-
-def check_expert_parallel(cfg: Any, model_config) -> None:
-    """Raises ConfigError when `trainer.mesh.expert` > 1 for a model whose experts the expert-parallel dispatch
-    (`moe_ep.dispatch`) cannot run: GPT-OSS's biased fused experts and clamped SwiGLU (`moe_bias`, `swiglu_limit`)."""
-    ep = int(cfg.trainer.mesh.get("expert", 1))
-    if ep > 1 and (model_config.moe_bias or model_config.swiglu_limit is not None):
-        raise ConfigError(
-            f"config.trainer.mesh.expert={ep}: expert parallelism is not built for GPT-OSS's biased fused experts / "
-            "clamped SwiGLU; use trainer.mesh.expert=1 (the experts then shard over 'fsdp' / 'tensor')"
-        )
 
 
 def apply_moe_impl(cfg: Any, model, platform: str | None = None) -> str:

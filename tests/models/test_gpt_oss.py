@@ -235,17 +235,17 @@ def test_gpt_oss_scanned_layers_equal_unrolled():
 
 def test_gpt_oss_preset_and_refused_fields():
     """gpt-oss-20b's preset: 20.91B total, 3.61B active as OpenAI's model card counts them (Table 1: the embedding
-    table not active, the unembedding active) within 1%, and it round-trips through config.json; an mxfp4
-    checkpoint, `attention_bias: false`, biased experts outside GPT-OSS, a GPT-OSS export transformers cannot express
-    and the flash kernels without sinks each raise, naming the field."""
+    table not active, the unembedding active) within 1%, and it round-trips through config.json; a quantization
+    other than mxfp4, `attention_bias: false`, biased experts outside GPT-OSS, a GPT-OSS export transformers cannot
+    express and the flash kernels without sinks each raise, naming the field."""
     cfg = PRESETS["gpt_oss_20b"]
     total, active = cfg.num_params(), cfg.num_params(active=True) - cfg.vocab_size * cfg.hidden_size
     assert abs(total - 20.91e9) / 20.91e9 < 0.01 and abs(active - 3.61e9) / 3.61e9 < 0.01
     assert ModelConfig.from_hf_config(cfg.to_hf_config()) == cfg
     assert cfg.layer_types[:2] == ("sliding_attention", "full_attention") and cfg.sliding_window == 128
     hf = cfg.to_hf_config()
-    with pytest.raises(NotImplementedError, match="quantization_config.*mxfp4"):
-        ModelConfig.from_hf_config(dict(hf, quantization_config={"quant_method": "mxfp4"}))
+    with pytest.raises(NotImplementedError, match="quantization_config.*fp8"):  # mxfp4 loads: test_mxfp4.py
+        ModelConfig.from_hf_config(dict(hf, quantization_config={"quant_method": "fp8"}))
     with pytest.raises(NotImplementedError, match="attention_bias"):
         ModelConfig.from_hf_config(dict(hf, attention_bias=False))
     with pytest.raises(ValueError, match="moe_bias"):
