@@ -30,7 +30,10 @@ between turns (`turn_cache.TurnCache`) and each turn prefills only what was appe
 cache slot; rows that are done leave the batch. With a fixed seed the trajectories equal those of
 `enable_prefix_caching=False`, which re-prefills the prompt and the trajectory so far at every turn (one
 `Generator.generate` call over the running rows at the batch bucket of the whole call; turn ``k`` pays a prefill
-of ``P + (tokens so far)``); a sharded generator (with a mesh) always takes that path.
+of ``P + (tokens so far)``); a sharded dense generator (with a mesh) always takes that path. With the paged engine
+(`rollout.paged.PagedGenerator`, on one device or as data-parallel replicas of a tensor-parallel engine) prefix
+caching runs in the engine's page pools (`rollout/paged/session.py`: a trajectory's pages stay on its replica
+between turns), with the same trajectories for a fixed seed.
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ from jaxrl_post.data.pipeline import compute_position_ids, left_pad
 from jaxrl_post.errors import ConfigError
 from jaxrl_post.models.tokenizer import tokenizer_adds_bos
 from jaxrl_post.rollout.chat_suffix import _render, observation_suffix
+from jaxrl_post.rollout.paged.engine import PagedGenerator
+from jaxrl_post.rollout.paged.session import PagedSession
 from jaxrl_post.rollout.tool_parser import get_tool_parser
 from jaxrl_post.rollout.trajectory import _Traj, assemble, rollout_metrics
 from jaxrl_post.rollout.turn_cache import TurnCache
@@ -98,10 +103,10 @@ class MultiTurnLimits:
 
 
 class AgentLoop:
-    """Multi-turn rollout over environments with the single-turn `Generator`.
+    """Multi-turn rollout over environments with the single-turn `Generator` or the paged `PagedGenerator`.
 
     Args:
-      generator: the rollout `Generator`.
+      generator: the rollout `Generator` or `PagedGenerator`.
       tokenizer: the model's `transformers` tokenizer (with a chat template).
       env_factory: `row -> Environment` (row: a dict of one prompt's non-tensor fields); called once per
         trajectory (each of the n samples of a prompt gets its own).
@@ -114,8 +119,9 @@ class AgentLoop:
       error_budget: a `tools.ToolErrorBudget` fed with the executed tool calls (checked once per call to
         `generate`); None = none.
       enable_prefix_caching: keep the batch's KV cache between turns and prefill only the appended tokens
-        (`turn_cache.TurnCache`; vLLM's / verl's name). False, or a generator with a mesh or without a model:
-        every turn re-prefills the prompt and the trajectory so far through `Generator.generate`.
+        (`turn_cache.TurnCache`; vLLM's / verl's name; a `PagedGenerator`: `paged.session.PagedSession`, and
+        `last_stats` gains its counts as `paged/*`). False, or a dense generator with a mesh or without a model:
+        every turn re-prefills the prompt and the trajectory so far through the generator's `generate`.
     """
 
     def __init__(
@@ -158,11 +164,16 @@ class AgentLoop:
         return self._pinned[rows]
 
     def _turn_cache(self, p: int, r: int):
-        """A fresh `TurnCache` for one `generate` call, or None (prefix caching off, or a generator it cannot
-        drive: a stand-in without a model, or a sharded one)."""
+        """A fresh turn cache for one `generate` call: a `PagedSession` on a `PagedGenerator` (any mesh), a
+        `TurnCache` on a one-device `Generator`; None (prefix caching off, or a generator neither can drive: a
+        stand-in without a model, or a sharded dense one)."""
 
         g = self.generator
-        if not self.enable_prefix_caching or not hasattr(g, "model") or getattr(g, "mesh", None) is not None:
+        if not self.enable_prefix_caching:
+            return None
+        if isinstance(g, PagedGenerator):
+            return PagedSession(g, p, r)
+        if not hasattr(g, "model") or getattr(g, "mesh", None) is not None:
             return None
         return TurnCache(g, p, r)
 
@@ -314,9 +325,11 @@ class AgentLoop:
                 self._after_step(t, action, res, r, stats)
             stats["turns_run"] += 1
             turn += 1
+        engine_stats = tc.close() if isinstance(tc, PagedSession) else {}  # the trajectories' pages freed
         if self.error_budget is not None:
             self.error_budget.check()
         self.last_stats = dict(stats, generate_calls=gen_calls, prefill_tokens=gen_tokens_in)
+        self.last_stats.update({f"paged/{k}": v for k, v in engine_stats.items()})
         return assemble(rows, trajs, p, r, params)
 
     def _reprefill_turn(self, active: list[_Traj], b: int, params, seed: int):

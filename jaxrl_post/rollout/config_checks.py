@@ -18,7 +18,7 @@ _DTYPES = ("float32", "bfloat16", "float16")
 def check_rollout(c: Checker) -> None:
     """`rollout.n`, `log_prob_micro_batch_size`, `val_kwargs.n` positive; `rollout.name` and, for 'paged', its
     sizes (one device unless `rollout.tensor_model_parallel_size` lays it out as data-parallel replicas of a
-    tensor-parallel engine, single-turn, `max_num_seqs >= n`: per replica);
+    tensor-parallel engine, `max_num_seqs >= n`: per replica; multi-turn runs on it, `rollout/paged/session.py`);
     `temperature` (when sampling), `top_p`, `top_k`, `min_p`; `rollout.dtype`. Reads `c.devices` (the training
     devices) for the paged engine's one device."""
     cfg = c.cfg
@@ -36,8 +36,6 @@ def check_rollout(c: Checker) -> None:
         )
         if is_int(cfg.rollout.max_num_seqs) and is_int(cfg.rollout.n) and cfg.rollout.max_num_seqs < cfg.rollout.n:
             c.err("rollout.max_num_seqs", f"must be >= rollout.n={cfg.rollout.n} (a prompt's samples decode together)")
-        if cfg.rollout.multi_turn.enable:
-            c.err("rollout.name", "'paged' is single-turn for now; use 'dense' with rollout.multi_turn.enable")
         d = c.devices
         tp = cfg.rollout.get("tensor_model_parallel_size")
         if d is not None and (d.train or 1) > 1 and not d.rollout and tp is None:  # split: check_placement

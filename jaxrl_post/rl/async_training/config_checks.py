@@ -41,6 +41,11 @@ def check_async(c: Checker) -> None:
             )
         if a.partial_rollout is True and cfg.rollout.name != "paged":
             c.err("async_training.partial_rollout", "needs rollout.name='paged' (stop and resume at a dispatch)")
+        if a.partial_rollout is True and cfg.rollout.multi_turn.enable:
+            c.err(
+                "async_training.partial_rollout",
+                "is not supported with rollout.multi_turn.enable (the agent loop does not stop inside a turn)",
+            )
 
 
 def check_placement(c: Checker) -> None:

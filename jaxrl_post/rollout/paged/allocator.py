@@ -134,6 +134,17 @@ class PageAllocator:
         self._seqs[child] = _Seq(shared + copy, seq.length)
         return (seq.pages[-1], copy[0]) if partial else None
 
+    def truncate(self, seq_id, num_tokens: int) -> None:
+        """Shrink `seq_id` to its first `num_tokens` tokens (<= its length): pages past them are released (slots
+        reserved for tokens that were never written, e.g. after a multi-turn session's turn ends).
+        Raises KeyError for an unknown id, ValueError when `num_tokens` exceeds the length."""
+        seq = self._seqs[seq_id]
+        if not 0 <= num_tokens <= seq.length:
+            raise ValueError(f"cannot truncate sequence {seq_id!r} of {seq.length} tokens to {num_tokens}")
+        keep = self.pages_for(num_tokens)
+        self._release(seq.pages[keep:])
+        seq.pages, seq.length = seq.pages[:keep], int(num_tokens)
+
     def free(self, seq_id) -> None:
         """Retire `seq_id`: drop its references; pages no one references go back to the free list.
         Raises KeyError for an unknown (or already freed) id."""

@@ -75,13 +75,15 @@ def page_copies(copies: list[list[tuple[int, int]]], s_max: int) -> np.ndarray |
 
 def decode_inputs(sched: Scheduler, seqs: list[Seq], pps: int) -> tuple[np.ndarray, ...]:
     """One replica's decode batch of its running `seqs`, by slot: pos, t, rows, limit `[S] int32`, done `[S] bool`
-    (idle slots: done), tables `[S, pps] int32` (`programs.decode`'s per-replica arguments)."""
+    (idle slots: done), tables `[S, pps] int32` (`programs.decode`'s per-replica arguments); rows are the sequences'
+    sampling ids (`Seq.sample_row`, else `Seq.row`)."""
     s_max = sched.max_num_seqs
     pos, t, rows = (np.zeros(s_max, np.int32) for _ in range(3))
     limit, done = np.ones(s_max, np.int32), np.ones(s_max, bool)
     tables = np.zeros((s_max, pps), np.int32)
     for s in seqs:
-        pos[s.slot], t[s.slot], rows[s.slot], limit[s.slot] = s.length, len(s.tokens), s.row, s.limit
+        row = s.row if s.sample_row is None else s.sample_row
+        pos[s.slot], t[s.slot], rows[s.slot], limit[s.slot] = s.length, len(s.tokens), row, s.limit
         done[s.slot] = False
         tables[s.slot] = sched.alloc.page_table([s.row], pps)[0]
     return pos, t, rows, limit, done, tables

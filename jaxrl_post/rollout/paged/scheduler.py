@@ -27,7 +27,9 @@ class Seq:
     """One sequence (a sample of a prompt). row: its output row and sampling key id; prompt `[P] int32`; limit:
     response tokens at most; tokens / log_probs / thresholds: its response so far; prefilled: tokens of its
     context (prompt + response) whose keys/values are in the pool; routes: an MoE model's experts of its first
-    `sum(len(r) for r in routes)` context tokens, blocks `[n, M, k]` (routing replay, `PagedGenerator`)."""
+    `sum(len(r) for r in routes)` context tokens, blocks `[n, M, k]` (routing replay, `PagedGenerator`); sample_row:
+    its sampling key id when that differs from `row` (a multi-turn session's row among the turn's running rows,
+    `session.py`), None: `row`."""
 
     row: int
     prompt: np.ndarray
@@ -39,6 +41,7 @@ class Seq:
     routes: list = dataclasses.field(default_factory=list)
     slot: int | None = None
     done: bool = False
+    sample_row: int | None = None
 
     @property
     def context(self) -> np.ndarray:
@@ -191,10 +194,14 @@ class Scheduler:
             if done[s.slot]:
                 s.done = True
                 self.running.remove(s)
-                self.alloc.free(s.row)
+                self._retire_pages(s)
                 self.free_slots.append(s.slot)
                 s.slot = None
                 self.finished.append(s)
+
+    def _retire_pages(self, seq: Seq) -> None:
+        """A finished sequence's pages: freed (a multi-turn session keeps them for the next turn, `session.py`)."""
+        self.alloc.free(seq.row)
 
     def stop(self) -> list[Seq]:
         """Hand back every unfinished sequence (running, prefilling, waiting; their tokens so far) and free their

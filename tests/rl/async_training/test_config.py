@@ -59,6 +59,17 @@ def test_bad_async_keys_are_one_line_each(kw, line):
     assert msg.count("\n  ") == 1, msg  # exactly that key
 
 
+def test_partial_rollout_with_multi_turn_is_one_line():
+    c = _cfg(async_training__partial_rollout=True, async_training__staleness_threshold=1, rollout__name="paged")
+    validate_config(c, n_devices=1)
+    c.rollout.multi_turn.enable = True  # the paged engine runs the agent loop, which stops only between calls
+    with pytest.raises(ConfigError) as e:
+        validate_config(c, n_devices=1)
+    msg = str(e.value)
+    assert "config.async_training.partial_rollout=True: is not supported with rollout.multi_turn.enable" in msg, msg
+    assert msg.count("\n  ") == 1, msg
+
+
 def test_filter_groups_with_async_validates_and_reaches_the_settings():
     c = _cfg()
     c.algorithm.filter_groups.enable = True

@@ -1,0 +1,249 @@
+"""Multi-turn sessions on the paged engine: a trajectory's pages stay in the pool between its turns, and each turn
+prefills only what was appended since (prefix caching across turns, as vLLM's and SGLang's prefix caches keep a
+finished request's KV and a follow-up request reuses it).
+
+`AgentLoop` (`rollout/agent_loop.py`) drives one `PagedSession` per `generate` call with a `PagedGenerator`
+and `enable_prefix_caching=True`, through the interface of the dense `turn_cache.TurnCache`
+(`turn(rows, appended, limits, params, seed)`):
+
+- **Turn 1**: every trajectory's prompt. Trajectories with equal prompts (a prompt's `rollout.n` samples) form a
+  group: its first sequence's prompt is prefilled once and the others fork its pages (`PageAllocator.fork`), as in
+  `PagedGenerator.generate`. Groups go to the engine's data-parallel replicas by `replicas.assign_groups`; a
+  trajectory then stays on its replica for every turn.
+- **A turn ends** for a trajectory at its end-of-turn token or its limit: its slot goes back, its pages stay (the
+  reservation past its last token is released, `PageAllocator.truncate`).
+- **Turn k > 1**: the tokens the environment appended (observation, template suffix, next assistant header) are
+  prefilled, in chunks of `max_num_batched_tokens`, into the trajectory's pages after its kept context, then it
+  decodes on with the turn's limit (its remaining budget). A trajectory that no longer runs has its pages freed.
+- **A short pool**: before a running sequence is preempted, the pages of trajectories outside a slot (their turn
+  ended, or their next turn waits for admission) are evicted, oldest first; an evicted or preempted trajectory's
+  whole context is prefilled again when it is admitted next (vLLM's recompute), so the tokens do not change.
+
+Sampling keys equal the dense path's: a turn samples with `jax.random.key(seed)` of the turn's seed, and row j of
+the turn's running rows draws step t with `fold_in(fold_in(key, t), j)` (`Seq.sample_row` = j, t the tokens of
+this turn), as `Generator.generate` on the running rows and `TurnCache` do; so with a fixed seed the trajectories
+equal the dense agent loop's, on any replica and whatever was preempted. The engine's programs are reused as they
+are (one prefill chunk and one decode program per engine shape: nothing compiles per turn); the page tables are
+`PagedGenerator.table_pages(P, R)` wide for the whole call.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_post.rollout.generate import kv_cache_dtype
+from jaxrl_post.rollout.paged.allocator import PageAllocator
+from jaxrl_post.rollout.paged.kv_pool import init_replica_pools, zeros_on
+from jaxrl_post.rollout.paged.replicas import assign_groups
+from jaxrl_post.rollout.paged.scheduler import Scheduler, Seq
+from jaxrl_post.rollout.sampling import SamplingParams
+from jaxrl_post.runtime.sharding import logical_to_mesh_spec
+
+__all__ = ["PagedSession"]
+
+
+class _TurnScheduler(Scheduler):
+    """A replica's `Scheduler` whose finished sequences keep their pages (`kept`: trajectory ids outside a slot
+    that hold pages, oldest first); a sequence whose id holds pages is admitted onto them (only its new context
+    tokens are prefilled); kept pages are evicted before a running sequence is preempted."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.kept: collections.OrderedDict = collections.OrderedDict()
+        self.num_evictions = 0
+
+    def _retire_pages(self, seq: Seq) -> None:
+        self.alloc.truncate(seq.row, seq.length)  # drop the pages reserved past its last token
+        self.kept[seq.row] = None
+
+    def release(self, tid) -> None:
+        """Free the pages of trajectory `tid` (it ended), if it holds any."""
+        self.kept.pop(tid, None)
+        if tid in self.alloc:
+            self.alloc.free(tid)
+
+    def _evict(self, pages: int, spare=None) -> None:
+        """Free kept trajectories' pages, oldest first (not `spare`'s), until `pages` pages are free or none is
+        left to evict."""
+        for tid in list(self.kept):
+            if self.alloc.can_allocate(pages):
+                return
+            if tid != spare:
+                self.release(tid)
+                self.num_evictions += 1
+
+    def _admit(self) -> None:
+        while self.waiting:
+            group = self.waiting[0]
+            first = group[0]
+            held = self.alloc.pages(first.row) if first.row in self.alloc else []
+            need = self.alloc.pages_for(first.length) - len(held) + len(group)  # + one page of headroom per sample
+            if len(group) > len(self.free_slots):
+                return
+            self._evict(need, spare=first.row)
+            if not self.alloc.can_allocate(need):
+                return
+            self.waiting.popleft()
+            if held:  # its context so far is in the pool: prefill only the new tokens after it
+                self.kept.pop(first.row, None)
+                done = self.alloc.length(first.row)
+                self.alloc.append(first.row, first.length - done)
+            else:
+                self.alloc.allocate(first.row, first.length)
+                done = 0
+            for s in group:
+                s.slot, s.prefilled = self.free_slots.pop(), done
+            self.prefilling.append(group)
+
+    def schedule_decode(self) -> list[Seq]:
+        need = 0
+        for s in self.running:
+            target = min(s.length + self.k, len(s.prompt) + s.limit)
+            need += max(0, self.alloc.pages_for(target) - len(self.alloc.pages(s.row)))
+        self._evict(need)
+        return super().schedule_decode()
+
+
+class PagedSession:
+    """The trajectories of one multi-turn rollout on a `PagedGenerator` (module docstring).
+
+    Args:
+      engine: the `PagedGenerator` (its model's current params are read once, here; its sizes are per replica).
+      prompt_len: P, the longest prompt (the page tables hold P + R tokens: `engine.table_pages(P, R)`).
+      max_new_tokens: R, the response budget over all turns.
+
+    Raises ValueError: `P + R` exceeds the engine's `max_model_len`.
+    """
+
+    def __init__(self, engine, prompt_len: int, max_new_tokens: int):
+        self.engine = engine
+        self.p, self.r = int(prompt_len), int(max_new_tokens)
+        self.pps = engine.table_pages(self.p, self.r)
+        self.num_pages = engine.num_pages or engine.max_num_seqs * self.pps + 1
+        engine.update_weights()
+        self.scheds = [
+            _TurnScheduler(
+                PageAllocator(self.num_pages, engine.page_size),
+                max_num_seqs=engine.max_num_seqs,
+                max_num_batched_tokens=engine.max_num_batched_tokens,
+                steps_per_dispatch=engine.steps_per_dispatch,
+            )
+            for _ in range(engine.replicas)
+        ]
+        self.replica_of: dict = {}  # trajectory id -> its replica
+        self.context: dict = {}  # trajectory id -> its token ids so far (prompt, responses, observations)
+        self.kv = self.logits = None
+        self.prefill_tokens = 0  # context tokens prefilled (prompts once per group, appended, recomputed)
+        self.stats = {"prefill_dispatches": 0, "decode_dispatches": 0, "decode_slot_steps": 0, "emitted": 0}
+
+    def _mesh(self):
+        mesh = self.engine.mesh
+        return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
+
+    def _init_device(self) -> None:
+        eng, cfg, d = self.engine, self.engine.model.config, self.engine.replicas
+        dtype = jnp.dtype(kv_cache_dtype(eng.model, eng.cache_dtype))
+        args = (cfg.num_layers, self.num_pages, eng.page_size, cfg.num_kv_heads, cfg.head_dim, dtype, eng.mesh)
+        self.kv = init_replica_pools(d, *args)
+        shape = (d, eng.max_num_seqs, cfg.vocab_size)
+        if eng.mesh is None:
+            self.logits = jnp.zeros(shape, jnp.float32)
+        else:  # per replica on 'data', replicated within it (the programs' layout)
+            spec = logical_to_mesh_spec(("replica", None, None))
+            self.logits = zeros_on(shape, jnp.float32, jax.sharding.NamedSharding(eng.mesh, spec))
+
+    def turn(self, rows, appended, limits, params: SamplingParams, seed: int):
+        """One turn of the running trajectories (`TurnCache.turn`'s contract).
+
+        Args:
+          rows: trajectory ids (hashable) of the running trajectories; row j samples with sampling id j.
+          appended: per row, the token ids added since its last turn (the first turn: its prompt); non-empty.
+          limits: per row, the most tokens it may generate this turn (>= 1).
+          params: `SamplingParams` (max_new_tokens is ignored: `limits` bound the turn).
+          seed: the turn's sampling seed.
+        Returns: (tokens `[A, n] int32`, exists `[A, n] bool`: up to and including the end-of-turn token, at most
+          limits[j] tokens, log_probs `[A, n] float32`) for the A = len(rows) rows, n = max(limits).
+        Raises ValueError: no row, an empty `appended`, or a context longer than the page tables.
+        """
+        if not rows or not all(len(x) for x in appended):
+            raise ValueError("PagedSession.turn needs at least one row and appended tokens for every row")
+        live = set(rows)
+        for tid in [t for t in self.replica_of if t not in live]:  # trajectories that ended: pages freed
+            self.scheds[self.replica_of.pop(tid)].release(tid)
+            del self.context[tid]
+        seqs = []
+        for j, (tid, x, lim) in enumerate(zip(rows, appended, limits)):
+            ctx = self.context.setdefault(tid, [])
+            ctx += [int(i) for i in x]
+            if len(ctx) + int(lim) > self.pps * self.engine.page_size:
+                raise ValueError(f"row {j}: {len(ctx)} context + {lim} new tokens exceed the page tables")
+            seqs.append(Seq(row=tid, prompt=np.asarray(ctx, np.int32), limit=int(lim), sample_row=j))
+        self._queue(seqs)
+        key = jax.random.key(seed)
+        static = dataclasses.replace(params, seed=0, max_new_tokens=1)  # slots carry their limits: one program
+        eng, scheds = self.engine, self.scheds
+        with self._mesh():
+            if self.kv is None:
+                self._init_device()
+            while not all(sc.idle for sc in scheds):
+                pieces = [sc.schedule_prefill() for sc in scheds]
+                if any(pieces):
+                    self.prefill_tokens += sum(pc.count for pcs in pieces for pc in pcs)
+                    self.kv, self.logits = eng._prefill(self.kv, self.logits, scheds, pieces, self.pps)
+                    self.stats["prefill_dispatches"] += 1
+                else:
+                    self.kv, self.logits = eng._decode(self.kv, self.logits, scheds, self.pps, key, static, self.stats)
+                    self.stats["decode_dispatches"] += 1
+        n = max(int(x) for x in limits)
+        tokens = np.full((len(seqs), n), params.pad_token_id, np.int32)
+        exists = np.zeros((len(seqs), n), bool)
+        logps = np.zeros((len(seqs), n), np.float32)
+        for j, s in enumerate(seqs):
+            k = len(s.tokens)
+            tokens[j, :k], exists[j, :k], logps[j, :k] = s.tokens, True, s.log_probs
+            self.context[s.row] += s.tokens
+        for sc in scheds:
+            sc.finished = []
+        return tokens, exists, logps
+
+    def _queue(self, seqs: list[Seq]) -> None:
+        """Queue the turn's sequences on their replicas, in row order: a continuing trajectory alone on its
+        replica; new ones grouped by equal prompts (at most `max_num_seqs` a group), groups spread by
+        `assign_groups`."""
+        groups: dict[tuple, list[Seq]] = {}
+        for s in seqs:
+            if s.row not in self.replica_of:
+                groups.setdefault(tuple(s.prompt.tolist()), []).append(s)
+        cap = self.engine.max_num_seqs
+        new = [g[i : i + cap] for g in groups.values() for i in range(0, len(g), cap)]
+        where = assign_groups([len(g[0].prompt) * len(g) for g in new], len(self.scheds))
+        first_of, members = {}, set()
+        for g, rep in zip(new, where):
+            first_of[id(g[0])] = g
+            for s in g:
+                self.replica_of[s.row] = rep
+                members.add(id(s))
+        for s in seqs:
+            if id(s) in first_of:
+                self.scheds[self.replica_of[s.row]].add(first_of[id(s)])
+            elif id(s) not in members:
+                self.scheds[self.replica_of[s.row]].add([s])
+
+    def close(self) -> dict:
+        """Free every trajectory's pages (the call is over). Returns the session's counts: prefill / decode
+        dispatches, decode slot steps, emitted tokens, preemptions, evictions, pages of a replica's pool."""
+        for tid, rep in self.replica_of.items():
+            self.scheds[rep].release(tid)
+        self.replica_of, self.context = {}, {}
+        return dict(
+            self.stats,
+            preemptions=sum(sc.num_preemptions for sc in self.scheds),
+            evictions=sum(sc.num_evictions for sc in self.scheds),
+            num_pages=self.num_pages,
+        )
