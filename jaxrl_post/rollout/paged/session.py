@@ -136,7 +136,8 @@ class PagedSession:
             )
             for _ in range(engine.replicas)
         ]
-        self.replica_of: dict = {}  # trajectory id -> its replica
+        self.replica_of: dict = {}  # trajectory id -> its replica (while it runs)
+        self.assigned = [0] * engine.replicas  # trajectories placed on each replica
         self.context: dict = {}  # trajectory id -> its token ids so far (prompt, responses, observations)
         self.kv = self.logits = None
         self.prefill_tokens = 0  # context tokens prefilled (prompts once per group, appended, recomputed)
@@ -228,6 +229,7 @@ class PagedSession:
             first_of[id(g[0])] = g
             for s in g:
                 self.replica_of[s.row] = rep
+                self.assigned[rep] += 1
                 members.add(id(s))
         for s in seqs:
             if id(s) in first_of:
@@ -237,7 +239,8 @@ class PagedSession:
 
     def close(self) -> dict:
         """Free every trajectory's pages (the call is over). Returns the session's counts: prefill / decode
-        dispatches, decode slot steps, emitted tokens, preemptions, evictions, pages of a replica's pool."""
+        dispatches, decode slot steps, emitted tokens, preemptions, evictions, pages of a replica's pool, and the
+        trajectories assigned to each replica."""
         for tid, rep in self.replica_of.items():
             self.scheds[rep].release(tid)
         self.replica_of, self.context = {}, {}
@@ -246,4 +249,5 @@ class PagedSession:
             preemptions=sum(sc.num_preemptions for sc in self.scheds),
             evictions=sum(sc.num_evictions for sc in self.scheds),
             num_pages=self.num_pages,
+            replica_trajectories=list(self.assigned),
         )

@@ -1,0 +1,127 @@
+"""The multi-turn agent loop on the paged engine (`rollout/paged/session.py`, issue 56): prefix caching in the
+engine's page pools. On the tiny random model in float32, with a fixed seed, `AgentLoop` on a `PagedGenerator`
+gives the dense agent loop's trajectories (with its `TurnCache` and with the full re-prefill): token ids, masks,
+turn counts, log-probs within 1e-5, greedy and sampled, rows ending at different turns; after the first turn it
+prefills only the appended tokens (counted by hand from the output); a pool too small for the trajectories
+(evictions of kept pages and preemptions, whole contexts prefilled again) changes nothing, and no page leaks;
+turns reuse the engine's programs (one prefill and one decode program for the call, none for a second call)."""
+
+import numpy as np
+import pytest
+
+from jaxrl_post.batch.protocol import DataProto
+from jaxrl_post.rollout import Generator, SamplingParams
+from jaxrl_post.rollout.agent_loop import AgentLoop, MultiTurnLimits
+from jaxrl_post.rollout.paged import programs
+from jaxrl_post.rollout.paged.engine import PagedGenerator
+from jaxrl_post.rollout.paged.session import PagedSession
+from tests.rollout.test_agent_loop_kv import CalculatorEnv, FewGuesses, _assert_same
+from tests.rollout.test_agent_loop_model import EOT, TOK, _model
+
+ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=64, page_size=8, steps_per_dispatch=8)
+CASES = {"calculator-greedy": (CalculatorEnv, 0.0, 64), "game-sampled": (FewGuesses, 1.0, 160)}
+P = 160
+
+
+def _roll(gen, case, prefix=True, b=6, seed=1, turns=4):
+    env, temperature, r = CASES[case]
+    nt = {"expr": [f"{i + 2}*{7 * i + 3}" for i in range(b)], "k": list(range(b))}
+    nt["extra_info"] = [{"secret": 10 + i} for i in range(b)]
+    prompts = DataProto({"input_ids": np.zeros((b, P), np.int32)}, nt)
+    params = SamplingParams(max_new_tokens=r, temperature=temperature, eos_token_ids=(EOT,), pad_token_id=EOT)
+    loop = AgentLoop(gen, TOK, lambda row: env(), MultiTurnLimits(max_assistant_turns=turns), enable_prefix_caching=prefix)
+    return loop.generate(prompts, params, seed=seed), loop.last_stats
+
+
+@pytest.fixture(scope="module")
+def model():
+    return _model()
+
+
+@pytest.fixture(scope="module")
+def dense(model):
+    """The dense agent loop's rollouts (TurnCache), computed once per case."""
+    cache = {}
+
+    def get(case):
+        if case not in cache:
+            cache[case] = _roll(Generator(model), case)
+        return cache[case]
+
+    return get
+
+
+@pytest.fixture
+def leak_check(monkeypatch):
+    """Every `PagedSession.close` leaves each replica's allocator consistent and empty."""
+    real, closed = PagedSession.close, []
+
+    def close(self):
+        out = real(self)
+        for sc in self.scheds:
+            sc.alloc.check()
+            assert sc.alloc.num_used == 0 and not sc.kept, (sc.alloc.num_used, sc.kept)
+        closed.append(out)
+        return out
+
+    monkeypatch.setattr(PagedSession, "close", close)
+    return closed
+
+
+def _by_hand(out):
+    """Tokens a prefix cache must prefill: each distinct prompt once, then only the observation tokens (the
+    response tokens that exist and are not the model's) that a model turn follows (an observation that used up the
+    budget ends its trajectory unprefilled)."""
+    ids, am = out.batch["input_ids"][:, :P], out.batch["attention_mask"][:, :P].astype(bool)
+    distinct = {tuple(i[m].tolist()) for i, m in zip(ids, am)}
+    loss = out.batch["loss_mask"].astype(bool)
+    holes = out.batch["response_attention_mask"].astype(bool) & ~loss
+    before_last = np.arange(loss.shape[1])[None] < (loss.shape[1] - np.argmax(loss[:, ::-1], axis=1))[:, None]
+    return sum(map(len, distinct)) + int((holes & before_last).sum()), len(distinct)
+
+
+@pytest.mark.slow  # three multi-turn rollouts (dense cached, dense re-prefill, paged), ~30-60 s on 2 loaded cores
+@pytest.mark.parametrize("case", list(CASES))
+def test_paged_agent_loop_equals_the_dense_one(model, dense, leak_check, case):
+    ref, s_ref = dense(case)
+    full, _ = _roll(Generator(model), case, prefix=False)
+    _assert_same(ref, full)
+    out, stats = _roll(PagedGenerator(model, **ENGINE), case)
+    _assert_same(out, ref)
+    turns = out.non_tensor_batch["num_turns"]
+    assert len(set(turns.tolist())) > 1 and turns.max() >= 5, turns  # rows end at different turns; 3 model turns
+    want, distinct = _by_hand(out)
+    assert distinct == (1 if case == "game-sampled" else 6)  # the game's rows share one prompt: one prefill
+    assert stats["prefill_tokens"] == want == s_ref["prefill_tokens"], (stats, want, s_ref)
+    assert stats["paged/preemptions"] == stats["paged/evictions"] == 0
+    assert stats["paged/emitted"] == out.batch["loss_mask"].sum()  # every model token decoded once
+    assert stats["generate_calls"] == stats["turns_run"] == s_ref["turns_run"] and len(leak_check) == 1
+
+
+@pytest.mark.slow  # one paged multi-turn rollout with recomputes (+ the dense one when run alone)
+def test_a_small_pool_evicts_and_preempts_with_the_same_trajectories(model, dense, leak_check):
+    ref, _ = dense("game-sampled")
+    # a trajectory of up to 143 + 160 tokens needs 38 pages of 8, the pool has 38; the 6 samples share the prompt's
+    # 17 full pages, and 32 decode steps per dispatch reserve 4 pages per running sequence: kept pages are evicted
+    # and running sequences preempted
+    eng = PagedGenerator(model, **dict(ENGINE, steps_per_dispatch=32), num_pages=39)
+    out, stats = _roll(eng, "game-sampled")
+    _assert_same(out, ref)
+    assert stats["paged/evictions"] > 0 and stats["paged/preemptions"] > 0, stats
+    want, _ = _by_hand(out)
+    assert stats["prefill_tokens"] > want  # evicted and preempted contexts were prefilled again
+    assert len(leak_check) == 1
+
+
+@pytest.mark.slow  # two paged multi-turn rollouts (~20 s)
+def test_turns_reuse_the_engine_programs(model):
+    # a prefill budget and a dispatch length no other test uses: this call's shapes are traced here first
+    eng = PagedGenerator(model, max_num_seqs=8, max_num_batched_tokens=40, page_size=8, steps_per_dispatch=7)
+    before = dict(programs.TRACE_COUNTS)
+    out, stats = _roll(eng, "calculator-greedy", seed=3)
+    assert stats["turns_run"] >= 3, stats
+    assert {k: programs.TRACE_COUNTS[k] - before[k] for k in before} == {"prefill": 1, "decode": 1}
+    again = dict(programs.TRACE_COUNTS)
+    out2, _ = _roll(eng, "calculator-greedy", seed=3)
+    assert again == programs.TRACE_COUNTS  # a second call: nothing traced
+    np.testing.assert_array_equal(out.batch["responses"], out2.batch["responses"])
