@@ -4,8 +4,12 @@ gives the dense agent loop's trajectories (with its `TurnCache` and with the ful
 turn counts, log-probs within 1e-5, greedy and sampled, rows ending at different turns; after the first turn it
 prefills only the appended tokens (counted by hand from the output); a pool too small for the trajectories
 (evictions of kept pages and preemptions, whole contexts prefilled again) changes nothing, and no page leaks;
-turns reuse the engine's programs (one prefill and one decode program for the call, none for a second call)."""
+turns reuse the engine's programs (one prefill and one decode program for the call, none for a second call); a
+tiny multi-turn GRPO run with rollout.name='paged' has the dense run's metrics."""
 
+import os
+
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -16,7 +20,7 @@ from jaxrl_post.rollout.paged import programs
 from jaxrl_post.rollout.paged.engine import PagedGenerator
 from jaxrl_post.rollout.paged.session import PagedSession
 from tests.rollout.test_agent_loop_kv import CalculatorEnv, FewGuesses, _assert_same
-from tests.rollout.test_agent_loop_model import EOT, TOK, _model
+from tests.rollout.test_agent_loop_model import EOT, REPO, TOK, _model
 
 ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=64, page_size=8, steps_per_dispatch=8)
 CASES = {"calculator-greedy": (CalculatorEnv, 0.0, 64), "game-sampled": (FewGuesses, 1.0, 160)}
@@ -125,3 +129,45 @@ def test_turns_reuse_the_engine_programs(model):
     out2, _ = _roll(eng, "calculator-greedy", seed=3)
     assert again == programs.TRACE_COUNTS  # a second call: nothing traced
     np.testing.assert_array_equal(out.batch["responses"], out2.batch["responses"])
+
+
+def _game_run(tmp_path, run: str, **rollout):
+    from jaxrl_post.rl.trainer import RLTrainer
+    from tests.rollout.test_agent_loop_model import _tiny_multi_turn
+
+    c = _tiny_multi_turn(tmp_path, "guess_number")
+    c.trainer.default_local_dir = str(tmp_path / run)
+    c.data.max_response_length = 64
+    c.rollout.multi_turn.max_assistant_turns = 3
+    c.custom_reward_function.path = os.path.join(REPO, "jaxrl_post", "rollout", "environments.py")
+    c.custom_reward_function.name = "guess_number_score"
+    c.trainer.val_at_end = False
+    for k, v in rollout.items():
+        c.rollout[k] = v
+    trainer = RLTrainer(c, console_write=lambda s: None)
+    try:
+        emb = trainer.state.actor.params["embedding"]
+        w = np.array(emb[...])
+        w[EOT] = 0.0
+        w[EOT, 0] = 8.0  # as _model(): the model ends turns often, so there are second and third turns
+        emb[...] = jnp.asarray(w)
+        trainer.sync_weights()
+        return trainer.fit()["history"], trainer
+    finally:
+        trainer.close()
+
+
+@pytest.mark.slow  # two tiny multi-turn GRPO runs of 2 steps (~60-120 s on 2 loaded cores)
+def test_tiny_multi_turn_grpo_on_the_paged_engine_equals_the_dense_run(tmp_path):
+    dense_hist, _ = _game_run(tmp_path, "dense")
+    engine = dict(max_num_seqs=16, max_num_batched_tokens=128, block_size=8, num_scheduler_steps=8)
+    paged_hist, trainer = _game_run(tmp_path, "paged", name="paged", **engine)
+    assert isinstance(trainer.rollout.generator, PagedGenerator)
+    assert trainer.rollout.agent_loop.last_stats["paged/decode_dispatches"] > 0  # the session generated
+    assert len(paged_hist) == len(dense_hist) == 2
+    assert max(m["num_turns/max"] for m in dense_hist) >= 3  # model, feedback, model at least
+    for d, p in zip(dense_hist, paged_hist):
+        keys = [k for k in d if k.startswith(("actor/", "critic/", "response", "num_turns", "prompt_length"))]
+        assert "actor/pg_loss" in keys and "num_turns/mean" in keys
+        for k in keys:
+            np.testing.assert_allclose(p[k], d[k], rtol=1e-5, atol=1e-7, err_msg=k)
