@@ -226,8 +226,9 @@ def get_base_config() -> mlc.ConfigDict:
     c.rollout.sampling_mask_replay = False  # False: full-softmax log-probs, as verl (biased ratio with truncation)
     # Rollout engine (verl: rollout.name picks the inference engine; docs/paged_rollout.md): 'dense' = today's
     # Generator (a dense KV cache of B x (P + R) slots, compaction); 'paged' = the paged, continuously batched engine
-    # (jaxrl_post/rollout/paged: single-turn; one device, or devices / tp data-parallel replicas of a tp-device engine
-    # with rollout.tensor_model_parallel_size). Keys below: 'paged' only, per replica (vLLM's are per DP rank).
+    # (jaxrl_post/rollout/paged, single- or multi-turn; one device, or devices / tp data-parallel replicas of a
+    # tp-device engine with rollout.tensor_model_parallel_size). Keys below: 'paged' only, per replica (vLLM's are
+    # per DP rank).
     c.rollout.name = "dense"  # 'dense' | 'paged'
     c.rollout.max_num_seqs = 256  # paged: sequences decoded at once per replica (slots of the decode batch)
     c.rollout.max_num_batched_tokens = 2048  # paged: prompt tokens per prefill dispatch per replica (chunked prefill)

@@ -33,7 +33,9 @@ def _roll(gen, case, prefix=True, b=6, seed=1, turns=4):
     nt["extra_info"] = [{"secret": 10 + i} for i in range(b)]
     prompts = DataProto({"input_ids": np.zeros((b, P), np.int32)}, nt)
     params = SamplingParams(max_new_tokens=r, temperature=temperature, eos_token_ids=(EOT,), pad_token_id=EOT)
-    loop = AgentLoop(gen, TOK, lambda row: env(), MultiTurnLimits(max_assistant_turns=turns), enable_prefix_caching=prefix)
+    loop = AgentLoop(
+        gen, TOK, lambda row: env(), MultiTurnLimits(max_assistant_turns=turns), enable_prefix_caching=prefix
+    )
     return loop.generate(prompts, params, seed=seed), loop.last_stats
 
 

@@ -84,7 +84,7 @@ def test_agent_loop_on_paged_replicas_equals_one_device():
     assert one_stats["prefill_tokens"] == _prefilled_by_hand(one)
     for name, data in (("d2t2", 2), ("d4t1", 4)):
         run = r[name]
-        for got, stats in (run["out"], run["again"], run["tight"]):
+        for got, _ in (run["out"], run["again"], run["tight"]):
             for k in ("responses", "loss_mask", "response_attention_mask", "attention_mask", "num_turns"):
                 assert got[k] == one[k], (name, k)
             np.testing.assert_allclose(got["rollout_log_probs"], one["rollout_log_probs"], atol=1e-5, rtol=0)

@@ -92,6 +92,27 @@ def test_fork_shares_full_pages_and_copies_the_partial_last_one():
     np.testing.assert_array_equal(a.page_table(["s1", None], 4), [[1, 2, 4, NULL_PAGE], [0, 0, 0, 0]])
 
 
+def test_truncate_releases_the_pages_past_the_kept_tokens():
+    """A multi-turn session's turn ends: the pages reserved past the last written token go back; shared pages keep
+    their other holders' references."""
+    a = PageAllocator(num_pages=16, page_size=4)
+    a.allocate("p", 8)  # pages 1, 2: full, shared by the fork
+    a.fork("p", "s")
+    a.append("s", 11)  # 19 tokens: pages 1, 2 (shared) + 3, 4, 5
+    assert a.pages("s") == [1, 2, 3, 4, 5]
+    a.truncate("s", 13)  # 13 tokens need 4 pages: page 5 released
+    assert a.pages("s") == [1, 2, 3, 4] and a.length("s") == 13 and a.refcount[5] == 0 and a.num_free == 11
+    a.truncate("s", 8)  # back to the shared prompt: its own pages go, the shared ones stay referenced by "p"
+    assert a.pages("s") == [1, 2] and a.refcount[1:5].tolist() == [2, 2, 0, 0]
+    a.check()
+    with pytest.raises(ValueError, match="cannot truncate"):
+        a.truncate("s", 9)
+    a.free("s")
+    a.free("p")
+    assert a.num_used == 0
+    a.check()
+
+
 def test_double_free_and_overflow_are_errors():
     a = PageAllocator(num_pages=4, page_size=2)
     a.allocate(0, 5)  # 3 pages: the whole pool
