@@ -8,8 +8,10 @@ and `enable_prefix_caching=True`, through the interface of the dense `turn_cache
 
 - **Turn 1**: every trajectory's prompt. Trajectories with equal prompts (a prompt's `rollout.n` samples) form a
   group: its first sequence's prompt is prefilled once and the others fork its pages (`PageAllocator.fork`), as in
-  `PagedGenerator.generate`. Groups go to the engine's data-parallel replicas by `replicas.assign_groups`; a
-  trajectory then stays on its replica for every turn.
+  `PagedGenerator.generate`. Groups are placed on the engine's data-parallel replicas before the first dispatch
+  by `replicas.assign_groups` (the engine's `replica_queue="static"`, not its shared queue: a trajectory's kept
+  pages tie it to its replica), and a trajectory stays on its replica for every turn, each replica admitting from
+  its own queue.
 - **A turn ends** for a trajectory at its end-of-turn token or its limit: its slot goes back, its pages stay (the
   reservation past its last token is released, `PageAllocator.truncate`).
 - **Turn k > 1**: the tokens the environment appended (observation, template suffix, next assistant header) are
@@ -78,28 +80,31 @@ class _TurnScheduler(Scheduler):
                 self.release(tid)
                 self.num_evictions += 1
 
-    def _admit(self) -> None:
-        while self.waiting:
-            group = self.waiting[0]
-            first = group[0]
-            held = self.alloc.pages(first.row) if first.row in self.alloc else []
-            need = self.alloc.pages_for(first.length) - len(held) + len(group)  # + one page of headroom per sample
-            if len(group) > len(self.free_slots):
-                return
-            self._evict(need, spare=first.row)
-            if not self.alloc.can_allocate(need):
-                return
-            self.waiting.popleft()
-            if held:  # its context so far is in the pool: prefill only the new tokens after it
-                self.kept.pop(first.row, None)
-                done = self.alloc.length(first.row)
-                self.alloc.append(first.row, first.length - done)
-            else:
-                self.alloc.allocate(first.row, first.length)
-                done = 0
-            for s in group:
-                s.slot, s.prefilled = self.free_slots.pop(), done
-            self.prefilling.append(group)
+    def fits(self, group: list[Seq]) -> bool:
+        """`Scheduler.fits` for a group whose first sequence may hold its context so far (only its new tokens
+        need pages), after evicting kept pages (not its own) to make room."""
+        first = group[0]
+        held = len(self.alloc.pages(first.row)) if first.row in self.alloc else 0
+        pages = self.alloc.pages_for(first.length) - held + len(group) + sum(len(g) for g in self.prefilling)
+        if len(group) > len(self.free_slots):
+            return False
+        self._evict(pages, spare=first.row)
+        return self.alloc.can_allocate(pages)
+
+    def admit(self, group: list[Seq]) -> None:
+        """`Scheduler.admit`; a first sequence that holds its context so far is admitted onto its pages, and only
+        the tokens after them are prefilled."""
+        first = group[0]
+        if first.row in self.alloc:
+            self.kept.pop(first.row, None)
+            done = self.alloc.length(first.row)
+            self.alloc.append(first.row, first.length - done)
+        else:
+            self.alloc.allocate(first.row, first.length)
+            done = 0
+        for s in group:
+            s.slot, s.prefilled = self.free_slots.pop(), done
+        self.prefilling.append(group)
 
     def schedule_decode(self) -> list[Seq]:
         need = 0
@@ -199,7 +204,7 @@ class PagedSession:
                     self.kv, self.logits = eng._prefill(self.kv, self.logits, scheds, pieces, self.pps)
                     self.stats["prefill_dispatches"] += 1
                 else:
-                    self.kv, self.logits = eng._decode(self.kv, self.logits, scheds, self.pps, key, static, self.stats)
+                    self.kv, self.logits = eng._decode(self.kv, self.logits, self, self.pps, key, static, self.stats)
                     self.stats["decode_dispatches"] += 1
         n = max(int(x) for x in limits)
         tokens = np.full((len(seqs), n), params.pad_token_id, np.int32)
@@ -212,6 +217,11 @@ class PagedSession:
         for sc in scheds:
             sc.finished = []
         return tokens, exists, logps
+
+    def schedule_decode(self) -> list[list[Seq]]:
+        """Each replica's running sequences after reserving their next `K` tokens' pages (`PagedGenerator._decode`
+        reads `scheds` and this, as `admission.ReplicaSchedulers`')."""
+        return [sc.schedule_decode() for sc in self.scheds]
 
     def _queue(self, seqs: list[Seq]) -> None:
         """Queue the turn's sequences on their replicas, in row order: a continuing trajectory alone on its
