@@ -1,11 +1,12 @@
 """The background producer in the trainer, on the split placement (2 fake CPU devices: 1 rollout + 1 training; a
-subprocess per case, the device count is fixed before jax is imported; tests/cheap_compile.py flags, one persistent
-compilation cache per subprocess): the threaded run equals the take-turns run (`async_training.background_producer
-=False`) bit for bit, every non-timing metric of 3 steps, the final params and the producer's saved state (queue,
-versions, batch in flight); generation ran on the worker while the update ran (`updates.update_actor` timed by a
-hook); a reward failure raised on the worker surfaces on the main thread with its message and a note naming the
-thread, the step is saved with its job owed and the resumed run pays it and equals the straight run; a split
-asynchronous run stopped after step 2 with groups queued and a batch in flight resumes exactly."""
+subprocess per case, the device count is fixed before jax is imported; tests/cheap_compile.py flags, the session's
+persistent compilation cache, tests/conftest.py): the threaded run equals the take-turns run
+(`async_training.background_producer=False`) bit for bit, every non-timing metric of 3 steps, the final params and
+the producer's saved state (queue, versions, batch in flight); generation ran on the worker while the update ran
+(`updates.update_actor` timed by a hook); a reward failure raised on the worker surfaces on the main thread with
+its message and a note naming the thread, the step is saved with its job owed and the resumed run pays it and
+equals the straight run; a split asynchronous run stopped after step 2 with groups queued and a batch in flight
+resumes exactly."""
 
 import json
 import os
@@ -21,10 +22,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 
 SCRIPT = textwrap.dedent(
     """
-    import glob, hashlib, json, sys, threading, time
+    import glob, hashlib, json, os, sys, threading, time
     import jax
     import numpy as np
-    jax.config.update("jax_compilation_cache_dir", sys.argv[1] + "/jax_cache")
+    # the session's cache (tests/conftest.py) when the environment names one: the 'error' case's one_step_off
+    # trainer then loads the programs the one_step_off case compiled (same shapes and flags: same cache keys)
+    cache = os.environ.get("JAX_COMPILATION_CACHE_DIR") or sys.argv[1] + "/jax_cache"
+    jax.config.update("jax_compilation_cache_dir", cache)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     from configs import grpo
