@@ -19,7 +19,9 @@ if REPO not in sys.path:
 from jaxrl_post.engine.interrupt import GracefulStop, exit_code_for
 from jaxrl_post.engine.run import checkpoint as ckpt
 
-TOTAL = 40  # steps of the interrupted runs (~0.25 s each): long enough to interrupt, short enough to finish
+# steps of the interrupted runs (~0.25 s each): long enough to interrupt, short enough to finish; 20 = the rerun
+# writes the checkpoints of steps 10 and 20 (save_freq 10), so the 2-newest retention has deleted step n's (n < 10)
+TOTAL = 20
 
 
 # ----------------------------------------------------------------------------------------- in process
@@ -123,7 +125,9 @@ def test_reward_workers_ignore_sigint():
 # ----------------------------------------------------------------------------------------- subprocess
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    cache = str(tmp_path_factory.mktemp("jax_cache"))  # the second and later runs load compiled steps
+    # the second and later runs load compiled steps: the session's cache (tests/conftest.py; shared with the other
+    # files that run the tiny GRPO job), else one for this module
+    cache = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(tmp_path_factory.mktemp("jax_cache"))
     return dict(
         os.environ,
         JAX_PLATFORMS="cpu",
@@ -213,7 +217,7 @@ def test_sigint_after_a_step_saves_exits_130_and_rerun_resumes(env, tmp_path):
         f"interrupted at step {n}; checkpoint saved to {os.path.join(root, f'global_step_{n}')}; "
         "rerun the same command to resume"
     )
-    assert 1 <= n < TOTAL and ckpt.list_complete_steps(root) == [n]
+    assert 1 <= n < TOTAL - 10 and ckpt.list_complete_steps(root) == [n]  # n: deleted by the rerun's retention
     assert t_exit - t_sig < 15, t_exit - t_sig  # the current step (~0.3 s) + the save + shutting down
     print(f"SIGINT -> exit: {t_exit - t_sig:.2f} s (stopped after step {n})")
 
