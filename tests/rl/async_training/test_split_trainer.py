@@ -13,6 +13,8 @@ import textwrap
 import numpy as np
 import pytest
 
+from tests.cheap_compile import CHEAP_COMPILE_FLAGS
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 _TIME = ("timing_s/", "timing_per_token_ms/", "perf/time_per_step", "perf/throughput", "perf/mfu/")
 
@@ -56,7 +58,9 @@ SCRIPT = textwrap.dedent(
 
 
 def _run(tmp_path, n_devices: int, n_rollout: int, lora: bool, engines: str) -> dict:
-    flags = f"--xla_force_host_platform_device_count={n_devices}"
+    # the cheap XLA:CPU code generation (tests/cheap_compile.py), as the session's other subprocesses: both sides of
+    # the equality (colocated, split) run in this process under the same flags
+    flags = f"--xla_force_host_platform_device_count={n_devices} {CHEAP_COMPILE_FLAGS}"
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags, PYTHONPATH=REPO)
     cmd = [sys.executable, "-c", SCRIPT, str(tmp_path), str(n_rollout), "lora" if lora else "full", engines]
     out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
