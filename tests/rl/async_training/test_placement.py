@@ -1,7 +1,8 @@
 """Split placement on fake CPU devices (a subprocess: the device count is fixed before jax is imported): the
 rollout and training meshes hold disjoint devices, the weights published from one to the other are equal bit for bit
 with the bytes reported, and the model's forward on the rollout mesh equals the training mesh's within 1e-5; every
-leaf published lands on all of the rollout mesh's devices and none other."""
+leaf published lands on all of the rollout mesh's devices and none other. The subprocesses compile with
+tests/cheap_compile.py's flags (both sides of every comparison run in the same process)."""
 
 import json
 import os
@@ -11,7 +12,15 @@ import textwrap
 
 import pytest
 
+from tests.cheap_compile import CHEAP_COMPILE_FLAGS
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def _env(n_devices: int) -> dict:
+    flags = f"--xla_force_host_platform_device_count={n_devices} {CHEAP_COMPILE_FLAGS}"
+    return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags, PYTHONPATH=REPO)
+
 
 SCRIPT = textwrap.dedent(
     """
@@ -48,7 +57,7 @@ SCRIPT = textwrap.dedent(
 
 @pytest.mark.slow  # a subprocess with 8 fake devices (~15 s)
 def test_split_meshes_publish_weights_and_forward_equal():
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8", PYTHONPATH=REPO)
+    env = _env(8)
     out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
@@ -86,7 +95,7 @@ PUBLISH = textwrap.dedent(
 
 def test_publish_weights_moves_every_leaf_to_the_rollout_devices():
     """4 fake devices: 0-1 the rollout mesh, 2-3 the training mesh (each fsdp 2: the kernels split over both)."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4", PYTHONPATH=REPO)
+    env = _env(4)
     out = subprocess.run([sys.executable, "-c", PUBLISH], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
