@@ -292,7 +292,9 @@ def jax_cache(tmp_path_factory):
         "jax_persistent_cache_min_entry_size_bytes",
     )
     old = {n: getattr(jax.config, n) for n in names}
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax_cache")))
+    # the session's cache (tests/conftest.py; shared with the other files' tiny trainers), else one for this module
+    cache = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(tmp_path_factory.mktemp("jax_cache"))
+    jax.config.update("jax_compilation_cache_dir", cache)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     yield
