@@ -2,8 +2,9 @@
 stopping the run, failing/slow reward functions, sampled validation (n > 1), scripts/evaluate.py and
 scripts/export_hf.py, TensorBoard logging.
 
-Every test builds its trainer with the same tiny shapes, so a module-wide persistent XLA compilation
-cache (also handed to the subprocesses) makes every trainer after the first cheap to start.
+Every test builds its trainer with the same tiny shapes, so a persistent XLA compilation cache (the session's,
+tests/conftest.py, else a module-wide one; also handed to the subprocesses) makes every trainer after the first
+cheap to start.
 """
 
 import json
@@ -36,7 +37,9 @@ _TIME_KEYS = ("timing_s/", "timing_per_token_ms/", "perf/time_per_step", "perf/t
 def jax_cache(tmp_path_factory):
     from jax._src import compilation_cache
 
-    d = str(tmp_path_factory.mktemp("jax_cache"))
+    # the session's cache (tests/conftest.py; shared with the other files that build the tiny GRPO trainer),
+    # else one for this module; every compile is kept (no minimum compile time or size)
+    d = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(tmp_path_factory.mktemp("jax_cache"))
     names = (
         "jax_compilation_cache_dir",
         "jax_persistent_cache_min_compile_time_secs",
