@@ -100,11 +100,19 @@ def check_rollout_heads(cfg: Any, model_config) -> None:
 
 
 def model_config_from(cfg: Any):
-    """ModelConfig of a randomly initialised model: preset `model.preset` + non-None `model.arch` fields."""
+    """ModelConfig of a randomly initialised model: preset `model.preset` + non-None `model.arch` fields.
+
+    Raises:
+      ConfigError: the fields make no valid model (`ModelConfig`'s checks: e.g. `moe_capacity_factor` on a dense
+        preset, `num_experts_per_tok` > `num_experts`), naming the preset.
+    """
 
     overrides = {k: v for k, v in cfg.model.arch.items() if v is not None}
     dtype = resolve("model.dtype", cfg.model.dtype)
-    return get_preset(cfg.model.preset).replace(dtype=dtype, param_dtype=cfg.model.param_dtype, **overrides)
+    try:
+        return get_preset(cfg.model.preset).replace(dtype=dtype, param_dtype=cfg.model.param_dtype, **overrides)
+    except (ValueError, NotImplementedError) as e:  # ModelConfig.__post_init__: a user's arch, not our bug
+        raise ConfigError(f"config.model.arch on config.model.preset={cfg.model.preset!r}: {e}") from None
 
 
 def load_tokenizer(path: str):
