@@ -70,8 +70,12 @@ def test_engine_from_the_rollout_keys():
         40,
     )
     r.num_gpu_blocks_override, r.gpu_memory_utilization = None, 0.5
-    with pytest.raises(ValueError, match="reports no memory limit; set rollout.num_gpu_blocks_override"):
+    with pytest.raises(ConfigError) as e:
         paged_generator_from_config(model, r)  # XLA:CPU devices report no memory stats
+    assert str(e.value) == (
+        "config.rollout.gpu_memory_utilization=0.5: the device (cpu) reports no memory limit; "
+        "set rollout.num_gpu_blocks_override (pages) instead"
+    )
 
 
 def test_page_budget_per_device_of_a_replicated_mesh():

@@ -7,6 +7,7 @@ import logging
 
 import jax
 
+from jaxrl_post.errors import ConfigError
 from jaxrl_post.rollout.generate import kv_cache_dtype
 from jaxrl_post.rollout.paged.engine import PagedGenerator
 from jaxrl_post.rollout.paged.kv_pool import pool_bytes
@@ -29,24 +30,31 @@ def paged_generator_from_config(model, rollout, return_routed_experts: bool = Fa
     (weights), else None (enough pages for every slot); return_routed_experts, mesh: as `PagedGenerator`'s. The
     sizes are per data-parallel replica (vLLM's engine arguments are per DP rank): each of the mesh's devices holds
     its replica's pool split `tensor` ways, so the page count from the memory budget of one device is right for
-    every replica. Raises
-    ValueError when `gpu_memory_utilization` is set on a device without memory stats or leaves no room for two
-    pages, or `return_routed_experts` on a model without MoE layers."""
+    every replica.
+
+    Raises:
+      ConfigError: `gpu_memory_utilization` is set on a device without memory stats (XLA:CPU) or leaves no room
+        for two pages.
+      ValueError: `return_routed_experts` on a model without MoE layers."""
     pages = rollout.num_gpu_blocks_override
     if pages is None and rollout.gpu_memory_utilization is not None:
         device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]  # each device holds the same share
         stats = device.memory_stats() or {}
         if "bytes_limit" not in stats:
-            raise ValueError(
-                f"rollout.gpu_memory_utilization={rollout.gpu_memory_utilization}: the device reports no memory "
-                "limit; set rollout.num_gpu_blocks_override (pages) instead"
+            raise ConfigError(
+                f"config.rollout.gpu_memory_utilization={rollout.gpu_memory_utilization}: the device "
+                f"({getattr(device, 'platform', '?')}) reports no memory limit; "
+                "set rollout.num_gpu_blocks_override (pages) instead"
             )
         budget = rollout.gpu_memory_utilization * stats["bytes_limit"] - stats.get("bytes_in_use", 0)
         dtype = kv_cache_dtype(model)
         tp = 1 if mesh is None else int(dict(mesh.shape).get("tensor", 1))
         pages = pages_for_memory(int(budget), model.config, int(rollout.block_size), dtype, tp)
         if pages < 2:
-            raise ValueError(f"rollout.gpu_memory_utilization={rollout.gpu_memory_utilization} leaves {pages} KV pages")
+            raise ConfigError(
+                f"config.rollout.gpu_memory_utilization={rollout.gpu_memory_utilization}: leaves {pages} KV pages "
+                "after the bytes in use; raise it or set rollout.num_gpu_blocks_override"
+            )
         log.info("paged rollout: %d KV pages of %d tokens (%.2f GB)", pages, rollout.block_size, budget / 1e9)
     return PagedGenerator(
         model,
