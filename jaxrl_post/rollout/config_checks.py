@@ -29,7 +29,8 @@ def check_rollout(c: Checker) -> None:
         for key in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_scheduler_steps"):
             c.check(f"rollout.{key}", lambda v: is_int(v) and v >= 1, "must be an integer >= 1")
         none_or_2 = lambda v: v is None or (is_int(v) and v >= 2)
-        c.check("rollout.num_gpu_blocks_override", none_or_2, "must be None or >= 2")
+        if c.check("rollout.num_gpu_blocks_override", none_or_2, "must be None or >= 2"):
+            _check_pool_holds_a_sequence(c)
         c.check("rollout.max_model_len", none_or_2, "must be None or >= 2")
         c.check(
             "rollout.gpu_memory_utilization", lambda v: v is None or (is_num(v) and 0 < v <= 1), "must be in (0, 1]"
@@ -53,6 +54,24 @@ def check_rollout(c: Checker) -> None:
     c.check(
         "rollout.dtype", lambda v: v is None or v in _DTYPES, "valid: None (= model.dtype), float32, bfloat16, float16"
     )
+
+
+def _check_pool_holds_a_sequence(c: Checker) -> None:
+    """`rollout.num_gpu_blocks_override` pages, less the null page, hold one longest sequence
+    (`data.max_prompt_length` + `data.max_response_length` tokens in pages of `rollout.block_size`): the engine's
+    `Scheduler.add` refuses a smaller pool at the first batch of such prompts, mid-run."""
+    cfg = c.cfg
+    pages, bs = cfg.rollout.num_gpu_blocks_override, cfg.rollout.block_size
+    p, r = cfg.data.max_prompt_length, cfg.data.max_response_length
+    if pages is None or not all(is_int(v) and v >= 1 for v in (bs, p, r)):
+        return
+    need = -(-(p + r) // bs)
+    if pages - 1 < need:
+        c.err(
+            "rollout.num_gpu_blocks_override",
+            f"must be >= {need + 1}: one sequence of data.max_prompt_length + data.max_response_length = {p + r} "
+            f"tokens needs {need} pages of rollout.block_size={bs}, plus the null page",
+        )
 
 
 def check_multi_turn(c: Checker) -> None:

@@ -29,6 +29,7 @@ def _paged(**keys):
 
 def test_paged_keys_are_validated():
     validate_config(_paged(), n_devices=1)
+    validate_config(_paged(num_gpu_blocks_override=14), n_devices=1)  # one longest sequence fits
     cases = [
         (dict(name="vllm"), r"config\.rollout\.name='vllm': valid: 'dense', 'paged'"),
         (dict(max_num_seqs=0), r"config\.rollout\.max_num_seqs=0: must be an integer >= 1"),
@@ -36,6 +37,13 @@ def test_paged_keys_are_validated():
         (dict(gpu_memory_utilization=1.5), r"config\.rollout\.gpu_memory_utilization=1\.5: must be in \(0, 1\]"),
         (dict(num_gpu_blocks_override=1), r"config\.rollout\.num_gpu_blocks_override=1"),
         (dict(max_num_seqs=3), r"config\.rollout\.max_num_seqs=3: must be >= rollout\.n=4"),
+        # tiny: 192 prompt + 12 response tokens = 13 pages of 16, + the null page
+        (
+            dict(num_gpu_blocks_override=13),
+            r"^invalid config:\n  config\.rollout\.num_gpu_blocks_override=13: must be >= 14: one sequence of "
+            r"data\.max_prompt_length \+ data\.max_response_length = 204 tokens needs 13 pages of "
+            r"rollout\.block_size=16, plus the null page$",
+        ),
     ]
     for keys, msg in cases:
         with pytest.raises(ConfigError, match=msg):
