@@ -131,6 +131,9 @@ def check_rollout_tp(c: Checker) -> None:
         except (KeyError, TypeError) as e:  # an unknown preset or arch field: the model build reports it
             c.err(key, f"cannot check the model's heads: {e}")
             return
+        except (ValueError, NotImplementedError) as e:  # ModelConfig's own checks (builders.model_config_from's line)
+            c.add(f"model.arch on config.model.preset={cfg.model.preset!r}: {e}")
+            return
         for name in ("num_heads", "num_kv_heads"):
             if getattr(mc, name) % tp:
                 c.err(key, f"must divide the model's {name}={getattr(mc, name)} (heads are split over 'tensor')")

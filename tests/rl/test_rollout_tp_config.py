@@ -55,3 +55,18 @@ def test_a_loaded_models_heads_are_checked_when_built():
     check_rollout_heads(_cfg(2), mc)
     with pytest.raises(ConfigError, match=KEY + r"=3: must divide the model's num_kv_heads=2"):
         check_rollout_heads(_cfg(3), mc)
+
+
+def test_an_invalid_model_arch_is_one_config_line():
+    """The heads check builds the preset's ModelConfig: `ModelConfig`'s own refusal (here `moe_capacity_factor` on
+    a dense preset) is one line among the config's problems, as `builders.model_config_from` words it, not a
+    ValueError."""
+    c = grpo.get_config("tiny")
+    c.rollout.tensor_model_parallel_size = 1
+    c.model.arch.moe_capacity_factor = 1.0
+    with pytest.raises(ConfigError) as e:
+        validate_config(c, n_devices=1)
+    assert str(e.value) == (
+        "invalid config:\n  config.model.arch on config.model.preset='smollm2_135m': moe_capacity_factor=1.0: needs "
+        "an MoE model and a value > 0 (None: dropless)"
+    )
