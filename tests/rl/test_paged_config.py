@@ -88,7 +88,8 @@ def test_engine_from_the_rollout_keys():
 
 def test_page_budget_per_device_of_a_replicated_mesh():
     """`gpu_memory_utilization` on a data 2 x tensor 2 rollout mesh: the pages that fit one device of the mesh
-    (each device holds its replica's pool split over 2 kv-head shards), counted by hand."""
+    (each device holds its replica's pool split over 2 kv-head shards), counted by hand; a budget too small for the
+    run's longest sequence is one config line at build time."""
     import types
 
     model = init_model(
@@ -106,6 +107,14 @@ def test_page_budget_per_device_of_a_replicated_mesh():
     # a page: 1 layer x 8 tokens x (2 kv heads x key, value) x 8 dims x 4 bytes = 1024 B, 512 B per tensor shard
     assert eng.num_pages == (500_000 - 100_000) // 512 == 781
     assert eng.replicas == 2 and eng.max_num_seqs == r.max_num_seqs  # the sizes are per replica
+    # the longest sequence must fit with the null page: 6240 tokens = 780 pages + 1 fits 781; 6241 needs 781 + 1
+    assert paged_generator_from_config(model, r, mesh=mesh, max_seq_len=6240).num_pages == 781
+    with pytest.raises(ConfigError) as e:
+        paged_generator_from_config(model, r, mesh=mesh, max_seq_len=6241)
+    assert str(e.value) == (
+        "config.rollout.gpu_memory_utilization=0.5: leaves 781 KV pages after the bytes in use (one sequence of 6241 "
+        "tokens needs 782); raise it or set rollout.num_gpu_blocks_override"
+    )
 
 
 @pytest.mark.slow  # a tiny GRPO run, two steps (~60 s on 2 loaded cores)

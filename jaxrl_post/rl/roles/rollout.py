@@ -135,7 +135,9 @@ class RolloutRole:
         if cfg.rollout.name == "paged":  # docs/paged_rollout.md; on layout_mesh: data replicas x tensor
             r3 = policy.router_replay == "R3"  # `routed_experts`, replayed by the actor
             mesh = self.layout_mesh if self.tp is not None else None
-            self.generator = paged_generator_from_config(self.model, cfg.rollout, return_routed_experts=r3, mesh=mesh)
+            longest = int(cfg.data.max_prompt_length) + int(cfg.data.max_response_length)
+            kw = dict(return_routed_experts=r3, mesh=mesh, max_seq_len=longest)
+            self.generator = paged_generator_from_config(self.model, cfg.rollout, **kw)
         else:
             self.generator = Generator(
                 self.model,

@@ -23,18 +23,21 @@ def pages_for_memory(budget_bytes: int, model_config, page_size: int, dtype, ten
     return int(budget_bytes) // per_page
 
 
-def paged_generator_from_config(model, rollout, return_routed_experts: bool = False, mesh=None) -> PagedGenerator:
+def paged_generator_from_config(
+    model, rollout, return_routed_experts: bool = False, mesh=None, max_seq_len: int | None = None
+) -> PagedGenerator:
     """The engine of `rollout.name='paged'` from the `rollout.*` keys (configs/base.py): `max_num_seqs`,
     `max_num_batched_tokens`, `block_size`, `num_scheduler_steps`, `max_model_len`, and the pool from
     `num_gpu_blocks_override`, else `gpu_memory_utilization` x the device's memory limit minus the bytes in use
     (weights), else None (enough pages for every slot); return_routed_experts, mesh: as `PagedGenerator`'s. The
     sizes are per data-parallel replica (vLLM's engine arguments are per DP rank): each of the mesh's devices holds
     its replica's pool split `tensor` ways, so the page count from the memory budget of one device is right for
-    every replica.
+    every replica. max_seq_len: the longest sequence (prompt + response tokens) the run generates, when known.
 
     Raises:
       ConfigError: `gpu_memory_utilization` is set on a device without memory stats (XLA:CPU) or leaves no room
-        for two pages.
+        for two pages, or for one sequence of `max_seq_len` tokens (plus the null page): found here, at the start,
+        not by the scheduler at the first long batch.
       ValueError: `return_routed_experts` on a model without MoE layers."""
     pages = rollout.num_gpu_blocks_override
     if pages is None and rollout.gpu_memory_utilization is not None:
@@ -50,10 +53,12 @@ def paged_generator_from_config(model, rollout, return_routed_experts: bool = Fa
         dtype = kv_cache_dtype(model)
         tp = 1 if mesh is None else int(dict(mesh.shape).get("tensor", 1))
         pages = pages_for_memory(int(budget), model.config, int(rollout.block_size), dtype, tp)
-        if pages < 2:
+        need = 1 + (1 if max_seq_len is None else -(-int(max_seq_len) // int(rollout.block_size)))
+        if pages < max(2, need):
+            longest = "" if max_seq_len is None else f" (one sequence of {max_seq_len} tokens needs {need})"
             raise ConfigError(
                 f"config.rollout.gpu_memory_utilization={rollout.gpu_memory_utilization}: leaves {pages} KV pages "
-                "after the bytes in use; raise it or set rollout.num_gpu_blocks_override"
+                f"after the bytes in use{longest}; raise it or set rollout.num_gpu_blocks_override"
             )
         log.info("paged rollout: %d KV pages of %d tokens (%.2f GB)", pages, rollout.block_size, budget / 1e9)
     return PagedGenerator(
