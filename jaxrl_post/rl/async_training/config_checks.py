@@ -4,6 +4,8 @@ they report through an `errors.Checker`. `settings.AsyncSettings` reads the same
 
 from __future__ import annotations
 
+import jax
+
 from jaxrl_post.errors import Checker, is_int
 from jaxrl_post.rl.async_training.settings import MODES
 
@@ -62,7 +64,11 @@ def check_placement(c: Checker) -> None:
         return
     n_devices, n_processes = c.devices.total, c.devices.processes
     if n >= n_devices:
-        c.err("rollout.n_gpus_per_node", f"must be < the run's {n_devices} devices: the rest form the training mesh")
+        msg = f"must be < the run's {n_devices} devices: the rest form the training mesh"
+        if jax.default_backend() == "cpu":  # a CPU user trying the split placement: fake devices are one flag away
+            msg += f"; on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count={n + 1} (set before the run) "
+            msg += "gives more"
+        c.err("rollout.n_gpus_per_node", msg)
     if nodes_ok and cfg.rollout.nnodes != 1:
         c.err(
             "rollout.nnodes",

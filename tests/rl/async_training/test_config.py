@@ -96,7 +96,12 @@ def test_settings_of_each_mode():
 @pytest.mark.parametrize(
     "kw, n_devices, line",
     [
-        ({"rollout__n_gpus_per_node": 4}, 4, "config.rollout.n_gpus_per_node=4: must be < the run's 4 devices"),
+        (
+            {"rollout__n_gpus_per_node": 4},
+            4,
+            "config.rollout.n_gpus_per_node=4: must be < the run's 4 devices: the rest form the training mesh; on a "
+            "CPU, XLA_FLAGS=--xla_force_host_platform_device_count=5 (set before the run) gives more",
+        ),
         (
             {"rollout__n_gpus_per_node": 4, "trainer__mesh": {"data": 1, "fsdp": 8, "tensor": 1}},
             8,
