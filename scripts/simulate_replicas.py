@@ -152,8 +152,8 @@ def main(argv=None) -> list[dict]:
     for r in rows:
         print(
             f"| {r['workload']} | {r['pool']} ({r['pages']}) | {r['replicas']} | {r['queue']} | "
-            f"{r['decode_dispatches']} | {r['prefill_dispatches']} | {r['slot_utilization']:.2f} | "
-            f"{r['tail_decode_dispatches']} | {r['replica_busy_min']:.2f}, {r['replica_busy_max']:.2f} | "
+            f"{r['decode_dispatches']} | {r['prefill_dispatches']} | {r['slot_utilization']:.0%} | "
+            f"{r['tail_decode_dispatches']} | {r['replica_busy_min']:.0%}, {r['replica_busy_max']:.0%} | "
             f"{r['preemptions']} | {r['stalled_decodes']} |"
         )
     if a.json:
