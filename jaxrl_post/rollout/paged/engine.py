@@ -217,13 +217,7 @@ class PagedGenerator:
             seqs = list(resume)
             groups = [[s] for s in seqs]
         rs.add(groups)
-        args = (d, cfg.num_layers, num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim, dtype, self.mesh)
-        kv = init_replica_pools(*args)
-        shape = (d, self.max_num_seqs, cfg.vocab_size)
-        if self.mesh is None:
-            logits = jnp.zeros(shape, jnp.float32)
-        else:  # per replica on 'data', replicated within it, as the programs return them
-            logits = zeros_on(shape, jnp.float32, jax.sharding.NamedSharding(self.mesh, logical_to_mesh_spec(_REP)))
+        kv, logits = self.device_state(num_pages)
         key = jax.random.key(params.seed if seed is None else seed)
         static = dataclasses.replace(params, seed=0, max_new_tokens=1)  # slots carry their limits: one program
         stats = {"prefill_dispatches": 0, "decode_dispatches": 0, "decode_slot_steps": 0, "emitted": 0}
@@ -250,6 +244,18 @@ class PagedGenerator:
         )
         self.last_stats = stats
         return self._result(prompts, ids, mask, seqs, b * n if resume is None else None, n, params)
+
+    def device_state(self, num_pages: int):
+        """Zeroed device state of a call: the replicas' page pools (`init_replica_pools`, `num_pages` pages each) and
+        the carried next-token logits `[replicas, max_num_seqs, V] float32` (per replica on 'data', replicated
+        within it, as the programs return them)."""
+        cfg, dtype = self.model.config, jnp.dtype(kv_cache_dtype(self.model, self.cache_dtype))
+        args = (num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim, dtype, self.mesh)
+        kv = init_replica_pools(self.replicas, cfg.num_layers, *args)
+        shape = (self.replicas, self.max_num_seqs, cfg.vocab_size)
+        if self.mesh is None:
+            return kv, jnp.zeros(shape, jnp.float32)
+        return kv, zeros_on(shape, jnp.float32, jax.sharding.NamedSharding(self.mesh, logical_to_mesh_spec(_REP)))
 
     # ------------------------------------------------------------------ dispatches
     def _prefill(self, kv, logits, scheds: list[Scheduler], pieces: list[list[Piece]], pps: int):

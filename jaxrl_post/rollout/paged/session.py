@@ -36,16 +36,12 @@ import contextlib
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_post.rollout.generate import kv_cache_dtype
 from jaxrl_post.rollout.paged.allocator import PageAllocator
-from jaxrl_post.rollout.paged.kv_pool import init_replica_pools, zeros_on
 from jaxrl_post.rollout.paged.replicas import assign_groups
 from jaxrl_post.rollout.paged.scheduler import Scheduler, Seq
 from jaxrl_post.rollout.sampling import SamplingParams
-from jaxrl_post.runtime.sharding import logical_to_mesh_spec
 
 __all__ = ["PagedSession"]
 
@@ -152,18 +148,6 @@ class PagedSession:
         mesh = self.engine.mesh
         return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
 
-    def _init_device(self) -> None:
-        eng, cfg, d = self.engine, self.engine.model.config, self.engine.replicas
-        dtype = jnp.dtype(kv_cache_dtype(eng.model, eng.cache_dtype))
-        args = (cfg.num_layers, self.num_pages, eng.page_size, cfg.num_kv_heads, cfg.head_dim, dtype, eng.mesh)
-        self.kv = init_replica_pools(d, *args)
-        shape = (d, eng.max_num_seqs, cfg.vocab_size)
-        if eng.mesh is None:
-            self.logits = jnp.zeros(shape, jnp.float32)
-        else:  # per replica on 'data', replicated within it (the programs' layout)
-            spec = logical_to_mesh_spec(("replica", None, None))
-            self.logits = zeros_on(shape, jnp.float32, jax.sharding.NamedSharding(eng.mesh, spec))
-
     def turn(self, rows, appended, limits, params: SamplingParams, seed: int):
         """One turn of the running trajectories (`TurnCache.turn`'s contract).
 
@@ -196,7 +180,7 @@ class PagedSession:
         eng, scheds = self.engine, self.scheds
         with self._mesh():
             if self.kv is None:
-                self._init_device()
+                self.kv, self.logits = eng.device_state(self.num_pages)
             while not all(sc.idle for sc in scheds):
                 pieces = [sc.schedule_prefill() for sc in scheds]
                 if any(pieces):
