@@ -221,9 +221,7 @@ class AsyncRollout:
                 done, waited = self.background.join()
             except SAVED_ON_ERROR as e:
                 snap, position, self.owed = self._job_start
-                self.restore(snap)
-                if position is not None:
-                    self.data_position[1](position)
+                self._put_back(snap, position)
                 self.job_error, done, waited = e, {}, 0.0
             for k, v in done.items():
                 timing[k] = timing.get(k, 0.0) + v
@@ -248,13 +246,17 @@ class AsyncRollout:
         try:
             self._produce_ahead({}, reward_fn, more, owed["seed"], owed["target"])
         except SAVED_ON_ERROR:
-            self.restore(snap)
-            if position is not None:
-                self.data_position[1](position)
+            self._put_back(snap, position)
             raise
         self.owed = None
         if self.filter is not None:
             self.filter.reset()
+
+    def _put_back(self, snap: tuple, position) -> None:
+        """The producer (`restore`) and the data position (None: none recorded) as a job found them."""
+        self.restore(snap)
+        if position is not None:
+            self.data_position[1](position)
 
     def settle(self) -> None:
         """A failed step: wait for the background job (if any) so nothing runs behind the error (its own error
