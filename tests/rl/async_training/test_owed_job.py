@@ -1,7 +1,8 @@
 """A reward failure in the background job (split placement) on the model-free schedule (fake_rollout.py):
 `finish_step` puts the producer and the data position back to where the job started and marks the job owed; the
 state saved then (JSON, as the checkpoint's host part) and a new producer that pays the owed job
-(`AsyncRollout.pay_owed`), publishes and trains on give exactly the batches of the run that never failed. The
+(`AsyncRollout.pay_owed`), publishes and trains on give exactly the batches of the run that never failed, also when
+the step's own take pulled prompt batches before its job started (DAPO's filter: the job's pull counter). The
 trainer-level test (a real tiny trainer, its checkpoint and metrics) is
 tests/rl/async_training/test_background_trainer.py."""
 
@@ -14,12 +15,14 @@ from jaxrl_post.rewards import RewardFunctionError
 from jaxrl_post.rl.async_training.background import BackgroundProducer
 from jaxrl_post.rl.async_training.producer import AsyncRollout
 from jaxrl_post.rl.async_training.settings import AsyncSettings
-from tests.rl.async_training.fake_rollout import FakeRollout, prompt_batches
+from tests.rl.async_training.fake_rollout import prompt_batches
+from tests.rl.async_training.test_filtering import ScoredFakeRollout
 
 B, N = 4, 2
-SETTINGS = {  # (mode, staleness, k, require_batches)
-    "one_step_off": ("one_step_off", 1, 1, 1),
-    "s2_k2_r2": ("fully_async", 2, 2, 2),
+SETTINGS = {  # (mode, staleness, k, require_batches, DAPO filter metric)
+    "one_step_off": ("one_step_off", 1, 1, 1, None),
+    "s2_k2_r2": ("fully_async", 2, 2, 2, None),
+    "s1_filter": ("fully_async", 1, 1, 1, "score"),
 }
 # (settings, failing step, the job's generation batch that fails): step 0's job pulls a prompt batch from the loader
 # (measured on the reference: later jobs generate what the step's own pull left pending); s2_k2_r2's step 0 job makes
@@ -29,6 +32,9 @@ CASES = {
     "one_step_off-step2": ("one_step_off", 2, 0),
     "s2_k2_r2-step0-second": ("s2_k2_r2", 0, 1),
     "s2_k2_r2-step2": ("s2_k2_r2", 2, 0),
+    # the filter drops every third prompt's group, so step 0's own take pulls a prompt batch from the loader before
+    # its job starts: the owed job must resume the pull counter (`owed['pulled']` > 0), whose seeds it samples with
+    "s1_filter-step0": ("s1_filter", 0, 0),
 }
 
 
@@ -50,11 +56,15 @@ class Loader:
         self.i = int(s["i"])
 
 
-class FailingRollout(FakeRollout):
+def _varies(p):
+    return p % 3 != 0  # prompts 0, 3, 6, ...: every response scores alike, a group DAPO's filter drops
+
+
+class FailingRollout(ScoredFakeRollout):
     """Raises `RewardFunctionError` in the generation batch number `fail_at` (0-based), after 'generating'."""
 
     def __init__(self, n, fail_at=None):
-        super().__init__(n)
+        super().__init__(n, _varies)
         self.fail_at, self.batches = fail_at, 0
 
     def generate_and_score(self, prompts, seed, timing, reward_fn):
@@ -64,9 +74,13 @@ class FailingRollout(FakeRollout):
         return super().generate_and_score(prompts, seed, timing, reward_fn)
 
 
+def _rollout(fail_at=None):
+    return FailingRollout(N, fail_at)
+
+
 def _producer(name, rollout, loader):
-    mode, s, k, r = SETTINGS[name]
-    ar = AsyncRollout(AsyncSettings(mode, s, k, r, False, 2, B, N), rollout)
+    mode, s, k, r, metric = SETTINGS[name]
+    ar = AsyncRollout(AsyncSettings(mode, s, k, r, False, 2, B, N, filter_metric=metric), rollout)
     ar.background = BackgroundProducer()  # the split placement's thread (FakeRollout has no rollout mesh)
     ar.data_position = (loader.get_state, loader.set_state)
     return ar
@@ -85,12 +99,12 @@ def _step(ar, rollout, loader, t):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_failed_job_is_put_back_saved_owed_and_paid_exactly(case):
     name, fail_step, fail_batch = CASES[case]
-    ref_rollout, ref_loader = FakeRollout(N), Loader()
+    ref_rollout, ref_loader = _rollout(), Loader()
     ref = _producer(name, ref_rollout, ref_loader)
     want = [_step(ref, ref_rollout, ref_loader, t) for t in range(6)]
     ref.close()
 
-    rollout, loader = FailingRollout(N), Loader()
+    rollout, loader = _rollout(), Loader()
     ar = _producer(name, rollout, loader)
     for t in range(fail_step):
         _step(ar, rollout, loader, t)
@@ -109,11 +123,13 @@ def test_failed_job_is_put_back_saved_owed_and_paid_exactly(case):
     assert rollout.batches > first and ar.rollout_version <= fail_step  # not published after the failed job
     assert loader.i == job_start["i"] and len(ar.queue) == job_start["queued"]  # put back to the job's start
     assert before != (json.dumps(ar.state_dict()), loader.i)  # the step itself did move the producer
+    if SETTINGS[name][4] is not None:  # the case that exercises the owed pull counter does
+        assert ar.owed["pulled"] > 0
     saved = json.loads(json.dumps(ar.state_dict()))  # the checkpoint's host JSON
     position, version = loader.get_state(), ar.rollout_version
     ar.close()
 
-    resumed_rollout, resumed_loader = FakeRollout(N), Loader()
+    resumed_rollout, resumed_loader = _rollout(), Loader()
     resumed_rollout.version = version
     resumed_loader.set_state(position)
     resumed = _producer(name, resumed_rollout, resumed_loader)
