@@ -195,6 +195,7 @@ class MoE(nnx.Module):
             weights = jnp.where(keep, weights, 0.0)
             dropped = jnp.sum(jnp.where(keep, 0.0, m[:, None]))
         if moe_ep.expert_parallel_size() > 1:  # experts split over the mesh's 'expert' axis: all-to-all dispatch
+            cap = None if keep is None else expert_capacity(t, self.top_k, self.num_experts, self.capacity_factor)
             y = moe_ep.dispatch(
                 x,
                 weights.reshape(b, t, self.top_k),
@@ -204,6 +205,8 @@ class MoE(nnx.Module):
                 num_experts=self.num_experts,
                 dtype=self.dtype,
                 check_vma=self.impl != "megablox",  # a Pallas call's output carries no varying-axes type
+                keep=None if keep is None else keep.reshape(b, t, self.top_k),  # dropped: not sent, not computed
+                capacity=cap,
             ).astype(self.dtype)
         else:
             rows = 0 if keep is None else capacity_rows(b, t, self.top_k, self.num_experts, self.capacity_factor)
