@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Issue 57's comparison on SmolLM2-135M-Instruct: the default task (configs/grpo.py, 30 steps) synchronous
+# (colocated) vs one-step-off vs fully asynchronous with partial rollout (staleness <= 2, token IS), the two
+# asynchronous runs on the split placement (2 host devices: 1 generates, 1 trains), then one plot and one table
+# (scripts/compare_runs.py). ~40 min on a quiet 2-core CPU; run it alone: the step times mean nothing under load.
+#   bash scripts/compare_async_modes.sh [OUT_DIR]          (default: runs/async_compare)
+# Extra arguments after OUT_DIR go to all three runs (e.g. --config.trainer.total_training_steps=3 to try it).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+config="${CONFIG:-configs/grpo.py}"  # CONFIG=configs/grpo.py:tiny tries the script in a few minutes
+out="${1:-runs/async_compare}"
+shift || true
+mkdir -p "$out"
+split=(--config.rollout.n_gpus_per_node=1)
+run() {  # name, then the run's own arguments
+  local name="$1"
+  shift
+  echo "$name: start $(date -u +%T), load average $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$out/timeline.txt"
+  python -m jaxrl_post.main --config="$config" --config.trainer.default_local_dir="$out/$name" "$@" \
+    >"$out/$name.log" 2>"$out/$name.err"
+  echo "$name: end $(date -u +%T), load average $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$out/timeline.txt"
+}
+extra=("$@")
+run sync "${extra[@]}"
+XLA_FLAGS=--xla_force_host_platform_device_count=2 run one_step_off "${split[@]}" \
+  --config.async_training.mode=one_step_off "${extra[@]}"
+XLA_FLAGS=--xla_force_host_platform_device_count=2 run fully_async "${split[@]}" --config.rollout.name=paged \
+  --config.async_training.mode=fully_async --config.async_training.staleness_threshold=2 \
+  --config.async_training.trigger_parameter_sync_step=1 --config.async_training.require_batches=2 \
+  --config.async_training.partial_rollout=True --config.algorithm.rollout_correction.rollout_is=token \
+  --config.algorithm.rollout_correction.rollout_is_threshold=2.0 "${extra[@]}"
+python scripts/compare_runs.py "$out/sync" "$out/one_step_off" "$out/fully_async" \
+  --labels sync,one_step_off,fully_async --out "$out/compare.png" --json "$out/compare.json"
