@@ -239,6 +239,10 @@ def get_base_config() -> mlc.ConfigDict:
     c.rollout.block_size = 16  # paged: tokens per KV page (vLLM)
     c.rollout.num_scheduler_steps = 16  # paged: decode steps per dispatch between scheduling rounds (vLLM)
     c.rollout.max_model_len = _opt_int()  # paged: prompt + response tokens a page table holds (None = P + R)
+    # paged: sequences of a call (a multi-turn session) share the KV pages of their common prefix by content, full
+    # pages only; a prompt prefills from its first token after them (vLLM's automatic prefix caching, on by default
+    # in vLLM and verl; docs/paged_rollout.md). Off under routing replay (actor.router_replay.mode='R3').
+    c.rollout.enable_prefix_caching = True
     # Placement (verl fully-async's top-level rollout.* names): devices of the rollout's own mesh
     c.rollout.n_gpus_per_node = 0  # devices given to the rollout (its own mesh, the first N); 0 = colocated
     c.rollout.nnodes = 1  # hosts given to the rollout (with n_gpus_per_node > 0; only 1 for now)
@@ -530,6 +534,7 @@ _VERL_KEYS_TEXT = """
     critic.use_dynamic_bsz critic.ppo_max_token_len_per_gpu critic.forward_max_token_len_per_gpu
     rollout.n rollout.dtype rollout.temperature rollout.top_k rollout.top_p rollout.do_sample rollout.name
     rollout.max_num_seqs rollout.max_num_batched_tokens rollout.gpu_memory_utilization rollout.max_model_len
+    rollout.enable_prefix_caching
     rollout.tensor_model_parallel_size
     rollout.log_prob_micro_batch_size
     rollout.multi_turn.enable rollout.multi_turn.max_assistant_turns rollout.multi_turn.max_user_turns

@@ -32,6 +32,7 @@ def check_rollout(c: Checker) -> None:
         if c.check("rollout.num_gpu_blocks_override", none_or_2, "must be None or >= 2"):
             _check_pool_holds_a_sequence(c)
         c.check("rollout.max_model_len", none_or_2, "must be None or >= 2")
+        c.check("rollout.enable_prefix_caching", lambda v: isinstance(v, bool), "must be a bool")
         c.check(
             "rollout.gpu_memory_utilization", lambda v: v is None or (is_num(v) and 0 < v <= 1), "must be in (0, 1]"
         )

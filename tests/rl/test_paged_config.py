@@ -1,5 +1,6 @@
 """`rollout.name='paged'` (issue 56): the keys are validated with one error naming the key, the engine is built from
-them, and a tiny GRPO run trains two steps with the paged engine generating (slow)."""
+them, and a tiny GRPO run trains two steps with the paged engine generating (slow), its prompts sharing the chat
+template's head by content (the `rollout/prefix_cache_*` metrics are the engine's counts)."""
 
 import os
 import sys
@@ -37,6 +38,7 @@ def test_paged_keys_are_validated():
         (dict(gpu_memory_utilization=1.5), r"config\.rollout\.gpu_memory_utilization=1\.5: must be in \(0, 1\]"),
         (dict(num_gpu_blocks_override=1), r"config\.rollout\.num_gpu_blocks_override=1"),
         (dict(max_num_seqs=3), r"config\.rollout\.max_num_seqs=3: must be >= rollout\.n=4"),
+        (dict(enable_prefix_caching="yes"), r"config\.rollout\.enable_prefix_caching='yes': must be a bool"),
         # tiny: 192 prompt + 12 response tokens = 13 pages of 16, + the null page
         (
             dict(num_gpu_blocks_override=13),
@@ -77,6 +79,9 @@ def test_engine_from_the_rollout_keys():
         4,
         40,
     )
+    assert eng.enable_prefix_caching and eng.prefix_caching  # verl's / vLLM's default
+    r.enable_prefix_caching = False
+    assert not paged_generator_from_config(model, r).prefix_caching
     r.num_gpu_blocks_override, r.gpu_memory_utilization = None, 0.5
     with pytest.raises(ConfigError) as e:
         paged_generator_from_config(model, r)  # XLA:CPU devices report no memory stats
@@ -131,5 +136,10 @@ def test_grpo_tiny_trains_with_the_paged_engine(tmp_path):
         assert all(m["response_length/max"] <= c.data.max_response_length for m in hist)
         st = trainer.rollout.generator.last_stats
         assert st["emitted"] > 0 and st["decode_dispatches"] > 0
+        # the step's prompts share the chat template's head by content: the metrics are the engine's counts
+        m = hist[-1]
+        assert m["rollout/prefix_cache_queries"] == st["prefix_cache_queries"] > 0
+        assert m["rollout/prefix_cache_hits"] == st["prefix_cache_hits"] > 0
+        assert m["rollout/prefix_cache_hit_rate"] == st["prefix_cache_hits"] / st["prefix_cache_queries"]
     finally:
         trainer.close()

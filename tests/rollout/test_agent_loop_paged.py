@@ -2,7 +2,8 @@
 engine's page pools. On the tiny random model in float32, with a fixed seed, `AgentLoop` on a `PagedGenerator`
 gives the dense agent loop's trajectories (with its `TurnCache` and with the full re-prefill): token ids, masks,
 turn counts, log-probs within 1e-5, greedy and sampled, rows ending at different turns; after the first turn it
-prefills only the appended tokens (counted by hand from the output); a pool too small for the trajectories
+prefills only the appended tokens, and distinct prompts share the full pages of their common head
+(`prefix_cache.py`; both counted by hand from the output); a pool too small for the trajectories
 (evictions of kept pages and preemptions, whole contexts prefilled again) changes nothing, and no page leaks;
 turns reuse the engine's programs (one prefill and one decode program for the call, none for a second call); a
 tiny multi-turn GRPO run with rollout.name='paged' has the dense run's metrics."""
@@ -74,16 +75,30 @@ def leak_check(monkeypatch):
     return closed
 
 
+def shared_by_hand(prompts, page_size: int = 8) -> int:
+    """Prompt tokens that pages shared by content spare, `prompts` (token tuples) in admission order on one
+    replica: each prompt's full pages inside its longest common prefix with an earlier one, its last token excluded
+    (always prefilled, for the next-token logits)."""
+    lcp = lambda a, b: next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return sum(
+        min(max(lcp(p, q) for q in prompts[:i]), len(p) - 1) // page_size * page_size
+        for i, p in enumerate(prompts)
+        if i
+    )
+
+
 def _by_hand(out):
     """Tokens a prefix cache must prefill: each distinct prompt once, then only the observation tokens (the
     response tokens that exist and are not the model's) that a model turn follows (an observation that used up the
-    budget ends its trajectory unprefilled)."""
+    budget ends its trajectory unprefilled); and the tokens of those prompts that pages shared by content spare
+    (`shared_by_hand`)."""
     ids, am = out.batch["input_ids"][:, :P], out.batch["attention_mask"][:, :P].astype(bool)
-    distinct = {tuple(i[m].tolist()) for i, m in zip(ids, am)}
+    distinct = list(dict.fromkeys(tuple(i[m].tolist()) for i, m in zip(ids, am)))
+    hits = shared_by_hand(distinct)
     loss = out.batch["loss_mask"].astype(bool)
     holes = out.batch["response_attention_mask"].astype(bool) & ~loss
     before_last = np.arange(loss.shape[1])[None] < (loss.shape[1] - np.argmax(loss[:, ::-1], axis=1))[:, None]
-    return sum(map(len, distinct)) + int((holes & before_last).sum()), len(distinct)
+    return sum(map(len, distinct)) + int((holes & before_last).sum()), len(distinct), hits
 
 
 @pytest.mark.slow  # three multi-turn rollouts (dense cached, dense re-prefill, paged), ~30-60 s on 2 loaded cores
@@ -96,9 +111,12 @@ def test_paged_agent_loop_equals_the_dense_one(model, dense, leak_check, case):
     _assert_same(out, ref)
     turns = out.non_tensor_batch["num_turns"]
     assert len(set(turns.tolist())) > 1 and turns.max() >= 5, turns  # rows end at different turns; 3 model turns
-    want, distinct = _by_hand(out)
+    want, distinct, hits = _by_hand(out)
     assert distinct == (1 if case == "game-sampled" else 6)  # the game's rows share one prompt: one prefill
-    assert stats["prefill_tokens"] == want == s_ref["prefill_tokens"], (stats, want, s_ref)
+    assert want == s_ref["prefill_tokens"], (want, s_ref)
+    # the calculator's prompts share the chat template's head: its full pages are prefilled once
+    assert stats["paged/prefix_cache_hits"] == hits and (hits > 0) == (case != "game-sampled"), (stats, hits)
+    assert stats["prefill_tokens"] == want - hits, (stats, want, hits)
     assert stats["paged/preemptions"] == stats["paged/evictions"] == 0
     assert stats["paged/emitted"] == out.batch["loss_mask"].sum()  # every model token decoded once
     assert stats["generate_calls"] == stats["turns_run"] == s_ref["turns_run"] and len(leak_check) == 1
@@ -114,7 +132,7 @@ def test_a_small_pool_evicts_and_preempts_with_the_same_trajectories(model, dens
     out, stats = _roll(eng, "game-sampled")
     _assert_same(out, ref)
     assert stats["paged/evictions"] > 0 and stats["paged/preemptions"] > 0, stats
-    want, _ = _by_hand(out)
+    want, _, _ = _by_hand(out)
     assert stats["prefill_tokens"] > want  # evicted and preempted contexts were prefilled again
     assert len(leak_check) == 1
 

@@ -2,7 +2,8 @@
 devices): on meshes data 2 x tensor 2 and data 4 x tensor 1 the trajectories (tokens, masks, turn counts,
 log-probs within 1e-5, float32, sampled with a fixed seed) equal those of the engine on one device; every replica
 holds trajectories (each stays on its replica from turn to turn), a pool small enough to evict kept pages changes
-nothing, only the appended tokens are prefilled after the first turn, and a second call compiles nothing."""
+nothing, only the appended tokens are prefilled after the first turn, each replica shares the full pages of the
+prompts' common head among the prompts it holds, and a second call compiles nothing."""
 
 import json
 import os
@@ -13,7 +14,9 @@ import textwrap
 import numpy as np
 import pytest
 
+from jaxrl_post.rollout.paged.replicas import assign_groups
 from tests.cheap_compile import CHEAP_COMPILE_FLAGS
+from tests.rollout.test_agent_loop_paged import shared_by_hand
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -72,6 +75,15 @@ def _prefilled_by_hand(run) -> int:
     return int(am.sum() + (holes & before_last).sum())
 
 
+def _shared_by_hand(run, replicas: int) -> int:
+    """Prompt tokens that pages shared by content spare (`shared_by_hand`), each replica's cache over the prompts
+    the session placed on it (`assign_groups` of the prompts' lengths, in row order)."""
+    ids, am = np.asarray(run["input_ids"])[:, :160], np.asarray(run["attention_mask"])[:, :160].astype(bool)
+    prompts = [tuple(i[m].tolist()) for i, m in zip(ids, am)]
+    where = assign_groups([len(p) for p in prompts], replicas)
+    return sum(shared_by_hand([p for p, w in zip(prompts, where) if w == r]) for r in range(replicas))
+
+
 @pytest.mark.slow  # seven multi-turn rollouts on 4 fake devices in a subprocess (~60-120 s on 2 cores)
 def test_agent_loop_on_paged_replicas_equals_one_device():
     flags = "--xla_force_host_platform_device_count=4 " + CHEAP_COMPILE_FLAGS
@@ -81,7 +93,9 @@ def test_agent_loop_on_paged_replicas_equals_one_device():
     r = json.loads(out.stdout.split("RESULT", 1)[1])
     one, one_stats = r["one"]
     assert len(set(one["num_turns"])) > 1 and max(one["num_turns"]) >= 5, one["num_turns"]
-    assert one_stats["prefill_tokens"] == _prefilled_by_hand(one)
+    hits = _shared_by_hand(one, 1)
+    assert hits > 0 and one_stats["paged/prefix_cache_hits"] == hits, (one_stats, hits)
+    assert one_stats["prefill_tokens"] == _prefilled_by_hand(one) - hits
     for name, data in (("d2t2", 2), ("d4t1", 4)):
         run = r[name]
         for got, _ in (run["out"], run["again"], run["tight"]):
@@ -89,7 +103,9 @@ def test_agent_loop_on_paged_replicas_equals_one_device():
                 assert got[k] == one[k], (name, k)
             np.testing.assert_allclose(got["rollout_log_probs"], one["rollout_log_probs"], atol=1e-5, rtol=0)
         stats = run["out"][1]
-        assert stats["prefill_tokens"] == _prefilled_by_hand(one) and stats["paged/evictions"] == 0, stats
+        hits = _shared_by_hand(one, data)  # each replica prefills the prompts' common head once
+        assert stats["paged/prefix_cache_hits"] == hits, (stats, hits)
+        assert stats["prefill_tokens"] == _prefilled_by_hand(one) - hits and stats["paged/evictions"] == 0, stats
         assert stats["paged/replica_trajectories"] == [6 // data + (i < 6 % data) for i in range(data)], stats
         assert run["tight"][1]["paged/evictions"] > 0, run["tight"][1]  # kept pages evicted, recomputed
         assert run["traces"] == run["traces_again"]  # the second call compiled nothing

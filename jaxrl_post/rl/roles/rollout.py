@@ -147,6 +147,7 @@ class RolloutRole:
             )
         self.agent_loop = reward_builders.build_agent_loop(cfg, self.generator, tokenizer)  # None: single-turn
         self._multi_turn_stats: list[dict] = []  # agent-loop counts of each generation batch of the step
+        self._prefix_cache: dict[str, float] = {}  # paged engine: prefix-cache token counts of the step's batches
 
     @property
     def engine(self):
@@ -262,6 +263,7 @@ class RolloutRole:
         with timer("gen", timing):
             params = self.sampling_params(validate=False, seed=seed)
             out = engine.generate(prompts, params, process_local=local, n=n)  # interleaved; one prefill each
+        self._count_prefix_cache()
         return self.score_generated(prompts, out, timing, reward_fn)
 
     def score_generated(self, prompts, out, timing: dict[str, float], reward_fn):
@@ -310,6 +312,29 @@ class RolloutRole:
         self._multi_turn_stats = []
         batch = {k: b[k] for k in ("response_attention_mask", "loss_mask")}
         return rollout_metrics(DataProto(batch, {k: nt[k] for k in ("num_turns", "tool_calls")}), total)
+
+    def _count_prefix_cache(self) -> None:
+        """Add the last generation call's prefix-cache counts (the paged engine's `last_stats`; a multi-turn
+        session's as the agent loop's `paged/*`) to the step's."""
+        loop = self.agent_loop
+        stats = (loop.last_stats if loop is not None else getattr(self.generator, "last_stats", None)) or {}
+        for k in ("prefix_cache_queries", "prefix_cache_hits"):
+            v = stats.get(k if loop is None else f"paged/{k}")
+            if v is not None:
+                self._prefix_cache[k] = self._prefix_cache.get(k, 0.0) + float(v)
+
+    def prefix_cache_metrics(self) -> dict[str, float]:
+        """`rollout/prefix_cache_queries` (context tokens looked up in the paged engine's prefix cache, vLLM's
+        `prefix_cache_queries`), `rollout/prefix_cache_hits` (tokens not prefilled: pages shared by content) and
+        `rollout/prefix_cache_hit_rate` (hits / queries) over the step's generation batches that
+        `generate_and_score` ran; {} without them (the dense engine; partial rollout's resumed calls are not
+        counted). Resets the counts."""
+        c, self._prefix_cache = self._prefix_cache, {}
+        if not c.get("prefix_cache_queries"):
+            return {}
+        out = {f"rollout/{k}": v for k, v in c.items()}
+        out["rollout/prefix_cache_hit_rate"] = c.get("prefix_cache_hits", 0.0) / c["prefix_cache_queries"]
+        return out
 
     def close(self) -> None:
         """Stop the agent loop's tool workers (multi-turn)."""

@@ -10,8 +10,9 @@ their own queue behind a load balancer; SGLang's router balances on queue length
 replica, so a single queue is exact).
 
 A preempted sequence goes back to the FRONT of the shared queue, not to its replica: recompute preemption frees all
-of its pages (`PageAllocator.free`; a recomputed context is prefilled into new pages, no prefix sharing), so its
-replica holds nothing it could reuse, while the replica that preempted it is, by construction, short of pages.
+of its pages (`PageAllocator.free`; with prefix caching its prompt's pages stay on its replica only while no one
+needs them: they are the first taken when pages run short), so its replica holds little it could reuse, while the
+replica that preempted it is, by construction, short of pages.
 At the front it is readmitted before any new prompt, by whichever replica has room first.
 
 Static (`queue="static"`, the baseline of `scripts/simulate_replicas.py`): groups are placed before the first
@@ -27,6 +28,7 @@ from __future__ import annotations
 import collections
 
 from jaxrl_post.rollout.paged.allocator import PageAllocator
+from jaxrl_post.rollout.paged.prefix_cache import CachingPageAllocator, prefix_cache_stats
 from jaxrl_post.rollout.paged.replicas import assign_groups
 from jaxrl_post.rollout.paged.scheduler import Piece, Scheduler, Seq
 
@@ -37,8 +39,10 @@ class ReplicaSchedulers:
     """The host `Scheduler`s of `replicas` data-parallel replicas, each over its own `PageAllocator(num_pages,
     page_size)` with `max_num_seqs` slots, and where their waiting groups come from (`queue`: "shared" or
     "static", module docstring). Counts per replica, for `PagedGenerator.last_stats`: decode slot-steps with a
-    sequence in the slot (`busy`) and without (`idle`), `K` per slot and decode dispatch. Raises ValueError for
-    another `queue`, and (`add`) for a group no replica's pool or slots can hold."""
+    sequence in the slot (`busy`) and without (`idle`), `K` per slot and decode dispatch. prefix_caching: each
+    replica's allocator shares full context pages by content (`prefix_cache.CachingPageAllocator`; a replica's
+    cache holds its own pages only). Raises ValueError for another `queue`, and (`add`) for a group no replica's
+    pool or slots can hold."""
 
     def __init__(
         self,
@@ -50,6 +54,7 @@ class ReplicaSchedulers:
         max_num_batched_tokens: int,
         steps_per_dispatch: int,
         queue: str = "shared",
+        prefix_caching: bool = False,
     ):
         if queue not in QUEUES:
             raise ValueError(f"replica queue must be one of {QUEUES}, got {queue!r}")
@@ -57,7 +62,7 @@ class ReplicaSchedulers:
         self.waiting = collections.deque() if queue == "shared" else None
         self.scheds = [
             Scheduler(
-                PageAllocator(num_pages, page_size),
+                (CachingPageAllocator if prefix_caching else PageAllocator)(num_pages, page_size),
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,
                 steps_per_dispatch=steps_per_dispatch,
@@ -108,10 +113,16 @@ class ReplicaSchedulers:
         """Every unfinished sequence of every replica and of the waiting queue (`Scheduler.stop`), pages freed."""
         return [s for sc in self.scheds for s in sc.stop()]
 
+    def drop_prefix_caches(self) -> None:
+        """Every replica forgets its pages shared by content (`CachingPageAllocator.drop`; new weights)."""
+        for sc in self.scheds:
+            sc.alloc.drop()
+
     def stats(self) -> dict:
         """`replica_sequences` (sequences finished on each replica), `replica_busy_slot_steps`,
-        `replica_idle_slot_steps`, `preemptions` (all replicas), `replica_queue`."""
+        `replica_idle_slot_steps`, `preemptions` (all replicas), `replica_queue`, and `prefix_cache_stats`."""
         return dict(
+            **prefix_cache_stats([sc.alloc for sc in self.scheds]),
             replica_queue=self.queue,
             replica_sequences=[len(sc.finished) for sc in self.scheds],
             replica_busy_slot_steps=list(self.busy),

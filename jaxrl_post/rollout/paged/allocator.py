@@ -110,6 +110,21 @@ class PageAllocator:
         self._seqs[seq_id] = _Seq(pages, int(num_tokens))
         return list(pages)
 
+    def context_pages(self, tokens: np.ndarray) -> int:
+        """Pages that admitting a context `tokens [T]` (`allocate_context`) takes from the pool: ceil(T / page_size)
+        here; fewer with pages shared by content (`prefix_cache.CachingPageAllocator`)."""
+        return self.pages_for(len(tokens))
+
+    def allocate_context(self, seq_id, tokens: np.ndarray) -> int:
+        """`allocate(seq_id, len(tokens))` for a sequence whose context is `tokens [T]`. Returns the tokens whose
+        keys and values its pages already hold: 0 here (`prefix_cache.CachingPageAllocator` reuses pages by
+        content). Raises as `allocate`."""
+        self.allocate(seq_id, len(tokens))
+        return 0
+
+    def drop(self) -> None:
+        """Forget pages kept for sharing by content (none here; `prefix_cache.CachingPageAllocator.drop`)."""
+
     def append(self, seq_id, num_tokens: int = 1) -> list[int]:
         """Grow `seq_id` by `num_tokens` slots, taking new pages past its last one. Returns the new pages.
         Raises OutOfPagesError when the pool is short (nothing changes then)."""

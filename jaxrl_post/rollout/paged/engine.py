@@ -86,6 +86,10 @@ class PagedGenerator:
         'fsdp' or 'expert' > 1 or a 'tensor' size that does not divide the kv heads, or another `replica_queue`.
       replica_queue: "shared": replicas admit waiting prompt groups from one queue at every dispatch boundary;
         "static": prompts are assigned to replicas before the first dispatch (`rollout/paged/admission.py`).
+      enable_prefix_caching: sequences of a call (and of a multi-turn session) share full context pages by content,
+        so a prompt prefills only from its first token after a prefix already in the pool (vLLM's automatic prefix
+        caching; `rollout/paged/prefix_cache.py`). Off with `return_routed_experts` (a reused page's tokens would
+        have no experts recorded for the sequence that reuses it).
     """
 
     model: nnx.Module
@@ -103,6 +107,7 @@ class PagedGenerator:
     return_routed_experts: bool = False
     mesh: jax.sharding.Mesh | None = None
     replica_queue: str = "shared"
+    enable_prefix_caching: bool = True
     last_stats: dict | None = dataclasses.field(default=None, init=False, repr=False)
 
     def __post_init__(self):
@@ -125,6 +130,7 @@ class PagedGenerator:
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"PagedGenerator.{name} must be >= 1, got {getattr(self, name)}")
         self._weights_read = False
+        self.weights_version = 0  # + 1 at every `update_weights`: pages shared by content are dropped on a change
         self.unfinished: list[Seq] = []  # sequences the last call stopped before they finished
 
     def _check_mesh(self) -> None:
@@ -148,6 +154,13 @@ class PagedGenerator:
         self._graphdef, self._state = nnx.split(self.model)
         self._graphdefs, self._stacked = forward.stack_layers(self.model) if self.scan_layers else (None, None)
         self._weights_read = True
+        self.weights_version += 1
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether sequences share full context pages by content (`enable_prefix_caching`, not with routing
+        replay)."""
+        return bool(self.enable_prefix_caching) and not self.return_routed_experts
 
     def table_pages(self, prompt_len: int, max_new_tokens: int) -> int:
         """Pages per page table (the programs' `pages_per_seq`) for prompts of `prompt_len` tokens (left-padded
@@ -209,6 +222,7 @@ class PagedGenerator:
             max_num_batched_tokens=self.max_num_batched_tokens,
             steps_per_dispatch=self.steps_per_dispatch,
             queue=self.replica_queue,
+            prefix_caching=self.prefix_caching,
         )
         if resume is None:
             seqs = [Seq(row=i * n + j, prompt=ids[i][mask[i] > 0], limit=r) for i in range(b) for j in range(n)]
@@ -221,12 +235,17 @@ class PagedGenerator:
         key = jax.random.key(params.seed if seed is None else seed)
         static = dataclasses.replace(params, seed=0, max_new_tokens=1)  # slots carry their limits: one program
         stats = {"prefill_dispatches": 0, "decode_dispatches": 0, "decode_slot_steps": 0, "emitted": 0}
-        dispatches = 0
+        stats["prefill_tokens"] = dispatches = 0
+        version = self.weights_version
         while not rs.idle:
+            if self.weights_version != version:  # new weights mid-call: no page computed by the old ones is shared
+                rs.drop_prefix_caches()
+                version = self.weights_version
             pieces = rs.schedule_prefill()
             if any(pieces):  # replicas without prompt work run an empty chunk (one program for all replicas)
                 kv, logits = self._prefill(kv, logits, rs.scheds, pieces, pps)
                 stats["prefill_dispatches"] += 1
+                stats["prefill_tokens"] += sum(pc.count for pcs in pieces for pc in pcs)
             else:
                 kv, logits = self._decode(kv, logits, rs, pps, key, static, stats)
                 stats["decode_dispatches"] += 1

@@ -10,6 +10,8 @@ short the most recently admitted sequences are preempted (pages freed, re-queued
 far -- of the replicas' shared queue when there is one, `admission.py` -- recomputed by a prefill when readmitted,
 vLLM's recompute preemption). A sequence retires at its first EOS or after `limit` tokens; its slot and pages go
 back at once. The same re-queueing resumes sequences that a caller stopped at a dispatch boundary (`Seq.resumable`).
+With an allocator that shares pages by content (`prefix_cache.CachingPageAllocator`) an admitted context's leading
+pages may already hold its keys and values; its prefill then starts after them.
 """
 
 from __future__ import annotations
@@ -107,14 +109,17 @@ class Scheduler:
     def fits(self, group: list[Seq]) -> bool:
         """Whether `group` can be admitted now: a free slot per sequence and its context's pages plus one page of
         headroom per sequence, beyond the headroom of the groups still prefilling (their forks copy a page each)."""
-        pages = self.alloc.pages_for(group[0].length) + len(group) + sum(len(g) for g in self.prefilling)
-        return len(group) <= len(self.free_slots) and self.alloc.can_allocate(pages)
+        if len(group) > len(self.free_slots):
+            return False
+        pages = self.alloc.context_pages(group[0].context) + len(group) + sum(len(g) for g in self.prefilling)
+        return self.alloc.can_allocate(pages)
 
     def admit(self, group: list[Seq]) -> None:
-        """Take `group` (taken off a waiting queue by the caller): its context's pages, a slot per sequence."""
-        self.alloc.allocate(group[0].row, group[0].length)
+        """Take `group` (taken off a waiting queue by the caller): its context's pages (leading pages shared by
+        content are not prefilled again: `prefix_cache.py`), a slot per sequence."""
+        done = self.alloc.allocate_context(group[0].row, group[0].context)
         for s in group:
-            s.slot, s.prefilled = self.free_slots.pop(), 0
+            s.slot, s.prefilled = self.free_slots.pop(), done
         self.prefilling.append(group)
 
     def _admit(self) -> None:
@@ -218,6 +223,7 @@ class Scheduler:
             out += group
         self.prefilling = []
         self.waiting.clear()
+        self.alloc.drop()  # the call is over: no page is kept for sharing by content
         self.free_slots = list(range(self.max_num_seqs - 1, -1, -1))
         for s in out:
             s.slot, s.prefilled = None, 0

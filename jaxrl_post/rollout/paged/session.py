@@ -39,6 +39,7 @@ import jax
 import numpy as np
 
 from jaxrl_post.rollout.paged.allocator import PageAllocator
+from jaxrl_post.rollout.paged.prefix_cache import CachingPageAllocator, prefix_cache_stats
 from jaxrl_post.rollout.paged.replicas import assign_groups
 from jaxrl_post.rollout.paged.scheduler import Scheduler, Seq
 from jaxrl_post.rollout.sampling import SamplingParams
@@ -66,26 +67,35 @@ class _TurnScheduler(Scheduler):
         if tid in self.alloc:
             self.alloc.free(tid)
 
-    def _evict(self, pages: int, spare=None) -> None:
-        """Free kept trajectories' pages, oldest first (not `spare`'s), until `pages` pages are free or none is
-        left to evict."""
+    def _evict(self, pages: int) -> None:
+        """Free kept trajectories' pages, oldest first, until `pages` pages are free (cold pages shared by content
+        count: they go first, `prefix_cache.py`) or none is left to evict."""
         for tid in list(self.kept):
             if self.alloc.can_allocate(pages):
                 return
-            if tid != spare:
-                self.release(tid)
-                self.num_evictions += 1
+            self.release(tid)
+            self.num_evictions += 1
 
     def fits(self, group: list[Seq]) -> bool:
         """`Scheduler.fits` for a group whose first sequence may hold its context so far (only its new tokens
-        need pages), after evicting kept pages (not its own) to make room."""
+        need pages), after evicting kept trajectories (not its own), oldest first, until it fits or none is left.
+        The pages are counted again after each eviction: an evicted trajectory's pages that the group would share
+        by content turn cold, and then count against the pool (`prefix_cache.py`)."""
         first = group[0]
-        held = len(self.alloc.pages(first.row)) if first.row in self.alloc else 0
-        pages = self.alloc.pages_for(first.length) - held + len(group) + sum(len(g) for g in self.prefilling)
         if len(group) > len(self.free_slots):
             return False
-        self._evict(pages, spare=first.row)
-        return self.alloc.can_allocate(pages)
+        while True:
+            if first.row in self.alloc:
+                new = self.alloc.pages_for(first.length) - len(self.alloc.pages(first.row))
+            else:  # its first turn, or evicted / preempted: pages shared by content count
+                new = self.alloc.context_pages(first.context)
+            if self.alloc.can_allocate(new + len(group) + sum(len(g) for g in self.prefilling)):
+                return True
+            victim = next((tid for tid in self.kept if tid != first.row), None)
+            if victim is None:
+                return False
+            self.release(victim)
+            self.num_evictions += 1
 
     def admit(self, group: list[Seq]) -> None:
         """`Scheduler.admit`; a first sequence that holds its context so far is admitted onto its pages, and only
@@ -96,8 +106,7 @@ class _TurnScheduler(Scheduler):
             done = self.alloc.length(first.row)
             self.alloc.append(first.row, first.length - done)
         else:
-            self.alloc.allocate(first.row, first.length)
-            done = 0
+            done = self.alloc.allocate_context(first.row, first.context)
         for s in group:
             s.slot, s.prefilled = self.free_slots.pop(), done
         self.prefilling.append(group)
@@ -128,9 +137,11 @@ class PagedSession:
         self.pps = engine.table_pages(self.p, self.r)
         self.num_pages = engine.num_pages or engine.max_num_seqs * self.pps + 1
         engine.update_weights()
+        self.version = engine.weights_version  # pages shared by content hold for these weights only
+        alloc = CachingPageAllocator if engine.prefix_caching else PageAllocator
         self.scheds = [
             _TurnScheduler(
-                PageAllocator(self.num_pages, engine.page_size),
+                alloc(self.num_pages, engine.page_size),
                 max_num_seqs=engine.max_num_seqs,
                 max_num_batched_tokens=engine.max_num_batched_tokens,
                 steps_per_dispatch=engine.steps_per_dispatch,
@@ -182,6 +193,10 @@ class PagedSession:
             if self.kv is None:
                 self.kv, self.logits = eng.device_state(self.num_pages)
             while not all(sc.idle for sc in scheds):
+                if eng.weights_version != self.version:  # new weights: no page computed by the old ones is shared
+                    for sc in scheds:
+                        sc.alloc.drop()
+                    self.version = eng.weights_version
                 pieces = [sc.schedule_prefill() for sc in scheds]
                 if any(pieces):
                     self.prefill_tokens += sum(pc.count for pcs in pieces for pc in pcs)
@@ -233,13 +248,16 @@ class PagedSession:
 
     def close(self) -> dict:
         """Free every trajectory's pages (the call is over). Returns the session's counts: prefill / decode
-        dispatches, decode slot steps, emitted tokens, preemptions, evictions, pages of a replica's pool, and the
-        trajectories assigned to each replica."""
+        dispatches, decode slot steps, emitted tokens, preemptions, evictions, pages of a replica's pool, the
+        trajectories assigned to each replica, and `prefix_cache_stats`."""
         for tid, rep in self.replica_of.items():
             self.scheds[rep].release(tid)
+        for sc in self.scheds:
+            sc.alloc.drop()
         self.replica_of, self.context = {}, {}
         return dict(
             self.stats,
+            **prefix_cache_stats([sc.alloc for sc in self.scheds]),
             preemptions=sum(sc.num_preemptions for sc in self.scheds),
             evictions=sum(sc.num_evictions for sc in self.scheds),
             num_pages=self.num_pages,
