@@ -38,7 +38,6 @@ def test_paged_keys_are_validated():
         (dict(gpu_memory_utilization=1.5), r"config\.rollout\.gpu_memory_utilization=1\.5: must be in \(0, 1\]"),
         (dict(num_gpu_blocks_override=1), r"config\.rollout\.num_gpu_blocks_override=1"),
         (dict(max_num_seqs=3), r"config\.rollout\.max_num_seqs=3: must be >= rollout\.n=4"),
-        (dict(enable_prefix_caching="yes"), r"config\.rollout\.enable_prefix_caching='yes': must be a bool"),
         # tiny: 192 prompt + 12 response tokens = 13 pages of 16, + the null page
         (
             dict(num_gpu_blocks_override=13),
@@ -131,15 +130,19 @@ def test_grpo_tiny_trains_with_the_paged_engine(tmp_path):
     trainer = RLTrainer(c, console_write=lambda s: None)
     try:
         assert isinstance(trainer.rollout.generator, PagedGenerator)
+        role, calls = trainer.rollout, []
+        count = role._count_prefix_cache
+        role._count_prefix_cache = lambda: (calls.append(dict(role.generator.last_stats)), count())
         hist = trainer.fit()["history"]
         assert len(hist) == 2 and all(np.isfinite(v) for m in hist for v in m.values())
         assert all(m["response_length/max"] <= c.data.max_response_length for m in hist)
         st = trainer.rollout.generator.last_stats
         assert st["emitted"] > 0 and st["decode_dispatches"] > 0
-        # the step's prompts share the chat template's head by content: the metrics are the engine's counts
-        m = hist[-1]
-        assert m["rollout/prefix_cache_queries"] == st["prefix_cache_queries"] > 0
-        assert m["rollout/prefix_cache_hits"] == st["prefix_cache_hits"] > 0
-        assert m["rollout/prefix_cache_hit_rate"] == st["prefix_cache_hits"] / st["prefix_cache_queries"]
+        # each step's prompts share the chat template's head by content: its metrics are its call's counts
+        assert len(calls) == 2
+        for m, call in zip(hist, calls):
+            assert m["rollout/prefix_cache_queries"] == call["prefix_cache_queries"] > 0
+            assert m["rollout/prefix_cache_hits"] == call["prefix_cache_hits"] > 0
+            assert m["rollout/prefix_cache_hit_rate"] == call["prefix_cache_hits"] / call["prefix_cache_queries"]
     finally:
         trainer.close()
