@@ -12,6 +12,7 @@ the run directory (`engine/run/run_dir.py`) treats it, like a reward function's 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -111,12 +112,16 @@ class Checker:
 
     def check(self, key: str, pred: Callable[[Any], bool], msg: str) -> bool:
         """Whether `pred(value of key)` holds; reports `msg` (or `missing key`) when not. A predicate that raises
-        (a value of the wrong type) counts as False."""
+        (a value of the wrong type) counts as False; a float nan or +-inf fails every check, reported as
+        `not a finite number; <msg>` (no checked key takes one)."""
         self.checked.append(key)
         try:
             val = config_value(self.cfg, key)
         except (AttributeError, KeyError):
             self.errors.append(f"config.{key}: missing key")
+            return False
+        if isinstance(val, float) and not math.isfinite(val):  # nan / inf pass `v >= 0`-style predicates or fail oddly
+            self.err(key, f"not a finite number; {msg}")
             return False
         try:
             ok = pred(val)

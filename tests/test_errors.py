@@ -40,3 +40,11 @@ def test_predicates_and_devices():
     assert [pos_int(v) for v in (1, 0, 2.0)] == [True, False, False]
     assert [nonneg(v) for v in (0, -0.1, 0.0)] == [True, False, True]
     assert DeviceCounts(8, 2).train == 6 and DeviceCounts(4).processes == 1
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_float_fails_every_check_and_says_so(bad):
+    c = Checker(mlc.ConfigDict({"lr": bad}))
+    # `nonneg` alone accepts inf, and nan failing `v >= 0` read as "must be >= 0", an odd reason
+    assert c.check("lr", nonneg, "must be >= 0") is False
+    assert c.errors == [f"config.lr={bad!r}: not a finite number; must be >= 0"]
