@@ -19,8 +19,8 @@ def check_rollout(c: Checker) -> None:
     """`rollout.n`, `log_prob_micro_batch_size`, `val_kwargs.n` positive; `rollout.name` and, for 'paged', its
     sizes (one device unless `rollout.tensor_model_parallel_size` lays it out as data-parallel replicas of a
     tensor-parallel engine, `max_num_seqs >= n`: per replica; multi-turn runs on it, `rollout/paged/session.py`);
-    `temperature` (when sampling), `top_p`, `top_k`, `min_p`; `rollout.dtype`. Reads `c.devices` (the training
-    devices) for the paged engine's one device."""
+    `temperature` (when sampling), `top_p`, `top_k`, `min_p`, and `val_kwargs`' (when validation samples);
+    `rollout.dtype`. Reads `c.devices` (the training devices) for the paged engine's one device."""
     cfg = c.cfg
     for key in ("rollout.n", "rollout.log_prob_micro_batch_size", "rollout.val_kwargs.n"):
         c.check(key, pos_int, "must be a positive int")
@@ -49,12 +49,21 @@ def check_rollout(c: Checker) -> None:
             )
     if cfg.rollout.do_sample:
         c.check("rollout.temperature", lambda v: is_num(v) and v > 0, "must be > 0 when rollout.do_sample")
-    c.check("rollout.top_p", lambda v: is_num(v) and 0 < v <= 1, "must be in (0, 1]")
-    c.check("rollout.top_k", lambda v: is_int(v) and (v == -1 or v > 0), "must be -1 (off) or > 0")
+    _check_truncation(c, "rollout")
     c.check("rollout.min_p", lambda v: is_num(v) and 0 <= v < 1, "must be in [0, 1)")
+    if cfg.rollout.val_kwargs.do_sample:  # greedy validation reads none of them
+        msg = "must be > 0 when rollout.val_kwargs.do_sample"
+        c.check("rollout.val_kwargs.temperature", lambda v: is_num(v) and v > 0, msg)
+        _check_truncation(c, "rollout.val_kwargs")
     c.check(
         "rollout.dtype", lambda v: v is None or v in _DTYPES, "valid: None (= model.dtype), float32, bfloat16, float16"
     )
+
+
+def _check_truncation(c: Checker, prefix: str) -> None:
+    """`<prefix>.top_p` in (0, 1] and `<prefix>.top_k` -1 (off) or > 0 (`rollout` or `rollout.val_kwargs`)."""
+    c.check(f"{prefix}.top_p", lambda v: is_num(v) and 0 < v <= 1, "must be in (0, 1]")
+    c.check(f"{prefix}.top_k", lambda v: is_int(v) and (v == -1 or v > 0), "must be -1 (off) or > 0")
 
 
 def _check_pool_holds_a_sequence(c: Checker) -> None:
