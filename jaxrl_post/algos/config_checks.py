@@ -7,6 +7,7 @@ that reads a config)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from jaxrl_post.algos.loss_agg import LOSS_AGG_MODES
@@ -59,8 +60,8 @@ def check_algorithm(c: Checker) -> None:
     if loss_mode not in POLICY_LOSS_REGISTRY.names():
         c.err("actor.policy_loss.loss_mode", f"unknown policy loss; valid: {POLICY_LOSS_REGISTRY.names()}")
     for key, value in cfg.actor.policy_loss.items():
-        if key != "loss_mode" and not is_num(value):
-            c.err(f"actor.policy_loss.{key}", "must be a number (a policy-loss hyper-parameter)")
+        if key != "loss_mode" and not (is_num(value) and math.isfinite(value)):
+            c.err(f"actor.policy_loss.{key}", "must be a finite number (a policy-loss hyper-parameter)")
     for key in ("clip_cov_ratio", "kl_cov_ratio"):
         c.check(f"actor.policy_loss.{key}", lambda v: is_num(v) and 0 < v <= 1, "must be in (0, 1]")
     for key in ("tau_pos", "tau_neg"):

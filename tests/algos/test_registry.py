@@ -154,7 +154,7 @@ def test_config_check_reads_the_registries():
     with pytest.raises(ConfigError) as e:
         validate_config(c, n_devices=1)
     assert "actor.policy_loss.clip_cov_ratio=0.0: must be in (0, 1]" in str(e.value)
-    assert "actor.policy_loss.my_loss_param='big': must be a number" in str(e.value)
+    assert "actor.policy_loss.my_loss_param='big': must be a finite number" in str(e.value)
 
 
 def test_trainer_logs_one_line_when_a_loss_fixes_its_aggregation(caplog):
