@@ -39,11 +39,16 @@ TIMING_PARTS = (
 )
 
 
+class MetricsFileError(ValueError):
+    """A metrics.jsonl this script cannot plot: a line that is not a JSON object, or none of the plotted metrics
+    (`main` prints it as one `error:` line)."""
+
+
 def read_rows(path: str) -> list[tuple[int, dict]]:
     """`(line number, row)` for every non-empty line of a metrics.jsonl.
 
     Raises:
-      FileNotFoundError: no such file. ValueError: a line is not JSON (names file and line).
+      FileNotFoundError: no such file. MetricsFileError: a line is not a JSON object (names file and line).
     """
     rows = []
     with open(path, encoding="utf-8") as f:
@@ -54,9 +59,9 @@ def read_rows(path: str) -> list[tuple[int, dict]]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not a JSON line ({e})") from e
+                raise MetricsFileError(f"{path}:{lineno}: not a JSON line ({e})") from e
             if not isinstance(row, dict):
-                raise ValueError(f"{path}:{lineno}: not a JSON object")
+                raise MetricsFileError(f"{path}:{lineno}: not a JSON object")
             rows.append((lineno, row))
     return rows
 
@@ -85,7 +90,7 @@ def load_metrics(path: str, *, note=None) -> dict[str, dict[int, float]]:
     `note` (default: print to stderr) is told which lines were plotted.
 
     Raises:
-      FileNotFoundError: no such file. ValueError: a line is not JSON (names file and line).
+      FileNotFoundError: no such file. MetricsFileError: a line is not a JSON object (names file and line).
     """
     runs = split_runs(read_rows(path))
     if len(runs) > 1:
@@ -216,7 +221,12 @@ PANELS = (
 
 
 def plot_workdir(workdir: str, out_dir: str | None = None) -> list[str]:
-    """Write the PNGs for `workdir/metrics.jsonl`; returns the written paths (overview first)."""
+    """Write the PNGs for `workdir/metrics.jsonl`; returns the written paths (overview first).
+
+    Raises:
+      FileNotFoundError: no `workdir/metrics.jsonl`. MetricsFileError: a malformed line, or none of the plotted
+      metrics. OSError: `out_dir` cannot be written.
+    """
     path = os.path.join(workdir, "metrics.jsonl")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} not found: pass the run working directory (trainer.default_local_dir)")
@@ -236,7 +246,7 @@ def plot_workdir(workdir: str, out_dir: str | None = None) -> list[str]:
             ax.set_axis_off()
     if not shown:
         plt.close(fig)
-        raise ValueError(
+        raise MetricsFileError(
             f"{path} has none of the plotted metrics (critic/score/*, response_length/*, actor/*, timing_s/*)"
         )
     fig.suptitle(os.path.basename(os.path.abspath(workdir)))
@@ -264,7 +274,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("workdir", help="run working directory holding metrics.jsonl")
     ap.add_argument("--out", default=None, help="output directory (default: WORKDIR/plots)")
     args = ap.parse_args(argv)
-    for p in plot_workdir(args.workdir, args.out):
+    try:
+        written = plot_workdir(args.workdir, args.out)
+    except (OSError, MetricsFileError) as e:  # no run there, a malformed file, an unwritable --out: the user's to fix
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for p in written:
         print(p)
     return 0
 

@@ -132,10 +132,26 @@ def test_cli_writes_pngs(tmp_path):
 
 def test_cli_errors(tmp_path):
     r = subprocess.run([sys.executable, SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0 and "metrics.jsonl not found" in r.stderr
+    assert r.returncode == 2 and r.stderr.splitlines() == [
+        f"error: {tmp_path}/metrics.jsonl not found: pass the run working directory (trainer.default_local_dir)"
+    ]
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\nnot json\n')
     with pytest.raises(ValueError, match="metrics.jsonl:2"):
         _module().load_metrics(str(tmp_path / "metrics.jsonl"))
+
+
+@pytest.mark.parametrize(
+    "text, line",
+    [
+        ('{"step": 1}\n[1, 2]\n', "metrics.jsonl:2: not a JSON object"),
+        ('{"step": 1, "data/num_prompts": 4}\n', "metrics.jsonl has none of the plotted metrics"),
+    ],
+)
+def test_main_says_one_error_line_for_a_file_it_cannot_plot(tmp_path, capsys, text, line):
+    (tmp_path / "metrics.jsonl").write_text(text)
+    assert _module().main([str(tmp_path)]) == 2
+    (err,) = capsys.readouterr().err.splitlines()
+    assert err.startswith(f"error: {tmp_path}/") and line in err
 
 
 def test_score_panel_puts_extra_reward_keys_on_a_right_axis(tmp_path):
