@@ -338,6 +338,11 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--sigma", type=float, default=1.0, help="log-sd of the lognormal response lengths")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
+    unknown = [p for p in a.platform.split(",") if p not in PLATFORMS]
+    if unknown:
+        ap.error(f"--platform: unknown {', '.join(unknown)} (each one of {', '.join(PLATFORMS)})")
+    if a.steps < 1 or a.sigma < 0:
+        ap.error(f"--steps must be >= 1 and --sigma >= 0, got {a.steps}, {a.sigma}")
     results = [run(p, a.steps, Workload(sigma=a.sigma)) for p in a.platform.split(",")]
     print(table(results))
     for r in results:

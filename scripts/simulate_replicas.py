@@ -124,6 +124,16 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--tight-pages", type=int, default=400, help="a pool short of pages (preemptions), per replica")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
+    for name in ("prompts", "n", "max_response", "max_num_seqs", "page_size", "k", "budget"):
+        if getattr(a, name) < 1:
+            ap.error(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(a, name)}")
+    if a.mean <= 0 or a.sigma < 0:
+        ap.error(f"--mean must be > 0 and --sigma >= 0, got {a.mean}, {a.sigma}")
+    longest = -(-(256 + a.max_response) // a.page_size) + 1  # a 256-token prompt's longest sequence + the null page
+    if a.tight_pages < longest:
+        ap.error(
+            f"--tight-pages: must hold one longest sequence ({longest} pages of {a.page_size}), got {a.tight_pages}"
+        )
     ample = a.max_num_seqs * -(-(256 + a.max_response) // a.page_size) + 1  # every slot its longest sequence
     rows = []
     for wl in ("iid", "grouped"):

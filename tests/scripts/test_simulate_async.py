@@ -57,3 +57,17 @@ def test_long_tail_staleness_bound_and_accounting():
         assert r["trained"] + sum(r["dropped"].values()) + r["queued"] == r["produced"]
     assert r["dropped"]["stale"] > 0  # fully_async: the tail's groups, started early, came back too stale
     assert r["resumed"] > 0 and r["swaps"] >= 11  # partial rollout stopped and resumed sequences at publications
+
+
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        (["--platform", "cpu,nope"], "error: --platform: unknown nope (each one of cpu, h200, h200_tokens)"),
+        (["--steps", "0"], "error: --steps must be >= 1 and --sigma >= 0, got 0, 1.0"),
+    ],
+)
+def test_bad_arguments_are_one_usage_error(capsys, argv, line):
+    # --steps 0 was a ZeroDivisionError and an unknown platform a ValueError traceback
+    with pytest.raises(SystemExit) as e:
+        sim.main(argv)
+    assert e.value.code == 2 and capsys.readouterr().err.splitlines()[-1].endswith(line)
