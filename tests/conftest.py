@@ -60,6 +60,34 @@ def gsm8k_dir() -> pathlib.Path:
     return GSM8K_DIR
 
 
+# The longest test files of a CI run (seconds of test time, 2026-12-07; docs/performance.md "Test suite: time per
+# file"), started first. `-n 2 --dist loadfile` hands each worker the next file of the collection when it runs out
+# of work, and pyproject's `--no-loadscope-reorder` keeps this order (xdist's default reorders the files by their
+# number of tests, which left single-test files of 2-2.5 min, e.g. test_rollout_tp.py, for the end of the run, one
+# worker idle meanwhile). Longest first, each worker's total ends within a few seconds of the other's. A file not
+# listed keeps its place in the collection, after these.
+LONGEST_FILES_FIRST = (
+    "tests/e2e/test_notebooks.py",  # 350 s
+    "tests/e2e/test_multihost.py",  # 298 s
+    "tests/rl/async_training/test_split_trainer.py",  # 192 s
+    "tests/rl/test_rollout_tp.py",  # 149 s
+    "tests/e2e/test_interrupt.py",  # 147 s
+    "tests/rl/test_trainer.py",  # 144 s
+    "tests/e2e/test_resume.py",  # 143 s
+    "tests/rollout/test_rollout.py",  # 131 s
+    "tests/models/test_lora.py",  # 130 s
+    "tests/e2e/test_multihost_sft.py",  # 130 s
+    "tests/rollout/test_agent_loop_model.py",  # 121 s
+    "tests/rl/async_training/test_background_trainer.py",  # 116 s
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The files of `LONGEST_FILES_FIRST` first, in that order; each file's tests keep their order (stable sort)."""
+    rank = {path: i for i, path in enumerate(LONGEST_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem):
     """A test marked `production_xla_flags` compares exactly against numbers recorded under the production XLA:CPU
