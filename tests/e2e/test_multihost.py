@@ -12,9 +12,11 @@ process waiting on its collectives leaves the cores to the others:
 - one 8-device process: GRPO 1x8 on mesh (1, 8, 1) (the default mesh; FSDP shard checks), PPO 1x8 on (1, 4, 2), the
   resume of the CLI run's step-1 checkpoint (saved on 2 processes with mesh (1, 8, 1)) on (1, 4, 2);
 - one 1-device process: GRPO 1x1, PPO 1x1, and the process-local jobs' references (padded GRPO, REINFORCE++, PPO).
-The single-process launches use a persistent compilation cache (a later trainer's programs equal to an
-earlier one's are loaded, not recompiled; the numbers do not depend on it); the 2-process launches do not
-(tried with `jax_share_binary_between_hosts`: process 1 waited forever for a binary, jax 0.10.2 on CPU).
+The single-process launches use a persistent compilation cache of their own (a later trainer's programs equal to
+an earlier one's are loaded, not recompiled; the numbers do not depend on it). The 2-process launches inherit the
+session's (tests/conftest.py), which jax writes from process 0 only: a program both processes compile at the same
+moment is compiled by both (a half-written entry read by process 1 is a warning and a compile, jax 0.10.2);
+`jax_share_binary_between_hosts` was tried: process 1 waited forever for a binary (CPU).
 
 Validation (after the last step) runs on a held-out set of 17 prompts in batches of 16 (the second batch is
 1 prompt + 15 padding rows: process 0 holds that prompt, process 1 only padding). The toy reward function
