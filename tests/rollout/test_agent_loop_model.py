@@ -114,7 +114,9 @@ def test_tiny_grpo_with_calculator_trains_two_steps(tmp_path):
     from jaxrl_post.rl.trainer import RLTrainer
 
     c = _tiny_multi_turn(tmp_path, "tools")
-    c.data.max_prompt_length = 1024  # characters: the reasoning-gym prompt + the injected tool prompt
+    # characters: the reasoning-gym prompt + the injected tool prompt render to 798-800 (every training and held-out
+    # row); the prompts are left-padded to this width, so a tight one keeps every program small (1024: ~25% longer)
+    c.data.max_prompt_length = 832
     c.data.max_response_length = 24
     trainer = RLTrainer(c)
     try:
