@@ -137,6 +137,8 @@ def test_tiny_grpo_multi_turn_game_trains_on_turns_with_feedback(tmp_path):
     from jaxrl_post.rl.trainer import RLTrainer
 
     c = _tiny_multi_turn(tmp_path, "guess_number")
+    # the game's first message renders to 143 tokens (every training and held-out row; tiny's default: 192)
+    c.data.max_prompt_length = 160
     c.data.max_response_length = 64
     c.rollout.multi_turn.max_assistant_turns = 3
     c.custom_reward_function.path = os.path.join(REPO, "jaxrl_post", "rollout", "environments.py")
