@@ -116,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window", type=int, default=10, help="steps averaged for the final training score")
     args = ap.parse_args(argv)
     labels = args.labels.split(",") if args.labels else [os.path.basename(os.path.abspath(w)) for w in args.workdirs]
+    if args.window < 1:
+        print(f"error: --window {args.window}: must be >= 1 (steps averaged for the final score)", file=sys.stderr)
+        return 2
     if len(labels) != len(args.workdirs):
         print(f"error: --labels names {len(labels)} runs, {len(args.workdirs)} were given", file=sys.stderr)
         return 2

@@ -4,6 +4,7 @@ LoRA adapters (`models/lora.py`). Sections of `rl/config_check.py`'s table; they
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -13,6 +14,8 @@ from jaxrl_post.models.grouped_matmul import MOE_IMPLS
 from jaxrl_post.models.lora import parse_target_modules, read_adapter_config
 
 _DTYPES = ("float32", "bfloat16", "float16")
+DEFAULT_MODEL_PATH = "smollm2-135m-instruct"  # configs/base.py's model.path
+log = logging.getLogger(__name__)
 
 
 def check_model(c: Checker) -> None:
@@ -24,6 +27,13 @@ def check_model(c: Checker) -> None:
     c.check("model.param_dtype", lambda v: v in _DTYPES, "valid: float32, bfloat16, float16")
     if not c.cfg.model.random_init:
         c.check("model.path", lambda v: isinstance(v, str) and v, "must name a model (dir, .gguf, alias)")
+    elif c.cfg.model.path not in (None, "", DEFAULT_MODEL_PATH):  # a path the user set, which random_init ignores
+        log.warning(
+            "config.model.path=%r is ignored: config.model.random_init=True builds random weights of model.preset=%r "
+            "(set random_init=False to load the model)",
+            c.cfg.model.path,
+            c.cfg.model.preset,
+        )
 
 
 def lora_enabled(cfg: Any) -> bool:

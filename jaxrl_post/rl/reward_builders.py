@@ -176,8 +176,9 @@ def build_agent_loop(cfg: Any, generator, tokenizer):
         return AgentLoop(generator, tokenizer, lambda row: GuessNumberEnv(), limits, parser=parser, error_budget=budget)
     try:
         tools = resolve_tools(mt.tools, sandboxed=mt.sandboxed_tools)
-    except Exception as e:
-        raise ConfigError(f"config.rollout.multi_turn.tools={mt.tools!r}: {type(e).__name__}: {e}") from e
+    except Exception as e:  # our own ValueErrors say what is wrong; a tool file's error keeps its type
+        what = str(e) if type(e) is ValueError else f"{type(e).__name__}: {e}"
+        raise ConfigError(f"config.rollout.multi_turn.tools={mt.tools!r}: {what}") from e
     try:
         check_sandbox(tools, bool(mt.allow_unsandboxed_tools))
     except SandboxUnavailableError as e:

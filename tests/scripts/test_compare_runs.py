@@ -54,3 +54,5 @@ def test_bad_inputs_are_one_error_line(tmp_path, capsys):
     assert mod.main([str(tmp_path / "missing"), "--out", str(tmp_path / "x.png")]) == 2
     assert "error:" in capsys.readouterr().err
     assert mod.main([str(tmp_path / "a"), "--labels", "x,y"]) == 2
+    assert mod.main([str(tmp_path / "a"), "--window", "0"]) == 2
+    assert "--window 0: must be >= 1" in capsys.readouterr().err
