@@ -125,7 +125,10 @@ def test_page_budget_per_device_of_a_replicated_mesh():
 def test_grpo_tiny_trains_with_the_paged_engine(tmp_path):
     from jaxrl_post.rl.trainer import RLTrainer
 
-    c = _paged(max_num_seqs=8, max_num_batched_tokens=64, block_size=8, num_scheduler_steps=4)
+    # 27 pages: one longest sequence (204 tokens) + the null page; two groups of 4 outgrow it (a preemption a call)
+    c = _paged(
+        max_num_seqs=8, max_num_batched_tokens=64, block_size=8, num_scheduler_steps=4, num_gpu_blocks_override=27
+    )
     c.trainer.default_local_dir = str(tmp_path / "run")
     trainer = RLTrainer(c, console_write=lambda s: None)
     try:
@@ -144,5 +147,7 @@ def test_grpo_tiny_trains_with_the_paged_engine(tmp_path):
             assert m["rollout/prefix_cache_queries"] == call["prefix_cache_queries"] > 0
             assert m["rollout/prefix_cache_hits"] == call["prefix_cache_hits"] > 0
             assert m["rollout/prefix_cache_hit_rate"] == call["prefix_cache_hits"] / call["prefix_cache_queries"]
+            assert m["rollout/num_preemptions"] == call["preemptions"]
+        assert sum(call["preemptions"] for call in calls) > 0
     finally:
         trainer.close()

@@ -183,7 +183,12 @@ def test_tiny_multi_turn_grpo_on_the_paged_engine_equals_the_dense_run(tmp_path)
     engine = dict(max_num_seqs=16, max_num_batched_tokens=128, block_size=8, num_scheduler_steps=8)
     paged_hist, trainer = _game_run(tmp_path, "paged", name="paged", **engine)
     assert isinstance(trainer.rollout.generator, PagedGenerator)
-    assert trainer.rollout.agent_loop.last_stats["paged/decode_dispatches"] > 0  # the session generated
+    st = trainer.rollout.agent_loop.last_stats
+    assert st["paged/decode_dispatches"] > 0  # the session generated
+    # the session's pool counts are the step's metrics (one generation batch a step, no validation after)
+    assert paged_hist[-1]["rollout/num_evictions"] == st["paged/evictions"]
+    assert paged_hist[-1]["rollout/num_preemptions"] == st["paged/preemptions"]
+    assert "rollout/num_evictions" not in dense_hist[-1]
     assert len(paged_hist) == len(dense_hist) == 2
     assert max(m["num_turns/max"] for m in dense_hist) >= 3  # model, feedback, model at least
     for d, p in zip(dense_hist, paged_hist):

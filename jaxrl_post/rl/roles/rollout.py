@@ -47,6 +47,9 @@ from jaxrl_post.runtime.sharding import bytes_per_device, param_shardings
 log = logging.getLogger(__name__)
 
 
+ENGINE_COUNTS = ("prefix_cache_queries", "prefix_cache_hits", "preemptions", "evictions")  # paged `last_stats`
+
+
 class RolloutRole:
     """The sampling model and engine of a run (see the module docstring).
 
@@ -314,26 +317,30 @@ class RolloutRole:
         return rollout_metrics(DataProto(batch, {k: nt[k] for k in ("num_turns", "tool_calls")}), total)
 
     def _count_prefix_cache(self) -> None:
-        """Add the last generation call's prefix-cache counts (the paged engine's `last_stats`; a multi-turn
-        session's as the agent loop's `paged/*`) to the step's."""
+        """Add the last generation call's paged-engine counts (`last_stats`; a multi-turn session's as the agent
+        loop's `paged/*`) to the step's: prefix-cache tokens looked up and hit, preemptions, and (multi-turn) kept
+        trajectories' pages evicted."""
         loop = self.agent_loop
         stats = (loop.last_stats if loop is not None else getattr(self.generator, "last_stats", None)) or {}
-        for k in ("prefix_cache_queries", "prefix_cache_hits"):
+        for k in ENGINE_COUNTS:
             v = stats.get(k if loop is None else f"paged/{k}")
             if v is not None:
                 self._prefix_cache[k] = self._prefix_cache.get(k, 0.0) + float(v)
 
     def prefix_cache_metrics(self) -> dict[str, float]:
-        """`rollout/prefix_cache_queries` (context tokens looked up in the paged engine's prefix cache, vLLM's
-        `prefix_cache_queries`), `rollout/prefix_cache_hits` (tokens not prefilled: pages shared by content) and
-        `rollout/prefix_cache_hit_rate` (hits / queries) over the step's generation batches that
-        `generate_and_score` ran; {} without them (the dense engine; partial rollout's resumed calls are not
-        counted). Resets the counts."""
+        """The paged engine's counts over the step's generation batches that `generate_and_score` ran (partial
+        rollout's resumed calls are not counted); {} without them (the dense engine); the prefix-cache keys only with
+        prefix caching on. `rollout/prefix_cache_queries`
+        (context tokens looked up in the prefix cache, vLLM's `prefix_cache_queries`), `rollout/prefix_cache_hits`
+        (tokens not prefilled: pages shared by content), `rollout/prefix_cache_hit_rate` (hits / queries),
+        `rollout/num_preemptions` (sequences preempted for pages, vLLM's `num_preemptions`) and, multi-turn,
+        `rollout/num_evictions` (kept trajectories whose pages were evicted between turns: each re-prefills its
+        context). Resets the counts."""
         c, self._prefix_cache = self._prefix_cache, {}
-        if not c.get("prefix_cache_queries"):
-            return {}
-        out = {f"rollout/{k}": v for k, v in c.items()}
-        out["rollout/prefix_cache_hit_rate"] = c.get("prefix_cache_hits", 0.0) / c["prefix_cache_queries"]
+        out = {f"rollout/num_{k}": c[k] for k in ("preemptions", "evictions") if k in c}
+        if c.get("prefix_cache_queries"):  # prefix caching on
+            out.update({f"rollout/{k}": c.get(k, 0.0) for k in ("prefix_cache_queries", "prefix_cache_hits")})
+            out["rollout/prefix_cache_hit_rate"] = c.get("prefix_cache_hits", 0.0) / c["prefix_cache_queries"]
         return out
 
     def close(self) -> None:
