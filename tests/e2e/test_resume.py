@@ -274,10 +274,11 @@ def test_nonfinite_updates_stop_the_run_and_keep_the_checkpoint(jax_cache, tmp_p
     from jaxrl_post.engine.nonfinite import NonFiniteError
     from jaxrl_post.rl.trainer import RLTrainer
 
-    # an infinite entropy bonus makes every actor loss non-finite (a NaN reward no longer can: it is a reward error)
+    # an entropy bonus at float32's edge (3e38 x an entropy of ~2 overflows) makes every actor loss non-finite (a NaN
+    # reward no longer can: it is a reward error; an infinite coefficient is a config error)
     c = _cfg(
         tmp_path / "run",
-        **{"actor.entropy_coeff": float("inf"), "trainer.save_freq": 1, "trainer.max_consecutive_nonfinite": 3},
+        **{"actor.entropy_coeff": 3e38, "trainer.save_freq": 1, "trainer.max_consecutive_nonfinite": 3},
     )
     t = RLTrainer(c, console_write=lambda s: None)
     init = _host(t.state.actor.params)
