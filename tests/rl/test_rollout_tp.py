@@ -22,6 +22,13 @@ from tests.cheap_compile import CHEAP_COMPILE_FLAGS
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _TIME = ("timing_s/", "timing_per_token_ms/", "perf/time_per_step", "perf/throughput", "perf/mfu/")
+# what a paged rollout adds to a step's metrics (single-turn, prefix caching on by default)
+PAGED_KEYS = {
+    "rollout/num_preemptions",
+    "rollout/prefix_cache_queries",
+    "rollout/prefix_cache_hits",
+    "rollout/prefix_cache_hit_rate",
+}
 
 SCRIPT = textwrap.dedent(
     """
@@ -110,7 +117,8 @@ def test_rollout_tp_colocated_equals_the_training_layout(tmp_path):
         assert run["compiles"] == (None if split else [1, 1])
         assert len(run["hist"]) == 2
         for c, s in zip(base["hist"], run["hist"], strict=True):
-            assert set(s) - set(c) == {"rollout/weights_bytes_per_chip"} | (split_keys if split else set())
+            paged = PAGED_KEYS if "paged" in name else set()  # the engine's pool and prefix-cache counts
+            assert set(s) - set(c) == {"rollout/weights_bytes_per_chip"} | (split_keys if split else set()) | paged
             assert s["rollout/weights_bytes_per_chip"] == run["bytes_per_chip"]
             assert run["bytes_per_chip"] < run["total_bytes"] or tp == 1
             keys = [k for k in c if not k.startswith(_TIME)]

@@ -17,6 +17,13 @@ from tests.cheap_compile import CHEAP_COMPILE_FLAGS
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 _TIME = ("timing_s/", "timing_per_token_ms/", "perf/time_per_step", "perf/throughput", "perf/mfu/")
+# what a paged rollout adds to a step's metrics (single-turn, prefix caching on by default)
+PAGED_KEYS = {
+    "rollout/num_preemptions",
+    "rollout/prefix_cache_queries",
+    "rollout/prefix_cache_hits",
+    "rollout/prefix_cache_hit_rate",
+}
 
 SCRIPT = textwrap.dedent(
     """
@@ -81,7 +88,7 @@ def test_split_placement_at_staleness_zero_equals_colocated(tmp_path, n_devices,
     col = r["colocated"]
     assert col["actor"] == list(range(n_devices)) and col["rollout"] is None
     assert len(r["split"]) == len(engines.split(","))
-    for split in r["split"]:
+    for split, engine in zip(r["split"], engines.split(","), strict=True):
         assert split["actor"] == list(range(n_rollout, n_devices))
         assert split["rollout"] == list(range(n_rollout))
         assert len(col["hist"]) == len(split["hist"]) == 2
@@ -89,6 +96,8 @@ def test_split_placement_at_staleness_zero_equals_colocated(tmp_path, n_devices,
             keys = [k for k in c if not k.startswith(_TIME)]
             new = {"async/publish_bytes", "timing_s/sync_rollout_weights", "timing_per_token_ms/sync_rollout_weights"}
             new.add("rollout/weights_bytes_per_chip")  # the rollout mesh's copy on its fullest device
+            if engine == "paged":  # its pool and prefix-cache counts (docs/paged_rollout.md)
+                new |= PAGED_KEYS
             assert set(s) - set(c) == new
             bad = [k for k in keys if not np.isclose(s[k], c[k], rtol=1e-5, atol=1e-7)]
             assert not bad, {k: (s[k], c[k]) for k in bad}
