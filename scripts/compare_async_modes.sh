@@ -24,7 +24,10 @@ extra=("$@")
 run sync "${extra[@]}"
 XLA_FLAGS=--xla_force_host_platform_device_count=2 run one_step_off "${split[@]}" \
   --config.async_training.mode=one_step_off "${extra[@]}"
+# the paged engine decodes a fixed batch of max_num_seqs slots: vLLM's default of 256 for generation batches of
+# 2 prompts x 8 samples computed 16x the rows needed each decode step (117-232 s a step in the first run)
 XLA_FLAGS=--xla_force_host_platform_device_count=2 run fully_async "${split[@]}" --config.rollout.name=paged \
+  --config.rollout.max_num_seqs=16 \
   --config.async_training.mode=fully_async --config.async_training.staleness_threshold=2 \
   --config.async_training.trigger_parameter_sync_step=1 --config.async_training.require_batches=2 \
   --config.async_training.partial_rollout=True --config.algorithm.rollout_correction.rollout_is=token \
