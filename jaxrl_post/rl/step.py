@@ -57,7 +57,7 @@ def train_step(trainer, prompts: DataProto, next_prompts: Callable[[], DataProto
         turn_rows = (nt, {k: b[k] for k in ("response_attention_mask", "loss_mask")})  # multi-turn metrics' input
         if trainer.async_rollout is None:  # async: after `finish_step` (the ahead batches' tool counts are the step's)
             metrics.update(trainer.rollout.multi_turn_metrics(*turn_rows))
-            metrics.update(trainer.rollout.prefix_cache_metrics())
+            metrics.update(trainer.rollout.engine_metrics())
         baselines = b.get("reward_baselines")
 
         # b["loss_mask"]: the model's own tokens (rollout); train_mask: the tokens the updates train (minus
@@ -141,7 +141,7 @@ def train_step(trainer, prompts: DataProto, next_prompts: Callable[[], DataProto
             metrics.update(trainer.async_rollout.finish_step(timing))
             if trainer.async_rollout.owed is None:  # else its job failed: counts of the re-run job come later
                 metrics.update(trainer.rollout.multi_turn_metrics(*turn_rows))
-                metrics.update(trainer.rollout.prefix_cache_metrics())
+                metrics.update(trainer.rollout.engine_metrics())
         if trainer.host.global_steps >= int(cfg.trainer.critic_warmup):
             metrics.update(trainer.sync_weights(step=trainer.host.global_steps + 1, timing=timing))  # split: bytes
         b = data.finish()

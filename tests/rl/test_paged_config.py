@@ -134,8 +134,8 @@ def test_grpo_tiny_trains_with_the_paged_engine(tmp_path):
     try:
         assert isinstance(trainer.rollout.generator, PagedGenerator)
         role, calls = trainer.rollout, []
-        count = role._count_prefix_cache
-        role._count_prefix_cache = lambda: (calls.append(dict(role.generator.last_stats)), count())
+        count = role._count_engine_stats
+        role._count_engine_stats = lambda: (calls.append(dict(role.generator.last_stats)), count())
         hist = trainer.fit()["history"]
         assert len(hist) == 2 and all(np.isfinite(v) for m in hist for v in m.values())
         assert all(m["response_length/max"] <= c.data.max_response_length for m in hist)

@@ -150,7 +150,7 @@ class RolloutRole:
             )
         self.agent_loop = reward_builders.build_agent_loop(cfg, self.generator, tokenizer)  # None: single-turn
         self._multi_turn_stats: list[dict] = []  # agent-loop counts of each generation batch of the step
-        self._prefix_cache: dict[str, float] = {}  # paged engine: prefix-cache token counts of the step's batches
+        self._engine_counts: dict[str, float] = {}  # paged engine: `ENGINE_COUNTS` summed over the step's batches
 
     @property
     def engine(self):
@@ -266,7 +266,7 @@ class RolloutRole:
         with timer("gen", timing):
             params = self.sampling_params(validate=False, seed=seed)
             out = engine.generate(prompts, params, process_local=local, n=n)  # interleaved; one prefill each
-        self._count_prefix_cache()
+        self._count_engine_stats()
         return self.score_generated(prompts, out, timing, reward_fn)
 
     def score_generated(self, prompts, out, timing: dict[str, float], reward_fn):
@@ -316,7 +316,7 @@ class RolloutRole:
         batch = {k: b[k] for k in ("response_attention_mask", "loss_mask")}
         return rollout_metrics(DataProto(batch, {k: nt[k] for k in ("num_turns", "tool_calls")}), total)
 
-    def _count_prefix_cache(self) -> None:
+    def _count_engine_stats(self) -> None:
         """Add the last generation call's paged-engine counts (`last_stats`; a multi-turn session's as the agent
         loop's `paged/*`) to the step's: prefix-cache tokens looked up and hit, preemptions, and (multi-turn) kept
         trajectories' pages evicted."""
@@ -325,9 +325,9 @@ class RolloutRole:
         for k in ENGINE_COUNTS:
             v = stats.get(k if loop is None else f"paged/{k}")
             if v is not None:
-                self._prefix_cache[k] = self._prefix_cache.get(k, 0.0) + float(v)
+                self._engine_counts[k] = self._engine_counts.get(k, 0.0) + float(v)
 
-    def prefix_cache_metrics(self) -> dict[str, float]:
+    def engine_metrics(self) -> dict[str, float]:
         """The paged engine's counts over the step's generation batches that `generate_and_score` ran (partial
         rollout's resumed calls are not counted); {} without them (the dense engine); the prefix-cache keys only with
         prefix caching on. `rollout/prefix_cache_queries`
@@ -336,7 +336,7 @@ class RolloutRole:
         `rollout/num_preemptions` (sequences preempted for pages, vLLM's `num_preemptions`) and, multi-turn,
         `rollout/num_evictions` (kept trajectories whose pages were evicted between turns: each re-prefills its
         context). Resets the counts."""
-        c, self._prefix_cache = self._prefix_cache, {}
+        c, self._engine_counts = self._engine_counts, {}
         out = {f"rollout/num_{k}": c[k] for k in ("preemptions", "evictions") if k in c}
         if c.get("prefix_cache_queries"):  # prefix caching on
             out.update({f"rollout/{k}": c.get(k, 0.0) for k in ("prefix_cache_queries", "prefix_cache_hits")})
