@@ -5,6 +5,7 @@
 # (scripts/compare_runs.py). ~40 min on a quiet 2-core CPU; run it alone: the step times mean nothing under load.
 #   bash scripts/compare_async_modes.sh [OUT_DIR]          (default: runs/async_compare)
 # Extra arguments after OUT_DIR go to all three runs (e.g. --config.trainer.total_training_steps=3 to try it).
+# MODES="sync one_step_off" runs only those (the table and plot are made when all three runs are in OUT_DIR).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 config="${CONFIG:-configs/grpo.py}"  # CONFIG=configs/grpo.py:tiny tries the script in a few minutes
@@ -21,16 +22,19 @@ run() {  # name, then the run's own arguments
   echo "$name: end $(date -u +%T), load average $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$out/timeline.txt"
 }
 extra=("$@")
-run sync "${extra[@]}"
-XLA_FLAGS=--xla_force_host_platform_device_count=2 run one_step_off "${split[@]}" \
-  --config.async_training.mode=one_step_off "${extra[@]}"
+modes=" ${MODES:-sync one_step_off fully_async} "
+want() { [[ "$modes" == *" $1 "* ]]; }
+if want sync; then run sync "${extra[@]}"; fi
+if want one_step_off; then XLA_FLAGS=--xla_force_host_platform_device_count=2 run one_step_off "${split[@]}" \
+  --config.async_training.mode=one_step_off "${extra[@]}"; fi
 # the paged engine decodes a fixed batch of max_num_seqs slots: vLLM's default of 256 for generation batches of
 # 2 prompts x 8 samples computed 16x the rows needed each decode step (117-232 s a step in the first run)
-XLA_FLAGS=--xla_force_host_platform_device_count=2 run fully_async "${split[@]}" --config.rollout.name=paged \
+if want fully_async; then XLA_FLAGS=--xla_force_host_platform_device_count=2 run fully_async "${split[@]}" --config.rollout.name=paged \
   --config.rollout.max_num_seqs=16 \
   --config.async_training.mode=fully_async --config.async_training.staleness_threshold=2 \
   --config.async_training.trigger_parameter_sync_step=1 --config.async_training.require_batches=2 \
   --config.async_training.partial_rollout=True --config.algorithm.rollout_correction.rollout_is=token \
-  --config.algorithm.rollout_correction.rollout_is_threshold=2.0 "${extra[@]}"
+  --config.algorithm.rollout_correction.rollout_is_threshold=2.0 "${extra[@]}"; fi
+for name in sync one_step_off fully_async; do [ -d "$out/$name" ] || exit 0; done
 python scripts/compare_runs.py "$out/sync" "$out/one_step_off" "$out/fully_async" \
   --labels sync,one_step_off,fully_async --out "$out/compare.png" --json "$out/compare.json"
