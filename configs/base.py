@@ -243,6 +243,9 @@ def get_base_config() -> mlc.ConfigDict:
     # pages only; a prompt prefills from its first token after them (vLLM's automatic prefix caching, on by default
     # in vLLM and verl; docs/paged_rollout.md). Off under routing replay (actor.router_replay.mode='R3').
     c.rollout.enable_prefix_caching = True
+    # paged: the decode batch sizes compiled (verl's / vLLM's name; a jitted program each here): a decode dispatch
+    # runs the running sequences padded to the smallest that holds them. None: powers of two from 8 and max_num_seqs
+    c.rollout.cudagraph_capture_sizes = mlc.FieldReference(None, field_type=tuple)
     # Placement (verl fully-async's top-level rollout.* names): devices of the rollout's own mesh
     c.rollout.n_gpus_per_node = 0  # devices given to the rollout (its own mesh, the first N); 0 = colocated
     c.rollout.nnodes = 1  # hosts given to the rollout (with n_gpus_per_node > 0; only 1 for now)
@@ -534,7 +537,7 @@ _VERL_KEYS_TEXT = """
     critic.use_dynamic_bsz critic.ppo_max_token_len_per_gpu critic.forward_max_token_len_per_gpu
     rollout.n rollout.dtype rollout.temperature rollout.top_k rollout.top_p rollout.do_sample rollout.name
     rollout.max_num_seqs rollout.max_num_batched_tokens rollout.gpu_memory_utilization rollout.max_model_len
-    rollout.enable_prefix_caching
+    rollout.enable_prefix_caching rollout.cudagraph_capture_sizes
     rollout.tensor_model_parallel_size
     rollout.log_prob_micro_batch_size
     rollout.multi_turn.enable rollout.multi_turn.max_assistant_turns rollout.multi_turn.max_user_turns

@@ -13,12 +13,13 @@ slot of the live batch, which halves (the real `decode.compaction_sizes`) once a
 
 Cost of a decode step = (`step_bytes` + KV bytes read) / HBM bandwidth. `step_bytes` (weights, activations, logits:
 everything but the pages) comes from XLA's `cost_analysis()` of the engine's decode program
-(`plan.decode_program`, one step at the engine's slot count) compiled abstractly at 1 and 2 layers of the real
-shapes, extrapolated linearly to all layers (`step_bytes_from_compile`: compiled in float32, weights counted
-at bf16). KV read: paged, every scheduled slot reads `ceil(kv_len / page_size)`
-pages per step (the kernel's pages; a slot that finished inside a dispatch keeps reading until it ends, an idle
-slot reads the null page); dense, `size x (P + R_max)` slots. A prefill dispatch costs max(weights / bandwidth,
-2 x params x tokens / peak FLOP/s). No host time per dispatch unless `--host-ms`.
+(`plan.decode_program`, one step at the engine's slot count: an upper bound for the smaller decode batches of
+`dispatch.decode_batch_sizes`) compiled abstractly at 1 and 2 layers of the real shapes, extrapolated linearly to
+all layers (`step_bytes_from_compile`: compiled in float32, weights counted at bf16). KV read: paged, every
+scheduled slot reads `ceil(kv_len / page_size)` pages per step (the kernel's pages; a slot that finished inside a
+dispatch keeps reading until it ends, a padding entry of the decode batch reads the null page); dense,
+`size x (P + R_max)` slots. A prefill dispatch costs max(weights / bandwidth, 2 x params x tokens / peak FLOP/s).
+No host time per dispatch unless `--host-ms`.
 
 Bandwidth bound: the pool full of sequences at the distribution's token-weighted mean context (at most
 `max_num_seqs`), every step's bytes at HBM bandwidth, no prefill and no tail.
@@ -52,6 +53,7 @@ from jaxrl_post.models import get_preset
 from jaxrl_post.rollout.decode import compaction_sizes
 from jaxrl_post.rollout.paged import plan
 from jaxrl_post.rollout.paged.allocator import PageAllocator
+from jaxrl_post.rollout.paged.dispatch import decode_batch_sizes, padded_batch_size
 from jaxrl_post.rollout.paged.scheduler import Scheduler, Seq
 
 PEAK_FLOPS = {"v5p": 459e12, "h100": 989e12, "h200": 989e12}  # dense bf16 per chip
@@ -136,7 +138,8 @@ def paged_dispatch(sched, target, *, k, cost, max_num_seqs, block_size) -> dict:
     lens = np.array([s.length for s in seqs])
     emit = np.array([min(k, target[s.row] - len(s.tokens)) for s in seqs])
     pages = sum(int(np.ceil((lens + np.minimum(j, emit) + 1) / block_size).sum()) for j in range(k))
-    pages += (max_num_seqs - len(seqs)) * k  # idle slots read the null page
+    size = padded_batch_size(decode_batch_sizes(max_num_seqs), len(seqs))  # the engine's decode batch
+    pages += (size - len(seqs)) * k  # its padding entries read the null page
     dt = (k * cost.step_bytes + pages * block_size * cost.kv_token_bytes) / cost.bandwidth + cost.host_s
     shape = (max_num_seqs, k)
     emitted = np.zeros(shape, bool)

@@ -33,6 +33,8 @@ def check_rollout(c: Checker) -> None:
             _check_pool_holds_a_sequence(c)
         c.check("rollout.max_model_len", none_or_2, "must be None or >= 2")
         c.check("rollout.enable_prefix_caching", lambda v: isinstance(v, bool), "must be a bool")
+        sizes_ok = lambda v: v is None or (isinstance(v, (tuple, list)) and v and all(is_int(x) and x >= 1 for x in v))
+        c.check("rollout.cudagraph_capture_sizes", sizes_ok, "must be None or a non-empty tuple of integers >= 1")
         c.check(
             "rollout.gpu_memory_utilization", lambda v: v is None or (is_num(v) and 0 < v <= 1), "must be in (0, 1]"
         )

@@ -31,6 +31,7 @@ def _paged(**keys):
 def test_paged_keys_are_validated():
     validate_config(_paged(), n_devices=1)
     validate_config(_paged(num_gpu_blocks_override=14), n_devices=1)  # one longest sequence fits
+    validate_config(_paged(cudagraph_capture_sizes=(1, 2, 4, 8)), n_devices=1)
     cases = [
         (dict(name="vllm"), r"config\.rollout\.name='vllm': valid: 'dense', 'paged'"),
         (dict(max_num_seqs=0), r"config\.rollout\.max_num_seqs=0: must be an integer >= 1"),
@@ -38,6 +39,8 @@ def test_paged_keys_are_validated():
         (dict(gpu_memory_utilization=1.5), r"config\.rollout\.gpu_memory_utilization=1\.5: must be in \(0, 1\]"),
         (dict(num_gpu_blocks_override=1), r"config\.rollout\.num_gpu_blocks_override=1"),
         (dict(max_num_seqs=3), r"config\.rollout\.max_num_seqs=3: must be >= rollout\.n=4"),
+        (dict(cudagraph_capture_sizes=(8, 0)), r"config\.rollout\.cudagraph_capture_sizes=\(8, 0\): must be None or"),
+        (dict(cudagraph_capture_sizes=()), r"config\.rollout\.cudagraph_capture_sizes=\(\): must be None or"),
         # tiny: 192 prompt + 12 response tokens = 13 pages of 16, + the null page
         (
             dict(num_gpu_blocks_override=13),
@@ -81,6 +84,9 @@ def test_engine_from_the_rollout_keys():
     assert eng.enable_prefix_caching and eng.prefix_caching  # verl's / vLLM's default
     r.enable_prefix_caching = False
     assert not paged_generator_from_config(model, r).prefix_caching
+    assert eng.decode_sizes == (3,)  # max_num_seqs 3: one decode batch size
+    r.max_num_seqs, r.cudagraph_capture_sizes = 64, (4, 16, 128)
+    assert paged_generator_from_config(model, r).decode_sizes == (4, 16, 64)
     r.num_gpu_blocks_override, r.gpu_memory_utilization = None, 0.5
     with pytest.raises(ConfigError) as e:
         paged_generator_from_config(model, r)  # XLA:CPU devices report no memory stats

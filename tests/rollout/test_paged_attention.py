@@ -279,7 +279,7 @@ def test_whole_paged_decode_program_lowers(platform, impl, monkeypatch):
     kv = jax.ShapeDtypeStruct((1, 2, 33, ps, 4, 128), jnp.bfloat16)  # one replica
     i32 = lambda *shape: jax.ShapeDtypeStruct((1, *shape), jnp.int32)
     args = (graphdef, state, graphdefs, layers, kv, jax.ShapeDtypeStruct((1, s, 96), jnp.float32))
-    args += (i32(s), i32(s), i32(s), i32(s), jax.ShapeDtypeStruct((1, s), jnp.bool_), i32(s, pps), jax.random.key(0))
+    args += (i32(s),) * 5 + (jax.ShapeDtypeStruct((1, s), jnp.bool_), i32(s, pps), jax.random.key(0))
     params = SamplingParams(max_new_tokens=8, top_p=0.9, eos_token_ids=(4,))
     lowered = programs.decode.trace(*args, impl=impl, params=params, steps=4).lower(lowering_platforms=(platform,))
     assert ("ragged_paged_attention" in lowered.as_text()) == (impl == "pallas_tpu")

@@ -199,7 +199,7 @@ def _decode_program_text(impl):
     kv = jax.ShapeDtypeStruct((1, 2, 33, ps, 8, 128), jnp.bfloat16)  # one replica: 2 layers x 33 pages
     i32 = lambda *shape: jax.ShapeDtypeStruct((1, *shape), jnp.int32)
     args = (graphdef, state, graphdefs, layers, kv, jax.ShapeDtypeStruct((1, s, 96), jnp.float32))
-    args += (i32(s), i32(s), i32(s), i32(s), jax.ShapeDtypeStruct((1, s), jnp.bool_), i32(s, pps), jax.random.key(0))
+    args += (i32(s),) * 5 + (jax.ShapeDtypeStruct((1, s), jnp.bool_), i32(s, pps), jax.random.key(0))
     params = SamplingParams(max_new_tokens=8, top_p=0.9, eos_token_ids=(4,))
     traced = programs.decode.trace(*args, impl=impl, params=params, steps=4)
     return traced.lower(lowering_platforms=("cuda",)).as_text()

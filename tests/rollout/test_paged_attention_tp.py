@@ -114,7 +114,7 @@ SCRIPT = textwrap.dedent(
         sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=rep(*shape))
         pool = jax.ShapeDtypeStruct((data, 2, 33, ps, 8, 128), jnp.bfloat16, sharding=pool_sharding(m, replicas=True))
         args = (graphdef, state, graphdefs, layers, pool, sds((data, s, 96), jnp.float32))
-        args += tuple(sds((data, s), jnp.int32) for _ in range(4)) + (sds((data, s), jnp.bool_),)
+        args += tuple(sds((data, s), jnp.int32) for _ in range(5)) + (sds((data, s), jnp.bool_),)
         args += (sds((data, s, pps), jnp.int32), jax.random.key(0))
         with jax.set_mesh(m):
             prog = programs.decode.trace(*args, impl=impl, params=params, steps=4)

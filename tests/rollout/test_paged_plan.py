@@ -45,8 +45,8 @@ def test_decode_memory_at_7b_shapes_is_set_by_the_page_budget():
     pool1 = plan.engine_pool_bytes(eng, "float32")
     assert pool1 == 2048 * 16 * 8 * 128 * 4
     s, pps, v = 8, (1024 + 16384) // 16, cfg.vocab_size
-    # weights + pool + [S, V] f32 logits + pos, t, rows, limit [S] int32 + done [S] bool + tables + the key
-    assert m1["arguments"] == cfg.num_params() * 2 + pool1 + s * v * 4 + 4 * s * 4 + s + s * pps * 4 + 8
+    # weights + pool + [S, V] f32 logits + idx, pos, t, rows, limit [S] int32 + done [S] bool + tables + the key
+    assert m1["arguments"] == cfg.num_params() * 2 + pool1 + s * v * 4 + 5 * s * 4 + s + s * pps * 4 + 8
     assert m1["aliased"] == pool1 + s * v * 4  # pool and logits donated
     eng2 = plan.abstract_engine(cfg, num_pages=4096, **kw)
     m2 = plan.decode_memory(plan.decode_program(eng2, 1024, 16384, "float32"))

@@ -73,17 +73,48 @@ def page_copies(copies: list[list[tuple[int, int]]], s_max: int) -> np.ndarray |
     return pairs
 
 
-def decode_inputs(sched: Scheduler, seqs: list[Seq], pps: int) -> tuple[np.ndarray, ...]:
-    """One replica's decode batch of its running `seqs`, by slot: pos, t, rows, limit `[S] int32`, done `[S] bool`
-    (idle slots: done), tables `[S, pps] int32` (`programs.decode`'s per-replica arguments); rows are the sequences'
-    sampling ids (`Seq.sample_row`, else `Seq.row`)."""
+def decode_batch_sizes(max_num_seqs: int, sizes=None) -> tuple[int, ...]:
+    """The decode batch sizes the engine compiles, ascending, the largest `max_num_seqs`: a decode dispatch runs
+    the smallest one that holds every replica's running sequences, so a batch of 16 sequences in 256 slots computes
+    16 rows, not 256. `sizes`: vLLM's `cudagraph_capture_sizes` (here one jitted program each); those above
+    `max_num_seqs` are dropped. None: powers of two from 8 (tpu-inference's padding of the request count) and
+    `max_num_seqs`. Raises ValueError for a size < 1 or not an int."""
+    if sizes is None:
+        sizes = [1 << i for i in range(3, max(max_num_seqs, 1).bit_length())]
+    sizes = list(sizes)
+    if any(isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x < 1 for x in sizes):
+        raise ValueError(f"cudagraph_capture_sizes must be positive ints, got {sizes}")
+    return tuple(sorted({int(x) for x in sizes if x < max_num_seqs} | {int(max_num_seqs)}))
+
+
+def padded_batch_size(sizes: tuple[int, ...], running: int) -> int:
+    """The smallest of `sizes` (ascending) >= `running` sequences (the largest when none is)."""
+    return next((x for x in sizes if x >= running), sizes[-1])
+
+
+def decode_inputs(sched: Scheduler, seqs: list[Seq], pps: int, size: int | None = None) -> tuple[np.ndarray, ...]:
+    """One replica's decode batch of its running `seqs` (at most `size`, default the replica's `max_num_seqs`),
+    in slot order, padded to `size`: idx (the slot of each entry, `max_num_seqs` for padding), pos, t, rows, limit
+    `[size] int32`, done `[size] bool` (padding: done), tables `[size, pps] int32` (`programs.decode`'s
+    per-replica arguments); rows are the sequences' sampling ids (`Seq.sample_row`, else `Seq.row`)."""
     s_max = sched.max_num_seqs
-    pos, t, rows = (np.zeros(s_max, np.int32) for _ in range(3))
-    limit, done = np.ones(s_max, np.int32), np.ones(s_max, bool)
-    tables = np.zeros((s_max, pps), np.int32)
-    for s in seqs:
+    size = s_max if size is None else size
+    idx = np.full(size, s_max, np.int32)
+    pos, t, rows = (np.zeros(size, np.int32) for _ in range(3))
+    limit, done = np.ones(size, np.int32), np.ones(size, bool)
+    tables = np.zeros((size, pps), np.int32)
+    for i, s in enumerate(sorted(seqs, key=lambda s: s.slot)):
         row = s.row if s.sample_row is None else s.sample_row
-        pos[s.slot], t[s.slot], rows[s.slot], limit[s.slot] = s.length, len(s.tokens), row, s.limit
-        done[s.slot] = False
-        tables[s.slot] = sched.alloc.page_table([s.row], pps)[0]
-    return pos, t, rows, limit, done, tables
+        idx[i], pos[i], t[i], rows[i], limit[i] = s.slot, s.length, len(s.tokens), row, s.limit
+        done[i] = False
+        tables[i] = sched.alloc.page_table([s.row], pps)[0]
+    return idx, pos, t, rows, limit, done, tables
+
+
+def by_slot(compact: np.ndarray, idx: np.ndarray, s_max: int) -> np.ndarray:
+    """A decode output `compact [size, ...]` of the entries of `decode_inputs`' `idx [size]` as `[s_max, ...]`
+    by slot (zeros at slots without an entry)."""
+    out = np.zeros((s_max, *compact.shape[1:]), compact.dtype)
+    real = idx < s_max
+    out[idx[real]] = compact[real]
+    return out

@@ -38,7 +38,15 @@ from jaxrl_post.rollout.generate import _assemble, check_prompts, kv_cache_dtype
 from jaxrl_post.rollout.paged import forward, programs
 from jaxrl_post.rollout.paged.admission import QUEUES, ReplicaSchedulers
 from jaxrl_post.rollout.paged.attention import resolve_for_model
-from jaxrl_post.rollout.paged.dispatch import decode_inputs, first_logits, page_copies, prefill_inputs
+from jaxrl_post.rollout.paged.dispatch import (
+    by_slot,
+    decode_batch_sizes,
+    decode_inputs,
+    first_logits,
+    padded_batch_size,
+    page_copies,
+    prefill_inputs,
+)
 from jaxrl_post.rollout.paged.kv_pool import init_replica_pools, pool_bytes, zeros_on
 from jaxrl_post.rollout.paged.replicas import num_replicas
 from jaxrl_post.rollout.paged.scheduler import Piece, Scheduler, Seq
@@ -90,6 +98,10 @@ class PagedGenerator:
         so a prompt prefills only from its first token after a prefix already in the pool (vLLM's automatic prefix
         caching; `rollout/paged/prefix_cache.py`). Off with `return_routed_experts` (a reused page's tokens would
         have no experts recorded for the sequence that reuses it).
+      cudagraph_capture_sizes: the decode batch sizes to compile (vLLM's name; here a jitted decode program each):
+        a decode dispatch runs the running sequences (of the busiest replica) padded to the smallest size that
+        holds them, so a few sequences in many slots compute few rows. None: powers of two from 8 and
+        `max_num_seqs` (`dispatch.decode_batch_sizes`; raises ValueError for a size < 1).
     """
 
     model: nnx.Module
@@ -108,6 +120,7 @@ class PagedGenerator:
     mesh: jax.sharding.Mesh | None = None
     replica_queue: str = "shared"
     enable_prefix_caching: bool = True
+    cudagraph_capture_sizes: tuple[int, ...] | None = None
     last_stats: dict | None = dataclasses.field(default=None, init=False, repr=False)
 
     def __post_init__(self):
@@ -129,6 +142,7 @@ class PagedGenerator:
         for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "steps_per_dispatch"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"PagedGenerator.{name} must be >= 1, got {getattr(self, name)}")
+        self.decode_sizes = decode_batch_sizes(int(self.max_num_seqs), self.cudagraph_capture_sizes)
         self._weights_read = False
         self.weights_version = 0  # + 1 at every `update_weights`: pages shared by content are dropped on a change
         self.unfinished: list[Seq] = []  # sequences the last call stopped before they finished
@@ -234,7 +248,8 @@ class PagedGenerator:
         kv, logits = self.device_state(num_pages)
         key = jax.random.key(params.seed if seed is None else seed)
         static = dataclasses.replace(params, seed=0, max_new_tokens=1)  # slots carry their limits: one program
-        stats = {"prefill_dispatches": 0, "decode_dispatches": 0, "decode_slot_steps": 0, "emitted": 0}
+        stats = {"prefill_dispatches": 0, "decode_dispatches": 0, "decode_slot_steps": 0, "decode_row_steps": 0}
+        stats["emitted"] = 0
         stats["prefill_tokens"] = dispatches = 0
         version = self.weights_version
         while not rs.idle:
@@ -310,8 +325,9 @@ class PagedGenerator:
 
     def _decode(self, kv, logits, rs: ReplicaSchedulers, pps: int, key, params, stats):
         scheds, seqs = rs.scheds, rs.schedule_decode()
-        ins = [decode_inputs(sc, ss, pps) for sc, ss in zip(scheds, seqs)]
-        kv, logits, tokens, lps, ths, emitted, done_out, *routes = programs.decode(
+        size = padded_batch_size(self.decode_sizes, max(len(ss) for ss in seqs))
+        ins = [decode_inputs(sc, ss, pps, size) for sc, ss in zip(scheds, seqs)]
+        kv, logits, *outs = programs.decode(
             self._graphdef,
             self._state,
             self._graphdefs,
@@ -325,14 +341,17 @@ class PagedGenerator:
             steps=self.steps_per_dispatch,
             routes=self.return_routed_experts,
         )
-        host = [np.asarray(a) for a in jax.device_get((tokens, lps, ths, emitted, done_out, *routes))]
+        outs = [np.asarray(a) for a in jax.device_get(outs)]  # tokens, lps, ths, emitted, done[, routes]: [D, B, ...]
+        s_max = self.max_num_seqs
         for rep, (sc, ss) in enumerate(zip(scheds, seqs)):
-            if routes:  # before `decode_done` retires sequences (their slots are read here)
+            host = [by_slot(o[rep], ins[rep][0], s_max) for o in outs]
+            if self.return_routed_experts:  # before `decode_done` retires sequences (their slots are read here)
                 for s in ss:
-                    _record_routes(s, s.length, host[5][rep, s.slot][host[3][rep, s.slot]])
+                    _record_routes(s, s.length, host[5][s.slot][host[3][s.slot]])
             stats["decode_slot_steps"] += len(ss) * self.steps_per_dispatch
-            sc.decode_done(ss, *(h[rep] for h in host[:5]))
-        stats["emitted"] += int(host[3].sum())
+            sc.decode_done(ss, *host[:5])
+        stats["decode_row_steps"] += len(scheds) * size * self.steps_per_dispatch
+        stats["emitted"] += int(outs[3].sum())
         return kv, logits
 
     # ------------------------------------------------------------------ output

@@ -27,13 +27,13 @@ def paged_generator_from_config(
     model, rollout, return_routed_experts: bool = False, mesh=None, max_seq_len: int | None = None
 ) -> PagedGenerator:
     """The engine of `rollout.name='paged'` from the `rollout.*` keys (configs/base.py): `max_num_seqs`,
-    `max_num_batched_tokens`, `block_size`, `num_scheduler_steps`, `max_model_len`, `enable_prefix_caching`, and
-    the pool from `num_gpu_blocks_override`, else `gpu_memory_utilization` x the device's memory limit minus the
-    bytes in use (weights), else None (enough pages for every slot); return_routed_experts, mesh: as
-    `PagedGenerator`'s. The sizes are per data-parallel replica (vLLM's engine arguments are per DP rank): each of
-    the mesh's devices holds its replica's pool split `tensor` ways, so the page count from the memory budget of
-    one device is right for every replica. max_seq_len: the longest sequence (prompt + response tokens) the run
-    generates, when known.
+    `max_num_batched_tokens`, `block_size`, `num_scheduler_steps`, `max_model_len`, `enable_prefix_caching`,
+    `cudagraph_capture_sizes`, and the pool from `num_gpu_blocks_override`, else `gpu_memory_utilization` x the
+    device's memory limit minus the bytes in use (weights), else None (enough pages for every slot);
+    return_routed_experts, mesh: as `PagedGenerator`'s. The sizes are per data-parallel replica (vLLM's engine
+    arguments are per DP rank): each of the mesh's devices holds its replica's pool split `tensor` ways, so the page
+    count from the memory budget of one device is right for every replica. max_seq_len: the longest sequence
+    (prompt + response tokens) the run generates, when known.
 
     Raises:
       ConfigError: `gpu_memory_utilization` is set on a device without memory stats (XLA:CPU) or leaves no room
@@ -71,6 +71,7 @@ def paged_generator_from_config(
         steps_per_dispatch=int(rollout.num_scheduler_steps),
         max_model_len=rollout.get("max_model_len"),
         enable_prefix_caching=bool(rollout.get("enable_prefix_caching", True)),
+        cudagraph_capture_sizes=rollout.get("cudagraph_capture_sizes"),
         return_routed_experts=return_routed_experts,
         mesh=mesh,
     )

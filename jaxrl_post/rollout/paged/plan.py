@@ -119,14 +119,14 @@ def decode_program(eng: PagedGenerator, prompt_len: int, max_new_tokens: int, ca
     """The engine's decode program (`programs.decode`, sampling at temperature 1, `eng.steps_per_dispatch`
     steps) lowered with abstract arguments of the shapes `PagedGenerator._decode` passes for prompts of
     `prompt_len` tokens and `max_new_tokens`, one replica: the pool `[1, L, num_pages, page_size, 2N, K]`,
-    `[1, S, V]` logits, `[1, S]` slot vectors and `[1, S, table_pages]` page tables. Returns the
-    `jax.stages.Lowered`."""
+    `[1, S, V]` logits, `[1, S]` batch vectors and `[1, S, table_pages]` page tables (every slot running: the
+    largest decode batch). Returns the `jax.stages.Lowered`."""
     cfg, s = eng.model.config, eng.max_num_seqs
     pps = eng.table_pages(prompt_len, max_new_tokens)
     sds = jax.ShapeDtypeStruct
     kv = sds((1, cfg.num_layers, eng.num_pages, eng.page_size, 2 * cfg.num_kv_heads, cfg.head_dim), cache_dtype)
     vec = lambda dt: sds((1, s), dt)  # one replica
-    args = (kv, sds((1, s, cfg.vocab_size), jnp.float32), *(vec(jnp.int32) for _ in range(4)), vec(jnp.bool_))
+    args = (kv, sds((1, s, cfg.vocab_size), jnp.float32), *(vec(jnp.int32) for _ in range(5)), vec(jnp.bool_))
     key = jax.eval_shape(lambda: jax.random.key(0))
     params = SamplingParams(max_new_tokens=1, temperature=1.0, eos_token_ids=(0,), pad_token_id=0)
     return programs.decode.lower(

@@ -1,4 +1,4 @@
-"""The paged engine's jitted programs: a ragged prefill chunk, `K` decode steps over the slot batch (`lax.scan`),
+"""The paged engine's jitted programs: a ragged prefill chunk, `K` decode steps of the running slots (`lax.scan`),
 and the small moves between them (first logits into slots, forked pages). Module-level with static graphdefs and
 shapes, so every call with the same model structure and engine shapes reuses one compiled program each.
 `TRACE_COUNTS` counts traces (tests assert compile-once on it).
@@ -77,6 +77,7 @@ def decode(
     layers,
     kv,
     logits,
+    idx,
     pos,
     t,
     rows,
@@ -90,21 +91,24 @@ def decode(
     steps,
     routes=False,
 ):
-    """`steps` decode steps of each replica's slot batch: every argument but the weights and `key` has a leading
-    replica dim `[D]` (pools `kv [D, L, ...]`). Per slot: logits `[D, S, V] float32` of its next token, pos
-    `[D, S] int32` (its next token's position), t `[D, S] int32` (tokens it has generated), rows `[D, S] int32`
-    (sampling ids), limit `[D, S] int32`, done `[D, S] bool` (idle or finished), tables `[D, S, pages_per_seq]
-    int32`. Each step samples with `fold_in(fold_in(key, t), row)` per slot (the dense `Generator`'s key of that row
-    and step, whatever replica runs it), records the token, then runs it through the model. Returns (pools,
-    logits, tokens `[D, S, steps] int32`, log_probs, thresholds `[D, S, steps] float32`, emitted `[D, S, steps]
-    bool`, done `[D, S] bool`); with `routes` (an MoE model, routing replay) also the experts each token was routed
-    to when it was fed, `[D, S, steps, M, k]` uint8/int16."""
+    """`steps` decode steps of a batch of `B` of each replica's `S` slots (B a compiled decode batch size,
+    `dispatch.decode_batch_sizes`): every argument but the weights and `key` has a leading replica dim `[D]`
+    (pools `kv [D, L, ...]`). Per slot: logits `[D, S, V] float32` of its next token. Per batch entry: idx
+    `[D, B] int32` (its slot; S: padding), pos `[D, B] int32` (its next token's position), t `[D, B] int32`
+    (tokens it has generated), rows `[D, B] int32` (sampling ids), limit `[D, B] int32`, done `[D, B] bool` (padding
+    or finished), tables `[D, B, pages_per_seq] int32`. Each step samples with `fold_in(fold_in(key, t), row)` per
+    entry (the dense `Generator`'s key of that row and step, whatever replica or entry runs it), records the token,
+    then runs it through the model. Returns (pools, logits `[D, S, V]` (the entries' slots updated), tokens
+    `[D, B, steps] int32`, log_probs, thresholds `[D, B, steps] float32`, emitted `[D, B, steps] bool`, done
+    `[D, B] bool`); with `routes` (an MoE model, routing replay) also the experts each token was routed to when it
+    was fed, `[D, B, steps, M, k]` uint8/int16."""
     TRACE_COUNTS["decode"] += 1
     pad = jnp.int32(params.pad_token_id)
 
-    def body(state, layers, key, kv, logits, pos, t, rows, limit, done, tables):
+    def body(state, layers, key, kv, slot_logits, idx, pos, t, rows, limit, done, tables):
         model = nnx.merge(graphdef, state)
-        s, ps = logits.shape[0], kv.shape[2]
+        s, ps = idx.shape[0], kv.shape[2]
+        logits = jnp.take(slot_logits, idx, axis=0, mode="clip")  # [B, V]; padding reads a slot it never writes
 
         def step(carry, _):
             kv, logits, pos, t, done = carry
@@ -132,7 +136,8 @@ def decode(
 
         (kv, logits, _, _, done), outs = jax.lax.scan(step, (kv, logits, pos, t, done), None, length=steps)
         tokens, lps, ths, emitted = (o.T for o in outs[:4])
+        logits = _replicated(slot_logits.at[idx].set(logits, mode="drop"))
         return (kv, logits, tokens, lps, ths, emitted, done, *(jnp.swapaxes(e, 0, 1) for e in outs[4:]))
 
-    mapped = (kv, logits, pos, t, rows, limit, done, tables)
+    mapped = (kv, logits, idx, pos, t, rows, limit, done, tables)
     return replica_map(body, (state, layers, key), mapped, out_names=(POOL_AXES,))

@@ -153,7 +153,8 @@ class PagedSession:
         self.context: dict = {}  # trajectory id -> its token ids so far (prompt, responses, observations)
         self.kv = self.logits = None
         self.prefill_tokens = 0  # context tokens prefilled (prompts once per group, appended, recomputed)
-        self.stats = {"prefill_dispatches": 0, "decode_dispatches": 0, "decode_slot_steps": 0, "emitted": 0}
+        self.stats = {"prefill_dispatches": 0, "decode_dispatches": 0, "decode_slot_steps": 0, "decode_row_steps": 0}
+        self.stats["emitted"] = 0
 
     def _mesh(self):
         mesh = self.engine.mesh
