@@ -27,8 +27,8 @@ want() { [[ "$modes" == *" $1 "* ]]; }
 if want sync; then run sync "${extra[@]}"; fi
 if want one_step_off; then XLA_FLAGS=--xla_force_host_platform_device_count=2 run one_step_off "${split[@]}" \
   --config.async_training.mode=one_step_off "${extra[@]}"; fi
-# the paged engine decodes a fixed batch of max_num_seqs slots: vLLM's default of 256 for generation batches of
-# 2 prompts x 8 samples computed 16x the rows needed each decode step (117-232 s a step in the first run)
+# 16 slots: a generation batch is 2 prompts x 8 samples (the pool then holds 16 sequences, not vLLM's default 256;
+# before the decode batch followed the running sequences, 256 slots computed 16x the rows: 117-232 s a step)
 if want fully_async; then XLA_FLAGS=--xla_force_host_platform_device_count=2 run fully_async "${split[@]}" --config.rollout.name=paged \
   --config.rollout.max_num_seqs=16 \
   --config.async_training.mode=fully_async --config.async_training.staleness_threshold=2 \
