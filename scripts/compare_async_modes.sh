@@ -5,6 +5,7 @@
 # (scripts/compare_runs.py). ~40 min on a quiet 2-core CPU; run it alone: the step times mean nothing under load.
 #   bash scripts/compare_async_modes.sh [OUT_DIR]          (default: runs/async_compare)
 # Extra arguments after OUT_DIR go to all three runs (e.g. --config.trainer.total_training_steps=3 to try it).
+# The fully-async run logs its scored responses (trainer.rollout_data_dir: lengths for simulate_rollout.py --lengths).
 # MODES="sync one_step_off" runs only those (the table and plot are made when all three runs are in OUT_DIR).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,7 +35,8 @@ if want fully_async; then XLA_FLAGS=--xla_force_host_platform_device_count=2 run
   --config.async_training.mode=fully_async --config.async_training.staleness_threshold=2 \
   --config.async_training.trigger_parameter_sync_step=1 --config.async_training.require_batches=2 \
   --config.async_training.partial_rollout=True --config.algorithm.rollout_correction.rollout_is=token \
-  --config.algorithm.rollout_correction.rollout_is_threshold=2.0 "${extra[@]}"; fi
+  --config.algorithm.rollout_correction.rollout_is_threshold=2.0 \
+  --config.trainer.rollout_data_dir="$out/fully_async_rollouts" "${extra[@]}"; fi
 for name in sync one_step_off fully_async; do [ -d "$out/$name" ] || exit 0; done
 python scripts/compare_runs.py "$out/sync" "$out/one_step_off" "$out/fully_async" \
   --labels sync,one_step_off,fully_async --out "$out/compare.png" --json "$out/compare.json"
