@@ -13,13 +13,14 @@ slot of the live batch, which halves (the real `decode.compaction_sizes`) once a
 
 Cost of a decode step = (`step_bytes` + KV bytes read) / HBM bandwidth. `step_bytes` (weights, activations, logits:
 everything but the pages) comes from XLA's `cost_analysis()` of the engine's decode program
-(`plan.decode_program`, one step at the engine's slot count: an upper bound for the smaller decode batches of
-`dispatch.decode_batch_sizes`) compiled abstractly at 1 and 2 layers of the real shapes, extrapolated linearly to
-all layers (`step_bytes_from_compile`: compiled in float32, weights counted at bf16). KV read: paged, every
-scheduled slot reads `ceil(kv_len / page_size)` pages per step (the kernel's pages; a slot that finished inside a
-dispatch keeps reading until it ends, a padding entry of the decode batch reads the null page); dense,
-`size x (P + R_max)` slots. A prefill dispatch costs max(weights / bandwidth, 2 x params x tokens / peak FLOP/s).
-No host time per dispatch unless `--host-ms`.
+(`plan.decode_program`, one step at the engine's slot count) compiled abstractly at 1 and 2 layers of the real
+shapes, extrapolated linearly to all layers (`step_bytes_from_compile`: compiled in float32, weights counted at
+bf16); a step of a smaller batch (the engine's padded decode batch, `dispatch.decode_batch_sizes`; the dense
+engine's compacted rows) moves the weights once and the rest in proportion to its rows (`Cost.decode_bytes`).
+KV read: paged, every scheduled slot reads `ceil(kv_len / page_size)` pages per step (the kernel's pages; a slot
+that finished inside a dispatch keeps reading until it ends, a padding entry of the decode batch reads the null
+page); dense, `size x (P + R_max)` slots. A prefill dispatch costs max(weights / bandwidth, 2 x params x tokens /
+peak FLOP/s). No host time per dispatch unless `--host-ms`.
 
 Bandwidth bound: the pool full of sequences at the distribution's token-weighted mean context (at most
 `max_num_seqs`), every step's bytes at HBM bandwidth, no prefill and no tail.
@@ -62,7 +63,9 @@ PEAK_FLOPS = {"v5p": 459e12, "h100": 989e12, "h200": 989e12}  # dense bf16 per c
 @dataclasses.dataclass(frozen=True)
 class Cost:
     """Per chip: non-KV bytes of one decode step, KV bytes per token of context, HBM bandwidth (bytes/s), weights
-    bytes and FLOPs per prefill token (2 x params), peak FLOP/s, host seconds per dispatch."""
+    bytes and FLOPs per prefill token (2 x params), peak FLOP/s, host seconds per dispatch. `rows` > 0:
+    `step_bytes` is at a batch of `rows` rows, and a step of `b` rows moves the weights once plus `b / rows` of the
+    rest (activations and logits scale with the rows); 0: every step moves `step_bytes`."""
 
     step_bytes: float
     kv_token_bytes: float
@@ -71,6 +74,13 @@ class Cost:
     prefill_flops_per_token: float
     peak_flops: float
     host_s: float = 0.0
+    rows: int = 0
+
+    def decode_bytes(self, steps: float, row_steps: float) -> float:
+        """Non-KV bytes of `steps` decode steps whose batches hold `row_steps` rows in all."""
+        if not self.rows:
+            return steps * self.step_bytes
+        return steps * self.weight_bytes + (self.step_bytes - self.weight_bytes) * row_steps / self.rows
 
     def prefill_s(self, tokens: int) -> float:
         return max(self.weight_bytes / self.bandwidth, tokens * self.prefill_flops_per_token / self.peak_flops)
@@ -95,7 +105,7 @@ def simulate_paged(prompt_len, lengths, n, *, max_response, num_pages, block_siz
     target = np.minimum(np.asarray(lengths), max_response)
     t = decode_t = tail_t = 0.0
     out = dict(prefill_dispatches=0, decode_dispatches=0, emitted=0, kv_pages_read=0, running_slot_steps=0)
-    out["tail_decode_steps"] = 0
+    out.update(tail_decode_steps=0, row_steps=0, tail_row_steps=0)
     while not sched.idle:
         in_tail = not sched.waiting and not sched.prefilling  # every sequence admitted and prefilled
         d = paged_dispatch(sched, target, k=k, cost=cost, max_num_seqs=max_num_seqs, block_size=block_size)
@@ -107,6 +117,8 @@ def simulate_paged(prompt_len, lengths, n, *, max_response, num_pages, block_siz
             out["emitted"] += d["emitted"]
             out["kv_pages_read"] += d["kv_pages_read"]
             out["running_slot_steps"] += d["running"] * k
+            out["row_steps"] += d["rows"] * k
+            out["tail_row_steps"] += d["rows"] * k if in_tail else 0
             decode_t += dt
             out["tail_decode_steps"] += k if in_tail else 0
         t += dt
@@ -127,20 +139,21 @@ def simulate_paged(prompt_len, lengths, n, *, max_response, num_pages, block_siz
 def paged_dispatch(sched, target, *, k, cost, max_num_seqs, block_size) -> dict:
     """One dispatch of the engine's loop on `sched` (a prefill while sequences wait for their prompt, else `k`
     decode steps), the model replaced by `target [rows] int` response lengths (a sequence finishes at its target).
-    Returns `{"seconds", "prefill", "emitted", "kv_pages_read", "running", "seqs"}` (`seqs`: those decoded, with
-    `emit` their tokens emitted, for callers that tag tokens)."""
+    Returns `{"seconds", "prefill", "emitted", "kv_pages_read", "running", "rows", "seqs"}` (`rows`: the decode
+    batch, padding included; `seqs`: those decoded, with `emit` their tokens emitted, for callers that tag
+    tokens)."""
     pieces = sched.schedule_prefill()
     if pieces:
         dt = cost.prefill_s(sum(p.count for p in pieces)) + cost.host_s
         sched.prefill_done(pieces)
-        return dict(seconds=dt, prefill=True, emitted=0, kv_pages_read=0, running=0, seqs=[], emit=[])
+        return dict(seconds=dt, prefill=True, emitted=0, kv_pages_read=0, running=0, rows=0, seqs=[], emit=[])
     seqs = sched.schedule_decode()
     lens = np.array([s.length for s in seqs])
     emit = np.array([min(k, target[s.row] - len(s.tokens)) for s in seqs])
     pages = sum(int(np.ceil((lens + np.minimum(j, emit) + 1) / block_size).sum()) for j in range(k))
     size = padded_batch_size(decode_batch_sizes(max_num_seqs), len(seqs))  # the engine's decode batch
     pages += (size - len(seqs)) * k  # its padding entries read the null page
-    dt = (k * cost.step_bytes + pages * block_size * cost.kv_token_bytes) / cost.bandwidth + cost.host_s
+    dt = (cost.decode_bytes(k, k * size) + pages * block_size * cost.kv_token_bytes) / cost.bandwidth + cost.host_s
     shape = (max_num_seqs, k)
     emitted = np.zeros(shape, bool)
     done = np.zeros(max_num_seqs, bool)
@@ -150,7 +163,7 @@ def paged_dispatch(sched, target, *, k, cost, max_num_seqs, block_size) -> dict:
     z = np.zeros(shape, np.float32)
     sched.decode_done(seqs, np.zeros(shape, np.int32), z, z, emitted, done)
     return dict(
-        seconds=dt, prefill=False, emitted=int(emit.sum()), kv_pages_read=pages, running=len(seqs),
+        seconds=dt, prefill=False, emitted=int(emit.sum()), kv_pages_read=pages, running=len(seqs), rows=size,
         seqs=seqs, emit=[int(e) for e in emit],
     )  # fmt: skip
 
@@ -158,13 +171,16 @@ def paged_dispatch(sched, target, *, k, cost, max_num_seqs, block_size) -> dict:
 def retime(result: dict, cost: Cost, other: Cost) -> dict:
     """`simulate_paged`'s result under `other`, a cost with another `step_bytes` (the schedule does not depend on
     the cost: only each decode step's time changes)."""
-    d = (other.step_bytes - cost.step_bytes) / cost.bandwidth
-    t = result["seconds"] + result["decode_steps"] * d
+    r = result
+    d = other.decode_bytes(r["decode_steps"], r["row_steps"]) - cost.decode_bytes(r["decode_steps"], r["row_steps"])
+    tail = other.decode_bytes(r["tail_decode_steps"], r["tail_row_steps"])
+    tail -= cost.decode_bytes(r["tail_decode_steps"], r["tail_row_steps"])
+    t = result["seconds"] + d / cost.bandwidth
     return dict(
         result,
         seconds=t,
-        decode_seconds=result["decode_seconds"] + result["decode_steps"] * d,
-        tail_seconds=result["tail_seconds"] + result["tail_decode_steps"] * d,
+        decode_seconds=result["decode_seconds"] + d / cost.bandwidth,
+        tail_seconds=result["tail_seconds"] + tail / cost.bandwidth,
         tokens_per_s=result["emitted"] / t,
     )
 
@@ -183,7 +199,7 @@ def simulate_dense(prompt_len, lengths, *, max_response, rows, cost, min_rows=8)
             live = len(wave) - np.searchsorted(wave, step, side="right")
             while sizes and live <= sizes[0]:
                 size = sizes.pop(0)
-            dt = (cost.step_bytes + size * slots * cost.kv_token_bytes) / cost.bandwidth
+            dt = (cost.decode_bytes(1, size) + size * slots * cost.kv_token_bytes) / cost.bandwidth
             t += dt
             steps += 1
             if w + rows >= len(lengths):
@@ -198,7 +214,7 @@ def bandwidth_bound(prompt_len, lengths, n, *, pool_tokens, max_num_seqs, block_
     read = float((lengths * ctx).sum() / lengths.sum())  # token-weighted mean context read per step
     held = prompt_len / n + read - prompt_len + block_size / 2  # shared prompt pages, half a page of padding
     seqs = min(max_num_seqs, pool_tokens / held)
-    return seqs * cost.bandwidth / (cost.step_bytes + seqs * read * cost.kv_token_bytes), seqs
+    return seqs * cost.bandwidth / (cost.decode_bytes(1, seqs) + seqs * read * cost.kv_token_bytes), seqs
 
 
 def step_bytes_from_compile(cfg, slots: int, tp: int = 1) -> float:
@@ -264,6 +280,7 @@ def run_plan(
             prefill_flops_per_token=2 * cfg.num_params() / tp,
             peak_flops=PEAK_FLOPS[p["device"]],
             host_s=host_ms / 1e3,
+            rows=max_num_seqs,
         )
         for name_, sb in (("cost_analysis", step_bytes_from_compile(cfg, max_num_seqs, tp)), ("weights", floor))
     }

@@ -83,3 +83,24 @@ def test_logged_lengths_are_read_and_stretched(tmp_path):
     (d / "3.jsonl").write_text("")
     with pytest.raises(ValueError, match="no response lengths"):
         sim.read_lengths(str(d / "3.jsonl"))
+
+
+def test_step_bytes_follow_the_decode_batch_by_hand():
+    """With `Cost.rows` the non-weight bytes of a step scale with its batch: 100 bytes at 16 rows, 20 of them
+    weights, so a step of the engine's 8-row batch (2 sequences in 16 slots: decode sizes 8, 16) moves
+    20 + 80 x 8 / 16 = 60. The by-hand case above in 16 slots: 8 steps x 60 = 480, the 16 real pages as there
+    plus 6 padding entries x 4 steps on the null page (dispatch 1), 12 + 7 x 4 (dispatch 2): 80 pages x 4 tokens =
+    320; + the prefill (20 bytes of weights: 20 s). The dense engine's 2 rows (then 1) cost 20 + 80 x 2 / 16 = 30
+    (25) + the KV; retimed to `rows` 0 the paged run pays 100 a step."""
+    cost = sim.Cost(
+        step_bytes=100, kv_token_bytes=1, bandwidth=1, weight_bytes=20, prefill_flops_per_token=0, peak_flops=1, rows=16
+    )
+    out = sim.simulate_paged(
+        4, [3, 5], 2, max_response=8, num_pages=16, block_size=4, max_num_seqs=16, max_tokens=16, k=4, cost=cost
+    )
+    assert out["kv_pages_read"] == 80 and out["row_steps"] == 2 * 4 * 8
+    assert out["decode_seconds"] == 8 * 60 + 320 and out["seconds"] == 8 * 60 + 320 + 20
+    dense = sim.simulate_dense(4, [3, 5], max_response=8, rows=2, cost=cost, min_rows=1)
+    assert dense["seconds"] == 3 * (30 + 24) + 2 * (25 + 12) + 20
+    flat = sim.Cost(**{**cost.__dict__, "rows": 0})
+    assert sim.retime(out, cost, flat)["decode_seconds"] == 8 * 100 + 320
