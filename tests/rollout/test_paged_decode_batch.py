@@ -6,13 +6,12 @@ shrink as sequences retire; one decode program per size used."""
 import numpy as np
 import pytest
 
-from jaxrl_post.batch.protocol import DataProto
 from jaxrl_post.models import ModelConfig, init_model
 from jaxrl_post.rollout import Generator, SamplingParams
 from jaxrl_post.rollout.paged import programs
 from jaxrl_post.rollout.paged.dispatch import by_slot, decode_batch_sizes, padded_batch_size
 from jaxrl_post.rollout.paged.engine import PagedGenerator
-from tests.rollout.test_paged_engine import EXACT, TINY
+from tests.rollout.test_paged_engine import EXACT, TINY, left_padded_prompts
 
 
 def test_decode_batch_sizes_by_hand():
@@ -33,12 +32,7 @@ def test_decode_batch_sizes_by_hand():
 @pytest.mark.slow  # three decode sizes of a 2-layer model compile, ~25 s on 2 cores
 def test_decode_batch_shrinks_with_the_running_sequences(monkeypatch):
     model = init_model(ModelConfig(**TINY), seed=3)
-    rng = np.random.default_rng(1)
-    lens = [5, 9, 2, 12, 7]
-    ids, mask = np.zeros((5, 12), np.int32), np.zeros((5, 12), np.int32)
-    for i, n in enumerate(lens):
-        ids[i, 12 - n :], mask[i, 12 - n :] = rng.integers(7, 96, n), 1
-    dp = DataProto.from_dict({"input_ids": ids, "attention_mask": mask}, {"uid": np.array(list("abcde"))})
+    dp = left_padded_prompts(1)
     params = SamplingParams(max_new_tokens=24, temperature=1.0, eos_token_ids=(4, 5, 6, 7, 8), seed=5)
     dense = Generator(model, decode_chunk=4).generate(dp, params, n=4)  # 20 sequences
     ends = dense.batch["response_attention_mask"].sum(1)

@@ -35,15 +35,19 @@ EXACT = ("prompts", "responses", "input_ids", "attention_mask", "position_ids", 
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, page_size=4, steps_per_dispatch=4)
 
 
+def left_padded_prompts(seed: int) -> DataProto:
+    """5 random prompts of 5, 9, 2, 12 and 7 tokens (ids 7..95), left-padded to 12, uids 'a'..'e'."""
+    rng = np.random.default_rng(seed)
+    ids, mask = np.zeros((5, 12), np.int32), np.zeros((5, 12), np.int32)
+    for i, n in enumerate([5, 9, 2, 12, 7]):
+        ids[i, 12 - n :], mask[i, 12 - n :] = rng.integers(7, 96, n), 1
+    return DataProto.from_dict({"input_ids": ids, "attention_mask": mask}, {"uid": np.array(list("abcde"))})
+
+
 @pytest.fixture(scope="module")
 def setup():
     model = init_model(ModelConfig(**TINY), seed=3)
-    rng = np.random.default_rng(0)
-    lens = [5, 9, 2, 12, 7]
-    ids, mask = np.zeros((5, 12), np.int32), np.zeros((5, 12), np.int32)
-    for i, n in enumerate(lens):
-        ids[i, 12 - n :], mask[i, 12 - n :] = rng.integers(7, 96, n), 1
-    dp = DataProto.from_dict({"input_ids": ids, "attention_mask": mask}, {"uid": np.array(list("abcde"))})
+    dp = left_padded_prompts(0)
     dense = Generator(model, decode_chunk=4).generate(dp, SAMPLED, n=3)
     return model, dp, dense
 
