@@ -92,7 +92,7 @@ class AsyncRollout:
         self.pending.extend((c, _seed(seed, i)) for i, c in enumerate(chunks))
 
     def _push(self, b, nt, versions, res) -> None:
-        groups = split_groups(b, nt, self.settings.n, versions, self._next_group_id, res.metrics)
+        groups = split_groups(b, nt, self.settings.n, versions, self._next_group_id, res.metrics, self.rollout_version)
         self._next_group_id += len(groups)
         keep = [True] * len(groups) if self.filter is None else self.filter.keep(b, nt, res)
         for g, k in zip(groups, keep, strict=True):
@@ -172,6 +172,11 @@ class AsyncRollout:
             if not len(self.queue):
                 if self.filter is not None and not self.filter.may_generate(made):
                     raise self.filter.give_up(step, made, len(taken), need)
+                if self.filter is None and made > need // s.chunk_prompts + 2:  # a fresh batch is all fresh groups
+                    raise RuntimeError(
+                        f"step {step}: {made} generation batches left {len(taken)} of the {need} fresh groups the "
+                        f"step needs (queue counts {self.queue.counts()}): newly generated groups were dropped, a bug"
+                    )
                 self.produce(timing, reward_fn, next_prompts, seed)
                 made += 1
                 continue

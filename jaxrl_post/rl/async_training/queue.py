@@ -51,10 +51,14 @@ class ScoredGroup:
     @classmethod
     def from_json(cls, d: dict[str, Any], arrays: dict[str, np.ndarray] | None = None) -> ScoredGroup:
         """Inverse of `to_json` (`arrays`: the packer's buffers, when it had one)."""
+        batch = {k: decode_array(v, arrays) for k, v in d["batch"].items()}
+        version = int(d["version"])
+        if "rollout_versions" in batch:  # recomputed: a checkpoint from before `group_version` holds -1 for some
+            version = group_version(batch["rollout_versions"], version)
         return cls(
             group_id=int(d["group_id"]),
-            version=int(d["version"]),
-            batch={k: decode_array(v, arrays) for k, v in d["batch"].items()},
+            version=version,
+            batch=batch,
             non_tensor={k: decode_array(v, arrays) for k, v in d["non_tensor"].items()},
             metrics=dict(d["metrics"]),
         )
@@ -67,9 +71,11 @@ def split_groups(
     versions: np.ndarray,
     first_id: int,
     metrics: dict[str, float],
+    current: int,
 ) -> list[ScoredGroup]:
     """A scored generation batch (rows `i * n + j`, `[B, ...]` arrays) as its `B / n` groups; `versions [B, R]` the
-    per-token versions (the group's version is their minimum over its rows)."""
+    per-token versions, -1 where no token was generated (`PartialGeneration.versions`); `current` the version the
+    rollout samples with now. A group's version is `group_version` of its rows."""
     rows = len(versions)
     out = []
     for g, s in enumerate(range(0, rows, n)):
@@ -77,8 +83,19 @@ def split_groups(
         batch = {k: np.asarray(v)[sl] for k, v in b.items()}
         batch["rollout_versions"] = np.asarray(versions[sl], np.int32)
         non_tensor = {k: np.asarray(v)[sl] for k, v in nt.items()}
-        out.append(ScoredGroup(first_id + g, int(versions[sl].min()), batch, non_tensor, dict(metrics)))
+        version = group_version(versions[sl], current)
+        out.append(ScoredGroup(first_id + g, version, batch, non_tensor, dict(metrics)))
     return out
+
+
+def group_version(versions: np.ndarray, current: int) -> int:
+    """The version of a group's oldest token: the minimum of `versions [n, R] int32` over the tokens that exist
+    (>= 0; -1 marks the positions past a response's end, which no policy sampled), `current` when none exists.
+    Taking -1 as a version made every partial-rollout group with a response shorter than R look `step + 1` steps
+    old: dropped as stale from step `staleness_threshold` on, and the producer generated forever."""
+    v = np.asarray(versions)
+    have = v[v >= 0]
+    return int(have.min()) if have.size else int(current)
 
 
 def merge_groups(groups: list[ScoredGroup]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, float]]:

@@ -15,6 +15,7 @@ from jaxrl_post.algos.core_algos import logprobs_from_logits
 from jaxrl_post.batch.protocol import DataProto
 from jaxrl_post.models import ModelConfig, init_model
 from jaxrl_post.rl.async_training.partial import PartialGeneration
+from jaxrl_post.rl.async_training.queue import split_groups
 from jaxrl_post.rollout import SamplingParams
 from jaxrl_post.rollout.paged.engine import PagedGenerator
 
@@ -84,6 +85,13 @@ def test_resumed_under_new_weights_keeps_each_tokens_version_and_log_prob(setup)
     want = np.where(gen.versions == 0, lp_a, lp_b)
     np.testing.assert_allclose(np.where(rm, b["rollout_log_probs"], 0), np.where(rm, want, 0), atol=1e-5, rtol=0)
     assert np.abs(np.where(rm & (gen.versions == 1), lp_a - lp_b, 0)).max() > 1e-2  # the versions differ
+    # each group's version is its oldest token's, never the -1 past a short response's end (all were: issue 57)
+    groups = split_groups(b, gen.out.non_tensor_batch, 2, gen.versions, first_id=0, metrics={}, current=1)
+    assert (~rm).any()  # short responses exist
+    assert [g.version for g in groups] == [
+        int(gen.versions[2 * i : 2 * i + 2][rm[2 * i : 2 * i + 2]].min()) for i in range(3)
+    ]
+    assert min(g.version for g in groups) == 0
 
 
 @pytest.mark.slow  # shares the compiles above when run after it
@@ -102,3 +110,20 @@ def test_stopped_and_resumed_under_the_same_weights_equals_one_call(setup):
         np.testing.assert_array_equal(parts.out.batch[k], whole.out.batch[k], err_msg=k)
     np.testing.assert_allclose(parts.out.batch["rollout_log_probs"], whole.out.batch["rollout_log_probs"], atol=1e-5)
     np.testing.assert_array_equal(parts.versions, whole.versions)
+
+
+@pytest.mark.slow  # shares the compiles above when run after it
+def test_resumed_call_returns_every_row_when_the_last_row_had_finished(setup):
+    """The result of a resumed call has all `B * n` rows even when the last row is not among the resumed sequences
+    (it was `max(resumed row) + 1` rows: the fully-async SmolLM2 run failed in step 3 with 15 rows against 16)."""
+    cfg, _, _, dp = setup
+    eng = PagedGenerator(init_model(cfg, seed=3), **ENGINE)
+    gen = PartialGeneration(dp, seed=11, n=2)
+    gen.run(eng, PARAMS, version=0, max_dispatches=3)
+    resumed = [s for s in gen.copy().unfinished if s.row != 5]  # as if row 5 had finished before the stop
+    assert resumed
+    before = {s.row: list(s.tokens) for s in resumed}
+    out = eng.generate(dp, PARAMS, seed=11, n=2, resume=resumed)
+    assert out.batch["responses"].shape == (6, PARAMS.max_new_tokens)
+    for row, tokens in before.items():
+        np.testing.assert_array_equal(out.batch["responses"][row, : len(tokens)], tokens)

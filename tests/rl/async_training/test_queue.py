@@ -1,13 +1,14 @@
 """`GroupQueue` and the staleness rule by hand: the bound holds (a full queue refuses a put), the JSON state is exact
 (float32 log-probs to the bit, object arrays), `is_fresh` is `t - v <= s` and refuses versions from the future, and
-`staleness_metrics` counts a sample's staleness from its oldest token."""
+`staleness_metrics` counts a sample's staleness from its oldest token; a group's version is its oldest token's,
+the positions past a response's end (-1: nothing sampled them) left out."""
 
 import json
 
 import numpy as np
 import pytest
 
-from jaxrl_post.rl.async_training.queue import GroupQueue, ScoredGroup
+from jaxrl_post.rl.async_training.queue import GroupQueue, ScoredGroup, group_version, split_groups
 from jaxrl_post.rl.async_training.staleness import is_fresh, staleness_metrics
 
 
@@ -49,3 +50,21 @@ def test_staleness_rule_and_metrics_by_hand():
     m = staleness_metrics(versions, mask, step=5)
     # samples: 5 - 3 = 2, 5 - 4 = 1, no tokens = 0; tokens: 2, 1, 1, 1, 1
     assert m == {"async/staleness/mean": 1.0, "async/staleness/max": 2.0, "async/token_staleness/mean": 6 / 5}
+
+
+def test_group_version_is_its_oldest_existing_token():
+    # partial rollout: row 0 resumed (versions 3 then 4), row 1 shorter, its tail -1 (no token there)
+    versions = np.array([[3, 4, 4, 4], [4, 4, -1, -1]], np.int32)
+    assert group_version(versions, current=5) == 3
+    assert group_version(versions[1:], current=5) == 4  # was -1: every short group dropped as stale (issue 57)
+    assert group_version(np.full((2, 4), -1, np.int32), current=5) == 5  # no token at all: nothing is stale
+    b = {"responses": np.zeros((4, 4), np.int32)}
+    nt = {"uid": np.array(list("aabb"), dtype=object)}
+    both = np.concatenate([versions, np.array([[2, -1, -1, -1], [6, 6, 6, -1]], np.int32)])
+    groups = split_groups(b, nt, 2, both, first_id=7, metrics={}, current=6)
+    assert [(g.group_id, g.version) for g in groups] == [(7, 3), (8, 2)]
+    np.testing.assert_array_equal(groups[1].batch["rollout_versions"], both[2:])  # the per-token tags are kept
+    # a group saved with the old rule's -1 (a checkpoint written before the fix) loads with its real version
+    old = groups[0].to_json()
+    old["version"] = -1
+    assert ScoredGroup.from_json(json.loads(json.dumps(old))).version == 3

@@ -9,6 +9,7 @@ import json
 import numpy as np
 import pytest
 
+from jaxrl_post.rl.async_training import queue
 from jaxrl_post.rl.async_training.producer import AsyncRollout
 from jaxrl_post.rl.async_training.settings import AsyncSettings
 from tests.rl.async_training.fake_rollout import FakeRollout, prompt_batches
@@ -104,6 +105,26 @@ def test_stale_groups_are_dropped_with_a_reason_and_replaced():
     assert ar.queue.dropped == {"stale": sorted(before)}
     assert m["async/dropped_groups_total/stale"] == len(before)
     assert np.all(b["rollout_versions"] == 5)
+
+
+def test_newly_generated_groups_never_dropped_or_the_step_raises(monkeypatch):
+    """A guard, not a rule: a fresh generation batch is all fresh groups, so a step that generates more batches than
+    it needs + the batch in flight + 1 has a bug in the versions (as -1 tails were, queue.group_version) and
+    raises instead of generating forever."""
+    rollout = FakeRollout(N)
+    ar = AsyncRollout(_settings(s=1), rollout)
+    loader = prompt_batches(B)
+    _train(ar, rollout, loader, 2)
+    monkeypatch.setattr(queue, "group_version", lambda versions, current: -1)  # the old rule on a short response
+    generate = rollout.generate_and_score
+
+    def bounded(*args):  # without the guard the step would generate forever: fail instead of hanging
+        assert len(rollout.calls) < 20, "the producer kept generating"
+        return generate(*args)
+
+    monkeypatch.setattr(rollout, "generate_and_score", bounded)
+    with pytest.raises(RuntimeError, match="newly generated groups were dropped"):
+        _train(ar, rollout, loader, 3, start=2)  # step 2 trains the groups queued ahead; step 3 finds none
 
 
 def test_rollout_weights_too_old_to_ever_train_raise():
