@@ -17,11 +17,12 @@ What changes against the gathered path (`step.py` calls the helpers here only wh
   another process count changes the shuffle;
 - metrics: `critic/*`, `response_length/*`, `prompt_length/*`, `reward/*`, token counts and dropped responses from
   per-process moments (`row_stats`), exchanged in one small all-gather each;
+- an MoE actor: the replayed routes (`routed_experts`) are a batch key like the others, so they stay local; the
+  mismatch metrics (`updates.moe_mismatch_metrics`) run on global arrays;
 - still gathered (objects, once): validation (`validation_loop`), the reward's error messages and extra keys.
 
 Not supported (config_errors names them): packing (`model.use_remove_padding`), dynamic sampling, asynchronous
-training, multi-turn, distillation, rollout correction, `trainer.rollout_data_dir`, ReMax's greedy baselines, an MoE
-actor (routing replay).
+training, multi-turn, distillation, rollout correction, `trainer.rollout_data_dir`, ReMax's greedy baselines.
 """
 
 from __future__ import annotations

@@ -87,7 +87,7 @@ def train_step(trainer, prompts: DataProto, next_prompts: Callable[[], DataProto
             with stage(data, "values", timing) as b:
                 b["values"] = trainer.critic.values(trainer.state.critic.params, b)
 
-        metrics.update(updates.moe_mismatch_metrics(trainer.policy, g, b, train_mask))  # MoE: routing replay
+        metrics.update(updates.moe_mismatch_metrics(trainer.policy, g, b, train_mask, local))  # MoE: replay
         if g.use_rollout_corr:  # IS weights / rejection mask from log(pi_old / pi_rollout), whole batch
             with stage(data, "rollout_correction") as b:
                 weights, train_mask, corr_metrics = updates.rollout_correction(cfg, b, train_mask)

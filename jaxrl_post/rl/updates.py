@@ -22,6 +22,8 @@ from jaxrl_post.batch.protocol import DataProto
 from jaxrl_post.engine.train_state import HostState, TrainState
 from jaxrl_post.rl import metrics as metrics_lib
 from jaxrl_post.rl.geometry import StepGeometry
+from jaxrl_post.runtime import row_stats
+from jaxrl_post.runtime.distributed import global_from_local, to_host
 
 
 def minibatches(n_rows: int, mini: int, epochs: int, shuffle: bool, rng: np.random.Generator) -> Iterator[np.ndarray]:
@@ -105,16 +107,32 @@ def rollout_correction(cfg, b: dict[str, np.ndarray], train_mask: np.ndarray):
     return weights, np.asarray(mask).astype(np.int32), {k: float(v) for k, v in jax.device_get(metrics).items()}
 
 
-def moe_mismatch_metrics(policy, geometry: StepGeometry, b: dict[str, np.ndarray], train_mask) -> dict[str, float]:
+def moe_mismatch_metrics(
+    policy, geometry: StepGeometry, b: dict[str, np.ndarray], train_mask, local: bool = False
+) -> dict[str, float]:
     """An MoE actor's rollout / trainer mismatch (routing replay, docs/moe.md): verl's
     `training/rollout_probs_diff_{max,mean,std}` and `training/rollout_actor_probs_pearson_corr` of the old-log-prob
     forward against the sampler's log-probs over `train_mask`, every step with an old-log-prob forward (rollout
-    correction logs the same keys itself). {} for a dense actor, without old log-probs or without a token."""
+    correction logs the same keys itself). {} for a dense actor, without old log-probs or without a token.
+    `local`: `b` and `train_mask` are this process's rows (rl/local_rows.py): the same function on global arrays
+    built from every process's rows, its reductions across processes (the rows never gathered)."""
     moe = bool(policy.model.config.moe_layers)
-    if not moe or geometry.use_rollout_corr or "old_log_probs" not in b or not np.any(train_mask):
+    if not moe or geometry.use_rollout_corr or "old_log_probs" not in b:
+        return {}
+    if local:
+        tokens = row_stats.allreduce_sums({"n": float(np.sum(train_mask))})["n"]
+        if not tokens:
+            return {}
+        put = lambda x: global_from_local(np.asarray(x), policy.placement.mesh)
+        out = _probs_diff(put(b["old_log_probs"]), put(b["rollout_log_probs"]), put(train_mask))
+        return {k: float(to_host(v)) for k, v in out.items()}
+    if not np.any(train_mask):
         return {}
     out = compute_rollout_probs_diff_metrics(b["old_log_probs"], b["rollout_log_probs"], train_mask)
     return {k: float(v) for k, v in jax.device_get(out).items()}
+
+
+_probs_diff = jax.jit(compute_rollout_probs_diff_metrics)  # process-local rows: one program over the global arrays
 
 
 def update_critic(

@@ -36,7 +36,9 @@ import time
 import numpy as np
 import pytest
 
+from jaxrl_post.algos.rollout_corr import compute_rollout_probs_diff_metrics
 from tests.cheap_compile import CHEAP_COMPILE_FLAGS
+from tests.e2e.mismatch_probe import probe_rows
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOL = 1e-5  # metrics
@@ -72,6 +74,8 @@ _FWD = {"actor.ppo_epochs": 2, "actor.use_kl_loss": True}
 _PADDED_FWD = dict(_PADDED, **_FWD)
 _LOCAL = dict(_PADDED, **{"trainer.distributed.process_local_rows": True})
 _RPP = {"algorithm.adv_estimator": "reinforce_plus_plus"}
+# an MoE actor (configs/grpo.py:moe_tiny) replaying the rollout's routes (R3): `routed_experts` stay process-local
+_R3 = {"actor.router_replay.mode": "R3"}
 # PPO with one actor and one critic mini-batch: critic values and update, GAE whitened over the batch, KL in reward
 _PPO_LOCAL = dict(_PPO, **{"model.use_remove_padding": False, "trainer.val_at_end": False})
 _PPO_LOCAL.update({"actor.ppo_mini_batch_size": 4, "critic.ppo_mini_batch_size": 4})
@@ -105,6 +109,7 @@ from jaxrl_post.runtime import sharding
 from jaxrl_post.runtime.distributed import to_host
 from jaxrl_post.engine.run import checkpoint as ckpt
 from jaxrl_post.rl.trainer import RLTrainer
+from tests.e2e.mismatch_probe import probe_rows
 
 seen = []  # whether the model's activation constraints saw an ambient mesh (trace time)
 _constrain = sharding.constrain
@@ -118,7 +123,7 @@ flat = lambda tree: {jax.tree_util.keystr(p): to_host(x) for p, x in jax.tree_ut
 def run(job):
     seen.clear()
     os.environ["MH_REWARD_LOG"] = job["workdir"] + ".reward"
-    c = {"grpo": grpo, "ppo": ppo}[job["algo"]].get_config("tiny")
+    c = {"grpo": grpo, "ppo": ppo}[job["algo"]].get_config(job.get("variant", "tiny"))
     for k, v in job["overrides"].items():
         node = c
         *head, last = k.split(".")
@@ -152,6 +157,10 @@ def run(job):
         out["fractions"] = {k: x.nbytes / local(x) for k, x in arrays.items()}
     res = t.fit()
     out["history"] = res["history"]
+    if job.get("mismatch_probe"):  # the MoE mismatch metrics on process-local rows, against the test's reference
+        from jaxrl_post.rl import updates
+        b, mask = probe_rows(jax.process_index())
+        out["mismatch_probe"] = updates.moe_mismatch_metrics(t.policy, t.geometry, b, mask, local=True)
     out["constrain_calls"], out["constrain_with_mesh"] = len(seen), sum(seen)
     params = flat(t.state.actor.params)
     t.close()
@@ -279,6 +288,9 @@ def runs(tmp_path_factory):
         _job(tmp, "gathered2", "grpo", [1, 8, 1], _PADDED_FWD),
         _job(tmp, "rpp_local2", "grpo", [1, 8, 1], dict(_LOCAL, **_RPP)),
         _job(tmp, "ppo_local2", "ppo", [1, 4, 2], dict(_PPO_LOCAL, **{"trainer.distributed.process_local_rows": True})),
+        _job(
+            tmp, "moe_local2", "grpo", [1, 8, 1], dict(_LOCAL, **_FWD, **_R3), variant="moe_tiny", mismatch_probe=True
+        ),
     ]
     ppo2 = [_start_script(tmp, 4, jobs2, dist(i)) for i in range(2)]
     resume = dict(resume=str(tmp / "cli2" / "checkpoints" / "global_step_1"), wait_for=str(tmp / "cli2.done"))
@@ -296,6 +308,7 @@ def runs(tmp_path_factory):
         _job(tmp, "padded1", "grpo", [1, 1, 1], _PADDED_FWD),
         _job(tmp, "rpp1", "grpo", [1, 1, 1], dict(_PADDED, **_RPP)),
         _job(tmp, "ppo_padded1", "ppo", [1, 1, 1], _PPO_LOCAL),
+        _job(tmp, "moe_padded1", "grpo", [1, 1, 1], dict(_PADDED_FWD, **_R3), variant="moe_tiny"),
     ]
     one1 = _start_script(tmp, 1, one1)
     out = {"cli2": _load_cli(tmp, _wait(cli))}
@@ -312,9 +325,10 @@ def runs(tmp_path_factory):
         "gathered2",
         "rpp_local2",
         "ppo_local2",
+        "moe_local2",
     ):
         out[name] = _load(tmp, name)
-    for name in ("padded1", "rpp1", "ppo_padded1"):
+    for name in ("padded1", "rpp1", "ppo_padded1", "moe_padded1"):
         out[name] = _load(tmp, name)
     return out
 
@@ -419,15 +433,46 @@ def test_fsdp_shards_params_and_optimizer_state_and_constraints_apply(runs):
 @pytest.mark.slow  # the `runs` fixture (multi-process tiny runs)
 @pytest.mark.parametrize(
     "local, ref",
-    [("local2", "gathered2"), ("local2", "padded1"), ("rpp_local2", "rpp1"), ("ppo_local2", "ppo_padded1")],
+    [
+        ("local2", "gathered2"),
+        ("local2", "padded1"),
+        ("rpp_local2", "rpp1"),
+        ("ppo_local2", "ppo_padded1"),
+        ("moe_local2", "moe_padded1"),
+    ],
 )
 def test_process_local_rows_equal_the_gathered_run(runs, local, ref):
     """`trainer.distributed.process_local_rows` on 2 processes: every metric of both steps equals the gathered
     2-process run and the 1-process run (GRPO: group statistics, old and reference log-prob forwards on local rows;
     REINFORCE++ and PPO's GAE: whitened over the whole batch, a statistic across processes; PPO: the critic's
-    values, update and `vf_explained_var`), params too; each host received far fewer bytes per step."""
+    values, update and `vf_explained_var`; an MoE actor replaying the rollout's routes, which stay on the process
+    that generated them, and its mismatch metrics reduced across processes), params too; each host received far
+    fewer bytes per step."""
     two, other = runs[local], runs[ref]
     assert two["processes"] == 2 and len(two["history"]) == 2
+    if local == "moe_local2":
+        # The router statistics are per micro-batch: a max / min over experts of a micro-batch's loads, the aux loss
+        # a product of its means. Process-local rows put other rows together in a micro-batch (each process's block
+        # of the global mini-batch), so these differ like any statistic of another batch split (seen <= 2.7e-3).
+        # Everything else, the replay's mismatch metrics included, is held to TOL; the other process's routes
+        # (16 responses x 104 tokens x 2 layers x top-2, uint8) would be 6,656 bytes received per step.
+        assert all("training/rollout_probs_diff_max" in m for m in two["history"])
+        # those metrics are ~0 under float32 replay, so the whole batch's cannot be told from one process's here:
+        # the probe (mismatch_probe.py) ran them on distinct rows per process, against both processes' rows
+        rows = [probe_rows(i) for i in range(2)]
+        cat = lambda k: np.concatenate([r[0][k] for r in rows])
+        want = compute_rollout_probs_diff_metrics(
+            cat("old_log_probs"), cat("rollout_log_probs"), np.concatenate([r[1] for r in rows])
+        )
+        got = two["mismatch_probe"]
+        assert sorted(got) == sorted(want)
+        np.testing.assert_allclose([got[k] for k in sorted(want)], [float(want[k]) for k in sorted(want)], rtol=1e-5)
+        assert max(m["perf/host_gather_bytes"] for m in two["history"]) < 16 * 104 * 2 * 2
+        router = [{k: v for k, v in m.items() if k.startswith("actor/moe/")} for m in two["history"]]
+        router_ref = [{k: v for k, v in m.items() if k.startswith("actor/moe/")} for m in other["history"]]
+        assert router[0] and _metric_diff(router, router_ref) <= 5e-3
+        strip = lambda h: [{k: v for k, v in m.items() if not k.startswith("actor/moe/")} for m in h]
+        two, other = dict(two, history=strip(two["history"])), dict(other, history=strip(other["history"]))
     assert _metric_diff(two["history"], other["history"]) <= TOL
     whitened = local in ("rpp_local2", "ppo_local2")
     assert _param_diff(two["params"], other["params"]) <= (WHITENED_PARAM_TOL if whitened else PARAM_TOL)

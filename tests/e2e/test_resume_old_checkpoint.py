@@ -60,8 +60,10 @@ def test_async_checkpoint_with_the_json_queue_resumes_exactly(tmp_path):
     item of their own (every array a JSON list in `host['async']`): `configs/grpo.py:async` with
     `total_training_steps=4`, `save_freq=2`, `val_before_train=False`, `val_at_end=False`, `fit(max_steps=2)` in
     process (the XLA:CPU flags of the CLI set), stopped with 4 groups queued and a batch in flight.
-    `expected_straight.json`: that code's metrics of the same config run 8 steps straight (timings left out; its
-    first 4 steps equal a 4-step run's)."""
+    `expected_straight.json`: the metrics of the same config run 8 steps straight (timings left out; its first 4
+    steps equal a 4-step run's), recorded again at 71cf8e4: 24f35a8's recording dropped 8-14 groups a step as
+    stale from step 3 on (a group's version was -1 when a response was shorter than R, queue.group_version), so
+    the old code's continuation is not today's; its first two steps, which the checkpoint holds, are the same."""
     run = tmp_path / "run"
     shutil.copytree(ASYNC_FIXTURE / "checkpoints", run / "checkpoints")
     want = json.loads((ASYNC_FIXTURE / "expected_straight.json").read_text())["async_tiny_straight_8_steps"]

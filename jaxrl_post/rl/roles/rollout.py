@@ -94,8 +94,6 @@ class RolloutRole:
         self.process_local = bool(process_local)
         self.keep_rows = self.process_local and local_rows.enabled(cfg)  # no gather of the scored rows
         placement.process_local_rows = self.keep_rows  # the rows handed out are what every forward / update gets
-        if self.keep_rows and policy.model.config.moe_layers:  # the routing-replay metrics need every row
-            raise ConfigError("config.trainer.distributed.process_local_rows=True: not supported with an MoE actor")
         rdt = jnp.dtype(cfg.rollout.dtype or platform_defaults.resolve("model.dtype", cfg.model.dtype))
         m = policy.model
         self.rollout_mesh, self.published_bytes = rollout_mesh, 0
