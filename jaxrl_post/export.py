@@ -133,12 +133,23 @@ def _fix_file_modes(out_dir: str) -> None:
             os.chmod(os.path.join(out_dir, name), 0o666 & ~mask)
 
 
-def export(checkpoint: str, out_dir: str, *, step: int | None = None, overwrite: bool = False, say=None) -> str:
+def export(
+    checkpoint: str,
+    out_dir: str,
+    *,
+    step: int | None = None,
+    overwrite: bool = False,
+    say=None,
+    quantization: str | None = None,
+) -> str:
     """Write the HF directory for `checkpoint` into `out_dir`; returns `out_dir`. `say(line)`, when given,
     receives a summary: the step, the number of parameters and the files written (with sizes).
+    `quantization='mxfp4'`: a GPT-OSS actor's experts written as MXFP4, as the released gpt-oss checkpoints
+    (`hf_io.save_pretrained`).
 
     Raises:
-      ExportError: `out_dir` is a file, or a non-empty directory and not `overwrite` (checked first).
+      ExportError: `out_dir` is a file, or a non-empty directory and not `overwrite` (checked first); a
+        quantization the model cannot be written in (another family, a reward model, a non-finite expert weight).
       CheckpointError: nothing complete at `checkpoint` (see `load_actor`).
     """
     import jax
@@ -149,9 +160,16 @@ def export(checkpoint: str, out_dir: str, *, step: int | None = None, overwrite:
     model, tokenizer, step, meta = _load_actor(checkpoint, step=step)
     adapter_dir = os.path.join(out_dir, ADAPTER_SUBDIR)
     if meta["trainer_type"] == "reward_model":  # <Family>ForSequenceClassification (LoRA: merged weights)
+        if quantization is not None:
+            raise ExportError(f"quantization {quantization!r}: a reward model is exported in its own dtype only")
         save_reward_model(model, tokenizer, out_dir)
     else:
-        save_pretrained(model, tokenizer, out_dir)  # LoRA: merged weights
+        try:
+            save_pretrained(model, tokenizer, out_dir, quantization=quantization)  # LoRA: merged weights
+        except ValueError as e:  # the quantization's own checks (mxfp4.check_export, quantize_mxfp4)
+            if quantization is None:
+                raise
+            raise ExportError(str(e)) from None
         if lora_config_of(model) is not None:
             base_path = (meta.get("base") or {}).get("model_path")
             save_peft_adapter(model, adapter_dir, base_model_name_or_path=base_path)

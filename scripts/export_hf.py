@@ -11,7 +11,8 @@ trainer). Writes config.json, generation_config.json, model.safetensors and the 
 `jaxrl_post.models.save_pretrained` (all with the same file mode), then prints the step, the number of
 parameters and the files. A reward-model run's checkpoint is written as an HF
 `<Family>ForSequenceClassification` directory (`hf_io.save_reward_model`). `--out` must be a new or empty
-directory unless `--overwrite` is given.
+directory unless `--overwrite` is given. `--quantization=mxfp4` (GPT-OSS) writes the experts as MXFP4
+`_blocks` / `_scales` with config.json's `quantization_config`, as the released gpt-oss checkpoints.
 
 A LoRA checkpoint holds the adapters only: the base weights are rebuilt from where the run took them
 (`host['model']['base']`: its `model.path`, or the random init of `trainer.seed`). `--out` then gets the
@@ -43,6 +44,12 @@ def main(argv: list[str] | None = None) -> int:
         help="step to export (default: the one --checkpoint names, else the latest complete one)",
     )
     ap.add_argument("--overwrite", action="store_true", help="write into a non-empty --out directory")
+    ap.add_argument(
+        "--quantization",
+        choices=["mxfp4"],
+        default=None,
+        help="GPT-OSS only: write the experts as MXFP4 blocks and scales, as the released gpt-oss checkpoints",
+    )
     args = ap.parse_args(argv)
     from jaxrl_post.engine.run.checkpoint import CheckpointError
     from jaxrl_post.runtime.log_noise import quiet_startup_noise
@@ -50,7 +57,14 @@ def main(argv: list[str] | None = None) -> int:
     quiet_startup_noise()  # as the main job: known start-up noise off the console, real warnings kept
 
     try:
-        export(args.checkpoint, args.out, step=args.step, overwrite=args.overwrite, say=print)
+        export(
+            args.checkpoint,
+            args.out,
+            step=args.step,
+            overwrite=args.overwrite,
+            say=print,
+            quantization=args.quantization,
+        )
     except (CheckpointError, ExportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -11,7 +11,7 @@ Llama/Qwen's `post_attention_layernorm` is the pre-MLP norm; Gemma's is the post
 MoE layers (Qwen3-MoE): router `mlp.gate.weight` [E, D] -> `mlp.router` [D, E]; the per-expert
 `mlp.experts.<j>.<proj>.weight` are stacked into `mlp.<proj>` [E, in, out] (`moe.stack_experts` / `split_experts`);
 Mixtral's, Qwen2-MoE's and GPT-OSS's tensors: `moe_families`; GPT-OSS's MXFP4 experts are dequantized on load
-(`mxfp4`, reading: `hf_tensors`) and export writes the model's own dtype.
+(`mxfp4`, reading: `hf_tensors`) and export writes the model's own dtype (GPT-OSS experts: MXFP4 on request).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxrl_post.models import mxfp4
 from jaxrl_post.models.config import ModelConfig
 from jaxrl_post.models.decoder import Transformer
 from jaxrl_post.models.hf_tensors import checkpoint_tensors, iter_safetensors
@@ -237,6 +238,7 @@ def save_pretrained(
     max_shard_bytes: int = 2 * 1024**3,
     mapping=None,
     hf_config_updates: dict | None = None,
+    quantization: str | None = None,
 ) -> None:
     """Write an HF directory: config.json, generation_config.json, model.safetensors (or shards + index),
     tokenizer files (`tokenizer.save_pretrained`, skipped when tokenizer is None).
@@ -246,11 +248,14 @@ def save_pretrained(
     the host one shard-file at a time. On multi-host runs every process must call this (gathers are
     collective); only process 0 writes. `mapping` (default `param_map(model.config)`) and
     `hf_config_updates` (merged into config.json) let a reward model write its own tensors and architecture
-    (`save_reward_model`).
+    (`save_reward_model`). `quantization='mxfp4'` (GPT-OSS only) writes the experts as MXFP4 `_blocks` / `_scales`
+    with `quantization_config` in config.json, as the released gpt-oss checkpoints (`mxfp4.quantize_mxfp4`; lossy
+    unless the weights came from such a checkpoint untrained). Raises ValueError for another quantization or family.
     """
     from safetensors.numpy import save_file
 
     config: ModelConfig = model.config
+    mxfp4.check_export(config.family, quantization)
     os.makedirs(out_dir, exist_ok=True)
     write = jax.process_index() == 0
     mapping = param_map(config) if mapping is None else mapping
@@ -277,10 +282,10 @@ def save_pretrained(
             path, _, to_hf = mapping[name]
             value = to_hf(_to_host(_export_value(model, path)))
             for hf_name, array in [(name, value)] if config.family in FUSED_EXPERTS else split_experts(name, value):
-                hf_name = ours_to_hf_name(config.family, hf_name)
-                tensors[hf_name] = np.ascontiguousarray(array)
-                weight_map[hf_name] = fname
-                total += tensors[hf_name].nbytes
+                for out_name, out in mxfp4.export_tensors(ours_to_hf_name(config.family, hf_name), array, quantization):
+                    tensors[out_name] = np.ascontiguousarray(out)
+                    weight_map[out_name] = fname
+                    total += tensors[out_name].nbytes
         if write:
             save_file(tensors, os.path.join(out_dir, fname), metadata={"format": "pt"})
         del tensors
@@ -293,6 +298,8 @@ def save_pretrained(
     hf_cfg.update(hf_config_updates or {})
     param_dtype = getattr(model, "param_dtype", None) or model.backbone.param_dtype
     hf_cfg["torch_dtype"] = hf_cfg["dtype"] = str(jnp.dtype(param_dtype))
+    if quantization is not None:
+        hf_cfg["quantization_config"] = dict(mxfp4.QUANTIZATION_CONFIG)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(hf_cfg, f, indent=2)
     gen = {k: hf_cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if hf_cfg.get(k) is not None}

@@ -352,6 +352,16 @@ def test_script_checkpoint_errors_say_what_to_pass(tmp_path, capsys):
     assert not (tmp_path / "e").exists()  # nothing built
 
 
+def test_export_quantization_on_another_family_is_one_error_line(tmp_path, capsys):
+    """`export_hf --quantization=mxfp4` on a dense (non-GPT-OSS) checkpoint: exit 2, one line naming the family and
+    what is supported (tests/models/test_mxfp4.py exports a GPT-OSS one)."""
+    ckpt = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "ckpt_grpo_tiny_before_regroup")
+    rc = load_script("export_hf").main(["--checkpoint", ckpt, "--out", str(tmp_path / "hf"), "--quantization=mxfp4"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error: export quantization 'mxfp4' on ") and "only 'mxfp4' on GPT-OSS" in err
+    assert len(err.strip().splitlines()) == 1
+
+
 def test_checkpoints_are_on_by_default():
     from configs import grpo
 

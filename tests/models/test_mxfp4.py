@@ -1,7 +1,9 @@
 """MXFP4 GPT-OSS checkpoints (`models/mxfp4.py`): the dequantizer against transformers' own function
 (`integrations/mxfp4.convert_moe_packed_tensors`, torch as a test-only reference) bit for bit, a tiny GPT-OSS whose
 experts this test quantizes to MXFP4 loaded by our loader and by transformers (`Mxfp4Config(dequantize=True)`, on
-CPU) with equal logits, and the malformed inputs refused with one line each."""
+CPU) with equal logits, and the malformed inputs refused with one line each. The quantizer (`quantize_mxfp4`, for
+`save_pretrained(quantization='mxfp4')`) by hand, against this file's own reference quantizer, and on an export
+that transformers loads and that holds the values of the checkpoint it came from bit for bit."""
 
 import json
 
@@ -12,11 +14,11 @@ import pytest
 from safetensors.numpy import save_file
 
 from jaxrl_post.models import ModelConfig
-from jaxrl_post.models.hf_io import empty_model, load_hf_dir, load_state_dict_into, param_map
+from jaxrl_post.models.hf_io import empty_model, load_hf_dir, load_state_dict_into, param_map, save_pretrained
 from jaxrl_post.models.hf_tensors import iter_safetensors
-from jaxrl_post.models.mxfp4 import FP4_VALUES, dequantize_experts, dequantize_mxfp4
+from jaxrl_post.models.mxfp4 import FP4_VALUES, dequantize_experts, dequantize_mxfp4, quantize_mxfp4
 from tests.models.test_gpt_oss import _hf_model, _tiny
-from tests.models.test_moe import _batch, _close, _forward
+from tests.models.test_moe import _batch, _close, _forward, _tiny_cfg
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -154,3 +156,73 @@ def test_unpaired_mxfp4_half_is_reported_by_the_loader():
     name = "model.layers.0.mlp.experts.down_proj"
     with pytest.raises(ValueError, match=rf"missing tensors: .*{name}.*unexpected tensors: {name}_scales \(no "):
         load_state_dict_into(model, [(name + "_scales", np.zeros((4, 32, 1), np.uint8))])
+
+
+def test_quantize_by_hand_against_the_reference_and_round_trip():
+    """`quantize_mxfp4`: the scale is the smallest power of two bringing max |x| within 6; each value rounds to the
+    nearest FP4 value, ties to the even code; -0.0 keeps its sign; an all-zero block gets scale byte 0. It equals
+    this file's reference quantizer (`_quantize`) on random weights (no ties), and dequantized MXFP4 values
+    quantize back to themselves. NaN / inf and an input dim that is not a multiple of 32 are refused."""
+    x = np.zeros((1, 64, 2), np.float32)
+    x[0, :10, 0] = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.0, -2.9]  # scale 2**0: midpoints and a plain value
+    x[0, 32:35, 0] = [6.5, 0.75, -0.2]  # max 6.5 > 6: scale 2**1, so 6.5 / 2 = 3.25 -> 3, 0.375 -> 0.5, -0.1 -> -0
+    blocks, scales = quantize_mxfp4(x)
+    assert blocks.shape == (1, 2, 2, 16) and scales.tolist() == [[[127, 128], [0, 0]]]  # column 1: all zeros
+    back = dequantize_mxfp4(blocks, scales)
+    want = [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0, -0.0, -3.0]  # ties to 0 / 1 / 1 / 2 / 2 / 4 / 4 (even codes)
+    np.testing.assert_array_equal(back[0, :10, 0], want)
+    assert np.signbit(back[0, 8, 0]) and not np.signbit(back[0, 0, 0])
+    np.testing.assert_array_equal(back[0, 32:35, 0], [6.0, 1.0, -0.0])
+    rng = np.random.default_rng(1)
+    w = (rng.standard_normal((3, 96, 5)) * np.exp(rng.uniform(-6, 3, (3, 1, 5)))).astype(np.float32)
+    for got, ref in zip(quantize_mxfp4(w), _quantize(w), strict=True):
+        np.testing.assert_array_equal(got, ref)
+    b = rng.integers(0, 256, (2, 4, 3, 16), dtype=np.uint8)
+    values = dequantize_mxfp4(b, rng.integers(100, 150, (2, 4, 3)).astype(np.uint8))
+    np.testing.assert_array_equal(dequantize_mxfp4(*quantize_mxfp4(values)).view(np.uint32), values.view(np.uint32))
+    with pytest.raises(ValueError, match="mxfp4 export of w: the tensor has a NaN or inf"):
+        quantize_mxfp4(np.where(np.arange(64)[None, :, None] == 3, np.nan, x), name="w")
+    with pytest.raises(ValueError, match=r"mxfp4 export of w: shape \(1, 48, 2\) is not \[E, In, Out\]"):
+        quantize_mxfp4(x[:, :48], name="w")
+
+
+@pytest.mark.slow  # transformers' load of the export + our loads: ~10 s on 2 loaded cores
+def test_mxfp4_export_reproduces_the_checkpoint_and_loads_in_transformers(tmp_path):
+    """An MXFP4 GPT-OSS checkpoint loaded and exported with `quantization='mxfp4'`: the export's expert tensors
+    hold the checkpoint's values bit for bit (untrained MXFP4 weights quantize back exactly; a block whose largest
+    value rounded down, e.g. to 3 x 2**k, is written as 6 x 2**(k-1): other bytes, same values), config.json names the
+    quantization, transformers (`Mxfp4Config(dequantize=True)`, CPU) loads it with logits within 1e-5 of ours, and
+    our loader reads it back to the same params. Another family with the quantization: one error line."""
+    src, out = tmp_path / "src", tmp_path / "out"
+    _mxfp4_checkpoint(src)
+    model = load_hf_dir(src)
+    save_pretrained(model, None, out, quantization="mxfp4")
+    before, after = dict(iter_safetensors(str(src))), dict(iter_safetensors(str(out)))
+    packed = sorted(n for n in before if n.endswith(("_blocks", "_scales")))
+    assert packed and sorted(n for n in after if n.endswith(("_blocks", "_scales"))) == packed
+    for name in packed[::2]:  # each pair's `_blocks` (sorted before its `_scales`): the values, bit for bit
+        base = name.removesuffix("_blocks")
+        got = dequantize_mxfp4(after[name], after[base + "_scales"])
+        want = dequantize_mxfp4(before[name], before[base + "_scales"])
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32), err_msg=base)
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == "mxfp4"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        out,
+        quantization_config=transformers.Mxfp4Config(dequantize=True),
+        dtype=torch.float32,
+        attn_implementation="eager",
+    ).eval()
+    ids, mask = _batch(model.config.vocab_size, b=2, t=7)
+    pos = np.maximum(np.cumsum(mask, 1) - 1, 0)
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor(ids).long(), attention_mask=torch.tensor(mask), position_ids=torch.tensor(pos))
+    valid = mask.astype(bool)
+    _close(np.asarray(_forward(model, ids, mask))[valid], ref.logits.numpy()[valid], 1e-5, "logits")
+    again = load_hf_dir(out)
+    for i in range(model.config.num_layers):
+        for proj in ("gate_up_proj", "down_proj"):
+            np.testing.assert_array_equal(
+                np.asarray(getattr(again.layers[i].mlp, proj)[...]), np.asarray(getattr(model.layers[i].mlp, proj)[...])
+            )
+    with pytest.raises(ValueError, match="export quantization 'mxfp4' on qwen3_moe: only 'mxfp4' on GPT-OSS"):
+        save_pretrained(empty_model(_tiny_cfg()), None, tmp_path / "q", quantization="mxfp4")
