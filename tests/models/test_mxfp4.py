@@ -16,7 +16,13 @@ from safetensors.numpy import save_file
 from jaxrl_post.models import ModelConfig
 from jaxrl_post.models.hf_io import empty_model, load_hf_dir, load_state_dict_into, param_map, save_pretrained
 from jaxrl_post.models.hf_tensors import iter_safetensors
-from jaxrl_post.models.mxfp4 import FP4_VALUES, dequantize_experts, dequantize_mxfp4, quantize_mxfp4
+from jaxrl_post.models.mxfp4 import (
+    FP4_VALUES,
+    QUANTIZATION_CONFIG,
+    dequantize_experts,
+    dequantize_mxfp4,
+    quantize_mxfp4,
+)
 from tests.models.test_gpt_oss import _hf_model, _tiny
 from tests.models.test_moe import _batch, _close, _forward, _tiny_cfg
 
@@ -71,17 +77,29 @@ def _mxfp4_checkpoint(tmp_path):
         tensors[name + "_blocks"], tensors[name + "_scales"] = _quantize(floats[name])
     save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     cfg = json.loads((tmp_path / "config.json").read_text())
-    cfg["quantization_config"] = {
-        "quant_method": "mxfp4",
-        "modules_to_not_convert": [
-            "model.layers.*.self_attn",
-            "model.layers.*.mlp.router",
-            "model.embed_tokens",
-            "lm_head",
-        ],
-    }
+    cfg["quantization_config"] = QUANTIZATION_CONFIG  # gpt-oss-20b's, which our export writes too
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     return floats
+
+
+def _hf_dequantized(path):
+    """transformers' model of the MXFP4 directory `path`, dequantized on load (CPU, float32, eager attention)."""
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path,
+        quantization_config=transformers.Mxfp4Config(dequantize=True),
+        dtype=torch.float32,
+        attn_implementation="eager",
+    ).eval()
+
+
+def _assert_logits_match(model, hf, b: int, t: int) -> None:
+    """Our `model`'s logits on a random left-padded batch `[b, t]` within 1e-5 of transformers' `hf`."""
+    ids, mask = _batch(model.config.vocab_size, b=b, t=t)
+    pos = np.maximum(np.cumsum(mask, 1) - 1, 0)
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor(ids).long(), attention_mask=torch.tensor(mask), position_ids=torch.tensor(pos))
+    valid = mask.astype(bool)
+    _close(np.asarray(_forward(model, ids, mask))[valid], ref.logits.numpy()[valid], 1e-5, "logits")
 
 
 @pytest.mark.slow  # transformers' load + our compile: ~10 s on 2 loaded cores
@@ -90,12 +108,7 @@ def test_mxfp4_gpt_oss_loads_like_transformers_dequantize(tmp_path):
     dequantize=True))` on CPU: every expert tensor bit for bit (the quantization moved them off the float model's),
     logits within 1e-5 in float32; in bfloat16 the params are the float32 ones exactly (FP4 x 2**k is a bf16)."""
     floats = _mxfp4_checkpoint(tmp_path)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path,
-        quantization_config=transformers.Mxfp4Config(dequantize=True),
-        dtype=torch.float32,
-        attn_implementation="eager",
-    ).eval()
+    hf = _hf_dequantized(tmp_path)
     model = load_hf_dir(tmp_path)
     assert model.config.family == "gpt_oss" and model.config.num_experts == 6
     hf_params = dict(hf.named_parameters())
@@ -107,12 +120,7 @@ def test_mxfp4_gpt_oss_loads_like_transformers_dequantize(tmp_path):
         if name in floats:  # really quantized: near the float weights, not equal to them
             diff = np.abs(np.asarray(var[...]) - floats[name])
             assert 0 < diff.max() < 0.25 * np.abs(floats[name]).max(), name
-    ids, mask = _batch(model.config.vocab_size, b=3, t=9)
-    pos = np.maximum(np.cumsum(mask, 1) - 1, 0)
-    with torch.no_grad():
-        ref = hf(input_ids=torch.tensor(ids).long(), attention_mask=torch.tensor(mask), position_ids=torch.tensor(pos))
-    valid = mask.astype(bool)
-    _close(np.asarray(_forward(model, ids, mask))[valid], ref.logits.numpy()[valid], 1e-5, "logits")
+    _assert_logits_match(model, hf, b=3, t=9)
     bf16 = load_hf_dir(tmp_path, dtype="bfloat16")
     for i in range(model.config.num_layers):
         for proj in ("gate_up_proj", "down_proj"):
@@ -206,18 +214,7 @@ def test_mxfp4_export_reproduces_the_checkpoint_and_loads_in_transformers(tmp_pa
         want = dequantize_mxfp4(before[name], before[base + "_scales"])
         np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32), err_msg=base)
     assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == "mxfp4"
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        out,
-        quantization_config=transformers.Mxfp4Config(dequantize=True),
-        dtype=torch.float32,
-        attn_implementation="eager",
-    ).eval()
-    ids, mask = _batch(model.config.vocab_size, b=2, t=7)
-    pos = np.maximum(np.cumsum(mask, 1) - 1, 0)
-    with torch.no_grad():
-        ref = hf(input_ids=torch.tensor(ids).long(), attention_mask=torch.tensor(mask), position_ids=torch.tensor(pos))
-    valid = mask.astype(bool)
-    _close(np.asarray(_forward(model, ids, mask))[valid], ref.logits.numpy()[valid], 1e-5, "logits")
+    _assert_logits_match(model, _hf_dequantized(out), b=2, t=7)
     again = load_hf_dir(out)
     for i in range(model.config.num_layers):
         for proj in ("gate_up_proj", "down_proj"):

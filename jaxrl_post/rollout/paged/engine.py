@@ -277,7 +277,7 @@ class PagedGenerator:
             replicas=d,
         )
         self.last_stats = stats
-        return self._result(prompts, ids, mask, seqs, b * n, n, params)  # resumed: the rows not resumed are empty
+        return self._result(prompts, ids, mask, seqs, n, params)  # resumed: the rows not resumed are empty
 
     def device_state(self, num_pages: int):
         """Zeroed device state of a call: the replicas' page pools (`init_replica_pools`, `num_pages` pages each) and
@@ -355,8 +355,8 @@ class PagedGenerator:
         return kv, logits
 
     # ------------------------------------------------------------------ output
-    def _result(self, prompts, ids, mask, seqs, rows, n, params):
-        r = params.max_new_tokens
+    def _result(self, prompts, ids, mask, seqs, n, params):
+        r, rows = params.max_new_tokens, len(ids) * n  # every row of the call, resumed or not
         tokens = np.full((rows, r), params.pad_token_id, np.int32)
         logps = np.zeros((rows, r), np.float32)
         ths = np.full((rows, r), -np.inf, np.float32)
